@@ -1,0 +1,245 @@
+"""Public functional API: argument checks, then dispatch to a backend.
+
+Backends: ``"reference"`` (:mod:`fastcl.reference`, full matrices), ``"tiled"``
+(:mod:`fastcl.tiled`, chunked, any device), ``"triton"`` (fused kernels, CUDA) and
+``"auto"`` (Triton for CUDA tensors once the kernels are built in, tiled otherwise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validation as check
+from . import reference, tiled
+from .tiled import Epilogue
+
+__all__ = ["infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss"]
+
+
+def _backend(backend: str, x: torch.Tensor) -> str:
+    check.choice("backend", backend, check.BACKENDS)
+    if backend == "triton":
+        raise ValueError(
+            "backend='triton' is not available in this version of fastcl (the fused kernels "
+            "are not built in yet); use backend='tiled' or 'auto'")
+    return "tiled" if backend == "auto" else backend
+
+
+def _anchors_and_positives(anchors, positives):
+    anchors = check.embeddings("anchors", anchors)
+    positives = check.embeddings("positives", positives, rows=anchors.shape[0],
+                                 width=anchors.shape[1], like=anchors)
+    return anchors, positives
+
+
+def _negatives(negatives, anchors):
+    if negatives is None:
+        return None
+    return check.embeddings("negatives", negatives, width=anchors.shape[1], like=anchors)
+
+
+def infonce(anchors, positives, negatives=None, *, temperature=0.05, hard_negative_weight=0.0,
+            symmetric=False, backend="auto", chunk_size=None):
+    r"""InfoNCE over in-batch negatives: unsupervised and supervised SimCSE.
+
+    .. math:: L = \frac1N\sum_i\Big[-\frac{s_{ii}}{\tau}
+              + \log\sum_j \exp\big(\frac{s_{ij}}{\tau} + w\,[j = N+i]\big)\Big]
+
+    with ``s_ij = cos(anchors_i, k_j)`` and candidates ``k = [positives; negatives]``.
+
+    Args:
+        anchors: (N, d) first view.
+        positives: (N, d) second view; row i is anchor i's positive.
+        negatives: optional (K, d) extra negatives: hard negatives (row i belongs to
+            anchor i, K = N) or any K rows such as a queue.
+        temperature: τ > 0.
+        hard_negative_weight: log-weight ``w`` added to the logit of each anchor's own hard
+            negative (column N + i); needs K = N.
+        symmetric: also score positives against anchors and average the two directions.
+        backend: "auto", "reference", "tiled" or "triton".
+        chunk_size: anchor rows per chunk in the tiled path (default: from a memory budget).
+
+    Reference: Gao, Yao & Chen, "SimCSE", EMNLP 2021.
+    """
+    anchors, positives = _anchors_and_positives(anchors, positives)
+    negatives = _negatives(negatives, anchors)
+    temperature = check.positive("temperature", temperature)
+    hard_negative_weight = check.finite("hard_negative_weight", hard_negative_weight)
+    if hard_negative_weight and (negatives is None or negatives.shape[0] != anchors.shape[0]):
+        got = "no negatives" if negatives is None else f"{negatives.shape[0]} negatives"
+        raise ValueError(f"hard_negative_weight needs one hard negative per anchor "
+                         f"({anchors.shape[0]} negatives), got {got}")
+    chunk_size = check.chunk_size(chunk_size)
+    if _backend(backend, anchors) == "reference":
+        return reference.infonce(anchors, positives, negatives, temperature=temperature,
+                                 hard_negative_weight=hard_negative_weight, symmetric=symmetric)
+    ep = Epilogue(temperature, hard_negative_weight=hard_negative_weight, chunk_size=chunk_size)
+    cands = (positives,) if negatives is None else (positives, negatives)
+    loss = tiled.contrastive_loss(ep, anchors, *cands)
+    if symmetric:
+        reverse = tiled.contrastive_loss(Epilogue(temperature, chunk_size=chunk_size), positives, anchors)
+        loss = 0.5 * (loss + reverse)
+    return loss
+
+
+def focal_infonce(anchors, positives, negatives=None, *, temperature=0.05, m=0.3,
+                  backend="auto", chunk_size=None):
+    r"""Focal-InfoNCE: InfoNCE whose logits are modulated by the similarity itself.
+
+    Positive logit ``s²/τ``, negative logits ``s(s+m)/τ``:
+
+    .. math:: L = \frac1N\sum_i\Big[-\frac{s_{ii}^2}{\tau} + \log\Big(e^{s_{ii}^2/\tau}
+              + \sum_{j\ne i} e^{s_{ij}(s_{ij}+m)/\tau}\Big)\Big]
+
+    Hard negatives get up-weighted (large s), easy ones down-weighted. Nothing is detached.
+
+    Reference: Hou & Li, "Improving Contrastive Learning of Sentence Embeddings with
+    Focal-InfoNCE", Findings of EMNLP 2023.
+    """
+    anchors, positives = _anchors_and_positives(anchors, positives)
+    negatives = _negatives(negatives, anchors)
+    temperature = check.positive("temperature", temperature)
+    m = check.finite("m", m)
+    chunk_size = check.chunk_size(chunk_size)
+    if _backend(backend, anchors) == "reference":
+        return reference.focal_infonce(anchors, positives, negatives, temperature=temperature, m=m)
+    cands = (positives,) if negatives is None else (positives, negatives)
+    return tiled.contrastive_loss(Epilogue(temperature, focal_m=m, chunk_size=chunk_size),
+                                  anchors, *cands)
+
+
+def _noise_args(anchors, num, steps, lr, std, temperature, noise):
+    steps = check.non_negative_int("noise_steps", steps)
+    lr = check.finite("noise_lr", lr)
+    std = check.positive("noise_std", std)
+    temperature = check.positive("noise_temperature", temperature)
+    if noise is not None:
+        noise = check.embeddings("noise", noise, width=anchors.shape[1], allow_empty=True)
+        if noise.device != anchors.device:
+            raise ValueError(f"noise is on {noise.device} but anchors are on {anchors.device}")
+        if num is not None and noise.shape[0] != num:
+            raise ValueError(f"noise has {noise.shape[0]} rows but num={num}")
+    else:
+        num = check.non_negative_int("num", num)
+    return steps, lr, std, temperature, noise
+
+
+def _dclr_noise(anchors, positives, num, steps, lr, std, temperature, noise, generator, be, chunk_size):
+    if be == "reference":
+        return reference.dclr_noise(anchors, positives, num, steps=steps, lr=lr, std=std,
+                                    temperature=temperature, noise=noise, generator=generator)
+    if noise is None:
+        noise = reference.draw_noise(num, anchors.shape[1], std=std, generator=generator,
+                                     device=anchors.device)
+    return tiled.noise_update(anchors, noise, steps=steps, lr=lr, temperature=temperature,
+                              chunk_size=chunk_size)
+
+
+def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperature=0.05,
+               noise=None, generator=None, backend="auto", chunk_size=None):
+    r"""DCLR's noise negatives after ``steps`` normalized gradient-ascent steps.
+
+    Starting from ``Z ~ N(0, std²)`` (num×d, drawn with ``generator``) or from ``noise``,
+    each step computes
+
+    .. math:: L_U = \frac1N\sum_i\Big[-\frac{s(h_i,h^+_i)}{\tau_u}
+              + \log\sum_j \exp\frac{\cos(h_i, z_j)}{\tau_u}\Big],\quad
+              z_j \leftarrow z_j + \beta\,\frac{g_j}{\lVert g_j\rVert},\ g = \partial L_U/\partial Z
+
+    with h, h⁺ detached (β = ``lr``, τ_u = ``temperature``). A row with g_j = 0 stays put.
+    Returns the (num×d) float32 noise (float64 for float64 anchors), with no autograd graph.
+
+    Reference: Zhou et al., "Debiased Contrastive Learning of Unsupervised Sentence
+    Representations", ACL 2022.
+    """
+    anchors, positives = _anchors_and_positives(anchors, positives)
+    steps, lr, std, temperature, noise = _noise_args(anchors, num, steps, lr, std, temperature, noise)
+    num = noise.shape[0] if noise is not None else num
+    chunk_size = check.chunk_size(chunk_size)
+    return _dclr_noise(anchors, positives, num, steps, lr, std, temperature, noise, generator,
+                       _backend(backend, anchors), chunk_size)
+
+
+def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, noise_ratio=1.0,
+              noise_steps=4, noise_lr=1e-3, noise_std=1.0, noise_temperature=None,
+              temperature=0.05, generator=None, formulation="paper", backend="auto",
+              chunk_size=None):
+    r"""DCLR: InfoNCE with optimized noise negatives and instance weighting.
+
+    Candidates ``k = [positives; Z]`` with ``Z`` from :func:`dclr_noise`
+    (``K = round(noise_ratio·N)`` rows unless ``noise`` is given, which fixes K). A frozen
+    complementary model's embeddings ``complementary=(c, c⁺)`` drop every in-batch negative
+    it finds too similar, ``α_ij = 1[cos(c_i, c⁺_j) < φ]`` (positives and noise keep α = 1):
+
+    .. math:: L = \frac1N\sum_i\Big[-\frac{s_{ii}}{\tau} + \log\sum_j \alpha_{ij}\,e^{s_{ij}/\tau}\Big]
+
+    ``formulation="released"`` reproduces the authors' code instead: logits multiplied by
+    α (a dropped negative gets logit 0), threshold written ``cos/τ ≤ 20φ``, and binary
+    cross-entropy on the row softmax averaged over all N·(N+K) entries.
+
+    Reference: Zhou et al., "Debiased Contrastive Learning of Unsupervised Sentence
+    Representations", ACL 2022.
+    """
+    anchors, positives = _anchors_and_positives(anchors, positives)
+    n = anchors.shape[0]
+    complementary = check.complementary(complementary, n, anchors.device)
+    phi = check.phi(phi)
+    temperature = check.positive("temperature", temperature)
+    noise_ratio = check.finite("noise_ratio", noise_ratio)
+    if noise_ratio < 0:
+        raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
+    noise_temperature = temperature if noise_temperature is None else noise_temperature
+    num = None if noise is not None else reference.noise_count(noise_ratio, n)
+    steps, lr, std, noise_temperature, noise = _noise_args(
+        anchors, num, noise_steps, noise_lr, noise_std, noise_temperature, noise)
+    formulation = check.choice("formulation", formulation, ("paper", "released"))
+    chunk_size = check.chunk_size(chunk_size)
+    be = _backend(backend, anchors)
+    if be == "reference":
+        return reference.dclr_loss(anchors, positives, complementary=complementary, phi=phi,
+                                   noise=noise, noise_ratio=noise_ratio, noise_steps=steps,
+                                   noise_lr=lr, noise_std=std, noise_temperature=noise_temperature,
+                                   temperature=temperature, generator=generator,
+                                   formulation=formulation)
+    num = noise.shape[0] if noise is not None else num
+    z = _dclr_noise(anchors, positives, num, steps, lr, std, noise_temperature, noise, generator,
+                    be, chunk_size)
+    ep = Epilogue(temperature, phi=phi if complementary is not None else None,
+                  complementary=complementary, formulation=formulation, chunk_size=chunk_size)
+    return tiled.contrastive_loss(ep, anchors, positives, z.to(anchors.dtype))
+
+
+def escl_loss(anchors, positives, sensitive, *, temperature=0.05, weight=2.5e-3, rd="softplus",
+              margins=(0.1, 0.3), backend="auto", chunk_size=None):
+    r"""ESCL: InfoNCE plus a relative-difference term on a high-dropout "sensitive" view.
+
+    .. math:: L = \mathrm{InfoNCE}(h, h^+) + \lambda\,\frac{1}{2N}\sum_i\sum_{h'\in\{h,h^+\}}
+              \mathrm{softplus}\Big(\frac{D^{pos}_i - D^{neg}_i(h')}{\tau}\Big)
+
+    with ``D^pos = 1 − cos(h, h⁺)``, ``D^neg(h') = 1 − cos(h', h⁻)`` and λ = ``weight``.
+    The paper's exact RD equation is not public; this relative-difference ranking form is a
+    reconstruction. ``rd="margin"`` selects SNCSE's bidirectional margin form instead,
+    ``relu(Δ + a) + relu(−Δ − b)`` with ``Δ = cos(h', h⁻) − cos(h, h⁺)`` and
+    ``(a, b) = margins``. The sensitive view is a training-time device only.
+
+    Reference: Liu et al., "Equivariant Contrastive Learning for Sentence Embeddings"
+    (ESCL), ICASSP 2023.
+    """
+    anchors, positives = _anchors_and_positives(anchors, positives)
+    sensitive = check.embeddings("sensitive", sensitive, rows=anchors.shape[0],
+                                 width=anchors.shape[1], like=anchors)
+    temperature = check.positive("temperature", temperature)
+    weight = check.finite("weight", weight)
+    rd = check.choice("rd", rd, ("softplus", "margin"))
+    if len(margins) != 2:
+        raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
+    margins = (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
+    chunk_size = check.chunk_size(chunk_size)
+    if _backend(backend, anchors) == "reference":
+        return reference.escl_loss(anchors, positives, sensitive, temperature=temperature,
+                                   weight=weight, rd=rd, margins=margins)
+    # The RD term only pairs row i with row i: O(N·d), identical for every backend.
+    rd_term = reference.relative_difference(anchors, positives, sensitive,
+                                            temperature=temperature, rd=rd, margins=margins)
+    return tiled.contrastive_loss(Epilogue(temperature, chunk_size=chunk_size),
+                                  anchors, positives) + weight * rd_term
