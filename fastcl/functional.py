@@ -35,7 +35,8 @@ def _anchors_and_positives(anchors, positives):
 def _negatives(negatives, anchors):
     if negatives is None:
         return None
-    return check.embeddings("negatives", negatives, width=anchors.shape[1], like=anchors)
+    return check.embeddings("negatives", negatives, width=anchors.shape[1], like=anchors,
+                             allow_empty=True)
 
 
 def infonce(anchors, positives, negatives=None, *, temperature=0.05, hard_negative_weight=0.0,

@@ -17,6 +17,7 @@ normalized candidates and the gradients; R is chosen from a memory budget.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,34 @@ class Epilogue:
     memory_budget: int = DEFAULT_MEMORY_BUDGET
 
 
-def _normalize(x: torch.Tensor, acc: torch.dtype):
-    """Return ``(x̂ in x's dtype, ‖x‖ clamped at EPS in acc)``."""
+@functools.lru_cache(maxsize=None)
+def _mixed_mm_supported(device_type: str) -> bool:
+    """Whether ``torch.mm(..., out_dtype=float32)`` takes 16-bit inputs on this device type."""
+    try:
+        x = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the chunk GEMMs read. 16-bit inputs stay 16-bit only where the GEMM can
+    write float32 directly (rounding cosines to bf16 would cost ~0.1 in logit at τ = 0.05);
+    elsewhere they are widened once."""
+    acc = accumulate_dtype(dtype)
+    if dtype != acc and device.type == "cuda" and _mixed_mm_supported(device.type):
+        return dtype
+    return acc
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    return a @ b if a.dtype == acc else torch.mm(a, b, out_dtype=acc)
+
+
+def _normalize(x: torch.Tensor, acc: torch.dtype, out_dtype: torch.dtype | None = None):
+    """Return ``(x̂ in out_dtype (default x's dtype), ‖x‖ clamped at EPS in acc)``."""
     norm = torch.linalg.vector_norm(x, dim=1, dtype=acc).clamp_min_(EPS)
-    return (x.to(acc) / norm[:, None]).to(x.dtype), norm
+    return (x.to(acc) / norm[:, None]).to(out_dtype or x.dtype), norm
 
 
 def _normalize_backward_(grad_hat: torch.Tensor, x_hat: torch.Tensor, norm: torch.Tensor):
@@ -93,8 +118,9 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need):
     """The chunked loop. Returns ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with ``None``
     where ``need`` says no gradient is wanted."""
     n, d = anchors.shape
-    dtype, device = anchors.dtype, anchors.device
-    acc = accumulate_dtype(dtype)
+    in_dtype, device = anchors.dtype, anchors.device
+    acc = accumulate_dtype(in_dtype)
+    dtype = matmul_dtype(in_dtype, device)
     sizes = [c.shape[0] for c in candidates]
     m = sum(sizes)
     need_q = bool(need[0])
@@ -107,14 +133,14 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need):
     k_norm = torch.empty(m, dtype=acc, device=device)
     start = 0
     for c in candidates:
-        k_hat[start:start + c.shape[0]], k_norm[start:start + c.shape[0]] = _normalize(c, acc)
+        k_hat[start:start + c.shape[0]], k_norm[start:start + c.shape[0]] = _normalize(c, acc, dtype)
         start += c.shape[0]
     dk_hat = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
     dq = torch.empty(n, d, dtype=acc, device=device) if need_q else None
 
     if ep.complementary is not None:
-        c_q, _ = _normalize(ep.complementary[0], acc)
-        c_k, _ = _normalize(ep.complementary[1], acc)
+        c_q, _ = _normalize(ep.complementary[0], acc, acc)
+        c_k, _ = _normalize(ep.complementary[1], acc, acc)
 
     rows = rows_per_chunk(n, m, ep, n, torch.finfo(acc).bits // 8)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -124,8 +150,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need):
         ar = torch.arange(r, device=device)
         diag = ar + r0                                  # column of each row's positive
 
-        q_hat, q_norm = _normalize(anchors[r0:r1], acc)
-        logits = (q_hat @ k_hat.T).to(acc)              # R×M cosines, then logits in place
+        q_hat, q_norm = _normalize(anchors[r0:r1], acc, dtype)
+        logits = _mm(q_hat, k_hat.T, acc)               # R×M cosines, then logits in place
         pos_cos = logits[ar, diag].clone()
         if ep.focal_m is not None:
             cos = logits.clone()
@@ -136,7 +162,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need):
         if ep.hard_negative_weight:
             logits[ar, n + diag] += ep.hard_negative_weight
         if ep.complementary is not None:
-            c_cos = (c_q[r0:r1] @ c_k.T).to(acc)
+            c_cos = c_q[r0:r1] @ c_k.T
             drop = (c_cos * inv_t > 20 * ep.phi) if released else (c_cos >= ep.phi)
             del c_cos
             drop[ar, diag] = False                      # the positive is never dropped
@@ -187,15 +213,17 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need):
                 grad.mul_(inv_t / n)
         grad = grad.to(dtype)
         if need_q:
-            dq_hat = (grad @ k_hat).to(acc)
-            dq[r0:r1] = _normalize_backward_(dq_hat, q_hat, q_norm)
+            dq[r0:r1] = _normalize_backward_(_mm(grad, k_hat, acc), q_hat, q_norm)
         if need_k:
-            dk_hat.addmm_(grad.T.to(acc) if dtype != acc else grad.T, q_hat.to(acc))
+            if dtype == acc:
+                dk_hat.addmm_(grad.T, q_hat)
+            else:
+                dk_hat += _mm(grad.T, q_hat, acc)
 
     loss = (loss_sum / (n * m if released else n)).to(acc)
-    grads = [dq.to(dtype) if need_q else None]
+    grads = [dq.to(in_dtype) if need_q else None]
     if need_k:
-        dk = _normalize_backward_(dk_hat, k_hat, k_norm).to(dtype)
+        dk = _normalize_backward_(dk_hat, k_hat, k_norm).to(in_dtype)
         grads += [dk[s:s + size] if want else None
                   for s, size, want in zip(_offsets(sizes), sizes, need[1:])]
     else:
@@ -229,8 +257,7 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None,
         return z
     n, k = anchors.shape[0], z.shape[0]
     acc = z.dtype
-    q_hat, _ = _normalize(anchors.detach(), acc)
-    q_hat = q_hat.to(acc)
+    q_hat, _ = _normalize(anchors.detach(), acc, acc)
     inv_t = 1.0 / temperature
     if chunk_size is not None:
         rows = max(1, min(n, chunk_size))

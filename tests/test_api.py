@@ -1,0 +1,86 @@
+"""The public surface: module wrappers, the kernels subpackage, backend dispatch."""
+
+import pytest
+import torch
+
+import fastcl
+
+from conftest import correlated, make
+
+
+def test_public_names():
+    for name in ["infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss", "alignment",
+                 "uniformity", "InfoNCE", "FocalInfoNCE", "DCLRLoss", "ESCLLoss"]:
+        assert callable(getattr(fastcl, name)), name
+    for name in ["infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss"]:
+        assert callable(getattr(fastcl.reference, name)), name
+
+
+def test_kernels_subpackage_is_installed():
+    import fastcl.kernels
+    assert fastcl.kernels.__name__ == "fastcl.kernels"
+    assert isinstance(fastcl.kernels.triton_available(), bool)
+
+
+def test_modules_match_functional():
+    a = make(6, 12, dtype=torch.float64)
+    p = correlated(a)
+    s = correlated(a, 1.0, seed=3)
+    comp = (make(6, 4, dtype=torch.float64, seed=4, grad=False),
+            make(6, 4, dtype=torch.float64, seed=5, grad=False))
+    z = make(6, 12, dtype=torch.float64, seed=6, grad=False)
+    pairs = [
+        (fastcl.InfoNCE(temperature=0.1, symmetric=True)(a, p),
+         fastcl.infonce(a, p, temperature=0.1, symmetric=True)),
+        (fastcl.InfoNCE(hard_negative_weight=0.5)(a, p, s),
+         fastcl.infonce(a, p, s, hard_negative_weight=0.5)),
+        (fastcl.FocalInfoNCE(m=0.2)(a, p), fastcl.focal_infonce(a, p, m=0.2)),
+        (fastcl.DCLRLoss(phi=0.3, noise_steps=2)(a, p, comp, noise=z),
+         fastcl.dclr_loss(a, p, complementary=comp, phi=0.3, noise=z, noise_steps=2)),
+        (fastcl.ESCLLoss(weight=0.1, rd="margin")(a, p, s),
+         fastcl.escl_loss(a, p, s, weight=0.1, rd="margin")),
+    ]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want)
+
+
+def test_module_generator_makes_noise_reproducible():
+    a = make(6, 12)
+    p = correlated(a)
+    loss = lambda: fastcl.DCLRLoss(generator=torch.Generator().manual_seed(1))(a, p)
+    assert torch.equal(loss(), loss())
+
+
+def test_module_repr_shows_hyper_parameters():
+    assert "phi=0.85" in repr(fastcl.DCLRLoss(phi=0.85))
+    assert "temperature=0.05" in repr(fastcl.InfoNCE())
+
+
+def test_auto_backend_is_tiled_on_cpu(monkeypatch):
+    import fastcl.tiled
+    calls = []
+    real = fastcl.tiled.contrastive_loss
+    monkeypatch.setattr(fastcl.tiled, "contrastive_loss", lambda *a: calls.append(1) or real(*a))
+    a = make(4, 8)
+    fastcl.infonce(a, correlated(a))
+    assert calls
+
+
+def test_losses_train_a_linear_encoder():
+    """A few optimizer steps on the tiled loss lower it (the gradients point the right way)."""
+    torch.manual_seed(0)
+    enc = torch.nn.Linear(16, 8)
+    opt = torch.optim.SGD(enc.parameters(), lr=0.5)
+    x = torch.randn(32, 16)
+    views = lambda: (torch.nn.functional.dropout(x, 0.1), torch.nn.functional.dropout(x, 0.1))
+    g = torch.Generator().manual_seed(0)
+    x1, x2 = views()
+    first = fastcl.infonce(enc(x1), enc(x2)).item()
+    for _ in range(30):
+        x1, x2 = views()
+        loss = fastcl.dclr_loss(enc(x1), enc(x2), generator=g)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    x1, x2 = views()
+    assert fastcl.infonce(enc(x1), enc(x2)).item() < first

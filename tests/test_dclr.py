@@ -1,0 +1,169 @@
+"""DCLR specifics: the noise update, its reproducibility, and the instance-weighting mask."""
+
+import math
+
+import pytest
+import torch
+
+import fastcl
+from fastcl import reference
+
+from conftest import correlated, make
+
+
+def _batch(n=9, d=16, dtype=torch.float64):
+    a = make(n, d, dtype=dtype)
+    return a, correlated(a, 0.5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_fixed_noise_without_steps_is_deterministic(backend):
+    a, p = _batch()
+    z = make(5, 16, dtype=torch.float64, seed=4, grad=False)
+    first = fastcl.dclr_loss(a, p, noise=z, noise_steps=0, backend=backend)
+    second = fastcl.dclr_loss(a, p, noise=z, noise_steps=0, backend=backend)
+    assert torch.equal(first, second)
+    # and it is InfoNCE against [h⁺; z]
+    expected = fastcl.infonce(a, p, z, backend="reference")
+    torch.testing.assert_close(first, expected)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_generator_reproducibility(backend):
+    a, p = _batch()
+    run = lambda seed: fastcl.dclr_loss(a, p, generator=torch.Generator().manual_seed(seed),
+                                        backend=backend)
+    assert torch.equal(run(3), run(3))
+    assert not torch.equal(run(3), run(4))
+
+
+@pytest.mark.parametrize("ratio,expected", [(1.0, 9), (2.5, 22), (0.0, 0), (0.5, 4)])
+def test_noise_count_follows_ratio(ratio, expected):
+    a, p = _batch()
+    seed = lambda: torch.Generator().manual_seed(0)
+    z0 = reference.draw_noise(expected, 16, generator=seed())
+    got = fastcl.dclr_loss(a, p, noise_ratio=ratio, generator=seed(), noise_steps=2)
+    want = fastcl.dclr_loss(a, p, noise=z0, noise_steps=2)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+@pytest.mark.parametrize("steps", [1, 4])
+def test_each_step_moves_noise_by_lr(backend, steps):
+    a, p = _batch(d=24)
+    z = make(7, 24, dtype=torch.float64, seed=2, grad=False)
+    prev = z
+    for s in range(1, steps + 1):
+        cur = fastcl.dclr_noise(a, p, 7, steps=s, lr=0.01, noise=z, backend=backend)
+        step = torch.linalg.vector_norm(cur - prev, dim=1)
+        torch.testing.assert_close(step, torch.full_like(step, 0.01), atol=1e-12, rtol=1e-9)
+        prev = cur
+
+
+@pytest.mark.parametrize("n,k,d,chunk", [(1, 1, 5, None), (9, 9, 16, 4), (17, 40, 130, 5),
+                                         (33, 8, 384, None), (6, 13, 1, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_noise_update_tiled_matches_reference(n, k, d, chunk, dtype):
+    a = make(n, d, dtype=dtype)
+    p = correlated(a)
+    z0 = make(k, d, dtype=dtype, seed=9, grad=False)
+    kw = dict(steps=4, lr=0.05, temperature=0.1, noise=z0)
+    ref = fastcl.dclr_noise(a, p, k, backend="reference", **kw)
+    got = fastcl.dclr_noise(a, p, k, backend="tiled", chunk_size=chunk, **kw)
+    assert got.dtype == ref.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert not got.requires_grad
+    if d == 1:
+        # In one dimension cos(h, z) = ±1 whatever z's length: the exact gradient is 0 and the
+        # tiled path keeps z put; autograd's rounding residue may still pick a direction.
+        torch.testing.assert_close(got, z0.to(got.dtype))
+        return
+    tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, ref, **tol)
+
+
+def test_noise_moves_up_the_loss():
+    """Gradient *ascent*: each step raises L_U (the noise becomes a harder negative)."""
+    a, p = _batch(n=16, d=32)
+    z = make(16, 32, dtype=torch.float64, seed=5, grad=False)
+
+    def lu(noise):
+        s = reference.cosine_matrix(a.detach(), noise) / 0.05
+        return torch.logsumexp(s, dim=1).mean().item()
+
+    values = [lu(fastcl.dclr_noise(a, p, 16, steps=t, lr=0.05, noise=z)) for t in range(4)]
+    assert values == sorted(values) and values[-1] > values[0]
+
+
+class TestMask:
+    def _comp(self, n, same):
+        """Complementary embeddings whose in-batch cosines are all 1 (same) or all < φ."""
+        if same:
+            c = torch.ones(n, 4, dtype=torch.float64)
+            return c, c.clone()
+        eye = torch.eye(n, dtype=torch.float64)
+        return eye, eye.clone()    # cos(c_i, c⁺_j) = 0 for i ≠ j
+
+    @pytest.mark.parametrize("backend", ["reference", "tiled"])
+    def test_everything_similar_is_dropped_but_noise_stays(self, backend):
+        n, d = 6, 8
+        a, p = _batch(n=n, d=d)
+        z = make(3, d, dtype=torch.float64, seed=1, grad=False)
+        loss = fastcl.dclr_loss(a, p, complementary=self._comp(n, True), phi=0.9, noise=z,
+                                noise_steps=0, temperature=0.1, backend=backend)
+        s_pos = torch.nn.functional.cosine_similarity(a, p).detach() / 0.1
+        s_noise = reference.cosine_matrix(a.detach(), z) / 0.1
+        # only the positive and the noise columns remain in each denominator
+        rows = -s_pos + torch.logsumexp(torch.cat([s_pos[:, None], s_noise], 1), dim=1)
+        torch.testing.assert_close(loss.detach(), rows.mean())
+
+    @pytest.mark.parametrize("backend", ["reference", "tiled"])
+    def test_dissimilar_complementary_keeps_everything(self, backend):
+        n, d = 6, 8
+        a, p = _batch(n=n, d=d)
+        z = make(3, d, dtype=torch.float64, seed=1, grad=False)
+        kw = dict(noise=z, noise_steps=0, temperature=0.1, backend=backend)
+        weighted = fastcl.dclr_loss(a, p, complementary=self._comp(n, False), phi=0.5, **kw)
+        torch.testing.assert_close(weighted, fastcl.dclr_loss(a, p, **kw))
+
+    @pytest.mark.parametrize("backend", ["reference", "tiled"])
+    def test_phi_minus_one_drops_every_in_batch_negative(self, backend):
+        # cos ≥ −1 always holds: without noise only the positive is left, so the loss is 0
+        a, p = _batch(n=5)
+        comp = (make(5, 3, seed=1, grad=False), make(5, 3, seed=2, grad=False))
+        loss = fastcl.dclr_loss(a, p, complementary=comp, phi=-1.0, noise_ratio=0.0, backend=backend)
+        assert abs(loss.item()) < 1e-6
+        loss.backward()
+        assert a.grad.abs().max() < 1e-6
+
+    @pytest.mark.parametrize("backend", ["reference", "tiled"])
+    def test_masked_negative_gets_no_gradient(self, backend):
+        n, d = 4, 6
+        a, p = _batch(n=n, d=d)
+        eye = torch.eye(n, dtype=torch.float64)
+        c_pos = eye.clone()
+        c_pos[2] = eye[0]         # cos(c_0, c⁺_2) = 1 → negative (0, 2) dropped; row 2 keeps itself
+        comp = (eye, c_pos)
+        loss = fastcl.dclr_loss(a, p, complementary=comp, phi=0.9, noise_ratio=0.0, backend=backend)
+        by_hand_rows = []
+        s = (reference.cosine_matrix(a, p) / 0.05).detach()
+        for i in range(n):
+            keep = [j for j in range(n) if not (i == 0 and j == 2)]
+            by_hand_rows.append(-s[i, i] + torch.logsumexp(s[i, keep], 0))
+        torch.testing.assert_close(loss.detach(), torch.stack(by_hand_rows).mean())
+
+    def test_released_threshold_is_twenty_phi_over_temperature(self):
+        """The released test cos/τ ≤ 20φ equals the paper's only at τ = 0.05."""
+        n = 4
+        a, p = _batch(n=n)
+        g = torch.Generator().manual_seed(0)
+        c = torch.randn(n, 5, generator=g, dtype=torch.float64)
+        comp = (c, c + 0.5 * torch.randn(n, 5, generator=g, dtype=torch.float64))
+        cos = reference.cosine_matrix(*comp)
+        phi = 0.4
+        for tau in (0.05, 0.1):
+            w = reference.dclr_weights(*comp, 0, phi=phi, temperature=tau, formulation="released")
+            off = ~torch.eye(n, dtype=torch.bool)
+            assert torch.equal(w[off], (cos / tau <= 20 * phi)[off])
+        paper = reference.dclr_weights(*comp, 0, phi=phi, temperature=0.05)
+        released = reference.dclr_weights(*comp, 0, phi=phi, temperature=0.05, formulation="released")
+        assert torch.equal(paper, released) or bool(((cos - phi).abs() < 1e-12).any())

@@ -1,0 +1,151 @@
+"""The tiled path against the reference: values and gradients on shapes that hit chunk edges."""
+
+import pytest
+import torch
+
+import fastcl
+from fastcl import tiled
+
+from conftest import TOL, correlated, loss_and_grads, make
+
+# (N, K extra candidates, d): N=1, N not a multiple of the chunk, M ≠ N, d = 1, d = 384,
+# d not a power of two.
+SHAPES = [(1, 0, 1), (1, 3, 24), (5, 0, 130), (17, 0, 24), (17, 13, 384), (33, 33, 7), (8, 40, 1)]
+CHUNKS = [None, 1, 4, 16]
+
+
+def objectives(n, k):
+    """name -> (callable(a, p, x, backend, chunk) -> loss, needs_k)."""
+    comp_g = torch.Generator().manual_seed(11)
+    c = torch.randn(n, 6, generator=comp_g, dtype=torch.float64)
+    comp = lambda dt: (c.to(dt), (c + 0.4 * torch.randn(n, 6, generator=torch.Generator().manual_seed(12),
+                                                         dtype=torch.float64)).to(dt))
+    return {
+        "infonce": lambda a, p, x, **kw: fastcl.infonce(a, p, **kw),
+        "infonce-negatives": lambda a, p, x, **kw: fastcl.infonce(a, p, x, **kw),
+        "infonce-hard": lambda a, p, x, **kw: fastcl.infonce(a, p, x[:n] if x.shape[0] >= n else None,
+                                                               hard_negative_weight=0.8 if x.shape[0] >= n else 0.0, **kw),
+        "infonce-symmetric": lambda a, p, x, **kw: fastcl.infonce(a, p, x, symmetric=True, **kw),
+        "focal": lambda a, p, x, **kw: fastcl.focal_infonce(a, p, **kw),
+        "focal-negatives": lambda a, p, x, **kw: fastcl.focal_infonce(a, p, x, m=0.5, **kw),
+        "dclr": lambda a, p, x, **kw: fastcl.dclr_loss(a, p, noise=x, noise_steps=0, **kw),
+        "dclr-weighted": lambda a, p, x, **kw: fastcl.dclr_loss(
+            a, p, complementary=comp(a.dtype), phi=0.2, noise=x, noise_steps=0, **kw),
+        "dclr-released": lambda a, p, x, **kw: fastcl.dclr_loss(
+            a, p, complementary=comp(a.dtype), phi=0.01, noise=x, noise_steps=0,
+            formulation="released", **kw),
+        "escl": lambda a, p, x, **kw: fastcl.escl_loss(a, p, correlated(a, 1.0, seed=5).detach(), **kw),
+        "escl-margin": lambda a, p, x, **kw: fastcl.escl_loss(a, p, correlated(a, 1.0, seed=5).detach(),
+                                                             rd="margin", weight=0.3, **kw),
+    }
+
+
+CASES = [(name, shape) for shape in SHAPES for name in objectives(1, 0)]
+
+
+def _inputs(n, k, d, dtype):
+    a = make(n, d, dtype=dtype, seed=n * 100 + d)
+    p = correlated(a, 0.7)
+    x = make(k, d, dtype=dtype, seed=3)
+    return a, p, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name,shape", CASES, ids=[f"{nm}-N{s[0]}K{s[1]}d{s[2]}" for nm, s in CASES])
+def test_tiled_matches_reference(name, shape, dtype):
+    n, k, d = shape
+    fn = objectives(n, k)[name]
+    a, p, x = _inputs(n, k, d, dtype)
+    leaves = [a, p, x]
+    ref_loss, ref_grads = loss_and_grads(lambda: fn(a, p, x, backend="reference"), leaves)
+    for chunk in CHUNKS:
+        loss, grads = loss_and_grads(lambda: fn(a, p, x, backend="tiled", chunk_size=chunk), leaves)
+        assert loss.dtype == ref_loss.dtype
+        torch.testing.assert_close(loss, ref_loss, **TOL[dtype], msg=f"loss, chunk={chunk}")
+        for which, g, rg in zip(("anchors", "positives", "negatives"), grads, ref_grads):
+            if rg is None:
+                assert g is None or not g.abs().any(), f"{which}: unexpected gradient"
+                continue
+            assert g is not None, f"{which}: missing gradient"
+            torch.testing.assert_close(g, rg, **TOL[dtype], msg=f"grad {which}, chunk={chunk}")
+
+
+@pytest.mark.parametrize("name", ["infonce", "focal-negatives", "dclr-weighted", "infonce-symmetric"])
+def test_bfloat16(name):
+    """bf16 inputs: the loss is float32 and within 2e-2 (relative) of the float32 reference on
+    the same bf16-rounded inputs; gradients within 3e-2 of the largest gradient entry."""
+    n, k, d = 24, 24, 96
+    fn = objectives(n, k)[name]
+    a, p, x = _inputs(n, k, d, torch.bfloat16)
+    a32, p32, x32 = (t.detach().float().requires_grad_() for t in (a, p, x))
+    ref_loss, ref_grads = loss_and_grads(lambda: fn(a32, p32, x32, backend="reference"), [a32, p32, x32])
+    loss, grads = loss_and_grads(lambda: fn(a, p, x, backend="tiled", chunk_size=7), [a, p, x])
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, atol=0, rtol=2e-2)
+    for g, rg in zip(grads, ref_grads):
+        if rg is not None:
+            assert g.dtype == torch.bfloat16
+            torch.testing.assert_close(g.float(), rg, atol=3e-2 * rg.abs().max().item(), rtol=0)
+
+
+def test_grad_output_scales():
+    a, p, _ = _inputs(9, 0, 16, torch.float64)
+    (3.5 * fastcl.infonce(a, p, chunk_size=4)).backward()
+    g_a = a.grad.clone()
+    a.grad = None
+    (3.5 * fastcl.infonce(a, p, backend="reference")).backward()
+    torch.testing.assert_close(g_a, a.grad)
+
+
+def test_no_grad_skips_gradients():
+    a, p, _ = _inputs(9, 0, 16, torch.float32)
+    with torch.no_grad():
+        loss = fastcl.infonce(a, p, backend="tiled")
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, fastcl.infonce(a, p, backend="reference").detach())
+
+
+def test_gradient_only_where_required():
+    a, p, _ = _inputs(9, 0, 16, torch.float32)
+    p = p.detach()
+    fastcl.infonce(a, p).backward()
+    assert a.grad is not None and p.grad is None
+
+
+def test_non_contiguous_inputs():
+    base = make(12, 40, dtype=torch.float64)
+    a, p = base[:, ::2], base.flip(0)[:, 1::2]
+    assert not a.is_contiguous()
+    torch.testing.assert_close(fastcl.infonce(a, p, chunk_size=5),
+                               fastcl.infonce(a, p, backend="reference"))
+
+
+def test_zero_row_is_finite():
+    a = make(4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        a[2] = 0.0
+    p = correlated(a)
+    ref, rg = loss_and_grads(lambda: fastcl.infonce(a, p, backend="reference"), [a, p])
+    got, g = loss_and_grads(lambda: fastcl.infonce(a, p, backend="tiled"), [a, p])
+    torch.testing.assert_close(got, ref)
+    for x, y in zip(g, rg):
+        torch.testing.assert_close(x, y)
+
+
+class TestChunkChoice:
+    def test_budget_bounds_the_chunk(self):
+        ep = tiled.Epilogue(0.05)
+        n = m = 16384
+        rows = tiled.rows_per_chunk(n, m, ep, n, 4)
+        assert 16 <= rows < n
+        assert rows * m * 4 <= tiled.DEFAULT_MEMORY_BUDGET
+
+    def test_focal_and_mask_shrink_the_chunk(self):
+        n = m = 16384
+        plain = tiled.rows_per_chunk(n, m, tiled.Epilogue(0.05), n, 4)
+        focal = tiled.rows_per_chunk(n, m, tiled.Epilogue(0.05, focal_m=0.3), n, 4)
+        assert focal <= plain // 2 + 16
+
+    def test_override(self):
+        assert tiled.rows_per_chunk(100, 100, tiled.Epilogue(0.05, chunk_size=7), 100, 4) == 7
+        assert tiled.rows_per_chunk(5, 100, tiled.Epilogue(0.05, chunk_size=64), 5, 4) == 5
