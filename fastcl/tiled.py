@@ -68,20 +68,6 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return a @ b if a.dtype == acc else torch.mm(a, b, out_dtype=acc)
 
 
-def _normalize(x: torch.Tensor, acc: torch.dtype, out_dtype: torch.dtype | None = None):
-    """Return ``(x̂ in out_dtype (default x's dtype), ‖x‖ clamped at EPS in acc)``."""
-    norm = torch.linalg.vector_norm(x, dim=1, dtype=acc).clamp_min_(EPS)
-    return (x.to(acc) / norm[:, None]).to(out_dtype or x.dtype), norm
-
-
-def _normalize_backward_(grad_hat: torch.Tensor, x_hat: torch.Tensor, norm: torch.Tensor):
-    """In place: ``∂L/∂x = (∂L/∂x̂ − x̂ (x̂·∂L/∂x̂)) / ‖x‖`` (no projection where ‖x‖ < EPS)."""
-    x_hat = x_hat.to(grad_hat.dtype)
-    radial = (x_hat * grad_hat).sum(dim=1, keepdim=True)
-    radial.masked_fill_((norm <= EPS)[:, None], 0.0)
-    return grad_hat.sub_(x_hat * radial).div_(norm[:, None])
-
-
 def rows_per_chunk(n: int, m: int, ep: Epilogue, n_pos: int, elem_bytes: int) -> int:
     if ep.chunk_size is not None:
         return max(1, min(n, ep.chunk_size))
@@ -93,137 +79,191 @@ def rows_per_chunk(n: int, m: int, ep: Epilogue, n_pos: int, elem_bytes: int) ->
 
 
 class TiledContrastive(torch.autograd.Function):
-    """``loss = TiledContrastive.apply(epilogue, anchors, positives, *other_candidates)``."""
+    """``loss = TiledContrastive.apply(epilogue, engine, anchors, positives, *others)``.
+
+    The gradient is produced in the forward pass (the loss is the last op of the graph);
+    backward only scales it by the incoming gradient.
+    """
 
     @staticmethod
-    def forward(ctx, ep: Epilogue, anchors: torch.Tensor, *candidates: torch.Tensor):
-        grads = contrastive_forward(ep, anchors, candidates, need=ctx.needs_input_grad[1:])
-        loss, grad_list = grads
-        ctx.save_for_backward(*[g if g is not None else torch.empty(0) for g in grad_list])
-        ctx.has_grad = [g is not None for g in grad_list]
+    def forward(ctx, ep: Epilogue, engine, anchors: torch.Tensor, *candidates: torch.Tensor):
+        loss, grads = contrastive_forward(ep, anchors, candidates, need=ctx.needs_input_grad[2:],
+                                          engine=engine)
+        ctx.save_for_backward(*[g if g is not None else torch.empty(0) for g in grads])
+        ctx.has_grad = [g is not None for g in grads]
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        out = [None]
-        # The loss is the last op; a grad of exactly 1 (the usual case) needs no copy.
+        out = [None, None]
+        # A grad of exactly 1 (the usual case) needs no copy of the stored gradients.
         scale = None if bool(grad_loss == 1) else grad_loss
         for has, g in zip(ctx.has_grad, ctx.saved_tensors):
             out.append(None if not has else (g if scale is None else g * scale.to(g.dtype)))
         return tuple(out)
 
 
-def contrastive_forward(ep: Epilogue, anchors, candidates, need):
-    """The chunked loop. Returns ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with ``None``
-    where ``need`` says no gradient is wanted."""
+@dataclass
+class Chunk:
+    """What an engine sees of one chunk of anchor rows ``[r0, r1)``.
+
+    Cosines are never formed from normalized copies: ``s_ij = (q_i·k_j) · inv_q_i · inv_k_j``
+    with the raw inputs and their inverse norms, so neither an N×d nor an M×d copy is needed.
+    """
+
+    r0: int
+    r1: int
+    n: int                      # anchors in the whole batch = size of the positives block
+    q: torch.Tensor             # (R×d) raw anchor rows, matmul dtype
+    keys: torch.Tensor          # (M×d) raw candidates, matmul dtype
+    inv_q: torch.Tensor         # (R,) 1/max(‖q_i‖, eps), accumulate dtype
+    inv_k: torch.Tensor         # (M,)
+    comp_q: torch.Tensor | None = None   # (R×d_c) complementary anchors, normalized
+    comp_k: torch.Tensor | None = None   # (N×d_c) complementary positives, normalized
+
+
+def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
+    """The epilogue in PyTorch ops, in place on one R×M buffer.
+
+    Returns ``(Σ_rows loss, G')`` where ``G'_ij = ∂L/∂s_ij · inv_q_i · inv_k_j`` (matmul dtype),
+    the form both gradient GEMMs consume with the raw inputs (``None`` if not ``want_grad``).
+    """
+    n, m = c.n, c.keys.shape[0]
+    r = c.r1 - c.r0
+    acc = c.inv_q.dtype
+    inv_t = 1.0 / ep.temperature
+    released = ep.formulation == "released"
+    ar = torch.arange(r, device=c.q.device)
+    diag = ar + c.r0                                   # column of each row's positive
+
+    logits = _mm(c.q, c.keys.T, acc)                   # R×M raw dots → cosines → logits
+    logits.mul_(c.inv_q[:, None]).mul_(c.inv_k[None, :])
+    pos_cos = logits[ar, diag].clone()
+    if ep.focal_m is not None:
+        cos = logits.clone()
+        logits.add_(ep.focal_m).mul_(cos).mul_(inv_t)      # s(s+m)/τ on negatives
+        logits[ar, diag] = pos_cos * pos_cos * inv_t       # s²/τ on the positive
+    else:
+        logits.mul_(inv_t)
+    if ep.hard_negative_weight:
+        logits[ar, n + diag] += ep.hard_negative_weight
+    drop = None
+    if ep.complementary is not None:
+        c_cos = c.comp_q @ c.comp_k.T
+        drop = (c_cos * inv_t > 20 * ep.phi) if released else (c_cos >= ep.phi)
+        del c_cos
+        drop[ar, diag] = False                         # the positive is never dropped
+        logits[:, :n].masked_fill_(drop, 0.0 if released else float("-inf"))
+    pos_logit = logits[ar, diag].clone()
+
+    # Row log-sum-exp, leaving the softmax in the buffer.
+    row_max = logits.amax(dim=1, keepdim=True)
+    probs = logits.sub_(row_max).exp_()
+    row_sum = probs.sum(dim=1, keepdim=True)
+    probs.div_(row_sum)
+    lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
+
+    if released:
+        # BCE on the softmax, mean over all N·M entries; log p and log(1−p) clamped at −100
+        # as torch's binary_cross_entropy does.
+        log_not = torch.log1p(-probs).clamp_min_(-100.0)
+        log_not[ar, diag] = 0.0
+        row_loss = -log_not.sum(dim=1) - (pos_logit - lse).clamp_min(-100.0)
+        del log_not
+    else:
+        row_loss = lse - pos_logit
+    loss_sum = row_loss.sum(dtype=torch.float64)
+    if not want_grad:
+        return loss_sum, None
+
+    grad = probs                                       # becomes ∂L/∂s in place
+    if released:
+        # v_ij = p/(1−p) off the positive, −1 on it; ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ
+        v = probs / (1.0 - probs)
+        v[ar, diag] = -1.0
+        grad.mul_(-v.sum(dim=1, keepdim=True)).add_(v)
+        del v
+        scale = inv_t / (n * m)
+        if drop is not None:
+            grad[:, :n].masked_fill_(drop, 0.0)
+    else:
+        grad[ar, diag] -= 1.0
+        scale = inv_t / n
+        if ep.focal_m is not None:
+            # g'(s) = (2s + m)/τ off the positive, 2s/τ on it
+            slope = cos.mul_(2.0).add_(ep.focal_m)
+            slope[ar, diag] -= ep.focal_m
+            grad.mul_(slope)
+    grad.mul_(c.inv_k[None, :]).mul_((c.inv_q * scale)[:, None])
+    return loss_sum, grad.to(c.q.dtype)
+
+
+def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
+    """In place: ``∂L/∂x = u − x̂ (x̂·u)`` with ``u = Σ_j G'_ij k_j`` — the chain through
+    ``x̂ = x / max(‖x‖, eps)`` (no projection where the norm was clamped). ``x̂`` is formed by
+    division, block by block, so that d = 1 gives an exact 0 and temporaries stay small."""
+    for b in range(0, u.shape[0], block):
+        ub, nb = u[b:b + block], norm[b:b + block]
+        x_hat = x[b:b + block].to(u.dtype) / nb[:, None]
+        coef = torch.einsum("id,id->i", x_hat, ub).masked_fill_(nb <= EPS, 0.0)
+        ub.addcmul_(x_hat, coef[:, None], value=-1.0)
+    return u
+
+
+def _norms(x: torch.Tensor, acc: torch.dtype):
+    return torch.linalg.vector_norm(x, dim=1, dtype=acc).clamp_min_(EPS)
+
+
+def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_chunk,
+                        bytes_per_entry=None):
+    """The chunked driver shared by every engine. Returns
+    ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with ``None`` where ``need`` says no
+    gradient is wanted."""
     n, d = anchors.shape
     in_dtype, device = anchors.dtype, anchors.device
     acc = accumulate_dtype(in_dtype)
     dtype = matmul_dtype(in_dtype, device)
     sizes = [c.shape[0] for c in candidates]
     m = sum(sizes)
-    need_q = bool(need[0])
-    need_k = any(need[1:])
-    inv_t = 1.0 / ep.temperature
-    released = ep.formulation == "released"
+    need_q, need_k = bool(need[0]), any(need[1:])
 
-    # Normalized candidates, written once into one (M×d) buffer: no separate concatenation.
-    k_hat = torch.empty(m, d, dtype=dtype, device=device)
-    k_norm = torch.empty(m, dtype=acc, device=device)
-    start = 0
-    for c in candidates:
-        k_hat[start:start + c.shape[0]], k_norm[start:start + c.shape[0]] = _normalize(c, acc, dtype)
-        start += c.shape[0]
-    dk_hat = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
+    # One (M×d) candidate matrix; a copy only when there are several blocks or a dtype change.
+    keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype)
+    norm_k, norm_q = _norms(keys, acc), _norms(anchors, acc)
+    inv_k, inv_q = 1.0 / norm_k, 1.0 / norm_q
+    dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
     dq = torch.empty(n, d, dtype=acc, device=device) if need_q else None
-
+    comp = None
     if ep.complementary is not None:
-        c_q, _ = _normalize(ep.complementary[0], acc, acc)
-        c_k, _ = _normalize(ep.complementary[1], acc, acc)
+        comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS) for x in ep.complementary]
 
-    rows = rows_per_chunk(n, m, ep, n, torch.finfo(acc).bits // 8)
+    if bytes_per_entry is None:
+        bytes_per_entry = torch.finfo(acc).bits // 8
+    rows = rows_per_chunk(n, m, ep, n, bytes_per_entry)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        r = r1 - r0
-        ar = torch.arange(r, device=device)
-        diag = ar + r0                                  # column of each row's positive
-
-        q_hat, q_norm = _normalize(anchors[r0:r1], acc, dtype)
-        logits = _mm(q_hat, k_hat.T, acc)               # R×M cosines, then logits in place
-        pos_cos = logits[ar, diag].clone()
-        if ep.focal_m is not None:
-            cos = logits.clone()
-            logits.add_(ep.focal_m).mul_(cos).mul_(inv_t)      # s(s+m)/τ on negatives
-            logits[ar, diag] = pos_cos * pos_cos * inv_t       # s²/τ on the positive
-        else:
-            logits.mul_(inv_t)
-        if ep.hard_negative_weight:
-            logits[ar, n + diag] += ep.hard_negative_weight
-        if ep.complementary is not None:
-            c_cos = c_q[r0:r1] @ c_k.T
-            drop = (c_cos * inv_t > 20 * ep.phi) if released else (c_cos >= ep.phi)
-            del c_cos
-            drop[ar, diag] = False                      # the positive is never dropped
-            logits[:, :n].masked_fill_(drop, 0.0 if released else float("-inf"))
-        else:
-            drop = None
-        pos_logit = logits[ar, diag].clone()
-
-        # Row log-sum-exp, leaving the softmax in the buffer.
-        row_max = logits.amax(dim=1, keepdim=True)
-        probs = logits.sub_(row_max).exp_()
-        row_sum = probs.sum(dim=1, keepdim=True)
-        probs.div_(row_sum)
-        lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
-
-        if released:
-            # BCE on the softmax, mean over all N·M entries; log p and log(1−p) clamped at −100
-            # as torch's binary_cross_entropy does.
-            p_pos = probs[ar, diag].clone()
-            log_not = torch.log1p(-probs).clamp_min_(-100.0)
-            log_not[ar, diag] = 0.0
-            row_loss = -log_not.sum(dim=1) - (pos_logit - lse).clamp_min(-100.0)
-            del log_not
-        else:
-            row_loss = lse - pos_logit
-        loss_sum += row_loss.sum(dtype=torch.float64)
-
-        if not (need_q or need_k):
+        q = anchors[r0:r1].to(dtype)
+        chunk = Chunk(r0, r1, n, q, keys, inv_q[r0:r1], inv_k,
+                      comp[0][r0:r1] if comp else None, comp[1] if comp else None)
+        part, g = engine(ep, chunk, need_q or need_k)
+        loss_sum += part
+        if g is None:
             continue
-        grad = probs                                     # becomes ∂L/∂s in place
-        if released:
-            # v_ij = p/(1−p) off the positive, −1 on it; ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ
-            v = probs / (1.0 - probs)
-            v[ar, diag] = -1.0
-            grad.mul_(-v.sum(dim=1, keepdim=True)).add_(v)
-            del v
-            grad.mul_(inv_t / (n * m))
-            if drop is not None:
-                grad[:, :n].masked_fill_(drop, 0.0)
-        else:
-            grad[ar, diag] -= 1.0
-            if ep.focal_m is not None:
-                # g'(s) = (2s + m)/τ off the positive, 2s/τ on it
-                slope = cos.mul_(2.0).add_(ep.focal_m)
-                slope[ar, diag] -= ep.focal_m
-                grad.mul_(slope).mul_(inv_t / n)
-            else:
-                grad.mul_(inv_t / n)
-        grad = grad.to(dtype)
         if need_q:
-            dq[r0:r1] = _normalize_backward_(_mm(grad, k_hat, acc), q_hat, q_norm)
+            dq[r0:r1] = _tangent_(_mm(g, keys, acc), q, norm_q[r0:r1], rows)
         if need_k:
             if dtype == acc:
-                dk_hat.addmm_(grad.T, q_hat)
+                dk.addmm_(g.T, q)
             else:
-                dk_hat += _mm(grad.T, q_hat, acc)
+                dk += _mm(g.T, q, acc)
 
+    released = ep.formulation == "released"
     loss = (loss_sum / (n * m if released else n)).to(acc)
     grads = [dq.to(in_dtype) if need_q else None]
     if need_k:
-        dk = _normalize_backward_(dk_hat, k_hat, k_norm).to(in_dtype)
+        dk = _tangent_(dk, keys, norm_k, rows).to(in_dtype)
         grads += [dk[s:s + size] if want else None
                   for s, size, want in zip(_offsets(sizes), sizes, need[1:])]
     else:
@@ -239,9 +279,9 @@ def _offsets(sizes):
     return out
 
 
-def contrastive_loss(ep: Epilogue, anchors, *candidates):
+def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):
     """Differentiable entry point used by :mod:`fastcl.functional`."""
-    return TiledContrastive.apply(ep, anchors, *candidates)
+    return TiledContrastive.apply(ep, engine, anchors, *candidates)
 
 
 @torch.no_grad()
@@ -257,20 +297,21 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None,
         return z
     n, k = anchors.shape[0], z.shape[0]
     acc = z.dtype
-    q_hat, _ = _normalize(anchors.detach(), acc, acc)
+    q_hat = torch.nn.functional.normalize(anchors.detach().to(acc), dim=1, eps=EPS)
     inv_t = 1.0 / temperature
     if chunk_size is not None:
         rows = max(1, min(n, chunk_size))
     else:
         rows = max(1, min(n, memory_budget // max(k * z.element_size(), 1)))
     for _ in range(steps):
-        z_hat, z_norm = _normalize(z, acc)
-        dz_hat = torch.zeros_like(z)
+        norm_z = _norms(z, acc)
+        inv_z = 1.0 / norm_z
+        dz = torch.zeros_like(z)
         for r0 in range(0, n, rows):
             qc = q_hat[r0:r0 + rows]
-            probs = torch.softmax((qc @ z_hat.T).mul_(inv_t), dim=1)
-            dz_hat.addmm_(probs.T, qc, alpha=inv_t / n)
-        g = _normalize_backward_(dz_hat, z_hat, z_norm)
+            probs = torch.softmax((qc @ z.T).mul_(inv_z[None, :] * inv_t), dim=1)
+            dz.addmm_(probs.mul_(inv_z[None, :]).T, qc, alpha=inv_t / n)
+        g = _tangent_(dz, z, norm_z, rows)
         g_norm = torch.linalg.vector_norm(g, dim=1, keepdim=True)
         # z_j += lr · g_j/‖g_j‖; a row with g_j = 0 adds 0/tiny = 0 and stays put.
         z.addcdiv_(g, g_norm.clamp_min(torch.finfo(acc).tiny), value=lr)

@@ -61,13 +61,13 @@ def test_tiled_matches_reference(name, shape, dtype):
     for chunk in CHUNKS:
         loss, grads = loss_and_grads(lambda: fn(a, p, x, backend="tiled", chunk_size=chunk), leaves)
         assert loss.dtype == ref_loss.dtype
-        torch.testing.assert_close(loss, ref_loss, **TOL[dtype], msg=f"loss, chunk={chunk}")
+        torch.testing.assert_close(loss, ref_loss, **TOL[dtype], msg=lambda s: f"loss, chunk={chunk}: {s}")
         for which, g, rg in zip(("anchors", "positives", "negatives"), grads, ref_grads):
             if rg is None:
                 assert g is None or not g.abs().any(), f"{which}: unexpected gradient"
                 continue
             assert g is not None, f"{which}: missing gradient"
-            torch.testing.assert_close(g, rg, **TOL[dtype], msg=f"grad {which}, chunk={chunk}")
+            torch.testing.assert_close(g, rg, **TOL[dtype], msg=lambda s: f"grad {which}, chunk={chunk}: {s}")
 
 
 @pytest.mark.parametrize("name", ["infonce", "focal-negatives", "dclr-weighted", "infonce-symmetric"])
