@@ -44,6 +44,7 @@ class Epilogue:
     phi: float | None = None               # DCLR mask threshold (needs `complementary`)
     complementary: tuple[torch.Tensor, torch.Tensor] | None = None
     formulation: str = "paper"             # "paper" (cross-entropy) or "released" (DCLR's BCE)
+    positives: bool = True                 # False: no column is a positive (DCLR's noise loss)
     chunk_size: int | None = None
     memory_budget: int = DEFAULT_MEMORY_BUDGET
 
@@ -143,8 +144,8 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
 
     logits = _mm(c.q, c.keys.T, acc)                   # R×M raw dots → cosines → logits
     logits.mul_(c.inv_q[:, None]).mul_(c.inv_k[None, :])
-    pos_cos = logits[ar, diag].clone()
     if ep.focal_m is not None:
+        pos_cos = logits[ar, diag].clone()
         cos = logits.clone()
         logits.add_(ep.focal_m).mul_(cos).mul_(inv_t)      # s(s+m)/τ on negatives
         logits[ar, diag] = pos_cos * pos_cos * inv_t       # s²/τ on the positive
@@ -159,7 +160,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         del c_cos
         drop[ar, diag] = False                         # the positive is never dropped
         logits[:, :n].masked_fill_(drop, 0.0 if released else float("-inf"))
-    pos_logit = logits[ar, diag].clone()
+    pos_logit = logits[ar, diag].clone() if ep.positives else 0.0
 
     # Row log-sum-exp, leaving the softmax in the buffer.
     row_max = logits.amax(dim=1, keepdim=True)
@@ -192,7 +193,8 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         if drop is not None:
             grad[:, :n].masked_fill_(drop, 0.0)
     else:
-        grad[ar, diag] -= 1.0
+        if ep.positives:
+            grad[ar, diag] -= 1.0
         scale = inv_t / n
         if ep.focal_m is not None:
             # g'(s) = (2s + m)/τ off the positive, 2s/τ on it
@@ -267,9 +269,9 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     loss = (loss_sum / (n * m if released else n)).to(acc)
     grads = [dq.to(in_dtype) if need_q else None]
     if need_k:
-        dk = _tangent_(dk, keys, norm_k, rows).to(in_dtype)
-        grads += [dk[s:s + size] if want else None
-                  for s, size, want in zip(_offsets(sizes), sizes, need[1:])]
+        dk = _tangent_(dk, keys, norm_k, rows)
+        grads += [dk[s:s + c.shape[0]].to(c.dtype) if want else None
+                  for s, c, want in zip(_offsets(sizes), candidates, need[1:])]
     else:
         grads += [None] * len(candidates)
     return loss, grads
@@ -289,34 +291,20 @@ def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):
 
 
 @torch.no_grad()
-def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None,
-                 memory_budget=DEFAULT_MEMORY_BUDGET):
+def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, engine=torch_chunk):
     """DCLR's normalized gradient ascent on the noise, chunked, without an autograd graph.
 
-    Each step needs only ``∂L_U/∂Z``: the column half of an InfoNCE backward over the
-    noise columns, ``∂L_U/∂ẑ_j = Σ_i p_ij ĥ_i / (N τ_u)``, chained through ‖z_j‖.
+    ``L_U``'s positive term does not depend on Z, so ``∂L_U/∂Z`` is the candidate gradient
+    of a positive-free InfoNCE of the anchors against Z: each step is one pass of the
+    shared driver asking for that gradient alone, then ``z_j += lr · g_j/‖g_j‖``.
     """
     z = noise.detach().to(accumulate_dtype(anchors.dtype)).clone()
     if steps == 0 or z.shape[0] == 0:
         return z
-    n, k = anchors.shape[0], z.shape[0]
-    acc = z.dtype
-    q_hat = torch.nn.functional.normalize(anchors.detach().to(acc), dim=1, eps=EPS)
-    inv_t = 1.0 / temperature
-    if chunk_size is not None:
-        rows = max(1, min(n, chunk_size))
-    else:
-        rows = max(1, min(n, memory_budget // max(k * z.element_size(), 1)))
+    ep = Epilogue(temperature, positives=False, chunk_size=chunk_size)
     for _ in range(steps):
-        norm_z = _norms(z, acc)
-        inv_z = 1.0 / norm_z
-        dz = torch.zeros_like(z)
-        for r0 in range(0, n, rows):
-            qc = q_hat[r0:r0 + rows]
-            probs = torch.softmax((qc @ z.T).mul_(inv_z[None, :] * inv_t), dim=1)
-            dz.addmm_(probs.mul_(inv_z[None, :]).T, qc, alpha=inv_t / n)
-        g = _tangent_(dz, z, norm_z, rows)
+        _, (_, g) = contrastive_forward(ep, anchors.detach(), (z,), need=(False, True), engine=engine)
         g_norm = torch.linalg.vector_norm(g, dim=1, keepdim=True)
-        # z_j += lr · g_j/‖g_j‖; a row with g_j = 0 adds 0/tiny = 0 and stays put.
-        z.addcdiv_(g, g_norm.clamp_min(torch.finfo(acc).tiny), value=lr)
+        # a row with g_j = 0 adds 0/tiny = 0 and stays put
+        z.addcdiv_(g, g_norm.clamp_min(torch.finfo(z.dtype).tiny), value=lr)
     return z
