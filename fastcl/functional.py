@@ -7,6 +7,9 @@ Backends: ``"reference"`` (:mod:`fastcl.reference`, full matrices), ``"tiled"``
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from . import _validation as check
@@ -16,13 +19,36 @@ from .tiled import Epilogue
 __all__ = ["infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss"]
 
 
+def _triton_problem(x: torch.Tensor) -> str | None:
+    """Why the Triton backend cannot take ``x`` (None if it can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install 'fastcl[triton]')"
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"the kernels take float32, float16 or bfloat16 embeddings, not {x.dtype}"
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return ("the embeddings are on the CPU: the kernels need CUDA tensors, or "
+                "TRITON_INTERPRET=1 (set before fastcl.kernels is imported) to run them in "
+                "Triton's interpreter")
+    return None
+
+
 def _backend(backend: str, x: torch.Tensor) -> str:
     check.choice("backend", backend, check.BACKENDS)
     if backend == "triton":
-        raise ValueError(
-            "backend='triton' is not available in this version of fastcl (the fused kernels "
-            "are not built in yet); use backend='tiled' or 'auto'")
-    return "tiled" if backend == "auto" else backend
+        problem = _triton_problem(x)
+        if problem:
+            raise ValueError(f"backend='triton' cannot run here: {problem}; use backend='tiled'")
+    elif backend == "auto":
+        backend = "triton" if x.is_cuda and _triton_problem(x) is None else "tiled"
+    return backend
+
+
+def _engine(backend: str):
+    """The chunk engine of the shared tiled driver for a resolved backend."""
+    if backend == "triton":
+        from .kernels.contrastive import triton_chunk
+        return triton_chunk
+    return tiled.torch_chunk
 
 
 def _anchors_and_positives(anchors, positives):
@@ -71,14 +97,16 @@ def infonce(anchors, positives, negatives=None, *, temperature=0.05, hard_negati
         raise ValueError(f"hard_negative_weight needs one hard negative per anchor "
                          f"({anchors.shape[0]} negatives), got {got}")
     chunk_size = check.chunk_size(chunk_size)
-    if _backend(backend, anchors) == "reference":
+    be = _backend(backend, anchors)
+    if be == "reference":
         return reference.infonce(anchors, positives, negatives, temperature=temperature,
                                  hard_negative_weight=hard_negative_weight, symmetric=symmetric)
     ep = Epilogue(temperature, hard_negative_weight=hard_negative_weight, chunk_size=chunk_size)
     cands = (positives,) if negatives is None else (positives, negatives)
-    loss = tiled.contrastive_loss(ep, anchors, *cands)
+    loss = tiled.contrastive_loss(ep, anchors, *cands, engine=_engine(be))
     if symmetric:
-        reverse = tiled.contrastive_loss(Epilogue(temperature, chunk_size=chunk_size), positives, anchors)
+        reverse = tiled.contrastive_loss(Epilogue(temperature, chunk_size=chunk_size), positives,
+                                         anchors, engine=_engine(be))
         loss = 0.5 * (loss + reverse)
     return loss
 
@@ -102,11 +130,12 @@ def focal_infonce(anchors, positives, negatives=None, *, temperature=0.05, m=0.3
     temperature = check.positive("temperature", temperature)
     m = check.finite("m", m)
     chunk_size = check.chunk_size(chunk_size)
-    if _backend(backend, anchors) == "reference":
+    be = _backend(backend, anchors)
+    if be == "reference":
         return reference.focal_infonce(anchors, positives, negatives, temperature=temperature, m=m)
     cands = (positives,) if negatives is None else (positives, negatives)
     return tiled.contrastive_loss(Epilogue(temperature, focal_m=m, chunk_size=chunk_size),
-                                  anchors, *cands)
+                                  anchors, *cands, engine=_engine(be))
 
 
 def _noise_args(anchors, num, steps, lr, std, temperature, noise):
@@ -133,7 +162,7 @@ def _dclr_noise(anchors, positives, num, steps, lr, std, temperature, noise, gen
         noise = reference.draw_noise(num, anchors.shape[1], std=std, generator=generator,
                                      device=anchors.device)
     return tiled.noise_update(anchors, noise, steps=steps, lr=lr, temperature=temperature,
-                              chunk_size=chunk_size)
+                              chunk_size=chunk_size, engine=_engine(be))
 
 
 def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperature=0.05,
@@ -207,7 +236,7 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, no
                     be, chunk_size)
     ep = Epilogue(temperature, phi=phi if complementary is not None else None,
                   complementary=complementary, formulation=formulation, chunk_size=chunk_size)
-    return tiled.contrastive_loss(ep, anchors, positives, z.to(anchors.dtype))
+    return tiled.contrastive_loss(ep, anchors, positives, z.to(anchors.dtype), engine=_engine(be))
 
 
 def escl_loss(anchors, positives, sensitive, *, temperature=0.05, weight=2.5e-3, rd="softplus",
@@ -236,11 +265,12 @@ def escl_loss(anchors, positives, sensitive, *, temperature=0.05, weight=2.5e-3,
         raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
     margins = (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
     chunk_size = check.chunk_size(chunk_size)
-    if _backend(backend, anchors) == "reference":
+    be = _backend(backend, anchors)
+    if be == "reference":
         return reference.escl_loss(anchors, positives, sensitive, temperature=temperature,
                                    weight=weight, rd=rd, margins=margins)
     # The RD term only pairs row i with row i: O(N·d), identical for every backend.
     rd_term = reference.relative_difference(anchors, positives, sensitive,
                                             temperature=temperature, rd=rd, margins=margins)
     return tiled.contrastive_loss(Epilogue(temperature, chunk_size=chunk_size),
-                                  anchors, positives) + weight * rd_term
+                                  anchors, positives, engine=_engine(be)) + weight * rd_term

@@ -29,8 +29,10 @@ from torch.autograd.function import once_differentiable
 
 from .reference import EPS, accumulate_dtype
 
-#: Default bytes for the per-chunk R×M work buffers (all of them together).
-DEFAULT_MEMORY_BUDGET = 64 * 2**20
+#: Default bytes for the per-chunk R×M work buffers (all of them together). On a GPU a
+#: larger chunk keeps the GEMMs efficient; both stay far below one N×M matrix at the
+#: batch sizes where memory matters.
+DEFAULT_MEMORY_BUDGET = {"cpu": 64 * 2**20, "cuda": 128 * 2**20}
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Epilogue:
     formulation: str = "paper"             # "paper" (cross-entropy) or "released" (DCLR's BCE)
     positives: bool = True                 # False: no column is a positive (DCLR's noise loss)
     chunk_size: int | None = None
-    memory_budget: int = DEFAULT_MEMORY_BUDGET
+    memory_budget: int | None = None       # bytes; None: DEFAULT_MEMORY_BUDGET for the device
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,13 +75,16 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return a @ b if a.dtype == acc else torch.mm(a, b, out_dtype=acc)
 
 
-def rows_per_chunk(n: int, m: int, ep: Epilogue, n_pos: int, elem_bytes: int) -> int:
+def rows_per_chunk(n: int, m: int, ep: Epilogue, n_pos: int, elem_bytes: int,
+                   device_type: str = "cpu") -> int:
+    """Anchor rows per chunk: ``ep.chunk_size``, or as many as the memory budget allows."""
     if ep.chunk_size is not None:
         return max(1, min(n, ep.chunk_size))
+    budget = ep.memory_budget or DEFAULT_MEMORY_BUDGET.get(device_type, DEFAULT_MEMORY_BUDGET["cpu"])
     per_row = m * elem_bytes * (2 if ep.focal_m is not None else 1)
     if ep.complementary is not None:
         per_row += n_pos * (elem_bytes + 1)
-    rows = max(1, ep.memory_budget // max(per_row, 1))
+    rows = max(1, budget // max(per_row, 1))
     return int(min(n, rows if rows < 16 else rows // 16 * 16))
 
 
@@ -205,6 +210,12 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     return loss_sum, grad.to(c.q.dtype)
 
 
+# Chunk memory per R×M entry, for the driver's choice of R (focal and the mask add theirs).
+torch_chunk.entry_bytes = lambda dtype: (torch.finfo(accumulate_dtype(dtype)).bits // 8
+                                         + (0 if dtype == accumulate_dtype(dtype)
+                                            else torch.finfo(dtype).bits // 8))
+
+
 def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
     """In place: ``∂L/∂x = u − x̂ (x̂·u)`` with ``u = Σ_j G'_ij k_j`` — the chain through
     ``x̂ = x / max(‖x‖, eps)`` (no projection where the norm was clamped). ``x̂`` is formed by
@@ -221,8 +232,7 @@ def _norms(x: torch.Tensor, acc: torch.dtype):
     return torch.linalg.vector_norm(x, dim=1, dtype=acc).clamp_min_(EPS)
 
 
-def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_chunk,
-                        bytes_per_entry=None):
+def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_chunk):
     """The chunked driver shared by every engine. Returns
     ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with ``None`` where ``need`` says no
     gradient is wanted."""
@@ -244,9 +254,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     if ep.complementary is not None:
         comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS) for x in ep.complementary]
 
-    if bytes_per_entry is None:
-        bytes_per_entry = torch.finfo(acc).bits // 8
-    rows = rows_per_chunk(n, m, ep, n, bytes_per_entry)
+    rows = rows_per_chunk(n, m, ep, n, engine.entry_bytes(dtype), device.type)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)

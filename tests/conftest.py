@@ -1,5 +1,14 @@
+import os
+
 import pytest
 import torch
+
+import fastcl
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. It must be
+# switched on before fastcl.kernels is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tolerances for the tiled path against the reference (values and gradients).
 TOL = {
@@ -17,8 +26,8 @@ def make(n, d, *, dtype=torch.float32, seed=0, grad=True, scale=1.0):
 def correlated(x, noise=0.5, seed=1):
     """A second view of x: x plus noise, so positives are more similar than negatives."""
     g = torch.Generator().manual_seed(seed)
-    y = x.detach().double() + noise * torch.randn(x.shape, generator=g, dtype=torch.float64)
-    return y.to(x.dtype).requires_grad_(x.requires_grad)
+    y = x.detach().cpu().double() + noise * torch.randn(x.shape, generator=g, dtype=torch.float64)
+    return y.to(x.device, x.dtype).requires_grad_(x.requires_grad)
 
 
 def loss_and_grads(fn, inputs):
@@ -27,6 +36,40 @@ def loss_and_grads(fn, inputs):
     loss = fn()
     loss.backward()
     return loss.detach(), [None if t.grad is None else t.grad.clone() for t in inputs]
+
+
+def objectives(n, k):
+    """Every objective and flag combination: name -> f(anchors, positives, extra, **kw) -> loss,
+    where ``extra`` (K×d) serves as negatives, hard negatives (its first N rows) or DCLR noise."""
+    comp_g = torch.Generator().manual_seed(11)
+    c = torch.randn(n, 6, generator=comp_g, dtype=torch.float64)
+    c_pos = c + 0.4 * torch.randn(n, 6, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    comp = lambda a: (c.to(a.device, a.dtype), c_pos.to(a.device, a.dtype))
+    return {
+        "infonce": lambda a, p, x, **kw: fastcl.infonce(a, p, **kw),
+        "infonce-negatives": lambda a, p, x, **kw: fastcl.infonce(a, p, x, **kw),
+        "infonce-hard": lambda a, p, x, **kw: fastcl.infonce(a, p, x[:n] if x.shape[0] >= n else None,
+                                                               hard_negative_weight=0.8 if x.shape[0] >= n else 0.0, **kw),
+        "infonce-symmetric": lambda a, p, x, **kw: fastcl.infonce(a, p, x, symmetric=True, **kw),
+        "focal": lambda a, p, x, **kw: fastcl.focal_infonce(a, p, **kw),
+        "focal-negatives": lambda a, p, x, **kw: fastcl.focal_infonce(a, p, x, m=0.5, **kw),
+        "dclr": lambda a, p, x, **kw: fastcl.dclr_loss(a, p, noise=x, noise_steps=0, **kw),
+        "dclr-weighted": lambda a, p, x, **kw: fastcl.dclr_loss(
+            a, p, complementary=comp(a), phi=0.2, noise=x, noise_steps=0, **kw),
+        "dclr-released": lambda a, p, x, **kw: fastcl.dclr_loss(
+            a, p, complementary=comp(a), phi=0.01, noise=x, noise_steps=0,
+            formulation="released", **kw),
+        "escl": lambda a, p, x, **kw: fastcl.escl_loss(a, p, correlated(a, 1.0, seed=5).detach(), **kw),
+        "escl-margin": lambda a, p, x, **kw: fastcl.escl_loss(a, p, correlated(a, 1.0, seed=5).detach(),
+                                                             rd="margin", weight=0.3, **kw),
+    }
+
+
+def inputs(n, k, d, dtype):
+    a = make(n, d, dtype=dtype, seed=n * 100 + d)
+    p = correlated(a, 0.7)
+    x = make(k, d, dtype=dtype, seed=3)
+    return a, p, x
 
 
 @pytest.fixture(autouse=True)

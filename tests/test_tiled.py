@@ -6,48 +6,13 @@ import torch
 import fastcl
 from fastcl import tiled
 
-from conftest import TOL, correlated, loss_and_grads, make
+from conftest import TOL, correlated, inputs, loss_and_grads, make, objectives
 
 # (N, K extra candidates, d): N=1, N not a multiple of the chunk, M ≠ N, d = 1, d = 384,
 # d not a power of two.
 SHAPES = [(1, 0, 1), (1, 3, 24), (5, 0, 130), (17, 0, 24), (17, 13, 384), (33, 33, 7), (8, 40, 1)]
 CHUNKS = [None, 1, 4, 16]
-
-
-def objectives(n, k):
-    """name -> (callable(a, p, x, backend, chunk) -> loss, needs_k)."""
-    comp_g = torch.Generator().manual_seed(11)
-    c = torch.randn(n, 6, generator=comp_g, dtype=torch.float64)
-    comp = lambda dt: (c.to(dt), (c + 0.4 * torch.randn(n, 6, generator=torch.Generator().manual_seed(12),
-                                                         dtype=torch.float64)).to(dt))
-    return {
-        "infonce": lambda a, p, x, **kw: fastcl.infonce(a, p, **kw),
-        "infonce-negatives": lambda a, p, x, **kw: fastcl.infonce(a, p, x, **kw),
-        "infonce-hard": lambda a, p, x, **kw: fastcl.infonce(a, p, x[:n] if x.shape[0] >= n else None,
-                                                               hard_negative_weight=0.8 if x.shape[0] >= n else 0.0, **kw),
-        "infonce-symmetric": lambda a, p, x, **kw: fastcl.infonce(a, p, x, symmetric=True, **kw),
-        "focal": lambda a, p, x, **kw: fastcl.focal_infonce(a, p, **kw),
-        "focal-negatives": lambda a, p, x, **kw: fastcl.focal_infonce(a, p, x, m=0.5, **kw),
-        "dclr": lambda a, p, x, **kw: fastcl.dclr_loss(a, p, noise=x, noise_steps=0, **kw),
-        "dclr-weighted": lambda a, p, x, **kw: fastcl.dclr_loss(
-            a, p, complementary=comp(a.dtype), phi=0.2, noise=x, noise_steps=0, **kw),
-        "dclr-released": lambda a, p, x, **kw: fastcl.dclr_loss(
-            a, p, complementary=comp(a.dtype), phi=0.01, noise=x, noise_steps=0,
-            formulation="released", **kw),
-        "escl": lambda a, p, x, **kw: fastcl.escl_loss(a, p, correlated(a, 1.0, seed=5).detach(), **kw),
-        "escl-margin": lambda a, p, x, **kw: fastcl.escl_loss(a, p, correlated(a, 1.0, seed=5).detach(),
-                                                             rd="margin", weight=0.3, **kw),
-    }
-
-
 CASES = [(name, shape) for shape in SHAPES for name in objectives(1, 0)]
-
-
-def _inputs(n, k, d, dtype):
-    a = make(n, d, dtype=dtype, seed=n * 100 + d)
-    p = correlated(a, 0.7)
-    x = make(k, d, dtype=dtype, seed=3)
-    return a, p, x
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -55,7 +20,7 @@ def _inputs(n, k, d, dtype):
 def test_tiled_matches_reference(name, shape, dtype):
     n, k, d = shape
     fn = objectives(n, k)[name]
-    a, p, x = _inputs(n, k, d, dtype)
+    a, p, x = inputs(n, k, d, dtype)
     leaves = [a, p, x]
     ref_loss, ref_grads = loss_and_grads(lambda: fn(a, p, x, backend="reference"), leaves)
     for chunk in CHUNKS:
@@ -76,7 +41,7 @@ def test_bfloat16(name):
     the same bf16-rounded inputs; gradients within 3e-2 of the largest gradient entry."""
     n, k, d = 24, 24, 96
     fn = objectives(n, k)[name]
-    a, p, x = _inputs(n, k, d, torch.bfloat16)
+    a, p, x = inputs(n, k, d, torch.bfloat16)
     a32, p32, x32 = (t.detach().float().requires_grad_() for t in (a, p, x))
     ref_loss, ref_grads = loss_and_grads(lambda: fn(a32, p32, x32, backend="reference"), [a32, p32, x32])
     loss, grads = loss_and_grads(lambda: fn(a, p, x, backend="tiled", chunk_size=7), [a, p, x])
@@ -89,7 +54,7 @@ def test_bfloat16(name):
 
 
 def test_grad_output_scales():
-    a, p, _ = _inputs(9, 0, 16, torch.float64)
+    a, p, _ = inputs(9, 0, 16, torch.float64)
     (3.5 * fastcl.infonce(a, p, chunk_size=4)).backward()
     g_a = a.grad.clone()
     a.grad = None
@@ -98,7 +63,7 @@ def test_grad_output_scales():
 
 
 def test_no_grad_skips_gradients():
-    a, p, _ = _inputs(9, 0, 16, torch.float32)
+    a, p, _ = inputs(9, 0, 16, torch.float32)
     with torch.no_grad():
         loss = fastcl.infonce(a, p, backend="tiled")
     assert not loss.requires_grad
@@ -106,13 +71,13 @@ def test_no_grad_skips_gradients():
 
 
 def test_gradient_only_where_required():
-    a, p, _ = _inputs(9, 0, 16, torch.float32)
+    a, p, _ = inputs(9, 0, 16, torch.float32)
     p = p.detach()
     fastcl.infonce(a, p).backward()
     assert a.grad is not None and p.grad is None
 
 
-def test_non_contiguous_inputs():
+def test_non_contiguousinputs():
     base = make(12, 40, dtype=torch.float64)
     a, p = base[:, ::2], base.flip(0)[:, 1::2]
     assert not a.is_contiguous()
@@ -138,7 +103,7 @@ class TestChunkChoice:
         n = m = 16384
         rows = tiled.rows_per_chunk(n, m, ep, n, 4)
         assert 16 <= rows < n
-        assert rows * m * 4 <= tiled.DEFAULT_MEMORY_BUDGET
+        assert rows * m * 4 <= tiled.DEFAULT_MEMORY_BUDGET["cpu"]
 
     def test_focal_and_mask_shrink_the_chunk(self):
         n = m = 16384

@@ -81,8 +81,14 @@ def test_bad_input(call, exc, words, backend, monkeypatch):
     assert words in str(info.value)
 
 
-def test_triton_backend_says_it_is_not_built():
-    with pytest.raises(ValueError, match="triton"):
+def test_triton_backend_refuses_float64():
+    with pytest.raises(ValueError, match="backend='triton' cannot run here: .*float64"):
+        fastcl.infonce(A.double(), P.double(), backend="triton")
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         fastcl.infonce(A, P, backend="triton")
 
 

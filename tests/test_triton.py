@@ -1,0 +1,158 @@
+"""The Triton backend against the reference.
+
+On a CPU-only machine the kernels run in Triton's interpreter (conftest switches it on);
+those tests use small shapes that hit every tile edge. The GPU tests (skipped without
+CUDA) add larger shapes, bf16, a batch far beyond N×M memory, and determinism.
+"""
+
+import pytest
+import torch
+
+import fastcl
+
+from conftest import correlated, inputs, loss_and_grads, make, objectives
+
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+# fp32, Triton vs reference, values and gradients
+FP32 = dict(atol=1e-4, rtol=1e-4)
+
+# (N, K, d): N=1, N=17, M = N+K = 33, d=24, d=130, M ≠ N, d below one tile
+SHAPES = [(1, 0, 24), (1, 3, 130), (17, 0, 130), (17, 16, 24), (5, 28, 7), (40, 40, 24)]
+NAMES = list(objectives(1, 0))
+
+
+def _to(device, *ts):
+    return [t.detach().to(device).requires_grad_(t.requires_grad) for t in ts]
+
+
+def _compare(name, n, k, d, dtype=torch.float32, tol=FP32, chunk=None, device=DEVICE):
+    fn = objectives(n, k)[name]
+    a, p, x = _to(device, *inputs(n, k, d, dtype))
+    leaves = [a, p, x]
+    if dtype == torch.float32:
+        ref_loss, ref_grads = loss_and_grads(lambda: fn(a, p, x, backend="reference"), leaves)
+    else:  # 16-bit inputs: the float32 reference on the same rounded inputs
+        a32, p32, x32 = _to(device, *(t.float() for t in leaves))
+        ref_loss, ref_grads = loss_and_grads(lambda: fn(a32, p32, x32, backend="reference"),
+                                             [a32, p32, x32])
+    loss, grads = loss_and_grads(lambda: fn(a, p, x, backend="triton", chunk_size=chunk), leaves)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    for which, g, rg in zip(("anchors", "positives", "extra"), grads, ref_grads):
+        if rg is None:
+            assert g is None or not g.abs().any(), which
+            continue
+        g = g.float()
+        if dtype != torch.float32:
+            tol_g = dict(atol=tol["grad_frac"] * rg.abs().max().item(), rtol=0)
+        else:
+            tol_g = tol
+        torch.testing.assert_close(g, rg, **tol_g, msg=lambda s: f"grad {which}: {s}")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"N{n}K{k}d{d}" for n, k, d in SHAPES])
+@pytest.mark.parametrize("name", NAMES)
+def test_triton_matches_reference(name, shape):
+    _compare(name, *shape)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+def test_triton_chunks(chunk):
+    _compare("dclr-weighted", 17, 16, 24, chunk=chunk)
+    _compare("focal-negatives", 17, 16, 24, chunk=chunk)
+
+
+@pytest.mark.parametrize("n,k,d", [(1, 1, 24), (17, 33, 130), (9, 4, 7)])
+def test_noise_update_matches_reference(n, k, d):
+    a = make(n, d).to(DEVICE)
+    p = correlated(a).to(DEVICE)
+    z0 = make(k, d, seed=9, grad=False).to(DEVICE)
+    kw = dict(steps=4, lr=0.05, temperature=0.1, noise=z0)
+    ref = fastcl.dclr_noise(a, p, k, backend="reference", **kw)
+    got = fastcl.dclr_noise(a, p, k, backend="triton", **kw)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+    step = torch.linalg.vector_norm(fastcl.dclr_noise(a, p, k, steps=1, lr=0.05, noise=z0,
+                                                      backend="triton") - z0, dim=1)
+    torch.testing.assert_close(step, torch.full_like(step, 0.05))
+
+
+def test_dclr_with_noise_steps_end_to_end():
+    a = make(12, 24).to(DEVICE)
+    p = correlated(a).to(DEVICE)
+    c = make(12, 8, seed=3, grad=False).to(DEVICE)
+    comp = (c, correlated(c, 0.3).detach())
+    kw = dict(complementary=comp, phi=0.3, noise_ratio=1.5, noise_steps=4)
+    ref = fastcl.dclr_loss(a, p, generator=torch.Generator(DEVICE).manual_seed(0),
+                           backend="reference", **kw)
+    got = fastcl.dclr_loss(a, p, generator=torch.Generator(DEVICE).manual_seed(0),
+                           backend="triton", **kw)
+    torch.testing.assert_close(got, ref, **FP32)
+
+
+def test_non_contiguous_inputs():
+    base = make(17, 60).to(DEVICE)
+    a, p = base[:, ::2], base.flip(0)[:, 1::2]
+    torch.testing.assert_close(fastcl.infonce(a, p, backend="triton"),
+                               fastcl.infonce(a, p, backend="reference"), **FP32)
+
+
+# --------------------------------------------------------------------------- GPU only
+GPU_SHAPES = [(256, 0, 768), (1000, 1000, 384), (517, 300, 1024), (4096, 0, 768)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=[f"N{n}K{k}d{d}" for n, k, d in GPU_SHAPES])
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_fp32(name, shape):
+    _compare(name, *shape)
+
+
+# bf16 inputs: loss within 2e-2 relative of the fp32 reference on the same rounded inputs;
+# gradients within 3e-2 of the largest gradient entry (bf16 keeps 8 bits of mantissa).
+BF16 = dict(atol=0, rtol=2e-2, grad_frac=3e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=[f"N{n}K{k}d{d}" for n, k, d in GPU_SHAPES])
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_bf16(name, shape):
+    _compare(name, *shape, dtype=torch.bfloat16, tol=BF16)
+
+
+@needs_gpu
+def test_gpu_huge_batch_never_holds_n_by_m():
+    n, d = 65536, 768
+    g = torch.Generator("cuda").manual_seed(0)
+    a = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    p = (a.detach() + 0.5 * torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=g))
+    p.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = fastcl.infonce(a, p, backend="triton")
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert torch.isfinite(loss)
+    # N×M in fp32 would be 16 GiB; the chunks and the N×d gradients stay far below
+    assert extra < n * n * 4 / 16, extra
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["infonce", "focal-negatives", "dclr-weighted", "dclr-released"])
+def test_gpu_deterministic(name):
+    n, k, d = 3000, 1000, 768
+    fn = objectives(n, k)[name]
+    runs = []
+    for _ in range(2):
+        a, p, x = _to("cuda", *inputs(n, k, d, torch.bfloat16))
+        loss, grads = loss_and_grads(lambda: fn(a, p, x, backend="triton"), [a, p, x])
+        runs.append((loss, grads))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for g1, g2 in zip(runs[0][1], runs[1][1]):
+        assert (g1 is None and g2 is None) or torch.equal(g1, g2)
