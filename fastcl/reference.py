@@ -31,6 +31,14 @@ def cosine_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return wide(F.normalize(x, dim=-1, eps=EPS) @ F.normalize(y, dim=-1, eps=EPS).T)
 
 
+def row_cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``cos(x_i, y_i)`` for each row, with each norm clamped at EPS. Autograd keeps only
+    x, y and per-row scalars (no normalized N×d copies, unlike F.cosine_similarity)."""
+    norms = (torch.linalg.vector_norm(x, dim=-1).clamp_min(EPS)
+             * torch.linalg.vector_norm(y, dim=-1).clamp_min(EPS))
+    return wide(torch.einsum("nd,nd->n", x, y) / norms)
+
+
 def _labels(n: int, device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
@@ -95,7 +103,7 @@ def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperatur
     for _ in range(steps):
         z.requires_grad_(True)
         with torch.enable_grad():
-            positive = F.cosine_similarity(h, h_pos, dim=-1, eps=EPS) / temperature
+            positive = row_cosine(h, h_pos) / temperature
             loss = (-positive + torch.logsumexp(cosine_matrix(h, z) / temperature, dim=1)).mean()
             (grad,) = torch.autograd.grad(loss, z)
         norm = grad.norm(dim=1, keepdim=True)
@@ -129,7 +137,8 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, no
     n = anchors.shape[0]
     num = noise.shape[0] if noise is not None else noise_count(noise_ratio, n)
     z = dclr_noise(anchors, positives, num, steps=noise_steps, lr=noise_lr, std=noise_std,
-                   temperature=noise_temperature or temperature, noise=noise, generator=generator)
+                   temperature=temperature if noise_temperature is None else noise_temperature,
+                   noise=noise, generator=generator)
     logits = cosine_matrix(anchors, torch.cat([positives, z.to(positives.dtype)])) / temperature
     labels = _labels(n, logits.device)
     if complementary is None:
@@ -146,10 +155,10 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, no
 def relative_difference(anchors, positives, sensitive, *, temperature=0.05, rd="softplus",
                         margins=(0.1, 0.3)):
     """ESCL's relative-difference term (a reconstruction; see ``escl_loss``)."""
-    cos_pos = wide(F.cosine_similarity(anchors, positives, dim=-1, eps=EPS))
+    cos_pos = row_cosine(anchors, positives)
     terms = []
     for view in (anchors, positives):
-        cos_neg = wide(F.cosine_similarity(view, sensitive, dim=-1, eps=EPS))
+        cos_neg = row_cosine(view, sensitive)
         if rd == "softplus":
             # Dist_pos − Dist_neg = (1 − cos_pos) − (1 − cos_neg)
             terms.append(F.softplus((cos_neg - cos_pos) / temperature))

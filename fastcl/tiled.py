@@ -81,7 +81,9 @@ def rows_per_chunk(n: int, m: int, ep: Epilogue, n_pos: int, elem_bytes: int,
     if ep.chunk_size is not None:
         return max(1, min(n, ep.chunk_size))
     budget = ep.memory_budget or DEFAULT_MEMORY_BUDGET.get(device_type, DEFAULT_MEMORY_BUDGET["cpu"])
-    per_row = m * elem_bytes * (2 if ep.focal_m is not None else 1)
+    # focal keeps the cosines beside the logits; the released BCE needs one more slice too
+    slices = 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
+    per_row = m * elem_bytes * slices
     if ep.complementary is not None:
         per_row += n_pos * (elem_bytes + 1)
     rows = max(1, budget // max(per_row, 1))
@@ -177,7 +179,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     if released:
         # BCE on the softmax, mean over all N·M entries; log p and log(1−p) clamped at −100
         # as torch's binary_cross_entropy does.
-        log_not = torch.log1p(-probs).clamp_min_(-100.0)
+        log_not = torch.neg(probs).log1p_().clamp_min_(-100.0)
         log_not[ar, diag] = 0.0
         row_loss = -log_not.sum(dim=1) - (pos_logit - lse).clamp_min(-100.0)
         del log_not
@@ -190,7 +192,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     grad = probs                                       # becomes ∂L/∂s in place
     if released:
         # v_ij = p/(1−p) off the positive, −1 on it; ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ
-        v = probs / (1.0 - probs)
+        v = torch.rsub(probs, 1.0).reciprocal_().mul_(probs)    # one extra slice, not three
         v[ar, diag] = -1.0
         grad.mul_(-v.sum(dim=1, keepdim=True)).add_(v)
         del v
@@ -295,7 +297,11 @@ def _offsets(sizes):
 
 def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):
     """Differentiable entry point used by :mod:`fastcl.functional`."""
-    return TiledContrastive.apply(ep, engine, anchors, *candidates)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (anchors, *candidates)):
+        return TiledContrastive.apply(ep, engine, anchors, *candidates)
+    # No graph wanted (evaluation, no_grad): the loss alone, no gradient work at all.
+    return contrastive_forward(ep, anchors, candidates, need=(False,) * (1 + len(candidates)),
+                               engine=engine)[0]
 
 
 @torch.no_grad()

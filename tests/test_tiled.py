@@ -62,11 +62,24 @@ def test_grad_output_scales():
     torch.testing.assert_close(g_a, a.grad)
 
 
-def test_no_grad_skips_gradients():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_does_no_gradient_work(mode, monkeypatch):
+    asked = []
+    real = tiled.torch_chunk
+
+    def spy(ep, chunk, want_grad):
+        asked.append(want_grad)
+        return real(ep, chunk, want_grad)
+
+    spy.entry_bytes = real.entry_bytes
+    monkeypatch.setattr(tiled, "torch_chunk", spy)
+    import fastcl.functional
+    monkeypatch.setattr(fastcl.functional, "_engine", lambda be: spy)
     a, p, _ = inputs(9, 0, 16, torch.float32)
-    with torch.no_grad():
-        loss = fastcl.infonce(a, p, backend="tiled")
+    with mode():
+        loss = fastcl.infonce(a, p, backend="tiled", chunk_size=4)
     assert not loss.requires_grad
+    assert asked == [False] * 3
     torch.testing.assert_close(loss, fastcl.infonce(a, p, backend="reference").detach())
 
 
