@@ -131,8 +131,8 @@ class Chunk:
     keys: torch.Tensor          # (M×d) raw candidates, matmul dtype
     inv_q: torch.Tensor         # (R,) 1/max(‖q_i‖, eps), accumulate dtype
     inv_k: torch.Tensor         # (M,)
-    comp_q: torch.Tensor | None = None   # (R×d_c) complementary anchors, normalized
-    comp_k: torch.Tensor | None = None   # (N×d_c) complementary positives, normalized
+    comp_q: torch.Tensor | None = None   # (R×d_c) complementary anchors, normalized, matmul dtype
+    comp_k: torch.Tensor | None = None   # (N×d_c) complementary positives, likewise
 
 
 def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
@@ -162,7 +162,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         logits[ar, n + diag] += ep.hard_negative_weight
     drop = None
     if ep.complementary is not None:
-        c_cos = c.comp_q @ c.comp_k.T
+        c_cos = _mm(c.comp_q, c.comp_k.T, acc)
         drop = (c_cos * inv_t > 20 * ep.phi) if released else (c_cos >= ep.phi)
         del c_cos
         drop[ar, diag] = False                         # the positive is never dropped
@@ -247,20 +247,22 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     need_q, need_k = bool(need[0]), any(need[1:])
 
     # One (M×d) candidate matrix; a copy only when there are several blocks or a dtype change.
-    keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype)
+    # Made contiguous once here, at the boundary: the engines assume unit stride along d.
+    keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype).contiguous()
     norm_k, norm_q = _norms(keys, acc), _norms(anchors, acc)
     inv_k, inv_q = 1.0 / norm_k, 1.0 / norm_q
     dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
     dq = torch.empty(n, d, dtype=acc, device=device) if need_q else None
     comp = None
     if ep.complementary is not None:
-        comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS) for x in ep.complementary]
+        comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
+                for x in ep.complementary]
 
     rows = rows_per_chunk(n, m, ep, n, engine.entry_bytes(dtype), device.type)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        q = anchors[r0:r1].to(dtype)
+        q = anchors[r0:r1].to(dtype).contiguous()
         chunk = Chunk(r0, r1, n, q, keys, inv_q[r0:r1], inv_k,
                       comp[0][r0:r1] if comp else None, comp[1] if comp else None)
         part, g = engine(ep, chunk, need_q or need_k)

@@ -51,6 +51,16 @@ def _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w,
 
 
 @triton.jit
+def _positive(cols, rows_g, POSITIVES: tl.constexpr):
+    """Where column j holds row i's positive (j = i); nowhere for DCLR's noise loss."""
+    if POSITIVES:
+        is_pos = cols[None, :] == rows_g[:, None]
+    else:
+        is_pos = cols[None, :] < 0
+    return is_pos
+
+
+@triton.jit
 def _similarity_kernel(
     q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr,
     s_ptr, part_max_ptr, part_sum_ptr, pos_ptr,
@@ -82,7 +92,7 @@ def _similarity_kernel(
     inv_k = tl.load(inv_k_ptr + cols, mask=col_ok, other=0.0)
     s = acc * inv_q[:, None] * inv_k[None, :]
 
-    is_pos = (cols[None, :] == rows_g[:, None]) & POSITIVES
+    is_pos = _positive(cols, rows_g, POSITIVES)
     l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
 
     if MASK:
@@ -144,7 +154,7 @@ def _gradient_kernel(
 
     s = tl.load(s_ptr + rows[:, None] * stride_s + cols[None, :], mask=ok, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    is_pos = (cols[None, :] == rows_g[:, None]) & POSITIVES
+    is_pos = _positive(cols, rows_g, POSITIVES)
     l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
     if MASK:
         dropped = s == DROPPED
@@ -165,11 +175,12 @@ def _gradient_kernel(
             log_not = tl.where(ok & (~is_pos), tl.maximum(log_not, -100.0), 0.0)
             tl.store(part_v_ptr + rows * stride_part + pid_m, tl.sum(v, axis=1), mask=row_ok)
             tl.store(part_log_ptr + rows * stride_part + pid_m, tl.sum(log_not, axis=1), mask=row_ok)
-            return
-        vsum = tl.load(vsum_ptr + rows, mask=row_ok, other=0.0)
-        g = (v - p * vsum[:, None]) * (inv_t * scale)
-        if MASK:
-            g = tl.where(dropped, 0.0, g)              # a × 0 logit has no slope in s
+        else:
+            vsum = tl.load(vsum_ptr + rows, mask=row_ok, other=0.0)
+            g = (v - p * vsum[:, None]) * (inv_t * scale)
+            if MASK:
+                g = tl.where(dropped, 0.0, g)          # a × 0 logit has no slope in s
+            _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g)
     else:
         g = tl.where(is_pos, p - 1.0, p)
         if FOCAL:
@@ -177,6 +188,12 @@ def _gradient_kernel(
         else:
             slope = inv_t
         g = g * slope * scale
+        _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g)
+
+
+@triton.jit
+def _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g):
+    """G'_ij = ∂L/∂s_ij / (‖q_i‖‖k_j‖), the form both gradient GEMMs take with raw inputs."""
     inv_q = tl.load(inv_q_ptr + rows, mask=row_ok, other=0.0)
     inv_k = tl.load(inv_k_ptr + cols, mask=col_ok, other=0.0)
     g = g * inv_q[:, None] * inv_k[None, :]
@@ -235,10 +252,10 @@ def triton_chunk(ep, c, want_grad):
                  RELEASED=released, POSITIVES=ep.positives)
     focal_m = float(ep.focal_m or 0.0)
     inv_t = 1.0 / ep.temperature
-    q, keys = c.q.contiguous(), c.keys.contiguous()
-    inv_q, inv_k = c.inv_q.float().contiguous(), c.inv_k.float().contiguous()
+    q, keys = c.q, c.keys                  # contiguous, in the GEMM dtype (the driver's job)
+    inv_q, inv_k = c.inv_q.float(), c.inv_k.float()
     if mask:
-        cq, ck = c.comp_q.to(q.dtype).contiguous(), c.comp_k.to(q.dtype).contiguous()
+        cq, ck = c.comp_q, c.comp_k
         dc = cq.shape[1]
     else:
         cq, ck, dc = q, keys, 0            # never read
