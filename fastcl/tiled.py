@@ -62,17 +62,20 @@ def _mixed_mm_supported(device_type: str) -> bool:
 
 
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the chunk GEMMs read. 16-bit inputs stay 16-bit only where the GEMM can
-    write float32 directly (rounding cosines to bf16 would cost ~0.1 in logit at τ = 0.05);
-    elsewhere they are widened once."""
-    acc = accumulate_dtype(dtype)
-    if dtype != acc and device.type == "cuda" and _mixed_mm_supported(device.type):
-        return dtype
-    return acc
+    """The dtype the chunk GEMMs read: 16-bit inputs stay 16-bit on a GPU (tensor cores);
+    on a CPU they are widened once (16-bit GEMMs are no faster there)."""
+    return dtype if device.type == "cuda" else accumulate_dtype(dtype)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    return a @ b if a.dtype == acc else torch.mm(a, b, out_dtype=acc)
+    """``a @ b`` written in ``acc``. 16-bit GEMMs write float32 directly where torch can;
+    elsewhere the product is rounded to 16 bits first (~3 significant digits: fine for the
+    gradient GEMMs, too coarse for cosines at τ = 0.05 — the Triton kernels form those)."""
+    if a.dtype == acc:
+        return a @ b
+    if _mixed_mm_supported(a.device.type):
+        return torch.mm(a, b, out_dtype=acc)
+    return (a @ b).to(acc)
 
 
 def rows_per_chunk(n: int, m: int, ep: Epilogue, n_pos: int, elem_bytes: int,
@@ -252,7 +255,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     norm_k, norm_q = _norms(keys, acc), _norms(anchors, acc)
     inv_k, inv_q = 1.0 / norm_k, 1.0 / norm_q
     dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
-    dq = torch.empty(n, d, dtype=acc, device=device) if need_q else None
+    # dq rows are final once their chunk is done: stored in the input dtype straight away
+    dq = torch.empty(n, d, dtype=in_dtype, device=device) if need_q else None
     comp = None
     if ep.complementary is not None:
         comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
@@ -279,7 +283,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
 
     released = ep.formulation == "released"
     loss = (loss_sum / (n * m if released else n)).to(acc)
-    grads = [dq.to(in_dtype) if need_q else None]
+    grads = [dq]
     if need_k:
         dk = _tangent_(dk, keys, norm_k, rows)
         grads += [dk[s:s + c.shape[0]].to(c.dtype) if want else None

@@ -1,0 +1,335 @@
+"""STS evaluation as SentEval runs it for SimCSE, without SentEval.
+
+Protocol: embed both sentences of every pair, score the pair by the cosine of the two
+embeddings, and report the Spearman rank correlation ×100 between cosines and gold scores.
+STS12–STS16 pool every subset of a year into one correlation (SentEval's "all" setting);
+STS-B and SICK-R use the test split (``stsb-dev`` / ``sickr-dev``: the dev split and SICK's
+trial file). No regressor is trained. The average is taken over scores rounded to two
+decimals. Sentences are whitespace-normalized as SentEval's tokenize-and-join does.
+
+Data layout under ``sts_dir`` (SentEval's own ``downstream/`` names are also accepted)::
+
+    STS12-en-test/STS.input.<subset>.txt   two tab-separated sentences a line
+    STS12-en-test/STS.gs.<subset>.txt      the gold score a line (empty: pair dropped)
+    ... STS13-en-test ... STS16-en-test
+    stsb/sts-dev.csv, stsb/sts-test.csv    tab-separated, no quoting, 7+ fields:
+                                           genre file year id score sentence1 sentence2
+    sick/SICK_test_annotated.txt, sick/SICK_trial.txt
+                                           tab-separated with a header naming sentence_A,
+                                           sentence_B and relatedness_score
+
+Command line::
+
+    python -m fastcl.evaluate MODEL --pooler cls_before_pooler --sts-dir DIR [--tasks ...] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy.stats import spearmanr
+
+from .encoders import POOLERS, SentenceEncoder, check_pooler, encode, load_encoder
+from .metrics import alignment, uniformity
+
+SEVEN = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
+DEV = ("stsb-dev", "sickr-dev")
+TASKS = SEVEN + DEV
+
+# Per task: candidate folders under sts_dir (this project's layout first, then SentEval's
+# data/downstream layout) and the file(s) to read.
+_YEAR_DIRS = {f"sts{y}": (f"STS{y}-en-test", f"STS/STS{y}-en-test") for y in range(12, 17)}
+_STSB_DIRS = ("stsb", "STS/STSBenchmark")
+_SICK_DIRS = ("sick", "SICK")
+_FILES = {"stsb": "sts-test.csv", "stsb-dev": "sts-dev.csv",
+          "sickr": "SICK_test_annotated.txt", "sickr-dev": "SICK_trial.txt"}
+
+
+@dataclass
+class STSPairs:
+    """Sentence pairs with gold similarity scores."""
+
+    task: str
+    sentences1: list
+    sentences2: list
+    scores: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+
+def _lines(path: Path) -> list:
+    """Lines of a UTF-8 file split on LF only, with a trailing CR removed (CRLF files)."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def _norm(sentence: str) -> str:
+    return " ".join(sentence.split())
+
+
+def _float(value: str, path: Path, lineno: int, what: str) -> float:
+    try:
+        score = float(value)
+    except ValueError:
+        raise ValueError(f"{path}:{lineno}: {what} {value!r} is not a number") from None
+    if not math.isfinite(score):
+        raise ValueError(f"{path}:{lineno}: {what} {value!r} is not finite")
+    return score
+
+
+def _pairs(task, s1, s2, scores, path) -> STSPairs:
+    if not scores:
+        raise ValueError(f"{path}: no scored pairs")
+    return STSPairs(task, s1, s2, np.asarray(scores, dtype=np.float64))
+
+
+def load_sts_year(folder, task: str = "sts") -> STSPairs:
+    """One STS year in SentEval layout: every ``STS.input.<subset>.txt`` with its gold file.
+
+    Pairs whose gold line is empty are dropped; the subsets are concatenated (sorted by name).
+    """
+    folder = Path(folder)
+    inputs = sorted(folder.glob("STS.input.*.txt"))
+    if not inputs:
+        raise FileNotFoundError(f"{folder}: no STS.input.<subset>.txt files")
+    s1, s2, scores = [], [], []
+    for path in inputs:
+        subset = path.name[len("STS.input."):-len(".txt")]
+        gold_path = folder / f"STS.gs.{subset}.txt"
+        if not gold_path.is_file():
+            raise FileNotFoundError(f"{path} has no gold file {gold_path.name}")
+        pairs, gold = _lines(path), _lines(gold_path)
+        if len(pairs) != len(gold):
+            raise ValueError(f"{path} has {len(pairs)} lines but {gold_path.name} has {len(gold)}")
+        for lineno, (pair, g) in enumerate(zip(pairs, gold), 1):
+            if not g.strip():
+                continue
+            fields = pair.split("\t")
+            if len(fields) < 2:
+                raise ValueError(f"{path}:{lineno}: expected two tab-separated sentences")
+            s1.append(_norm(fields[0]))
+            s2.append(_norm(fields[1]))
+            scores.append(_float(g.strip(), gold_path, lineno, "gold score"))
+    return _pairs(task, s1, s2, scores, folder)
+
+
+def load_stsb(path, task: str = "stsb") -> STSPairs:
+    """An STS Benchmark split: tab-separated, quoting disabled (the text has unbalanced ``"``).
+
+    Fields: genre, file, year, id, score, sentence1, sentence2 (the original release adds
+    licence fields on some rows; they are ignored).
+    """
+    path = Path(path)
+    s1, s2, scores = [], [], []
+    for lineno, line in enumerate(_lines(path), 1):
+        fields = line.split("\t")
+        if len(fields) < 7:
+            raise ValueError(f"{path}:{lineno}: expected at least 7 tab-separated fields, "
+                             f"got {len(fields)}")
+        scores.append(_float(fields[4], path, lineno, "score"))
+        s1.append(_norm(fields[5]))
+        s2.append(_norm(fields[6]))
+    return _pairs(task, s1, s2, scores, path)
+
+
+def load_sick(path, task: str = "sickr") -> STSPairs:
+    """A SICK file: tab-separated with a header; columns sentence_A, sentence_B, relatedness_score."""
+    path = Path(path)
+    lines = _lines(path)
+    if not lines:
+        raise ValueError(f"{path}: empty file")
+    header = lines[0].lstrip("\ufeff").split("\t")
+    wanted = ("sentence_A", "sentence_B", "relatedness_score")
+    missing = [c for c in wanted if c not in header]
+    if missing:
+        raise ValueError(f"{path}: header lacks column(s) {', '.join(missing)}")
+    a, b, r = (header.index(c) for c in wanted)
+    s1, s2, scores = [], [], []
+    for lineno, line in enumerate(lines[1:], 2):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) < len(header):
+            raise ValueError(f"{path}:{lineno}: expected {len(header)} fields, got {len(fields)}")
+        s1.append(_norm(fields[a]))
+        s2.append(_norm(fields[b]))
+        scores.append(_float(fields[r], path, lineno, "relatedness_score"))
+    return _pairs(task, s1, s2, scores, path)
+
+
+def task_source(sts_dir, task: str) -> Path:
+    """The folder (STS12–16) or file (the others) of ``task`` under ``sts_dir``.
+
+    Raises FileNotFoundError naming the places looked at.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks are {' '.join(TASKS)}")
+    root = Path(sts_dir)
+    if task in _YEAR_DIRS:
+        candidates = [root / d for d in _YEAR_DIRS[task]]
+        found = [c for c in candidates if c.is_dir()]
+    else:
+        dirs = _STSB_DIRS if task.startswith("stsb") else _SICK_DIRS
+        candidates = [root / d / _FILES[task] for d in dirs]
+        found = [c for c in candidates if c.is_file()]
+    if not found:
+        raise FileNotFoundError(f"{task}: none of {', '.join(str(c) for c in candidates)}")
+    return found[0]
+
+
+def load_task(sts_dir, task: str) -> STSPairs:
+    source = task_source(sts_dir, task)
+    if task in _YEAR_DIRS:
+        return load_sts_year(source, task)
+    return (load_stsb if task.startswith("stsb") else load_sick)(source, task)
+
+
+def cosine_spearman(emb1: torch.Tensor, emb2: torch.Tensor, gold) -> float:
+    """Spearman ×100 between ``cos(emb1_i, emb2_i)`` and the gold scores."""
+    cos = F.cosine_similarity(emb1.double(), emb2.double(), dim=1).numpy()
+    return float(spearmanr(cos, np.asarray(gold)).statistic * 100.0)
+
+
+def alignment_uniformity(emb1, emb2, gold, threshold: float = 4.0) -> dict:
+    """Wang & Isola on STS pairs: alignment over pairs with gold ≥ ``threshold``,
+    uniformity over every sentence of both sides."""
+    keep = torch.as_tensor(np.asarray(gold) >= threshold)
+    out = {"uniformity": float(uniformity(torch.cat([emb1, emb2]).double()))}
+    out["alignment"] = float(alignment(emb1[keep].double(), emb2[keep].double())) if keep.any() else None
+    return out
+
+
+def rounded_average(scores: dict):
+    """Mean of the scores each rounded to two decimals (SimCSE's table), None if empty."""
+    if not scores:
+        return None
+    return float(np.mean([round(s, 2) for s in scores.values()]))
+
+
+def evaluate(model, tokenizer, pooler: str, sts_dir, tasks=SEVEN, *, head=None,
+             batch_size: int = 64, max_length: int | None = None, metrics: bool = False,
+             data: dict | None = None) -> dict:
+    """Score a Hugging Face encoder on STS tasks.
+
+    Args:
+        model: the encoder (``AutoModel``) or a :class:`~fastcl.encoders.SentenceEncoder`
+            (then ``pooler`` and ``head`` come from it when ``pooler`` is None).
+        tokenizer: its tokenizer.
+        pooler: one of :data:`fastcl.encoders.POOLERS`; ``cls`` needs ``head``.
+        sts_dir: the data folder (layout in the module docstring).
+        tasks: names from ``sts12 sts13 sts14 sts15 sts16 stsb sickr stsb-dev sickr-dev``.
+        metrics: also give alignment and uniformity per task.
+        data: optional cache ``task -> STSPairs`` (filled as tasks are read).
+
+    Returns ``{"scores": {task: spearman×100}, "pairs": {task: n}, "missing": {task: why},
+    "avg": mean of rounded scores or None, "metrics": {task: {"alignment", "uniformity"}}}``.
+    Missing task files are reported in ``missing`` and skipped.
+    """
+    tasks = _check_tasks(tasks)
+    encoder = model if isinstance(model, SentenceEncoder) and pooler is None else None
+    if encoder is None:
+        backbone = model.backbone if isinstance(model, SentenceEncoder) else model
+        encoder = SentenceEncoder(backbone, check_pooler(pooler), head)
+    result = {"scores": {}, "pairs": {}, "missing": {}, "avg": None, "metrics": {}}
+    data = {} if data is None else data
+    for task in tasks:
+        if task not in data:
+            try:
+                data[task] = load_task(sts_dir, task)
+            except FileNotFoundError as err:
+                result["missing"][task] = str(err)
+                continue
+        pairs = data[task]
+        emb = encode(encoder, tokenizer, pairs.sentences1 + pairs.sentences2,
+                     batch_size=batch_size, max_length=max_length)
+        emb1, emb2 = emb[:len(pairs)], emb[len(pairs):]
+        result["scores"][task] = cosine_spearman(emb1, emb2, pairs.scores)
+        result["pairs"][task] = len(pairs)
+        if metrics:
+            result["metrics"][task] = alignment_uniformity(emb1, emb2, pairs.scores)
+    result["avg"] = rounded_average(result["scores"])
+    return result
+
+
+def _check_tasks(tasks) -> tuple:
+    if isinstance(tasks, str):
+        tasks = (tasks,)
+    tasks = tuple(tasks)
+    if not tasks:
+        raise ValueError("tasks is empty")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"tasks: unknown {', '.join(unknown)}; choose from {' '.join(TASKS)}")
+    return tasks
+
+
+def format_table(result: dict) -> str:
+    """A two-row text table of the scores (and the average), then the missing tasks."""
+    names = list(result["scores"]) + (["avg"] if result["scores"] else [])
+    values = [f"{s:.2f}" for s in result["scores"].values()]
+    if result["scores"]:
+        values.append(f"{result['avg']:.2f}")
+    widths = [max(len(n), len(v)) for n, v in zip(names, values)]
+    lines = []
+    if names:
+        lines.append(" | ".join(n.rjust(w) for n, w in zip(names, widths)))
+        lines.append(" | ".join(v.rjust(w) for v, w in zip(values, widths)))
+    for task, why in result["missing"].items():
+        lines.append(f"missing {task}, skipped: {why}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fastcl.evaluate",
+        description="Spearman x100 of cosine similarities on the STS tasks (SentEval's protocol).")
+    p.add_argument("model", help="model folder (Hugging Face or sentence-transformers layout, "
+                                 "e.g. a train.py output) or a hub name")
+    p.add_argument("--pooler", required=True, choices=POOLERS,
+                   help="how token states become a sentence embedding; 'cls' uses the MLP head "
+                        "saved with the model (2_Dense/) or the model's own pooler")
+    p.add_argument("--sts-dir", required=True, help="data folder holding STS12-en-test/ ... "
+                   "STS16-en-test/, stsb/ and sick/")
+    p.add_argument("--tasks", nargs="+", default=list(SEVEN), choices=TASKS, metavar="TASK",
+                   help=f"tasks to run (default: the seven). Choices: {' '.join(TASKS)}")
+    p.add_argument("--batch-size", type=int, default=64, help="sentences per forward (default 64)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="truncate inputs to this many tokens (default: the model's limit)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_length is not None and args.max_length < 2:
+        raise SystemExit(f"--max-length must be >= 2, got {args.max_length}")
+    if not Path(args.sts_dir).is_dir():
+        raise SystemExit(f"--sts-dir: no such folder: {args.sts_dir}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    encoder, tokenizer = load_encoder(args.model, args.pooler, arg="model", device=device)
+    result = evaluate(encoder, tokenizer, None, args.sts_dir, args.tasks,
+                      batch_size=args.batch_size, max_length=args.max_length)
+    print(format_table(result))
+    if args.json_out:
+        out = {"model": args.model, "pooler": args.pooler, "sts_dir": str(args.sts_dir), **result}
+        Path(args.json_out).write_text(json.dumps(out, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
