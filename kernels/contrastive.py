@@ -51,6 +51,23 @@ def _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w,
 
 
 @triton.jit
+def _tile_dot(a_ptr, b_ptr, rows, cols, row_ok, col_ok, K, stride_a, stride_b,
+              PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """(a_rows · b_colsᵀ) for one tile, accumulated in fp32 over K in BLOCK_D steps, like a
+    matmul: K (the embedding width, 384–4096) is too wide to keep a row block resident."""
+    acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_D):
+        kk = k0 + tl.arange(0, BLOCK_D)
+        a = tl.load(a_ptr + rows[:, None] * stride_a + kk[None, :],
+                    mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + cols[:, None] * stride_b + kk[None, :],
+                    mask=col_ok[:, None] & (kk[None, :] < K), other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _positive(cols, rows_g, POSITIVES: tl.constexpr):
     """Where column j holds row i's positive (j = i); nowhere for DCLR's noise loss."""
     if POSITIVES:
@@ -79,15 +96,8 @@ def _similarity_kernel(
     col_ok = cols < M
     rows_g = r0 + rows                     # global anchor index = its positive's column
 
-    # s tile, accumulated over d like a matmul (d is 384–4096: too wide to hold a row block)
-    acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptr + rows[:, None] * stride_q + dd[None, :],
-                    mask=row_ok[:, None] & (dd[None, :] < D), other=0.0)
-        k = tl.load(k_ptr + cols[:, None] * stride_k + dd[None, :],
-                    mask=col_ok[:, None] & (dd[None, :] < D), other=0.0)
-        acc = tl.dot(q, tl.trans(k), acc, input_precision=PREC)
+    acc = _tile_dot(q_ptr, k_ptr, rows, cols, row_ok, col_ok, D, stride_q, stride_k,
+                    PREC, BLOCK_R, BLOCK_M, BLOCK_D)
     inv_q = tl.load(inv_q_ptr + rows, mask=row_ok, other=0.0)
     inv_k = tl.load(inv_k_ptr + cols, mask=col_ok, other=0.0)
     s = acc * inv_q[:, None] * inv_k[None, :]
@@ -97,15 +107,9 @@ def _similarity_kernel(
 
     if MASK:
         # the complementary model's cosine, in the same tile: no N×M mask ever exists
-        cacc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
         in_batch = cols < n_pos
-        for c0 in range(0, DC, BLOCK_D):
-            cc = c0 + tl.arange(0, BLOCK_D)
-            cq = tl.load(cq_ptr + rows[:, None] * stride_cq + cc[None, :],
-                         mask=row_ok[:, None] & (cc[None, :] < DC), other=0.0)
-            ck = tl.load(ck_ptr + cols[:, None] * stride_ck + cc[None, :],
-                         mask=in_batch[:, None] & (cc[None, :] < DC), other=0.0)
-            cacc = tl.dot(cq, tl.trans(ck), cacc, input_precision=PREC)
+        cacc = _tile_dot(cq_ptr, ck_ptr, rows, cols, row_ok, in_batch, DC, stride_cq, stride_ck,
+                         PREC, BLOCK_R, BLOCK_M, BLOCK_D)
         if RELEASED:
             too_close = cacc * inv_t > 20.0 * phi      # the released code's test
         else:
