@@ -43,79 +43,19 @@ Example::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
-import gc
 import json
 import os
-import re
 import shlex
-import signal
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _measure import (MIB, cpu_model, default_threads, malloc_settings, measure_cpu, print_result,
+                      run_fresh_process, worker_env)
 
 OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl")
 IMPLS = ("reference", "tiled", "compiled")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-RESULT_PREFIX = "FASTCL_BENCH_RESULT "
-MIB = 2**20
-
-
-# --------------------------------------------------------------------------- /proc helpers
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    return int(match.group(1))
-
-
-def rss_bytes() -> int:
-    return _status_kib("VmRSS") * 1024
-
-
-def peak_rss_bytes() -> int:
-    return _status_kib("VmHWM") * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS; return whether the kernel actually did it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    # Allow a little slack: RSS can grow by a few pages between the two reads.
-    return peak_rss_bytes() <= rss_bytes() + MIB
-
-
-def trim_heap() -> None:
-    """Give freed heap pages back to the OS so they do not count as resident."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-def default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 # --------------------------------------------------------------------------- worker
@@ -192,75 +132,17 @@ def worker(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     dtype = getattr(torch, spec["dtype"])
-    out = {}
     step, leaves = build_case(spec["objective"], spec["impl"], spec["n"], spec["d"],
                               dtype, spec["seed"], spec["chunk_size"])
-    trim_heap()
-    baseline = rss_bytes()
-
-    if reset_peak_rss():
-        out["memory_method"] = "clear_refs: VmHWM reset after one warm-up run"
-        loss = step()                                   # warm-up
-        for x in leaves:  # step() also does this; here so the trim below can free them
-            x.grad = None
-        del loss
-        trim_heap()
-        before = rss_bytes()
-        reset_peak_rss()
-        first_run_is_memory_run, times = True, []
-    else:
-        # No way to reset the high-water mark: measure the very first run of this
-        # process instead (it includes one-off initialisation), then time the rest.
-        out["memory_method"] = ("first run in a fresh process (VmHWM could not be reset: "
-                                "includes one-off initialisation)")
-        before = baseline
-        t0 = time.perf_counter()
-        loss = step()
-        first_run_is_memory_run, times = False, []
-        out["first_run_s"] = time.perf_counter() - t0
-        peak = peak_rss_bytes()
-
-    for i in range(spec["repeats"]):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
-        if i == 0 and first_run_is_memory_run:
-            peak = peak_rss_bytes()
-        loss_value = float(loss.detach())
-        del loss
-
-    out.update(
-        ok=True,
-        loss=loss_value,
-        times_s=times,
-        median_s=statistics.median(times),
-        baseline_rss_mib=baseline / MIB,
-        retained_after_warmup_mib=(before - baseline) / MIB,
-        peak_rss_mib=peak / MIB,
-        peak_beyond_inputs_mib=(peak - baseline) / MIB,
-        nm_matrix_mib=spec["n"] * spec["m"] * 4 / MIB,
-    )
+    out = measure_cpu(step, leaves, spec["repeats"])
+    out["nm_matrix_mib"] = spec["n"] * spec["m"] * 4 / MIB
     return out
 
 
 def run_worker(spec: dict, timeout, env: dict) -> dict:
     """Run one case in a fresh interpreter; any failure becomes an error row."""
-    row = dict(spec)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {**row, "ok": False, "error": f"timed out after {timeout} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            return {**row, **json.loads(line[len(RESULT_PREFIX):])}
-    if proc.returncode < 0:
-        sig = signal.Signals(-proc.returncode).name
-        why = f"worker killed by {sig}" + (" (likely out of memory)" if sig == "SIGKILL" else "")
-    else:
-        why = f"worker exited with status {proc.returncode}"
-    tail = proc.stderr.strip().splitlines()[-3:]
-    return {**row, "ok": False, "error": "; ".join([why, *tail])}
+    return run_fresh_process(cmd, dict(spec), timeout, env)
 
 
 # --------------------------------------------------------------------------- parent
@@ -333,7 +215,7 @@ def main(argv=None) -> int:
             result = worker(json.loads(args.worker))
         except Exception as exc:  # reported as a row by the parent
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        print_result(result)
         return 0
 
     objectives = split_list(args.objective or ["infonce"], OBJECTIVES, "--objective")
@@ -352,10 +234,8 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__} | {cpu_model()} | {args.threads} threads | N={args.n} d={args.d} "
           f"{args.dtype} | {args.repeats} repeats | one fresh process per case", flush=True)
 
-    env = dict(os.environ)
-    if not args.system_malloc:
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MIB))
-    malloc_env = {k: v for k, v in env.items() if k.startswith("MALLOC_")}
+    env = worker_env(args.system_malloc)
+    malloc_env = malloc_settings(env)
 
     rows = []
     for objective in objectives:
