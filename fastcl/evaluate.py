@@ -20,7 +20,7 @@ Data layout under ``sts_dir`` (SentEval's own ``downstream/`` names are also acc
 
 Command line::
 
-    python -m fastcl.evaluate MODEL --pooler cls_before_pooler --sts-dir DIR [--tasks ...] [--json OUT]
+    python -m fastcl.evaluate MODEL [--pooler cls_before_pooler] --sts-dir DIR [--tasks ...] [--json OUT]
 """
 
 from __future__ import annotations
@@ -238,10 +238,11 @@ def evaluate(model, tokenizer, pooler: str, sts_dir, tasks=SEVEN, *, head=None,
     Missing task files are reported in ``missing`` and skipped.
     """
     tasks = _check_tasks(tasks)
-    encoder = model if isinstance(model, SentenceEncoder) and pooler is None else None
-    if encoder is None:
-        backbone = model.backbone if isinstance(model, SentenceEncoder) else model
-        encoder = SentenceEncoder(backbone, check_pooler(pooler), head)
+    if isinstance(model, SentenceEncoder):
+        encoder = model if pooler is None else SentenceEncoder(
+            model.backbone, check_pooler(pooler), head if head is not None else model.head)
+    else:
+        encoder = SentenceEncoder(model, check_pooler(pooler), head)
     result = {"scores": {}, "pairs": {}, "missing": {}, "avg": None, "metrics": {}}
     data = {} if data is None else data
     for task in tasks:
@@ -297,9 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Spearman x100 of cosine similarities on the STS tasks (SentEval's protocol).")
     p.add_argument("model", help="model folder (Hugging Face or sentence-transformers layout, "
                                  "e.g. a train.py output) or a hub name")
-    p.add_argument("--pooler", required=True, choices=POOLERS,
+    p.add_argument("--pooler", choices=POOLERS, default=None,
                    help="how token states become a sentence embedding; 'cls' uses the MLP head "
-                        "saved with the model (2_Dense/) or the model's own pooler")
+                        "saved with the model (2_Dense/) or the model's own pooler (default: the "
+                        "pooler a train.py export was saved with, from MODEL/fastcl_pooler.json)")
     p.add_argument("--sts-dir", required=True, help="data folder holding STS12-en-test/ ... "
                    "STS16-en-test/, stsb/ and sick/")
     p.add_argument("--tasks", nargs="+", default=list(SEVEN), choices=TASKS, metavar="TASK",
@@ -312,6 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def saved_pooler(model) -> str:
+    """The pooler recorded next to a train.py export (``fastcl_pooler.json``)."""
+    path = Path(model) / "fastcl_pooler.json"
+    if not path.is_file():
+        raise SystemExit(f"--pooler is needed: {model} has no fastcl_pooler.json "
+                         f"(choose from {', '.join(POOLERS)})")
+    return check_pooler(json.loads(path.read_text())["pooler"], name=str(path))
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
@@ -320,13 +331,17 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--max-length must be >= 2, got {args.max_length}")
     if not Path(args.sts_dir).is_dir():
         raise SystemExit(f"--sts-dir: no such folder: {args.sts_dir}")
+    pooler = args.pooler or saved_pooler(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    encoder, tokenizer = load_encoder(args.model, args.pooler, arg="model", device=device)
+    try:
+        encoder, tokenizer = load_encoder(args.model, pooler, arg="model", device=device)
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"python -m fastcl.evaluate: error: {err}") from err
     result = evaluate(encoder, tokenizer, None, args.sts_dir, args.tasks,
                       batch_size=args.batch_size, max_length=args.max_length)
     print(format_table(result))
     if args.json_out:
-        out = {"model": args.model, "pooler": args.pooler, "sts_dir": str(args.sts_dir), **result}
+        out = {"model": args.model, "pooler": pooler, "sts_dir": str(args.sts_dir), **result}
         Path(args.json_out).write_text(json.dumps(out, indent=2) + "\n")
     return result
 

@@ -7,6 +7,7 @@ Backends: ``"reference"`` (:mod:`fastcl.reference`, full matrices), ``"tiled"``
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -19,9 +20,14 @@ from .tiled import Epilogue
 __all__ = ["infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss"]
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _triton_problem(x: torch.Tensor) -> str | None:
     """Why the Triton backend cannot take ``x`` (None if it can)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "the triton package is not installed (pip install 'fastcl[triton]')"
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the kernels take float32, float16 or bfloat16 embeddings, not {x.dtype}"
