@@ -68,8 +68,8 @@ class STSPairs:
 
 def _lines(path: Path) -> list:
     """Lines of a UTF-8 file split on LF only, with a trailing CR removed (CRLF files)."""
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = f.read().split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how token states become a sentence embedding; 'cls' uses the MLP head "
                         "saved with the model (2_Dense/) or the model's own pooler (default: the "
                         "pooler a train.py export was saved with, from MODEL/fastcl_pooler.json)")
-    p.add_argument("--sts-dir", required=True, help="data folder holding STS12-en-test/ ... "
+    p.add_argument("--sts-dir", required=True, metavar="DIR", help="data folder holding STS12-en-test/ ... "
                    "STS16-en-test/, stsb/ and sick/")
     p.add_argument("--tasks", nargs="+", default=list(SEVEN), choices=TASKS, metavar="TASK",
                    help=f"tasks to run (default: the seven). Choices: {' '.join(TASKS)}")
@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=None,
                    help="truncate inputs to this many tokens (default: the model's limit)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    p.add_argument("--json", dest="json_out", default=None, metavar="FILE", help="also write the results here")
     return p
 
 

@@ -17,7 +17,8 @@ st = pytest.importorskip("sentence_transformers", reason="needs sentence-transfo
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss  # noqa: E402
 
 from fastcl.integrations.sentence_transformers import (  # noqa: E402
-    FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastInfoNCELoss, dropout_probability)
+    FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastInfoNCELoss)
+from fastcl.encoders import dropout_rate  # noqa: E402
 
 DATA = Path(os.environ.get("FASTCL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 WIKI = DATA / "wiki" / "wiki1m_for_simcse.random10k.txt"
@@ -75,11 +76,11 @@ def test_other_similarities_are_refused(minilm):
         FastDCLRLoss(minilm, minilm).compute_loss_from_embeddings(_embeddings(3), None)
 
 
-def test_dropout_probability_is_restored(minilm):
+def test_dropout_rate_is_restored(minilm):
     dropouts = [m for m in minilm.modules() if isinstance(m, torch.nn.Dropout)]
     assert dropouts
     before = [m.p for m in dropouts]
-    with dropout_probability(minilm, 0.45):
+    with dropout_rate(minilm, 0.45):
         assert all(m.p == 0.45 for m in dropouts)
     assert [m.p for m in dropouts] == before
 

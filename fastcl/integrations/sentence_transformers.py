@@ -20,13 +20,13 @@ dropout gives the two views.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterable
 
 import torch
 from torch import Tensor, nn
 
 import fastcl
+from fastcl.encoders import dropout_rate
 
 try:
     from sentence_transformers import SentenceTransformer
@@ -215,22 +215,6 @@ class FastDCLRLoss(_FastLoss):
 """
 
 
-@contextlib.contextmanager
-def dropout_probability(module: nn.Module, p: float):
-    """Temporarily set every ``nn.Dropout`` in ``module`` to probability ``p`` (in Hugging Face
-    encoders this covers the hidden-state and the attention-probability dropouts: the
-    attention kernels read ``self.dropout.p``)."""
-    dropouts = [m for m in module.modules() if isinstance(m, nn.Dropout)]
-    saved = [m.p for m in dropouts]
-    for m in dropouts:
-        m.p = p
-    try:
-        yield
-    finally:
-        for m, old in zip(dropouts, saved):
-            m.p = old
-
-
 class FastESCLLoss(_FastLoss):
     r"""ESCL (Liu et al., 2023): InfoNCE + λ·relative difference to a high-dropout view.
 
@@ -254,7 +238,7 @@ class FastESCLLoss(_FastLoss):
         sentence_features = list(sentence_features)
         self._columns(sentence_features, "FastESCLLoss", 2, 2)
         embeddings = embed_columns(self.model, sentence_features)
-        with dropout_probability(self.model, self.sensitive_dropout):
+        with dropout_rate(self.model, self.sensitive_dropout):
             sensitive = self.model(dict(sentence_features[0]))["sentence_embedding"]
         return self.compute_loss_from_embeddings([*embeddings, sensitive], labels)
 

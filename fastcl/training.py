@@ -1,0 +1,398 @@
+"""Training pieces shared by ``train.py``: data, views, objectives, one step, checkpoints.
+
+One training step is: a batch of examples → embeddings of every view → a fastcl loss →
+backward and an optimizer step. :func:`embed_views` and :func:`objective_loss` are separate
+so other step drivers (cached two-pass encoding, data parallelism) can reuse them.
+
+Views per method (the SimCSE conventions the papers share):
+
+- unsupervised (simcse, dclr, focal, escl): one forward of the duplicated batch
+  ``[x1, x1, x2, x2, …]`` in train mode; the two dropout masks give anchors ``h`` and
+  positives ``h⁺``.
+- escl: a third view ``h⁻`` of the same sentences from a separate forward with every dropout
+  rate set to ``sensitive_dropout`` (0.45); the two main views keep the model's own rate.
+- dclr: a frozen complementary encoder embeds the batch in eval mode under no_grad. Without
+  dropout its two views coincide, so ``c = c⁺`` and the instance weights are
+  ``α_ij = 1[cos(c_i, c_j) < φ]``.
+- simcse-sup: one forward of ``[p1, e1, c1, p2, e2, c2, …]`` (premise, entailment,
+  contradiction) gives ``h``, ``h⁺`` and hard negatives ``h⁻``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import fastcl
+
+from .encoders import SentenceEncoder, dropout_rate, tokenize
+
+UNSUPERVISED = ("simcse", "dclr", "focal", "escl")
+SUPERVISED = ("simcse-sup",)
+METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
+
+
+# ---------------------------------------------------------------------------------------
+# Data
+
+@dataclass
+class TrainingData:
+    """Examples as a ``datasets.Dataset`` plus what reading them skipped."""
+
+    dataset: object
+    kind: str          # "sentences" (column text) or "triplets" / "pairs" (sent0, sent1[, hard_neg])
+    skipped: int
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _dataset(columns: dict):
+    import datasets
+    return datasets.Dataset.from_dict(columns)
+
+
+def read_sentences(path) -> TrainingData:
+    """One sentence per line (UTF-8). Blank and whitespace-only lines are skipped and counted.
+
+    Lines are split on LF only (a CR before it is dropped), so sentences holding other
+    Unicode line separators stay whole.
+    """
+    path = Path(path)
+    lines = _plain_lines(path)
+    sentences = [line for line in lines if line.strip()]
+    return TrainingData(_dataset({"text": sentences}), "sentences", len(lines) - len(sentences),
+                        str(path))
+
+
+def read_csv_triplets(path) -> TrainingData:
+    """A csv with a header holding ``sent0, sent1`` and optionally ``hard_neg`` (standard
+    csv quoting, as SimCSE's ``nli_for_simcse.csv``). Rows with an empty needed field are
+    skipped and counted."""
+    path = Path(path)
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.DictReader(f)
+        header = reader.fieldnames or []
+        missing = [c for c in ("sent0", "sent1") if c not in header]
+        if missing:
+            raise ValueError(f"--data: {path} needs columns sent0,sent1[,hard_neg]; "
+                             f"its header {header} lacks {', '.join(missing)}")
+        cols = ["sent0", "sent1"] + (["hard_neg"] if "hard_neg" in header else [])
+        data = {c: [] for c in cols}
+        skipped = 0
+        for row in reader:
+            values = [(row.get(c) or "").strip() for c in cols]
+            if not all(values):
+                skipped += 1
+                continue
+            for c, v in zip(cols, values):
+                data[c].append(v)
+    kind = "triplets" if "hard_neg" in cols else "pairs"
+    return TrainingData(_dataset(data), kind, skipped, str(path))
+
+
+def snli_splits(folder) -> list:
+    """Split names ``x`` with ``s1.x``, ``s2.x`` and ``labels.x`` in ``folder``."""
+    folder = Path(folder)
+    names = sorted(p.name[3:] for p in folder.glob("s1.*"))
+    return [n for n in names if (folder / f"s2.{n}").is_file() and (folder / f"labels.{n}").is_file()]
+
+
+def read_snli(folder, splits=None) -> TrainingData:
+    """SentEval-layout SNLI (``s1.<split>`` premises, ``s2.<split>`` hypotheses,
+    ``labels.<split>``) as (premise, entailment, contradiction) triplets.
+
+    Hypotheses are grouped by identical premise text; a premise's k-th entailment is paired
+    with its k-th contradiction (premises lacking either are skipped and counted).
+    """
+    folder = Path(folder)
+    available = snli_splits(folder)
+    splits = list(splits) if splits else available
+    if not splits:
+        raise ValueError(f"--data: {folder} has no s1.<split>/s2.<split>/labels.<split> files")
+    absent = [s for s in splits if s not in available]
+    if absent:
+        raise ValueError(f"--snli-splits: {folder} lacks split(s) {', '.join(absent)} "
+                         f"(found: {', '.join(available) or 'none'})")
+    groups: dict = {}
+    for split in splits:
+        files = [folder / f"{name}.{split}" for name in ("s1", "s2", "labels")]
+        s1, s2, labels = (_plain_lines(f) for f in files)
+        if not len(s1) == len(s2) == len(labels):
+            raise ValueError(f"--data: {folder} split {split}: s1/s2/labels have "
+                             f"{len(s1)}/{len(s2)}/{len(labels)} lines")
+        for premise, hypothesis, label in zip(s1, s2, labels):
+            premise, hypothesis = premise.strip(), hypothesis.strip()
+            groups.setdefault(premise, {"entailment": [], "contradiction": []})
+            if label.strip() in ("entailment", "contradiction") and hypothesis:
+                groups[premise][label.strip()].append(hypothesis)
+    data = {"sent0": [], "sent1": [], "hard_neg": []}
+    skipped = 0
+    for premise, hyp in groups.items():
+        pairs = list(zip(hyp["entailment"], hyp["contradiction"]))
+        skipped += not pairs
+        for ent, con in pairs:
+            data["sent0"].append(premise)
+            data["sent1"].append(ent)
+            data["hard_neg"].append(con)
+    return TrainingData(_dataset(data), "triplets", skipped, str(folder))
+
+
+def _plain_lines(path: Path) -> list:
+    """Lines of a UTF-8 file split on LF only, a CR before the LF dropped."""
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line does not start another
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def read_training_data(path, method: str, snli=None) -> TrainingData:
+    """Read ``path`` in the format ``method`` needs (see :func:`read_sentences`,
+    :func:`read_csv_triplets`, :func:`read_snli`)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"--data: no such file or folder: {path}")
+    supervised = method in SUPERVISED
+    if snli and not path.is_dir():
+        raise ValueError(f"--snli-splits applies to a SentEval SNLI folder, not to {path.name}")
+    if path.is_dir():
+        if not supervised:
+            raise ValueError(f"--data: method {method} trains on a text file with one sentence "
+                             f"a line, not a folder ({path})")
+        data = read_snli(path, snli)
+    elif path.suffix.lower() == ".csv":
+        if not supervised:
+            raise ValueError(f"--data: method {method} trains on a text file with one sentence "
+                             f"a line; {path.name} is a csv (that is simcse-sup's format)")
+        data = read_csv_triplets(path)
+    else:
+        if supervised:
+            raise ValueError(f"--data: simcse-sup needs a csv with sent0,sent1,hard_neg columns "
+                             f"or a SentEval SNLI folder, got {path.name}")
+        data = read_sentences(path)
+    if len(data) == 0:
+        raise ValueError(f"--data: {path} holds no usable examples")
+    return data
+
+
+def batch_examples(data: TrainingData, rows: dict) -> list:
+    """One batch as a list: sentences, or (sent0, sent1[, hard_neg]) tuples."""
+    if data.kind == "sentences":
+        return list(rows["text"])
+    cols = [rows["sent0"], rows["sent1"]] + ([rows["hard_neg"]] if data.kind == "triplets" else [])
+    return list(zip(*cols))
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The example order of ``epoch``: a permutation that depends on (seed, epoch) only,
+    so a resumed run finds the same order."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g)
+
+
+# ---------------------------------------------------------------------------------------
+# Objectives
+
+@dataclass
+class Objective:
+    """A method and its hyper-parameters (defaults: the papers')."""
+
+    method: str
+    temperature: float = 0.05
+    hard_negative_weight: float = 0.0      # simcse-sup
+    phi: float = 0.9                       # dclr
+    noise_ratio: float = 1.0
+    noise_steps: int = 4
+    noise_lr: float = 1e-3
+    noise_std: float = 1.0
+    formulation: str = "paper"
+    m: float = 0.3                         # focal
+    rd_weight: float = 2.5e-3              # escl
+    rd: str = "softplus"
+    sensitive_dropout: float = 0.45
+    complementary: SentenceEncoder | None = None
+    complementary_tokenizer: object = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+
+
+def embed_views(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: list,
+                max_length: int) -> dict:
+    """Embeddings of every view ``obj.method`` needs for one batch (see the module docstring).
+
+    ``batch`` holds sentences (unsupervised) or (sent0, sent1[, hard_neg]) tuples
+    (supervised). Returns a dict with ``anchors``, ``positives`` and, by method,
+    ``negatives`` (hard negatives), ``sensitive`` (ESCL) or ``complementary`` (DCLR, a pair).
+    """
+    device = next(encoder.parameters()).device
+    if obj.method in SUPERVISED:
+        if not batch or isinstance(batch[0], str):
+            raise ValueError("simcse-sup takes (sent0, sent1[, hard_neg]) examples")
+        group = len(batch[0])
+        feats = tokenize(tokenizer, [s for example in batch for s in example], max_length, device)
+        z = encoder(**feats).view(len(batch), group, -1)
+        out = {"anchors": z[:, 0], "positives": z[:, 1]}
+        if group == 3:
+            out["negatives"] = z[:, 2]
+        return out
+    if not batch or not isinstance(batch[0], str):
+        raise ValueError(f"{obj.method} takes a batch of sentences")
+    feats = tokenize(tokenizer, batch, max_length, device)
+    doubled = {k: v.repeat_interleave(2, dim=0) for k, v in feats.items()}
+    z = encoder(**doubled).view(len(batch), 2, -1)
+    out = {"anchors": z[:, 0], "positives": z[:, 1]}
+    if obj.method == "escl":
+        with dropout_rate(encoder, obj.sensitive_dropout):
+            out["sensitive"] = encoder(**feats)
+    if obj.method == "dclr" and obj.complementary is not None:
+        out["complementary"] = complementary_views(obj, batch, max_length)
+    return out
+
+
+def complementary_views(obj: Objective, sentences: list, max_length: int):
+    """``(c, c⁺)`` of the frozen complementary encoder: eval mode, no_grad, float32."""
+    comp = obj.complementary
+    comp.eval()
+    device = next(comp.parameters()).device
+    with torch.no_grad():
+        c = comp(**tokenize(obj.complementary_tokenizer, sentences, max_length, device)).float()
+    return c, c
+
+
+def objective_loss(obj: Objective, views: dict) -> torch.Tensor:
+    """The method's fastcl loss on the views of :func:`embed_views`."""
+    h, h_pos = views["anchors"], views["positives"]
+    if obj.method == "simcse":
+        return fastcl.infonce(h, h_pos, temperature=obj.temperature)
+    if obj.method == "simcse-sup":
+        neg = views.get("negatives")
+        return fastcl.infonce(h, h_pos, neg, temperature=obj.temperature,
+                              hard_negative_weight=obj.hard_negative_weight if neg is not None else 0.0)
+    if obj.method == "focal":
+        return fastcl.focal_infonce(h, h_pos, temperature=obj.temperature, m=obj.m)
+    if obj.method == "escl":
+        return fastcl.escl_loss(h, h_pos, views["sensitive"], temperature=obj.temperature,
+                                weight=obj.rd_weight, rd=obj.rd)
+    comp = views.get("complementary")
+    if comp is not None:
+        comp = tuple(c.to(h.dtype) for c in comp)
+    return fastcl.dclr_loss(h, h_pos, complementary=comp, phi=obj.phi,
+                            noise_ratio=obj.noise_ratio, noise_steps=obj.noise_steps,
+                            noise_lr=obj.noise_lr, noise_std=obj.noise_std,
+                            temperature=obj.temperature, generator=obj.generator,
+                            formulation=obj.formulation)
+
+
+def train_step(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: list, optimizer,
+               scheduler, *, max_length: int, max_grad_norm: float = 1.0,
+               autocast=None) -> dict:
+    """One optimizer step on one batch: views → loss → backward → clip → step.
+
+    Returns ``{"loss": float, "grad_norm": float, "lr": float}`` (lr of this step).
+    """
+    encoder.train()
+    lr = optimizer.param_groups[0]["lr"]
+    with autocast if autocast is not None else contextlib.nullcontext():
+        views = embed_views(obj, encoder, tokenizer, batch, max_length)
+        loss = objective_loss(obj, views)
+    loss.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "lr": lr}
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizer and schedule
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float):
+    """AdamW; biases and normalization weights are not decayed."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
+
+
+def linear_schedule(optimizer, total_steps: int, warmup_steps: int = 0):
+    """Linear warmup over ``warmup_steps``, then linear decay to 0 at ``total_steps``."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / warmup_steps
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---------------------------------------------------------------------------------------
+# Reproducibility and checkpoints
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state(generator: torch.Generator | None = None) -> dict:
+    """Every random state a step consumes (dropout, DCLR noise), in a form torch.load
+    reads with ``weights_only=True``."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, cached),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if generator is not None:
+        state["generator"] = generator.get_state()
+    return state
+
+
+def set_rng_state(state: dict, generator: torch.Generator | None = None) -> None:
+    random.setstate(_tuples(state["python"]))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if generator is not None and "generator" in state:
+        generator.set_state(state["generator"])
+
+
+def _tuples(x):
+    """random.setstate needs tuples where a round trip may have produced lists."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def save_checkpoint(path, state: dict) -> None:
+    """``torch.save`` to a temporary file in the same folder, fsync, then ``os.replace``:
+    the checkpoint on disk is always a complete one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def load_checkpoint(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
