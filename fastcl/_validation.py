@@ -94,14 +94,14 @@ def chunk_size(value) -> int | None:
     return value
 
 
-def complementary(value, n: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+def complementary(value, n: int, n_positives: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``complementary=(c_anchors, c_positives)``: the frozen model's view of the batch."""
     if value is None:
         return None
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError("complementary must be a pair (c_anchors, c_positives) or None")
     c_anchors = embeddings("complementary[0]", value[0], rows=n)
-    c_positives = embeddings("complementary[1]", value[1], rows=n, width=c_anchors.shape[1])
+    c_positives = embeddings("complementary[1]", value[1], rows=n_positives, width=c_anchors.shape[1])
     for i, c in enumerate((c_anchors, c_positives)):
         if c.device != device:
             raise ValueError(f"complementary[{i}] is on {c.device} but anchors are on {device}")

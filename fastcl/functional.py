@@ -57,11 +57,24 @@ def _engine(backend: str):
     return tiled.torch_chunk
 
 
-def _anchors_and_positives(anchors, positives):
+def _anchors_and_positives(anchors, positives, anchor_offset=None):
+    """Anchors (N×d) and positives: N rows, or — with ``anchor_offset`` — the whole batch the
+    anchors are rows ``[anchor_offset, anchor_offset + N)`` of. Returns the offset as an int."""
     anchors = check.embeddings("anchors", anchors)
-    positives = check.embeddings("positives", positives, rows=anchors.shape[0],
-                                 width=anchors.shape[1], like=anchors)
-    return anchors, positives
+    if anchor_offset is None:
+        positives = check.embeddings("positives", positives, rows=anchors.shape[0],
+                                     width=anchors.shape[1], like=anchors)
+        anchor_offset = 0
+    else:
+        anchor_offset = check.non_negative_int("anchor_offset", anchor_offset)
+        positives = check.embeddings("positives", positives, width=anchors.shape[1], like=anchors)
+        if positives.shape[0] < anchor_offset + anchors.shape[0]:
+            raise ValueError(
+                f"positives has {positives.shape[0]} rows but anchor_offset={anchor_offset} with "
+                f"{anchors.shape[0]} anchors needs at least {anchor_offset + anchors.shape[0]}")
+    return anchors, positives, anchor_offset
+
+
 
 
 def _negatives(negatives, anchors):
@@ -72,7 +85,7 @@ def _negatives(negatives, anchors):
 
 
 def infonce(anchors, positives, negatives=None, *, temperature=0.05, hard_negative_weight=0.0,
-            symmetric=False, backend="auto", chunk_size=None):
+            symmetric=False, anchor_offset=None, backend="auto", chunk_size=None):
     r"""InfoNCE over in-batch negatives: unsupervised and supervised SimCSE.
 
     .. math:: L = \frac1N\sum_i\Big[-\frac{s_{ii}}{\tau}
@@ -89,25 +102,35 @@ def infonce(anchors, positives, negatives=None, *, temperature=0.05, hard_negati
         hard_negative_weight: log-weight ``w`` added to the logit of each anchor's own hard
             negative (column N + i); needs K = N.
         symmetric: also score positives against anchors and average the two directions.
+        anchor_offset: for global negatives across processes (None: positives has exactly
+            the anchors' rows): the anchors are rows ``[anchor_offset, anchor_offset + N)``
+            of the batch that ``positives`` and ``negatives`` hold (anchor i's positive is
+            ``positives[anchor_offset + i]``, its hard negative ``negatives[anchor_offset + i]``);
+            the loss is their mean.
         backend: "auto", "reference", "tiled" or "triton".
         chunk_size: anchor rows per chunk in the tiled path (default: from a memory budget).
 
     Reference: Gao, Yao & Chen, "SimCSE", EMNLP 2021.
     """
-    anchors, positives = _anchors_and_positives(anchors, positives)
+    anchors, positives, anchor_offset = _anchors_and_positives(anchors, positives, anchor_offset)
     negatives = _negatives(negatives, anchors)
     temperature = check.positive("temperature", temperature)
     hard_negative_weight = check.finite("hard_negative_weight", hard_negative_weight)
-    if hard_negative_weight and (negatives is None or negatives.shape[0] != anchors.shape[0]):
+    if hard_negative_weight and (negatives is None or negatives.shape[0] != positives.shape[0]):
         got = "no negatives" if negatives is None else f"{negatives.shape[0]} negatives"
         raise ValueError(f"hard_negative_weight needs one hard negative per anchor "
-                         f"({anchors.shape[0]} negatives), got {got}")
+                         f"({positives.shape[0]} negatives), got {got}")
+    if symmetric and positives.shape[0] != anchors.shape[0]:
+        raise ValueError("symmetric=True needs every anchor of the batch in this call "
+                         "(no anchor_offset slice)")
     chunk_size = check.chunk_size(chunk_size)
     be = _backend(backend, anchors)
     if be == "reference":
         return reference.infonce(anchors, positives, negatives, temperature=temperature,
-                                 hard_negative_weight=hard_negative_weight, symmetric=symmetric)
-    ep = Epilogue(temperature, hard_negative_weight=hard_negative_weight, chunk_size=chunk_size)
+                                 hard_negative_weight=hard_negative_weight, symmetric=symmetric,
+                                 anchor_offset=anchor_offset)
+    ep = Epilogue(temperature, hard_negative_weight=hard_negative_weight, chunk_size=chunk_size,
+                  anchor_offset=anchor_offset)
     cands = (positives,) if negatives is None else (positives, negatives)
     loss = tiled.contrastive_loss(ep, anchors, *cands, engine=_engine(be))
     if symmetric:
@@ -118,7 +141,7 @@ def infonce(anchors, positives, negatives=None, *, temperature=0.05, hard_negati
 
 
 def focal_infonce(anchors, positives, negatives=None, *, temperature=0.05, m=0.3,
-                  backend="auto", chunk_size=None):
+                  anchor_offset=None, backend="auto", chunk_size=None):
     r"""Focal-InfoNCE: InfoNCE whose logits are modulated by the similarity itself.
 
     Positive logit ``s²/τ``, negative logits ``s(s+m)/τ``:
@@ -128,19 +151,23 @@ def focal_infonce(anchors, positives, negatives=None, *, temperature=0.05, m=0.3
 
     Hard negatives get up-weighted (large s), easy ones down-weighted. Nothing is detached.
 
+    ``anchor_offset``: as in :func:`infonce`.
+
     Reference: Hou & Li, "Improving Contrastive Learning of Sentence Embeddings with
     Focal-InfoNCE", Findings of EMNLP 2023.
     """
-    anchors, positives = _anchors_and_positives(anchors, positives)
+    anchors, positives, anchor_offset = _anchors_and_positives(anchors, positives, anchor_offset)
     negatives = _negatives(negatives, anchors)
     temperature = check.positive("temperature", temperature)
     m = check.finite("m", m)
     chunk_size = check.chunk_size(chunk_size)
     be = _backend(backend, anchors)
     if be == "reference":
-        return reference.focal_infonce(anchors, positives, negatives, temperature=temperature, m=m)
+        return reference.focal_infonce(anchors, positives, negatives, temperature=temperature, m=m,
+                                       anchor_offset=anchor_offset)
     cands = (positives,) if negatives is None else (positives, negatives)
-    return tiled.contrastive_loss(Epilogue(temperature, focal_m=m, chunk_size=chunk_size),
+    ep = Epilogue(temperature, focal_m=m, chunk_size=chunk_size, anchor_offset=anchor_offset)
+    return tiled.contrastive_loss(ep,
                                   anchors, *cands, engine=_engine(be))
 
 
@@ -188,7 +215,7 @@ def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperatur
     Reference: Zhou et al., "Debiased Contrastive Learning of Unsupervised Sentence
     Representations", ACL 2022.
     """
-    anchors, positives = _anchors_and_positives(anchors, positives)
+    anchors, positives, _ = _anchors_and_positives(anchors, positives)
     steps, lr, std, temperature, noise = _noise_args(anchors, num, steps, lr, std, temperature, noise)
     num = noise.shape[0] if noise is not None else num
     chunk_size = check.chunk_size(chunk_size)
@@ -198,8 +225,8 @@ def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperatur
 
 def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, noise_ratio=1.0,
               noise_steps=4, noise_lr=1e-3, noise_std=1.0, noise_temperature=None,
-              temperature=0.05, generator=None, formulation="paper", backend="auto",
-              chunk_size=None):
+              temperature=0.05, generator=None, formulation="paper", anchor_offset=None,
+              backend="auto", chunk_size=None):
     r"""DCLR: InfoNCE with optimized noise negatives and instance weighting.
 
     Candidates ``k = [positives; Z]`` with ``Z`` from :func:`dclr_noise`
@@ -213,19 +240,25 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, no
     α (a dropped negative gets logit 0), threshold written ``cos/τ ≤ 20φ``, and binary
     cross-entropy on the row softmax averaged over all N·(N+K) entries.
 
+    ``anchor_offset`` (global negatives across processes): as in :func:`infonce`, with
+    ``complementary = (c of these anchors, c⁺ of the whole batch)`` and K counted from the
+    whole batch. The noise update then sees only these anchors: to match one process on
+    the whole batch, compute ``Z = dclr_noise(all anchors, all positives, K, generator=g)``
+    identically on every process and pass ``noise=Z, noise_steps=0``.
+
     Reference: Zhou et al., "Debiased Contrastive Learning of Unsupervised Sentence
     Representations", ACL 2022.
     """
-    anchors, positives = _anchors_and_positives(anchors, positives)
+    anchors, positives, anchor_offset = _anchors_and_positives(anchors, positives, anchor_offset)
     n = anchors.shape[0]
-    complementary = check.complementary(complementary, n, anchors.device)
+    complementary = check.complementary(complementary, n, positives.shape[0], anchors.device)
     phi = check.phi(phi)
     temperature = check.positive("temperature", temperature)
     noise_ratio = check.finite("noise_ratio", noise_ratio)
     if noise_ratio < 0:
         raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
     noise_temperature = temperature if noise_temperature is None else noise_temperature
-    num = None if noise is not None else reference.noise_count(noise_ratio, n)
+    num = None if noise is not None else reference.noise_count(noise_ratio, positives.shape[0])
     steps, lr, std, noise_temperature, noise = _noise_args(
         anchors, num, noise_steps, noise_lr, noise_std, noise_temperature, noise)
     formulation = check.choice("formulation", formulation, ("paper", "released"))
@@ -236,17 +269,18 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, no
                                    noise=noise, noise_ratio=noise_ratio, noise_steps=steps,
                                    noise_lr=lr, noise_std=std, noise_temperature=noise_temperature,
                                    temperature=temperature, generator=generator,
-                                   formulation=formulation)
+                                   formulation=formulation, anchor_offset=anchor_offset)
     num = noise.shape[0] if noise is not None else num
     z = _dclr_noise(anchors, positives, num, steps, lr, std, noise_temperature, noise, generator,
                     be, chunk_size)
     ep = Epilogue(temperature, phi=phi if complementary is not None else None,
-                  complementary=complementary, formulation=formulation, chunk_size=chunk_size)
+                  complementary=complementary, formulation=formulation, chunk_size=chunk_size,
+                  anchor_offset=anchor_offset)
     return tiled.contrastive_loss(ep, anchors, positives, z.to(anchors.dtype), engine=_engine(be))
 
 
 def escl_loss(anchors, positives, sensitive, *, temperature=0.05, weight=2.5e-3, rd="softplus",
-              margins=(0.1, 0.3), backend="auto", chunk_size=None):
+              margins=(0.1, 0.3), anchor_offset=None, backend="auto", chunk_size=None):
     r"""ESCL: InfoNCE plus a relative-difference term on a high-dropout "sensitive" view.
 
     .. math:: L = \mathrm{InfoNCE}(h, h^+) + \lambda\,\frac{1}{2N}\sum_i\sum_{h'\in\{h,h^+\}}
@@ -257,11 +291,12 @@ def escl_loss(anchors, positives, sensitive, *, temperature=0.05, weight=2.5e-3,
     reconstruction. ``rd="margin"`` selects SNCSE's bidirectional margin form instead,
     ``relu(Δ + a) + relu(−Δ − b)`` with ``Δ = cos(h', h⁻) − cos(h, h⁺)`` and
     ``(a, b) = margins``. The sensitive view is a training-time device only.
+    ``anchor_offset``: as in :func:`infonce` (``sensitive`` holds the anchors' own rows).
 
     Reference: Liu et al., "Equivariant Contrastive Learning for Sentence Embeddings"
     (ESCL), ICASSP 2023.
     """
-    anchors, positives = _anchors_and_positives(anchors, positives)
+    anchors, positives, anchor_offset = _anchors_and_positives(anchors, positives, anchor_offset)
     sensitive = check.embeddings("sensitive", sensitive, rows=anchors.shape[0],
                                  width=anchors.shape[1], like=anchors)
     temperature = check.positive("temperature", temperature)
@@ -274,9 +309,11 @@ def escl_loss(anchors, positives, sensitive, *, temperature=0.05, weight=2.5e-3,
     be = _backend(backend, anchors)
     if be == "reference":
         return reference.escl_loss(anchors, positives, sensitive, temperature=temperature,
-                                   weight=weight, rd=rd, margins=margins)
+                                   weight=weight, rd=rd, margins=margins,
+                                   anchor_offset=anchor_offset)
     # The RD term only pairs row i with row i: O(N·d), identical for every backend.
-    rd_term = reference.relative_difference(anchors, positives, sensitive,
+    own_positives = positives[anchor_offset:anchor_offset + anchors.shape[0]]
+    rd_term = reference.relative_difference(anchors, own_positives, sensitive,
                                             temperature=temperature, rd=rd, margins=margins)
-    return tiled.contrastive_loss(Epilogue(temperature, chunk_size=chunk_size),
-                                  anchors, positives, engine=_engine(be)) + weight * rd_term
+    ep = Epilogue(temperature, chunk_size=chunk_size, anchor_offset=anchor_offset)
+    return tiled.contrastive_loss(ep, anchors, positives, engine=_engine(be)) + weight * rd_term

@@ -39,8 +39,16 @@ def row_cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return wide(torch.einsum("nd,nd->n", x, y) / norms)
 
 
-def _labels(n: int, device) -> torch.Tensor:
-    return torch.arange(n, device=device)
+def _labels(n: int, device, offset: int = 0) -> torch.Tensor:
+    """Anchor i's positive column: ``offset + i`` (the anchors may be a slice of the batch)."""
+    return torch.arange(n, device=device) + offset
+
+
+def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
+    """(n × columns) bool, True at ``[i, first + i]``."""
+    out = torch.zeros(n, columns, dtype=torch.bool, device=device)
+    out[torch.arange(n, device=device), torch.arange(n, device=device) + first] = True
+    return out
 
 
 def _candidates(positives, negatives):
@@ -48,34 +56,34 @@ def _candidates(positives, negatives):
 
 
 def infonce(anchors, positives, negatives=None, *, temperature=0.05,
-            hard_negative_weight=0.0, symmetric=False):
+            hard_negative_weight=0.0, symmetric=False, anchor_offset=0):
     """SimCSE InfoNCE: ``mean_i[−l_ii + log Σ_j exp(l_ij)]``, ``l = s/τ``, ``k = [h⁺; h⁻]``.
 
     ``hard_negative_weight`` ``w`` is a log-weight on anchor i's own hard negative
     (column N+i). ``symmetric`` averages with the reverse direction, positives as
-    anchors against the anchors as candidates.
+    anchors against the anchors as candidates. With ``anchor_offset`` the anchors are rows
+    ``[offset, offset+n)`` of the batch that ``positives`` (and ``negatives``) cover.
     """
-    n = anchors.shape[0]
+    n, n_pos = anchors.shape[0], positives.shape[0]
     logits = cosine_matrix(anchors, _candidates(positives, negatives)) / temperature
     if hard_negative_weight:
-        bias = torch.zeros_like(logits)
-        bias[:, n:2 * n] = hard_negative_weight * torch.eye(n, device=logits.device)
-        logits = logits + bias
-    loss = F.cross_entropy(logits, _labels(n, logits.device))
+        own_negative = _at(n, logits.shape[1], n_pos + anchor_offset, logits.device)
+        logits = logits + hard_negative_weight * own_negative
+    loss = F.cross_entropy(logits, _labels(n, logits.device, anchor_offset))
     if symmetric:
         reverse = cosine_matrix(positives, anchors) / temperature
         loss = 0.5 * (loss + F.cross_entropy(reverse, _labels(n, logits.device)))
     return loss
 
 
-def focal_infonce(anchors, positives, negatives=None, *, temperature=0.05, m=0.3):
+def focal_infonce(anchors, positives, negatives=None, *, temperature=0.05, m=0.3,
+                  anchor_offset=0):
     """Focal-InfoNCE: positive logit ``s²/τ``, negative logits ``s(s+m)/τ``, then cross-entropy."""
     n = anchors.shape[0]
     sim = cosine_matrix(anchors, _candidates(positives, negatives))
-    is_positive = torch.zeros_like(sim, dtype=torch.bool)
-    is_positive[:, :n] = torch.eye(n, dtype=torch.bool, device=sim.device)
+    is_positive = _at(n, sim.shape[1], anchor_offset, sim.device)
     logits = torch.where(is_positive, sim * sim, sim * (sim + m)) / temperature
-    return F.cross_entropy(logits, _labels(n, sim.device))
+    return F.cross_entropy(logits, _labels(n, sim.device, anchor_offset))
 
 
 def draw_noise(num, dim, *, std=1.0, generator=None, device=None) -> torch.Tensor:
@@ -112,7 +120,8 @@ def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperatur
     return z.detach()
 
 
-def dclr_weights(c_anchors, c_positives, num_noise, *, phi, temperature, formulation="paper"):
+def dclr_weights(c_anchors, c_positives, num_noise, *, phi, temperature, formulation="paper",
+                 anchor_offset=0):
     """DCLR's instance weights α (N×(N+K)), 0 for dropped in-batch negatives.
 
     Paper: ``α_ij = 1[cos(c_i, c⁺_j) < φ]`` on in-batch columns, 1 on the positive and on
@@ -120,14 +129,14 @@ def dclr_weights(c_anchors, c_positives, num_noise, *, phi, temperature, formula
     """
     cos = cosine_matrix(c_anchors, c_positives)
     keep = (cos / temperature <= 20 * phi) if formulation == "released" else (cos < phi)
-    keep = keep | torch.eye(keep.shape[0], dtype=torch.bool, device=keep.device)
+    keep = keep | _at(keep.shape[0], keep.shape[1], anchor_offset, keep.device)
     noise_cols = torch.ones(keep.shape[0], num_noise, dtype=torch.bool, device=keep.device)
     return torch.cat([keep, noise_cols], dim=1)
 
 
 def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, noise_ratio=1.0,
               noise_steps=4, noise_lr=1e-3, noise_std=1.0, noise_temperature=None,
-              temperature=0.05, generator=None, formulation="paper"):
+              temperature=0.05, generator=None, formulation="paper", anchor_offset=0):
     """DCLR: InfoNCE against ``[h⁺; Z]`` where dropped in-batch negatives leave the denominator.
 
     ``L = mean_i[−l_ii + log Σ_j α_ij exp(l_ij)]``. ``formulation="released"`` instead
@@ -135,17 +144,17 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, no
     over all N·(N+K) entries, as the authors' released code does.
     """
     n = anchors.shape[0]
-    num = noise.shape[0] if noise is not None else noise_count(noise_ratio, n)
+    num = noise.shape[0] if noise is not None else noise_count(noise_ratio, positives.shape[0])
     z = dclr_noise(anchors, positives, num, steps=noise_steps, lr=noise_lr, std=noise_std,
                    temperature=temperature if noise_temperature is None else noise_temperature,
                    noise=noise, generator=generator)
     logits = cosine_matrix(anchors, torch.cat([positives, z.to(positives.dtype)])) / temperature
-    labels = _labels(n, logits.device)
+    labels = _labels(n, logits.device, anchor_offset)
     if complementary is None:
         keep = torch.ones_like(logits, dtype=torch.bool)
     else:
         keep = dclr_weights(*complementary, num, phi=phi, temperature=temperature,
-                            formulation=formulation)
+                            formulation=formulation, anchor_offset=anchor_offset)
     if formulation == "released":
         probs = torch.softmax(logits * keep, dim=1)
         return F.binary_cross_entropy(probs, F.one_hot(labels, logits.shape[1]).to(probs.dtype))
@@ -169,7 +178,9 @@ def relative_difference(anchors, positives, sensitive, *, temperature=0.05, rd="
 
 
 def escl_loss(anchors, positives, sensitive, *, temperature=0.05, weight=2.5e-3, rd="softplus",
-              margins=(0.1, 0.3)):
+              margins=(0.1, 0.3), anchor_offset=0):
     """ESCL: ``InfoNCE(h, h⁺) + λ · L_RD(h, h⁺, h⁻)``, ``h⁻`` the high-dropout view."""
-    return infonce(anchors, positives, temperature=temperature) + weight * relative_difference(
-        anchors, positives, sensitive, temperature=temperature, rd=rd, margins=margins)
+    own_positives = positives[anchor_offset:anchor_offset + anchors.shape[0]]
+    return (infonce(anchors, positives, temperature=temperature, anchor_offset=anchor_offset)
+            + weight * relative_difference(anchors, own_positives, sensitive,
+                                           temperature=temperature, rd=rd, margins=margins))

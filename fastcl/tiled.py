@@ -47,6 +47,7 @@ class Epilogue:
     complementary: tuple[torch.Tensor, torch.Tensor] | None = None
     formulation: str = "paper"             # "paper" (cross-entropy) or "released" (DCLR's BCE)
     positives: bool = True                 # False: no column is a positive (DCLR's noise loss)
+    anchor_offset: int = 0                 # anchors are rows [offset, offset+N) of a larger batch
     chunk_size: int | None = None
     memory_budget: int | None = None       # bytes; None: DEFAULT_MEMORY_BUDGET for the device
 
@@ -129,7 +130,9 @@ class Chunk:
 
     r0: int
     r1: int
-    n: int                      # anchors in the whole batch = size of the positives block
+    n: int                      # anchors in this call: the loss is their mean
+    n_pos: int                  # rows of the positives block (the global batch)
+    first_pos: int              # column of row r0's positive (anchor_offset + r0)
     q: torch.Tensor             # (R×d) raw anchor rows, matmul dtype
     keys: torch.Tensor          # (M×d) raw candidates, matmul dtype
     inv_q: torch.Tensor         # (R,) 1/max(‖q_i‖, eps), accumulate dtype
@@ -144,13 +147,13 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     Returns ``(Σ_rows loss, G')`` where ``G'_ij = ∂L/∂s_ij · inv_q_i · inv_k_j`` (matmul dtype),
     the form both gradient GEMMs consume with the raw inputs (``None`` if not ``want_grad``).
     """
-    n, m = c.n, c.keys.shape[0]
+    n, n_pos, m = c.n, c.n_pos, c.keys.shape[0]
     r = c.r1 - c.r0
     acc = c.inv_q.dtype
     inv_t = 1.0 / ep.temperature
     released = ep.formulation == "released"
     ar = torch.arange(r, device=c.q.device)
-    diag = ar + c.r0                                   # column of each row's positive
+    diag = ar + c.first_pos                            # column of each row's positive
 
     logits = _mm(c.q, c.keys.T, acc)                   # R×M raw dots → cosines → logits
     logits.mul_(c.inv_q[:, None]).mul_(c.inv_k[None, :])
@@ -162,14 +165,14 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     else:
         logits.mul_(inv_t)
     if ep.hard_negative_weight:
-        logits[ar, n + diag] += ep.hard_negative_weight
+        logits[ar, n_pos + diag] += ep.hard_negative_weight
     drop = None
     if ep.complementary is not None:
         c_cos = _mm(c.comp_q, c.comp_k.T, acc)
         drop = (c_cos * inv_t > 20 * ep.phi) if released else (c_cos >= ep.phi)
         del c_cos
         drop[ar, diag] = False                         # the positive is never dropped
-        logits[:, :n].masked_fill_(drop, 0.0 if released else float("-inf"))
+        logits[:, :n_pos].masked_fill_(drop, 0.0 if released else float("-inf"))
     pos_logit = logits[ar, diag].clone() if ep.positives else 0.0
 
     # Row log-sum-exp, leaving the softmax in the buffer.
@@ -201,7 +204,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         del v
         scale = inv_t / (n * m)
         if drop is not None:
-            grad[:, :n].masked_fill_(drop, 0.0)
+            grad[:, :n_pos].masked_fill_(drop, 0.0)
     else:
         if ep.positives:
             grad[ar, diag] -= 1.0
@@ -262,12 +265,12 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
         comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
                 for x in ep.complementary]
 
-    rows = rows_per_chunk(n, m, ep, n, engine.entry_bytes(dtype), device.type)
+    rows = rows_per_chunk(n, m, ep, sizes[0], engine.entry_bytes(dtype), device.type)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         q = anchors[r0:r1].to(dtype).contiguous()
-        chunk = Chunk(r0, r1, n, q, keys, inv_q[r0:r1], inv_k,
+        chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q[r0:r1], inv_k,
                       comp[0][r0:r1] if comp else None, comp[1] if comp else None)
         part, g = engine(ep, chunk, need_q or need_k)
         loss_sum += part

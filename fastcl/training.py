@@ -228,6 +228,48 @@ class Objective:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
 
 
+def view_inputs(obj: Objective, tokenizer, batch: list, max_length: int, device) -> list:
+    """The encoder forwards :func:`embed_views` makes for ``batch``, in order, as
+    ``(name, features)`` pairs: ``grouped`` (simcse-sup: ``[p1, e1, c1, p2, …]``), ``doubled``
+    (unsupervised: ``[x1, x1, x2, x2, …]``) and, for ESCL, ``sensitive`` (``[x1, x2, …]`` at
+    ``obj.sensitive_dropout``). The batch is tokenized once, padded to its longest input."""
+    if obj.method in SUPERVISED:
+        if not batch or isinstance(batch[0], str):
+            raise ValueError("simcse-sup takes (sent0, sent1[, hard_neg]) examples")
+        feats = tokenize(tokenizer, [s for example in batch for s in example], max_length, device)
+        return [("grouped", feats)]
+    if not batch or not isinstance(batch[0], str):
+        raise ValueError(f"{obj.method} takes a batch of sentences")
+    feats = tokenize(tokenizer, batch, max_length, device)
+    calls = [("doubled", {k: v.repeat_interleave(2, dim=0) for k, v in feats.items()})]
+    if obj.method == "escl":
+        calls.append(("sensitive", feats))
+    return calls
+
+
+def forward_mode(obj: Objective, encoder: SentenceEncoder, name: str):
+    """The context a forward of :func:`view_inputs` runs in (the sensitive view's dropout)."""
+    if name == "sensitive":
+        return dropout_rate(encoder, obj.sensitive_dropout)
+    return contextlib.nullcontext()
+
+
+def assemble_views(obj: Objective, outputs: dict, n: int) -> dict:
+    """The views of ``n`` examples from the embeddings of each forward of :func:`view_inputs`."""
+    if "grouped" in outputs:
+        z = outputs["grouped"]
+        z = z.view(n, z.shape[0] // n, -1)
+        out = {"anchors": z[:, 0], "positives": z[:, 1]}
+        if z.shape[1] == 3:
+            out["negatives"] = z[:, 2]
+        return out
+    z = outputs["doubled"].view(n, 2, -1)
+    out = {"anchors": z[:, 0], "positives": z[:, 1]}
+    if "sensitive" in outputs:
+        out["sensitive"] = outputs["sensitive"]
+    return out
+
+
 def embed_views(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: list,
                 max_length: int) -> dict:
     """Embeddings of every view ``obj.method`` needs for one batch (see the module docstring).
@@ -237,37 +279,28 @@ def embed_views(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: list
     ``negatives`` (hard negatives), ``sensitive`` (ESCL) or ``complementary`` (DCLR, a pair).
     """
     device = next(encoder.parameters()).device
-    if obj.method in SUPERVISED:
-        if not batch or isinstance(batch[0], str):
-            raise ValueError("simcse-sup takes (sent0, sent1[, hard_neg]) examples")
-        group = len(batch[0])
-        feats = tokenize(tokenizer, [s for example in batch for s in example], max_length, device)
-        z = encoder(**feats).view(len(batch), group, -1)
-        out = {"anchors": z[:, 0], "positives": z[:, 1]}
-        if group == 3:
-            out["negatives"] = z[:, 2]
-        return out
-    if not batch or not isinstance(batch[0], str):
-        raise ValueError(f"{obj.method} takes a batch of sentences")
-    feats = tokenize(tokenizer, batch, max_length, device)
-    doubled = {k: v.repeat_interleave(2, dim=0) for k, v in feats.items()}
-    z = encoder(**doubled).view(len(batch), 2, -1)
-    out = {"anchors": z[:, 0], "positives": z[:, 1]}
-    if obj.method == "escl":
-        with dropout_rate(encoder, obj.sensitive_dropout):
-            out["sensitive"] = encoder(**feats)
+    outputs = {}
+    for name, feats in view_inputs(obj, tokenizer, batch, max_length, device):
+        with forward_mode(obj, encoder, name):
+            outputs[name] = encoder(**feats)
+    out = assemble_views(obj, outputs, len(batch))
     if obj.method == "dclr" and obj.complementary is not None:
         out["complementary"] = complementary_views(obj, batch, max_length)
     return out
 
 
-def complementary_views(obj: Objective, sentences: list, max_length: int):
-    """``(c, c⁺)`` of the frozen complementary encoder: eval mode, no_grad, float32."""
+def complementary_views(obj: Objective, sentences: list, max_length: int,
+                        chunk_size: int | None = None):
+    """``(c, c⁺)`` of the frozen complementary encoder: eval mode, no_grad, float32;
+    with ``chunk_size``, in forwards of at most that many sentences."""
     comp = obj.complementary
     comp.eval()
     device = next(comp.parameters()).device
     with torch.no_grad():
-        c = comp(**tokenize(obj.complementary_tokenizer, sentences, max_length, device)).float()
+        feats = tokenize(obj.complementary_tokenizer, sentences, max_length, device)
+        step = chunk_size or len(sentences)
+        c = torch.cat([comp(**{k: v[i:i + step] for k, v in feats.items()}).float()
+                       for i in range(0, len(sentences), step)])
     return c, c
 
 
@@ -297,23 +330,112 @@ def objective_loss(obj: Objective, views: dict) -> torch.Tensor:
 
 def train_step(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: list, optimizer,
                scheduler, *, max_length: int, max_grad_norm: float = 1.0,
-               autocast=None) -> dict:
+               autocast=None, chunk_size: int | None = None, distributed: bool = False) -> dict:
     """One optimizer step on one batch: views → loss → backward → clip → step.
 
-    Returns ``{"loss": float, "grad_norm": float, "lr": float}`` (lr of this step).
+    ``chunk_size``: cached two-pass encoding (:func:`cached_backward`), same gradients with
+    the activations of at most ``chunk_size`` encoder inputs at a time. ``distributed``: this
+    process holds its share of the global batch; the loss is computed against the candidates
+    of all processes and gradients are averaged over them (:mod:`fastcl.distributed`).
+
+    Returns ``{"loss": float, "grad_norm": float, "lr": float}`` (lr of this step; with
+    ``distributed`` the loss is the global mean).
     """
     encoder.train()
     lr = optimizer.param_groups[0]["lr"]
-    with autocast if autocast is not None else contextlib.nullcontext():
-        views = embed_views(obj, encoder, tokenizer, batch, max_length)
-        loss = objective_loss(obj, views)
-    loss.backward()
+    loss_fn = _global_loss if distributed else objective_loss
+    if chunk_size is None:
+        with autocast if autocast is not None else contextlib.nullcontext():
+            views = embed_views(obj, encoder, tokenizer, batch, max_length)
+            loss = loss_fn(obj, views)
+        loss.backward()
+    else:
+        loss = cached_backward(obj, encoder, tokenizer, batch, max_length=max_length,
+                               chunk_size=chunk_size, autocast=autocast, loss_fn=loss_fn)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    loss = float(loss.detach())
+    if distributed:
+        from . import distributed as dist_cl
+        dist_cl.average_gradients(params)
+        loss = dist_cl.mean(loss, device=params[0].device)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "lr": lr}
+    return {"loss": loss, "grad_norm": float(grad_norm), "lr": lr}
+
+
+def _global_loss(obj: Objective, views: dict) -> torch.Tensor:
+    from . import distributed as dist_cl
+    return dist_cl.global_loss(obj, views)
+
+
+def _rng_snapshot(device: torch.device) -> tuple:
+    """The random state an encoder forward on ``device`` draws its dropout from."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _rng_restore(state: tuple, device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def cached_backward(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: list, *,
+                    max_length: int, chunk_size: int, autocast=None,
+                    loss_fn=None) -> torch.Tensor:
+    """Cached (two-pass, GradCache-style) encoding: accumulates into ``.grad`` the gradient
+    of ``loss_fn(obj, views)`` (default :func:`objective_loss`) and returns the loss, detached.
+
+    Pass 1 makes every forward of :func:`view_inputs` in chunks of ``chunk_size`` rows without
+    a graph, saving the random state before each chunk. The embeddings become leaf tensors;
+    the loss and its gradient with respect to them come from fastcl. Pass 2 restores each
+    chunk's random state, so its dropout masks are those of pass 1, re-encodes the chunk with
+    a graph and back-propagates the chunk's cached embedding gradient. Afterwards the random
+    state is the one pass 1 left, so the following steps draw as after an ordinary step.
+    DCLR's complementary encoder runs once, in pass 1.
+
+    The gradient equals that of one backward through the same chunked forwards; with
+    ``chunk_size`` at least the rows of each forward (2N unsupervised, 3N or 2N simcse-sup)
+    the forwards are the unchunked ones and so is the gradient.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    loss_fn = loss_fn or objective_loss
+    amp = (lambda: autocast) if autocast is not None else contextlib.nullcontext
+    device = next(encoder.parameters()).device
+    chunks = []  # (name, first row, features, random state)
+    cached = {}
+    with torch.no_grad():
+        for name, feats in view_inputs(obj, tokenizer, batch, max_length, device):
+            rows = next(iter(feats.values())).shape[0]
+            parts = []
+            for start in range(0, rows, chunk_size):
+                part = {k: v[start:start + chunk_size] for k, v in feats.items()}
+                chunks.append((name, start, part, _rng_snapshot(device)))
+                with amp(), forward_mode(obj, encoder, name):
+                    parts.append(encoder(**part))
+            cached[name] = torch.cat(parts).requires_grad_(True)
+    after = _rng_snapshot(device)
+    views = assemble_views(obj, cached, len(batch))
+    if obj.method == "dclr" and obj.complementary is not None:
+        views["complementary"] = complementary_views(obj, batch, max_length, chunk_size)
+    with amp():
+        loss = loss_fn(obj, views)
+    loss.backward()
+    grads = {name: leaf.grad for name, leaf in cached.items()}
+    del views, cached
+    for name, start, part, state in chunks:
+        _rng_restore(state, device)
+        with amp(), forward_mode(obj, encoder, name):
+            z = encoder(**part)
+        if grads[name] is None:  # the loss does not depend on this view
+            continue
+        torch.autograd.backward(z, grads[name][start:start + z.shape[0]].to(z.dtype))
+    _rng_restore(after, device)
+    return loss.detach()
 
 
 # ---------------------------------------------------------------------------------------

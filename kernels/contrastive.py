@@ -81,7 +81,7 @@ def _positive(cols, rows_g, POSITIVES: tl.constexpr):
 def _similarity_kernel(
     q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr,
     s_ptr, part_max_ptr, part_sum_ptr, pos_ptr,
-    R, M, D, DC, r0, n_pos,
+    R, M, D, DC, first_pos, n_pos,
     stride_q, stride_k, stride_cq, stride_ck, stride_s, stride_part,
     inv_t, focal_m, hard_w, phi,
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
@@ -94,7 +94,7 @@ def _similarity_kernel(
     cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < R
     col_ok = cols < M
-    rows_g = r0 + rows                     # global anchor index = its positive's column
+    rows_g = first_pos + rows              # global anchor index = its positive's column
 
     acc = _tile_dot(q_ptr, k_ptr, rows, cols, row_ok, col_ok, D, stride_q, stride_k,
                     PREC, BLOCK_R, BLOCK_M, BLOCK_D)
@@ -141,7 +141,7 @@ def _similarity_kernel(
 @triton.jit
 def _gradient_kernel(
     s_ptr, lse_ptr, inv_q_ptr, inv_k_ptr, vsum_ptr, g_ptr, part_v_ptr, part_log_ptr,
-    R, M, r0, n_pos, stride_s, stride_g, stride_part,
+    R, M, first_pos, n_pos, stride_s, stride_g, stride_part,
     inv_t, focal_m, hard_w, scale,
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
     POSITIVES: tl.constexpr, STAGE: tl.constexpr,
@@ -154,7 +154,7 @@ def _gradient_kernel(
     row_ok = rows < R
     col_ok = cols < M
     ok = row_ok[:, None] & col_ok[None, :]
-    rows_g = r0 + rows
+    rows_g = first_pos + rows
 
     s = tl.load(s_ptr + rows[:, None] * stride_s + cols[None, :], mask=ok, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -248,7 +248,7 @@ def triton_chunk(ep, c, want_grad):
     :func:`fastcl.tiled.torch_chunk`)."""
     R, d = c.q.shape
     M = c.keys.shape[0]
-    n = c.n
+    n, n_pos = c.n, c.n_pos
     dev = c.q.device
     released = ep.formulation == "released"
     mask = ep.complementary is not None
@@ -273,7 +273,7 @@ def triton_chunk(ep, c, want_grad):
     grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
     extra = SIM_FIXED if INTERPRET else {}
     sim[grid](q, keys, inv_q, inv_k, cq, ck, s, part_max, part_sum, pos,
-              R, M, d, dc, c.r0, n,
+              R, M, d, dc, c.first_pos, n_pos,
               q.stride(0), keys.stride(0), cq.stride(0), ck.stride(0), s.stride(0), tiles,
               inv_t, focal_m, float(ep.hard_negative_weight), float(ep.phi or 0.0),
               PREC=_precision(q.dtype), BLOCK_M=SIM_BLOCK_M, **flags, **extra)
@@ -286,7 +286,7 @@ def triton_chunk(ep, c, want_grad):
     ggrid = (triton.cdiv(R, gb["BLOCK_R"]), triton.cdiv(M, gb["BLOCK_M"]))
     gtiles = ggrid[1]
     scale = 1.0 / (n * M) if released else 1.0 / n
-    common = (R, M, c.r0, n, s.stride(0))
+    common = (R, M, c.first_pos, n_pos, s.stride(0))
     vsum = lse                              # placeholder pointer unless released
     if released:
         part_v = torch.zeros(R, gtiles, dtype=torch.float32, device=dev)
