@@ -51,6 +51,14 @@ def _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w,
 
 
 @triton.jit
+def _tile(R, M, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's tile of the R×M chunk: row and column indices and their bounds."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rows, cols, rows < R, cols < M
+
+
+@triton.jit
 def _tile_dot(a_ptr, b_ptr, rows, cols, row_ok, col_ok, K, stride_a, stride_b,
               PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_D: tl.constexpr):
@@ -88,12 +96,8 @@ def _similarity_kernel(
     POSITIVES: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
     pid_m = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < R
-    col_ok = cols < M
+    rows, cols, row_ok, col_ok = _tile(R, M, BLOCK_R, BLOCK_M)
     rows_g = first_pos + rows              # global anchor index = its positive's column
 
     acc = _tile_dot(q_ptr, k_ptr, rows, cols, row_ok, col_ok, D, stride_q, stride_k,
@@ -147,12 +151,8 @@ def _gradient_kernel(
     POSITIVES: tl.constexpr, STAGE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
     pid_m = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < R
-    col_ok = cols < M
+    rows, cols, row_ok, col_ok = _tile(R, M, BLOCK_R, BLOCK_M)
     ok = row_ok[:, None] & col_ok[None, :]
     rows_g = first_pos + rows
 

@@ -72,6 +72,16 @@ def inputs(n, k, d, dtype):
     return a, p, x
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models are dominated by thread start-up: one thread is faster and steadier, and
+    exact-resume comparisons need the same thread count in every run."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

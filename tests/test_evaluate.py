@@ -81,13 +81,7 @@ def write_sts_dir(root, seed=0, n=40, tasks=("stsb", "sick")):
     return root
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models are dominated by thread start-up; one thread is faster and steadier.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

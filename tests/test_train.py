@@ -27,14 +27,7 @@ train = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models are dominated by thread start-up; one thread is faster and steadier, and the
-    # exact-resume comparisons need the same thread count in every run.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
