@@ -12,6 +12,12 @@ dev and SICK-R dev) and the best one is exported to ``--output-dir``, together w
 states, data position) is written atomically every ``--checkpoint-steps`` steps and on
 SIGINT/SIGTERM; ``--resume`` continues from it with the same subsequent losses as an
 uninterrupted run.
+
+Large batches: ``--chunk-size C`` encodes in chunks of at most C inputs (cached two-pass
+encoding with exact dropout replay: the gradients of one pass, the activation memory of C
+inputs). ``torchrun --nproc_per_node W train.py ...`` splits each batch over W processes whose
+losses use the candidates of all of them (global in-batch negatives), with the gradients of
+single-process training on the whole batch.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ METHOD_OPTIONS = {
 }
 # Options whose value must be the same when resuming (they define the run's steps).
 RUN_DEFINING = ("method", "model", "data", "snli_splits", "batch_size", "lr", "epochs",
-                "max_steps", "max_seq_len", "pooler", "mlp_only_train", "seed", "temperature",
+                "max_steps", "max_seq_len", "chunk_size", "pooler", "mlp_only_train", "seed", "temperature",
                 "warmup_steps", "weight_decay", "max_grad_norm", "precision", "select",
                 *METHOD_OPTIONS)
 
@@ -112,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps before the decay (default 0)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, not on biases and norms (default 0)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient-norm clipping (default 1.0)")
+    g.add_argument("--chunk-size", type=int, default=None, metavar="C",
+                   help="cached two-pass encoding: run the encoder on at most C inputs at a time "
+                        "(unsupervised methods encode 2 inputs per example, escl 3, simcse-sup 2 or "
+                        "3) with the same gradients and dropout masks replayed exactly; activation "
+                        "memory then follows C instead of the batch (default: one pass, no chunks)")
 
     g = p.add_argument_group("pooling")
     g.add_argument("--pooler", choices=POOLERS, default="cls",
@@ -189,6 +200,7 @@ def resolve_args(parser, args) -> argparse.Namespace:
         (args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}"),
         (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
         (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
+        (args.chunk_size is None or args.chunk_size >= 1, f"--chunk-size must be >= 1, got {args.chunk_size}"),
         (args.eval_steps >= 1, f"--eval-steps must be >= 1, got {args.eval_steps}"),
         (args.eval_batch_size >= 1, f"--eval-batch-size must be >= 1, got {args.eval_batch_size}"),
         (args.checkpoint_steps >= 1, f"--checkpoint-steps must be >= 1, got {args.checkpoint_steps}"),
@@ -225,7 +237,11 @@ def setup(args) -> Run:
     run = Run()
     run.args = args
     run.out = Path(args.output_dir)
-    run.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    run.world, run.rank = world_and_rank()
+    run.device = torch.device(args.device or default_device(run))
+    if run.world > 1 and args.batch_size % run.world:
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of "
+                         f"processes ({run.world}): each takes an equal share of the batch")
     run.data = training.read_training_data(args.data, args.method, args.snli_splits)
     run.steps_per_epoch = len(run.data) // args.batch_size
     if run.steps_per_epoch == 0:
@@ -239,6 +255,11 @@ def setup(args) -> Run:
     head = MLPHead(backbone.config.hidden_size, getattr(backbone.config, "initializer_range", 0.02)) \
         if args.pooler == "cls" else None
     run.encoder = SentenceEncoder(backbone, args.pooler, head).to(run.device)
+    if run.world > 1:
+        from fastcl import distributed
+        distributed.broadcast_parameters(run.encoder)  # one model, whatever each process drew
+        # each process its own dropout masks (same seed on all would repeat them)
+        torch.manual_seed(args.seed * 1_000_003 + run.rank)
     run.eval_pooler = export_pooler(args)
     run.eval_encoder = SentenceEncoder(backbone, run.eval_pooler, head)  # shares the modules
     run.objective = make_objective(args, backbone, run.device)
@@ -248,6 +269,32 @@ def setup(args) -> Run:
     run.state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best_metric": None, "best_step": None}
     run.dev_cache = {}
     return run
+
+
+def world_and_rank() -> tuple:
+    """(number of processes, this process's rank); (1, 0) outside ``torch.distributed``."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def default_device(run) -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if run.world > 1 else "cuda"
+
+
+def init_distributed(device_arg) -> None:
+    """Join the process group that ``torchrun`` describes (WORLD_SIZE > 1 in the environment):
+    NCCL on GPUs, gloo on CPU."""
+    import torch.distributed as dist
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available() and (device_arg is None or device_arg.startswith("cuda"))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
 
 
 def make_objective(args, backbone, device) -> training.Objective:
@@ -282,7 +329,9 @@ def _autocast(precision: str, device: torch.device):
 # ---------------------------------------------------------------------------------------
 # Log, checkpoint, export
 
-def append_log(out: Path, record: dict) -> None:
+def append_log(out: Path, record: dict, rank: int = 0) -> None:
+    if rank:
+        return
     with open(out / LOG, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -314,10 +363,24 @@ def run_signature(args) -> dict:
 
 
 def checkpoint_state(run: Run) -> dict:
-    return {"format": 1, "state": dict(run.state), "args": run_signature(run.args),
-            "examples": len(run.data), "model": run.encoder.state_dict(),
-            "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
-            "rng": training.rng_state(run.objective.generator)}
+    """The checkpoint's content (every process must call it: it gathers their random states)."""
+    rng = training.rng_state(run.objective.generator)
+    state = {"format": 1, "state": dict(run.state), "args": run_signature(run.args),
+             "examples": len(run.data), "model": run.encoder.state_dict(),
+             "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+             "rng": rng}
+    if run.world > 1:
+        import torch.distributed as dist
+        ranks = [None] * run.world
+        dist.all_gather_object(ranks, rng)
+        state.update(world_size=run.world, rng_ranks=ranks)
+    return state
+
+
+def save_checkpoint(run: Run) -> None:
+    state = checkpoint_state(run)
+    if run.rank == 0:
+        training.save_checkpoint(run.out / CHECKPOINT, state)
 
 
 def resume(run: Run) -> None:
@@ -330,15 +393,20 @@ def resume(run: Run) -> None:
             for k in sig if ckpt["args"].get(k) != sig[k]]
     if diff:
         raise ValueError("--resume needs the options of the interrupted run: " + "; ".join(diff))
+    if ckpt.get("world_size", 1) != run.world:
+        raise ValueError(f"--resume: the checkpoint was written by {ckpt.get('world_size', 1)} "
+                         f"process(es), this run has {run.world}")
     if ckpt["examples"] != len(run.data):
         raise ValueError(f"--resume: --data now has {len(run.data)} examples, the checkpoint "
                          f"was trained on {ckpt['examples']}")
     run.encoder.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     run.scheduler.load_state_dict(ckpt["scheduler"])
-    training.set_rng_state(ckpt["rng"], run.objective.generator)
+    training.set_rng_state(ckpt["rng_ranks"][run.rank] if run.world > 1 else ckpt["rng"],
+                           run.objective.generator)
     run.state = dict(ckpt["state"])
-    truncate_log(run.out, run.state["step"])
+    if run.rank == 0:
+        truncate_log(run.out, run.state["step"])
 
 
 def export(run: Run) -> None:
@@ -431,12 +499,14 @@ def next_batch(run: Run) -> list:
     start = st["batch_in_epoch"] * bs
     rows = run.data.dataset[run._order[start:start + bs].tolist()]
     st["batch_in_epoch"] += 1
-    return training.batch_examples(run.data, rows)
+    batch = training.batch_examples(run.data, rows)
+    share = len(batch) // run.world
+    return batch[run.rank * share:(run.rank + 1) * share]
 
 
 def maybe_evaluate(run: Run) -> None:
     step = run.state["step"]
-    if not run.args.sts_dir or (step % run.args.eval_steps and step != run.total_steps):
+    if run.rank or not run.args.sts_dir or (step % run.args.eval_steps and step != run.total_steps):
         return
     record = {"type": "eval", "step": step, **dev_evaluation(run)}
     record["best"] = run.state["best_metric"] is None or record["metric"] > run.state["best_metric"]
@@ -462,34 +532,49 @@ def train(run: Run) -> int:
     args, st = run.args, run.state
     append_log(run.out, {"type": "start", "step": st["step"], "resumed": bool(args.resume),
                          "examples": len(run.data), "skipped": run.data.skipped,
-                         "total_steps": run.total_steps, "args": vars(args)})
+                         "total_steps": run.total_steps, "processes": run.world, "args": vars(args)},
+               run.rank)
     run.bar = tqdm(total=run.total_steps, initial=st["step"], desc=args.method, mininterval=1.0,
-                   dynamic_ncols=True)
+                   dynamic_ncols=True, disable=run.rank != 0)
     with GracefulStop() as stop, contextlib.closing(run.bar):
         while st["step"] < run.total_steps:
             tic = time.perf_counter()
             batch = next_batch(run)
             out = training.train_step(run.objective, run.encoder, run.tokenizer, batch,
                                       run.optimizer, run.scheduler, max_length=args.max_seq_len,
-                                      max_grad_norm=args.max_grad_norm, autocast=run.autocast)
+                                      max_grad_norm=args.max_grad_norm, autocast=run.autocast,
+                                      chunk_size=args.chunk_size, distributed=run.world > 1)
             st["step"] += 1
-            rate = len(batch) / (time.perf_counter() - tic)
+            rate = len(batch) * run.world / (time.perf_counter() - tic)
             append_log(run.out, {"type": "step", "step": st["step"], "epoch": st["epoch"], **out,
-                                 "examples_per_s": rate})
+                                 "examples_per_s": rate}, run.rank)
+            if run.world > 1:
+                stop.signum = agreed_signal(stop.signum, run.device)
             run.bar.set_postfix(loss=f"{out['loss']:.4f}", ex_s=f"{rate:.1f}", refresh=False)
             run.bar.update(1)
             maybe_evaluate(run)
             if st["step"] % args.checkpoint_steps == 0 or stop.signum or st["step"] == run.total_steps:
-                training.save_checkpoint(run.out / CHECKPOINT, checkpoint_state(run))
+                save_checkpoint(run)
             if stop.signum:
-                run.bar.write(f"stopped by signal {stop.signum} after step {st['step']}; "
-                              f"checkpoint written, continue with --resume")
+                if run.rank == 0:
+                    run.bar.write(f"stopped by signal {stop.signum} after step {st['step']}; "
+                                  f"checkpoint written, continue with --resume")
                 return 128 + stop.signum
     finish(run)
     return 0
 
 
+def agreed_signal(signum, device):
+    """The stop signal any process received (all stop after the same step), or None."""
+    import torch.distributed as dist
+    t = torch.tensor([signum or 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t) or None
+
+
 def finish(run: Run) -> None:
+    if run.rank:
+        return
     if not run.args.sts_dir:
         export(run)
     summary = {"method": run.args.method, "steps": run.state["step"], "eval_pooler": run.eval_pooler,
@@ -508,20 +593,28 @@ def main(argv=None) -> int:
         parser.error(f"--output-dir {out} holds a checkpoint: pass --resume to continue it, "
                      "or choose another folder")
     try:
+        init_distributed(args.device)
         out.mkdir(parents=True, exist_ok=True)
         run = setup(args)
         if args.resume:
             resume(run)
-        elif (out / LOG).exists():
+        elif (out / LOG).exists() and run.rank == 0:
             (out / LOG).unlink()
     except (ValueError, OSError) as err:
         raise SystemExit(f"train.py: error: {err}") from err
-    if not args.sts_dir:
-        print("no --sts-dir: no dev evaluation during training; the last model will be saved")
-    print(f"{args.method}: {len(run.data)} examples from {args.data}"
-          + (f" ({run.data.skipped} skipped)" if run.data.skipped else "")
-          + f", {run.total_steps} steps of {args.batch_size}, eval pooler {run.eval_pooler}")
-    return train(run)
+    if run.rank == 0:
+        if not args.sts_dir:
+            print("no --sts-dir: no dev evaluation during training; the last model will be saved")
+        print(f"{args.method}: {len(run.data)} examples from {args.data}"
+              + (f" ({run.data.skipped} skipped)" if run.data.skipped else "")
+              + f", {run.total_steps} steps of {args.batch_size}, eval pooler {run.eval_pooler}"
+              + (f", {run.world} processes of {args.batch_size // run.world}" if run.world > 1 else ""))
+    try:
+        return train(run)
+    finally:
+        if run.world > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
