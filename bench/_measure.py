@@ -203,6 +203,19 @@ def print_result(result: dict) -> None:
     sys.stdout.flush()
 
 
+def answer_as_worker(spec_json: str, worker) -> int:
+    """A script's hidden ``--worker`` mode: run one case and print its result for the parent.
+    An exception becomes an error row (labelled when it is an out-of-memory), not a crash."""
+    try:
+        result = worker(json.loads(spec_json))
+    except Exception as exc:  # reported as a row by the parent
+        oom = "out of memory" in str(exc) or isinstance(exc, MemoryError)
+        result = {"ok": False, "error": ("out of memory: " if oom else "")
+                  + f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    print_result(result)
+    return 0
+
+
 # --------------------------------------------------------------------------- GPU
 
 def cuda_time(fn, leaves=(), warmup_ms: float = 25, rep_ms: float = 100) -> dict:

@@ -50,7 +50,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from _measure import (MIB, cpu_model, default_threads, malloc_settings, measure_cpu, print_result,
+from _measure import (MIB, answer_as_worker, cpu_model, default_threads, malloc_settings, measure_cpu,
                       run_fresh_process, worker_env)
 
 OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl")
@@ -211,12 +211,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     if args.worker is not None:
-        try:
-            result = worker(json.loads(args.worker))
-        except Exception as exc:  # reported as a row by the parent
-            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-        print_result(result)
-        return 0
+        return answer_as_worker(args.worker, worker)
 
     objectives = split_list(args.objective or ["infonce"], OBJECTIVES, "--objective")
     impls = split_list(args.impl or ["reference,tiled"], IMPLS, "--impl")

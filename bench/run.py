@@ -69,8 +69,8 @@ from pathlib import Path
 import _checkout  # noqa: F401  (fastcl and fastcl.kernels importable from a bare checkout)
 from _cases import (IMPLS, MNRL_OBJECTIVES, OBJECTIVES, auto_backend, bert_config, build,
                     num_candidates)
-from _measure import (MIB, cpu_model, cuda_peak, cuda_time, default_threads, malloc_settings,
-                      matmul_limit, measure_cpu, print_result, run_fresh_process, worker_env)
+from _measure import (MIB, answer_as_worker, cpu_model, cuda_peak, cuda_time, default_threads,
+                      malloc_settings, matmul_limit, measure_cpu, run_fresh_process, worker_env)
 
 HERE = Path(__file__).resolve().parent
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -789,14 +789,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     if args.worker is not None:
-        try:
-            result = worker(json.loads(args.worker))
-        except Exception as exc:  # reported as a row by the parent
-            oom = "out of memory" in str(exc) or isinstance(exc, MemoryError)
-            result = {"ok": False, "error": ("out of memory: " if oom else "")
-                      + f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
-        print_result(result)
-        return 0
+        return answer_as_worker(args.worker, worker)
 
     if args.repeats < 1 or args.threads < 1:
         raise SystemExit("--repeats and --threads must be positive")
