@@ -40,6 +40,7 @@ for folder in (REPO, HERE):
 from compare import default_model  # noqa: E402
 from fastcl import reference  # noqa: E402
 from fastcl.encoders import load_encoder, tokenize  # noqa: E402
+from fastcl.training import read_sentences  # noqa: E402
 
 SHARED_WIKI = REPO.parent / "shared" / "data" / "wiki" / "wiki1m_for_simcse.random10k.txt"
 
@@ -84,11 +85,6 @@ def check_args(parser, args) -> None:
         parser.error(f"--data {args.data}: no such file")
 
 
-def read_lines(path) -> list:
-    lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
-    return [line for line in lines if line]
-
-
 def batch_diagnostics(h, h_pos, c, c_pos, noise0, args) -> dict:
     """The numbers of one batch; ``h, h⁺`` are the training views, ``c, c⁺`` the complementary's."""
     n = h.shape[0]
@@ -131,7 +127,7 @@ def diagnose(args) -> dict:
     comp, comp_tok = load_encoder(args.complementary, args.complementary_pooler, arg="--complementary")
     encoder.train()  # dropout on: the two views differ as in training
     comp.eval()
-    sentences = read_lines(args.data)
+    sentences = read_sentences(args.data).dataset["text"]  # read as train.py reads it
     if len(sentences) < args.batch_size:
         raise SystemExit(f"--data has {len(sentences)} sentences, fewer than --batch-size {args.batch_size}")
     rng = random.Random(args.seed)
