@@ -1,36 +1,51 @@
 #!/usr/bin/env bash
-# The GPU check, in one run, on a machine with one NVIDIA GPU (an H200), no internet and only
-# this checkout (fastcl need not be installed; torch, triton, numpy, matplotlib must be):
+# The GPU check: everything a GPU machine must tell about fastcl's kernels, in one run of at
+# most $DEADLINE seconds (default 300), on a machine with one NVIDIA GPU (an H200), no
+# internet and only this checkout (fastcl need not be installed; torch, triton, numpy and
+# matplotlib must be; pytest-xdist is used when present). Stages, most decisive first:
 #
-#   1. tests     python -m pytest tests/test_triton.py -q -rs   (the GPU-only tests included)
-#   2. targets   python bench/run.py --targets   (the Triton kernels' acceptance targets)
-#   3. bench     python bench/run.py --full --time-budget ...   (the sweep, cut from its end
-#                                                               when the budget is spent)
+#   env          bench/run.py --env         versions, GPU, whether 16-bit GEMMs write fp32
+#   targets      bench/run.py --targets     the acceptance targets, PASS/FAIL with numbers
+#   ab           bench/ab.py                the current design vs each FASTCL_LEGACY switch
+#   profile      bench/profile_step.py      kernel families and launches, current vs legacy
+#   tests-gpu    pytest tests/test_triton.py -k gpu        (the GPU-only tests)
+#   tests-small  pytest tests/test_triton.py -k "not gpu"  (both with FASTCL_AUTOTUNE=0:
+#                                                           bounded compile time)
+#   sweep        bench/run.py --quick       with whatever time is left (none under 30 s)
 #
 # Usage:
 #   bash bench/gpu_check.sh              # on the GPU machine, from anywhere
-#   bash bench/gpu_check.sh --dry-run    # CPU: the same stages at tiny sizes, results in
-#                                        # $RESULTS_DIR (default /tmp/fastcl-gpu-check-dry)
+#   bash bench/gpu_check.sh --dry-run    # a CPU-only machine: the same stages at tiny sizes,
+#                                        # one thread, a few small tests in Triton's interpreter
+#                                        # (about 80 s); results in $RESULTS_DIR (default
+#                                        # /tmp/fastcl-gpu-check-dry, not bench/results)
 #
-# Results: bench/results/<gpu>-<date>.{json,csv}, <gpu>-<date>-{time,memory,pct}.png,
-# <gpu>-<date>-targets.{json,csv}, <gpu>-<date>-gpu-check.json (what each stage did, the
-# pytest summary and log tail, the targets, the headline) and one .log per stage. When $OUT
-# is set, the JSON, CSV and PNG files (8 at most, all small, no folders) are copied into it.
+# Results: every file of the run is $STEM-<what>, STEM = bench/results/<gpu>-<date>: -env.json,
+# -targets.{json,csv}, -ab.{json,csv}, -profile.json, -sweep.{json,csv}, -sweep-*.png, one
+# .log per stage, and -gpu-check.json, the summary: each stage's status and seconds, the
+# environment, the targets, the A/B table, the profile breakdown, the pytest counts, failing
+# tests and log tails, the sweep's headline. Each stage writes its files as it goes, so a stage
+# cut short by its timeout keeps what it measured.
+# With $OUT set (a dry run defaults it to $RESULTS_DIR/out): $OUT/gpu-check.json,
+# $OUT/results.tgz (every file this run wrote, logs included) and the sweep's PNGs; 8 files
+# at most, no folders.
 #
-# Time: the whole script stays under $DEADLINE seconds (default 400, i.e. under 7 minutes).
-# Each stage runs under `timeout` with the smaller of its own limit and the time left, so a
-# hang cannot eat the budget; the benchmark also stops starting new cases at its own
-# --time-budget and still writes its table and plots.
+# Time: each stage runs under `timeout` with the smaller of its own limit and the time left
+# (20 s are kept for the summary); the Python stages also stop starting work at their own
+# --time-budget and write what they have.
 #
-# Exit status: 0 unless a stage failed to run — a test failure, a crash, a stage killed by
-# its timeout. A missed target is reported (FAIL in the output and the JSON), not an error.
+# Exit status: 0 unless a stage failed to run — a test failure, a crash, a measurement error,
+# a stage killed by its timeout. A missed target is reported (FAIL), not an error.
 
 set -u
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; fi
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
-DEADLINE=${DEADLINE:-400}
+DEADLINE=${DEADLINE:-300}
+MARK=$(mktemp)                 # files newer than this one are this run's
+SUMMARY_TSV=$(mktemp)
+trap 'rm -f "$MARK" "$SUMMARY_TSV"' EXIT
 
 # A python that has torch (on the GPU image a plain python3 is the one).
 PY=${PYTHON:-}
@@ -42,60 +57,64 @@ fi
 if [ -z "$PY" ]; then echo "no python with torch found" >&2; exit 2; fi
 
 # fastcl from this checkout: bench/_checkout.py maps kernels/ to fastcl.kernels when fastcl is
-# not installed (run.py imports it; pytest loads it as a plugin with -p _checkout).
+# not installed (the bench scripts import it; pytest loads it as a plugin with -p _checkout).
 export PYTHONPATH="$ROOT/bench:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONDONTWRITEBYTECODE=1
-export MPLBACKEND=Agg
-export TOKENIZERS_PARALLELISM=false
+export PYTHONDONTWRITEBYTECODE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-if [ $DRY -eq 0 ]; then unset TRITON_INTERPRET; fi
+unset FASTCL_LEGACY FASTCL_AUTOTUNE     # ab.py and profile_step.py set the switches themselves
 
 DATE=$(date +%F)
 if [ $DRY -eq 1 ]; then
+    export TRITON_INTERPRET=1
     RES=${RESULTS_DIR:-/tmp/fastcl-gpu-check-dry}
+    OUT=${OUT:-$RES/out}
     DEV=cpu-dry-run
 else
+    unset TRITON_INTERPRET
     RES=${RESULTS_DIR:-$ROOT/bench/results}
-    DEV=$("$PY" - <<'EOF'
-import re, torch
-name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no-cuda"
-print(re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"))
-EOF
-)
+    GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+    if [ -z "$GPU" ]; then
+        GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')")
+    fi
+    if [ -z "$GPU" ]; then
+        echo "no CUDA device visible (use --dry-run on a CPU-only machine)" >&2
+        exit 2
+    fi
+    DEV=$(echo "$GPU" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+//; s/-+$//')
 fi
 mkdir -p "$RES"
 STEM="$RES/$DEV-$DATE"
-SUMMARY_TSV=$(mktemp)
 ERRORS=0
 
 echo "== fastcl GPU check: $DEV, $PY, deadline ${DEADLINE}s, results in $RES"
 if [ $DRY -eq 0 ]; then
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
-    if [ "$DEV" = "no-cuda" ]; then
-        echo "no CUDA device visible to $PY (use --dry-run on a CPU machine)" >&2
-        exit 2
-    fi
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv,noheader 2>/dev/null || true
 fi
 
-# stage NAME LIMIT_S TAIL COMMAND...: run under timeout (the smaller of LIMIT_S and the time
-# left) with its output in $STEM-NAME.log (a file, not a pipe: a stray child process cannot
-# hold the script up), print the log's last TAIL lines, record rc and seconds.
+# limit L: the seconds a stage of limit L gets now (the time left, less 20 s for the summary)
+limit() {
+    local left=$((DEADLINE - SECONDS - 20))
+    echo $(($1 < left ? $1 : left))
+}
+
+# stage NAME SECONDS TAIL COMMAND...: run under timeout with its output in $STEM-NAME.log (a
+# file, not a pipe: a stray child process cannot hold the script up), print the log's last
+# TAIL lines, record status and seconds. Skipped when SECONDS is under 30.
 stage() {
-    local name=$1 limit=$2 tail_lines=$3
+    local name=$1 t=$2 tail_lines=$3
     shift 3
-    local left=$((DEADLINE - SECONDS - 15))
-    local t=$((limit < left ? limit : left))
     if [ "$t" -lt 30 ]; then
-        echo "== $name: skipped (only ${left}s left of the ${DEADLINE}s deadline)"
+        echo "== $name: skipped (${t}s left of the ${DEADLINE}s deadline)"
         printf '%s\tskipped\t0\t%s\n' "$name" "$t" >>"$SUMMARY_TSV"
         return 0
     fi
     echo "== $name (timeout ${t}s): $*"
     local start=$SECONDS
-    timeout -k 20 "$t" "$@" >"$STEM-$name.log" 2>&1 </dev/null
+    timeout -k 10 "$t" "$@" >"$STEM-$name.log" 2>&1 </dev/null
     local rc=$?
     local took=$((SECONDS - start))
-    tail -n "$tail_lines" "$STEM-$name.log" | cut -c1-220
+    # (without the profiler's USDT lines, and only the last state of a progress bar)
+    grep -v '^USDT:' "$STEM-$name.log" | sed 's/.*\r//' | tail -n "$tail_lines" | cut -c1-220
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$took" "$t" >>"$SUMMARY_TSV"
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
         echo "== $name: TIMED OUT after ${took}s (limit ${t}s)"
@@ -106,42 +125,91 @@ stage() {
     return 0
 }
 
-# 1. tests. Parallel workers (pytest-xdist, when installed) compile the Triton variants on
-# several cores; the compiled kernels land in Triton's cache for the two stages after.
-XDIST=()
-if [ $DRY -eq 0 ] && "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 6); fi
-TESTS=(tests/test_triton.py -q -rs -p _checkout -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"})
-if [ $DRY -eq 1 ]; then TESTS+=(-k "gpu"); fi         # CPU: only the (skipped) GPU tests
-stage pytest 150 25 "$PY" -m pytest "${TESTS[@]}"
-
-# 2. targets
-if [ $DRY -eq 1 ]; then
-    TARGET_ARGS=(--device cpu --target-n 512 --target-big-n 1024 --threads 1)
+if [ $DRY -eq 1 ]; then         # tiny sizes, one thread
+    CPU=(--device cpu --threads 1)
+    ENV_ARGS=("${CPU[@]}")
+    TARGET_ARGS=("${CPU[@]}" --target-n 256 --target-big-n 512 --target-d 64 --target-chunks 128
+                 --compile-reserve 0)
+    AB_ARGS=("${CPU[@]}" --n 256 --noise-n 128 --d 64)
+    PROFILE_ARGS=("${CPU[@]}" --n 256 --d 64)
+    SWEEP_ARGS=("${CPU[@]}" --objective infonce,noise --impl fastcl,reference --n 256,512 --d 64)
+    SMALL_TESTS="not gpu and not matches_reference"   # the interpreter is slow: a few tests
+    XDIST=()
 else
-    TARGET_ARGS=()
+    ENV_ARGS=()
+    TARGET_ARGS=(--compile-reserve 30 --target-chunks 1024,4096)
+    AB_ARGS=()
+    PROFILE_ARGS=()
+    SWEEP_ARGS=(--quick --compile-reserve 60)
+    SMALL_TESTS="not gpu"
+    XDIST=()
+    if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 6); fi
 fi
-stage targets 100 20 "$PY" bench/run.py --targets --out-stem "$STEM-targets" \
-    ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
+FAST=(--warmup-ms 10 --rep-ms 50)
 
-# 3. the benchmark: it stops starting cases 60 s before its stage limit, then writes outputs
-LEFT=$((DEADLINE - SECONDS - 25))
-BENCH_LIMIT=$((LEFT < 240 ? LEFT : 240))
-BUDGET=$((BENCH_LIMIT - 60 > 20 ? BENCH_LIMIT - 60 : 20))
-if [ $DRY -eq 1 ]; then
-    BENCH_ARGS=(--device cpu --objective infonce,noise --impl fastcl,reference,mnrl --n 256,512
-                --d 64 --e2e-n 8 --e2e-encoder tiny --threads 1)
-else
-    BENCH_ARGS=(--full)
-fi
-stage bench "$BENCH_LIMIT" 22 "$PY" bench/run.py "${BENCH_ARGS[@]}" --time-budget "$BUDGET" \
-    --out-stem "$STEM"
+T=$(limit 30)
+stage env "$T" 40 "$PY" bench/run.py --env --out-stem "$STEM-env" ${ENV_ARGS[@]+"${ENV_ARGS[@]}"}
 
-# Summary JSON: stages, pytest's summary and tail, the targets; then copy the results to $OUT.
+T=$(limit 125)
+stage targets "$T" 30 "$PY" bench/run.py --targets "${FAST[@]}" --time-budget $((T - 15)) \
+    --out-stem "$STEM-targets" ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
+
+T=$(limit 50)
+stage ab "$T" 24 "$PY" bench/ab.py --time-budget $((T - 15)) --out-stem "$STEM-ab" \
+    ${AB_ARGS[@]+"${AB_ARGS[@]}"}
+
+T=$(limit 25)
+stage profile "$T" 30 "$PY" bench/profile_step.py --out-stem "$STEM-profile" \
+    ${PROFILE_ARGS[@]+"${PROFILE_ARGS[@]}"}
+
+# GPU-only tests first: they are what a CPU-only machine cannot run (it runs the rest in
+# Triton's interpreter). Workers compile into Triton's cache, shared by the next stage.
+PYTEST=(env FASTCL_AUTOTUNE=0 "$PY" -m pytest tests/test_triton.py -v --tb=short -rfEs
+        -p _checkout -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"})
+T=$(limit 45)
+stage tests-gpu "$T" 15 "${PYTEST[@]}" -k "gpu"
+T=$(limit 30)
+stage tests-small "$T" 15 "${PYTEST[@]}" -k "$SMALL_TESTS"
+
+T=$(limit 240)
+stage sweep "$T" 30 "$PY" bench/run.py "${FAST[@]}" --time-budget $((T - 25)) --no-e2e \
+    --out-stem "$STEM-sweep" ${SWEEP_ARGS[@]+"${SWEEP_ARGS[@]}"}
+
+# The summary: $STEM-gpu-check.json, and a few lines to read first.
 "$PY" - "$SUMMARY_TSV" "$STEM" "$DEADLINE" "$SECONDS" "$DRY" <<'EOF'
 import json, re, sys
 from pathlib import Path
 
 tsv, stem, deadline, elapsed, dry = sys.argv[1:6]
+
+
+def load(suffix):
+    path = Path(f"{stem}-{suffix}.json")
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except ValueError as exc:
+        return {"unreadable": str(exc)}
+
+
+def pytest_summary(name):
+    log = Path(f"{stem}-{name}.log")
+    if not log.exists():
+        return None
+    lines = log.read_text(errors="replace").splitlines()
+    final = [l for l in lines if re.search(r"\d+ (passed|failed|skipped|errors?|deselected)", l)]
+    outcomes = {}
+    for l in lines:   # one line per test with -v, so a run cut short still counts
+        m = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED)\b.*?(tests/\S+::\S+)|(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED)\b", l)
+        if m:
+            outcomes.setdefault(m.group(2) or m.group(3), m.group(1) or m.group(4))
+    failing = sorted({m.group(2) for l in lines for m in [re.search(r"\b(FAILED|ERROR) (tests/\S+)", l)] if m})
+    counts = {}
+    for o in outcomes.values():
+        counts[o.lower()] = counts.get(o.lower(), 0) + 1
+    return {"summary": final[-1].strip("= ") if final else None, "counts": counts,
+            "failing": failing, "tail": lines[-80:]}
+
+
 stages = []
 for line in Path(tsv).read_text().splitlines():
     name, rc, took, limit = line.split("\t")
@@ -151,46 +219,67 @@ for line in Path(tsv).read_text().splitlines():
                    "seconds": int(took), "limit_s": int(limit)})
 out = {"stem": stem, "dry_run": dry == "1", "deadline_s": int(deadline), "elapsed_s": int(elapsed),
        "stages": stages}
-log = Path(f"{stem}-pytest.log")
-if log.exists():
-    lines = log.read_text(errors="replace").splitlines()
-    summary = [l for l in lines if re.search(r"\d+ (passed|failed|skipped|error)", l)]
-    out["pytest_summary"] = summary[-1].strip("= ") if summary else None
-    out["pytest_tail"] = lines[-150:]
-targets = Path(f"{stem}-targets.json")
-if targets.exists():
-    t = json.loads(targets.read_text())
-    out["targets"] = t.get("targets")
-    out["environment"] = t.get("environment")
-bench = Path(f"{stem}.json")
-if bench.exists():
-    b = json.loads(bench.read_text())
-    out["bench_interrupted"] = b.get("interrupted")
-    out["bench_headline"] = b.get("headline")
-    out["bench_rows"] = len(b.get("results", []))
-    out["bench_skipped_by_budget"] = sum("time budget" in str(r.get("error", ""))
-                                         for r in b.get("results", []))
-Path(f"{stem}-gpu-check.json").write_text(json.dumps(out, indent=1) + "\n")
+out["environment"] = load("env")
+targets = load("targets") or {}
+out["targets"] = targets.get("targets")
+out["target_rows"] = [{k: r.get(k) for k in ("objective", "impl", "backend", "n", "chunk_size", "ok",
+                                             "median_s", "first_call_s", "peak_beyond_inputs_mib",
+                                             "pct_of_matmul", "loss", "error")}
+                      for r in targets.get("results", [])]
+ab = load("ab") or {}
+out["ab"] = {"switches": ab.get("switches"), "matmul": ab.get("matmul"),
+             "rows": [{k: r.get(k) for k in ("case", "variant", "backend", "ok", "median_s",
+                                              "first_call_s", "peak_beyond_inputs_mib", "pct_of_matmul",
+                                              "loss", "rel_diff", "same", "error", "chosen_configs")}
+                      for r in ab.get("rows", [])]}
+profile = load("profile") or {}
+out["profile"] = {k: profile.get(k) for k in ("n", "d", "dtype", "designs")}
+out["pytest"] = {name: pytest_summary(name) for name in ("tests-gpu", "tests-small")}
+sweep = load("sweep")
+if sweep:
+    results = sweep.get("results", [])
+    out["sweep"] = {"interrupted": sweep.get("interrupted"), "headline": sweep.get("headline"),
+                    "rows": len(results),
+                    "skipped_by_budget": sum("time budget" in str(r.get("error", "")) for r in results)}
+Path(f"{stem}-gpu-check.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
+
 print("== stages: " + "; ".join(f"{s['stage']} {s['status']} ({s['seconds']}s)" for s in stages))
-if out.get("pytest_summary"):
-    print("== pytest: " + out["pytest_summary"])
-for t in out.get("targets") or []:
+for t in out["targets"] or []:
     v = t["value"]
     shown = "-" if v is None else (f"{100 * v:.1f}%" if "fraction" in t["target"] else f"{v:.2f}x")
     print(f"== target [{t['result']}] {t['target']}: {shown} (goal {t['goal']})")
+new = {r["case"]: r for r in out["ab"]["rows"] if r["variant"] == "new" and r.get("ok")}
+for r in out["ab"]["rows"]:
+    base = new.get(r["case"])
+    print(f"== ab {r['case']:<14} {r['variant']:<9} " + (
+        f"{r['median_s'] * 1e3:8.2f} ms" + (f"  {r['median_s'] / base['median_s']:.3f}x new" if base else "")
+        + (f"  {r['pct_of_matmul']:.1f}% mm" if r.get("pct_of_matmul") is not None else "")
+        + ("" if r.get("same") is not False else "  RESULT DIFFERS")
+        if r.get("ok") else f"{'skipped' if 'time budget' in str(r.get('error')) else 'ERROR'}: {r.get('error')}"))
+for name, p in (out["profile"].get("designs") or {}).items():
+    if "error" in p:
+        print(f"== profile {name}: ERROR {p['error']}")
+        continue
+    fams = ", ".join(f"{k} {v['ms']:.2f}" for k, v in p["families"].items() if v["launches"])
+    print(f"== profile {name}: wall {p['wall_ms']:.2f} ms, busy {p['busy_ms']:.2f} ms, {p['launches']} "
+          f"launches, {p['chunks']} chunks ({fams} ms)")
+for name, p in out["pytest"].items():
+    if p:
+        print(f"== {name}: {p['summary'] or p['counts']}" + (f"; failing: {', '.join(p['failing'][:10])}"
+                                                             if p["failing"] else ""))
 EOF
 
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
-    n=0
-    for f in "$STEM-gpu-check.json" "$STEM-targets.json" "$STEM.json" "$STEM-time.png" \
-             "$STEM-memory.png" "$STEM-pct.png" "$STEM.csv" "$STEM-targets.csv"; do
-        if [ -f "$f" ] && [ "$n" -lt 8 ] && [ "$(stat -c %s "$f")" -le 16777216 ]; then
-            cp "$f" "$OUT/" && n=$((n + 1))
-        fi
+    cp "$STEM-gpu-check.json" "$OUT/gpu-check.json"
+    base=$(basename "$STEM")
+    (cd "$RES" && find . -maxdepth 1 -type f -name "$base*" -newer "$MARK" -printf '%P\n' | sort \
+        | tar czf "$OUT/results.tgz" -T -)
+    n=2
+    for f in "$STEM"-*.png; do
+        if [ -f "$f" ] && [ "$f" -nt "$MARK" ] && [ "$n" -lt 8 ]; then cp "$f" "$OUT/" && n=$((n + 1)); fi
     done
-    echo "== copied $n files to \$OUT"
+    echo "== \$OUT: $n files ($(ls "$OUT" | tr '\n' ' '))"
 fi
-rm -f "$SUMMARY_TSV"
 echo "== done in ${SECONDS}s (deadline ${DEADLINE}s); exit $ERRORS"
 exit $ERRORS

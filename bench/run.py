@@ -6,6 +6,8 @@
     python bench/run.py --full       # GPU: N = 256 … 131072, bf16 and fp32, d ∈ {384, 768, 1024}
     python bench/run.py --targets    # GPU: the Triton kernels' acceptance targets
     python bench/run.py --objective infonce,dclr --n 1024,4096 --d 768 --impl fastcl,reference
+    python bench/run.py --explain 32768   # any machine: the cost model of one GPU call
+    python bench/run.py --env        # versions, GPU, mixed-precision GEMM support; no benchmark
 
 What runs (one table row per case, all implementations on the same inputs; ``_cases.py``
 defines the objectives, implementations and FLOP counts):
@@ -35,12 +37,29 @@ call holds the compile time and later N reuse the graph. With ``--time-budget`` 
 starting cases once the budget is spent (they become rows saying so); the built-in sweeps
 are ordered most important first.
 
-``--targets`` measures the Triton kernels' acceptance targets (bf16, d=768 on GPU): fused
-infonce forward+backward at N=M=32768 as a fraction of the throughput of three
-(N×d)@(d×M) ``torch.mm`` of the same FLOP count; the speed and peak-memory ratios against the
-eager reference at N=M=16384; the DCLR noise update (4 steps, K=N) against one infonce
-forward+backward. Each is printed PASS/FAIL with its numbers; a missed target does not
-change the exit status (a measurement that fails does).
+``--targets`` measures the Triton kernels' acceptance targets (bf16, d=768 on GPU), each
+printed PASS/FAIL with its numbers as soon as it is measured:
+
+* fused infonce forward+backward at N=M=32768: at least 60 % of the throughput of three
+  (N×d)@(d×M) ``torch.mm`` of the same FLOP count (``--goal-fraction``);
+* at N=M=16384: at least 1.5× faster than the eager reference (``--goal-speedup``), faster
+  than ``torch.compile`` of the reference (static shapes, compile time excluded;
+  ``--goal-compiled``), and at least 10× less peak memory than the eager reference
+  (``--goal-memory``);
+* the DCLR noise update (4 steps, K=N=16384) within 1.15× of its own FLOP floor: its useful
+  FLOPs at the bf16 ``torch.mm`` throughput measured in the same run (``--goal-noise``);
+* rows without a goal: fused infonce at each ``--target-chunks`` chunk size (GPU default
+  1024, 2048, 4096 at both N; ``--target-chunks ''`` for none), skipped once
+  ``--time-budget`` is spent, as is ``torch.compile`` with less than ``--compile-reserve``
+  seconds left.
+
+A missed target does not change the exit status (a measurement that fails does). The JSON is
+rewritten after every case, so a run cut short keeps the targets it measured.
+
+``--explain N`` prints fastcl's analytic cost model of one GPU infonce forward+backward at
+N=M (``bench/_explain.py``: per-chunk stages, launches, bytes and predicted time of the old
+and the new design on ``--explain-device``, with ``--target-d`` and ``--target-dtype``). It is a
+model, not a measurement, and needs no GPU.
 
 Outputs: a table (with a progress bar while it runs), ``bench/results/<device>-<date>.json``
 and ``.csv`` (device, CPU/GPU model, versions, the exact command) and PNG plots
@@ -412,7 +431,36 @@ def environment(device: str, threads: int) -> dict:
                 capture_output=True, text=True, timeout=20).stdout.strip() or None
         except (OSError, subprocess.SubprocessError):
             env["gpu_driver"] = None
+    env["mixed_gemm"] = mixed_gemm_support(device)
     return env
+
+
+def mixed_gemm_support(device: str) -> dict:
+    """Whether 16-bit GEMMs can write float32 directly on ``device`` (what the chunk driver
+    uses when it can): "ok", or the error, per form."""
+    import torch
+
+    a = torch.randn(64, 32, device=device).bfloat16()
+    b = torch.randn(32, 48, device=device).bfloat16()
+    want = a.float() @ b.float()
+    forms = {
+        "mm(bf16, bf16, out_dtype=float32)": lambda: torch.mm(a, b, out_dtype=torch.float32),
+        "addmm(float32, bf16, bf16, out_dtype=float32)":
+            lambda: torch.addmm(torch.zeros_like(want), a, b, out_dtype=torch.float32),
+        "addmm(..., out_dtype=float32, out=input) (in place)":
+            lambda: (lambda c: torch.addmm(c, a, b, out_dtype=torch.float32, out=c))(
+                torch.zeros_like(want)),
+    }
+    out = {}
+    for name, fn in forms.items():
+        try:
+            got = fn()
+            err = (got.float() - want).abs().max().item()
+            out[name] = ("ok" if got.dtype == torch.float32 and err < 1e-2
+                         else f"wrong result: dtype {got.dtype}, max error {err:.3g}")
+        except Exception as exc:  # unsupported here: say why
+            out[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+    return out
 
 
 def _loadavg():
@@ -469,7 +517,8 @@ class Runner:
                 "input_checks": not args.no_input_checks}
         if spec["kind"] == "case":
             spec.setdefault("compile_dynamic", True if self.device == "cuda" else False)
-            spec["chunk_size"] = args.chunk_size
+            if spec.get("chunk_size") is None:
+                spec["chunk_size"] = args.chunk_size
             key = (spec["objective"], spec["impl"], spec["d"], spec["dtype"])
             if key in self.failed and spec["n"] > self.failed[key]:
                 return [{**spec, "ok": False, "skipped": True,
@@ -632,90 +681,112 @@ def legend(device, in_process):
 
 # --------------------------------------------------------------------------- targets
 
-def run_targets(args, runner: Runner, device: str) -> tuple[list[dict], list[dict], bool]:
-    """The Triton kernels' targets, each measured and compared with its goal."""
+def run_targets(args, runner: Runner, device: str, rows: list, targets: list, save) -> None:
+    """The Triton kernels' targets, each measured, compared with its goal and printed at once.
+    Rows and targets are appended to the lists given, and ``save()`` runs after each, so that
+    a run cut short keeps what it measured."""
     dtype = args.target_dtype or ("bfloat16" if device == "cuda" else "float32")
     d, n, big = args.target_d, args.target_n, args.target_big_n
-    rows, targets, errors = [], [], False
+    t0 = time.perf_counter()
 
-    def case(objective, impl, nn):
+    def left():
+        return None if args.time_budget is None else args.time_budget - (time.perf_counter() - t0)
+
+    def case(objective, impl, nn, **extra):
         spec = {"kind": "case", "objective": objective, "impl": impl, "n": nn,
-                "m": num_candidates(objective, nn), "d": d, "dtype": dtype}
+                "m": num_candidates(objective, nn), "d": d, "dtype": dtype, **extra}
         row = runner.run(spec)[0]
         rows.append(row)
-        print("  " + status_line(row), flush=True)
+        print("  " + ("" if extra.get("chunk_size") is None else f"chunk_size={extra['chunk_size']}: ")
+              + status_line(row), flush=True)
+        save()
         return row
 
-    def target(name, value, goal, ok, detail):
-        nonlocal errors
-        if value is None:
-            errors = True
+    def target(name, goal, value=None, ok=False, detail="", result=None):
         targets.append({"target": name, "value": value, "goal": goal,
-                        "result": "ERROR" if value is None else ("PASS" if ok else "FAIL"),
+                        "result": result or ("ERROR" if value is None else "PASS" if ok else "FAIL"),
                         "detail": detail})
+        print(targets_text(targets[-1:]), flush=True)
+        save()
+
+    def failure(*measured):
+        return next((r.get("error") for r in measured if not r.get("ok")), "not measured")
 
     # 1. fused infonce at N=M=big as a fraction of the dense matmul throughput
+    name = f"fused infonce fwd+bwd, N=M={big}, as a fraction of {dtype} matmul throughput"
+    goal = f">= {args.goal_fraction:.0%}"
     fused_big = case("infonce", "fastcl", big)
     mm3 = runner.matmul(big, big, d, dtype, calls=3)
     if fused_big.get("ok") and mm3.get("ok"):
         frac = mm3["median_s"] / fused_big["median_s"]      # same FLOP count: 6·N·M·d
-        target(f"fused ({fused_big['backend']}) infonce fwd+bwd, N=M={big}, as a fraction of "
-               f"{dtype} matmul throughput", frac, f">= {args.goal_fraction:.0%}",
-               frac >= args.goal_fraction,
-               f"{fused_big['median_s'] * 1e3:.2f} ms = {fused_big['tflops']:.3g} TFLOP/s useful vs "
-               f"3 torch.mm (N×d)@(d×M) in {mm3['median_s'] * 1e3:.2f} ms = {mm3['tflops']:.3g} TFLOP/s")
+        target(name, goal, frac, frac >= args.goal_fraction,
+               f"{fused_big['backend']}: {fused_big['median_s'] * 1e3:.2f} ms = "
+               f"{fused_big['tflops']:.3g} TFLOP/s useful vs 3 torch.mm (N×d)@(d×M) in "
+               f"{mm3['median_s'] * 1e3:.2f} ms = {mm3['tflops']:.3g} TFLOP/s")
     else:
-        target("fraction of matmul throughput", None, f">= {args.goal_fraction:.0%}", False,
-               fused_big.get("error") or mm3.get("error"))
+        target(name, goal, detail=failure(fused_big, mm3))
 
     # 2, 3. speed and memory against the eager reference at N=M=n
     fused = case("infonce", "fastcl", n)
     ref = case("infonce", "reference", n)
+    name, goal = f"speed vs eager reference, infonce N=M={n}", f">= {args.goal_speedup:g}x"
     if fused.get("ok") and ref.get("ok"):
         speed = ref["median_s"] / fused["median_s"]
-        target(f"speed vs eager reference, infonce N=M={n}", speed, f">= {args.goal_speedup:g}x",
-               speed >= args.goal_speedup,
+        target(name, goal, speed, speed >= args.goal_speedup,
                f"{fused['median_s'] * 1e3:.2f} ms vs {ref['median_s'] * 1e3:.2f} ms")
-        fm, rm = fused.get("peak_beyond_inputs_mib"), ref.get("peak_beyond_inputs_mib")
-        if fm is not None and rm is not None:
-            ratio = rm / max(fm, 1e-9)
-            target(f"peak memory vs eager reference, infonce N=M={n}", ratio,
-                   f">= {args.goal_memory:g}x", ratio >= args.goal_memory,
-                   f"{fm:.1f} MiB vs {rm:.1f} MiB ({fused.get('memory_method')})")
-        else:
-            target("peak memory vs eager reference", None, f">= {args.goal_memory:g}x", False,
-                   "memory not measured")
     else:
-        msg = fused.get("error") or ref.get("error")
-        target("speed vs eager reference", None, f">= {args.goal_speedup:g}x", False, msg)
-        target("peak memory vs eager reference", None, f">= {args.goal_memory:g}x", False, msg)
+        target(name, goal, detail=failure(fused, ref))
+    name, goal = f"peak memory vs eager reference, infonce N=M={n}", f">= {args.goal_memory:g}x"
+    fm, rm = fused.get("peak_beyond_inputs_mib"), ref.get("peak_beyond_inputs_mib")
+    if fm is not None and rm is not None:
+        ratio = rm / max(fm, 1e-9)
+        target(name, goal, ratio, ratio >= args.goal_memory,
+               f"{fm:.1f} MiB vs {rm:.1f} MiB ({fused.get('memory_method')})")
+    else:
+        target(name, goal, detail=failure(fused, ref) if not (fused.get("ok") and ref.get("ok"))
+               else "memory not measured")
 
-    # 4. the DCLR noise update (4 steps, K = N) against one infonce forward+backward
+    # 4. the DCLR noise update against its own FLOP floor (its useful FLOPs at matmul speed)
+    name = f"DCLR noise update (4 steps, K=N={n}) / its FLOP floor at {dtype} matmul throughput"
+    goal = f"<= {args.goal_noise:g}x"
     noise = case("noise", "fastcl", n)
-    if noise.get("ok") and fused.get("ok"):
-        ratio = noise["median_s"] / fused["median_s"]
-        floor = noise["flops"] / fused["flops"]
-        target(f"DCLR noise update (4 steps, K=N={n}) / one infonce fwd+bwd", ratio,
-               f"<= {args.goal_noise:g}x", ratio <= args.goal_noise,
-               f"{noise['median_s'] * 1e3:.2f} ms vs {fused['median_s'] * 1e3:.2f} ms; useful-FLOP "
-               f"ratio {floor:.2f}x (4 steps x 2 GEMMs vs 3 GEMMs)")
+    mm = runner.matmul(n, n, d, dtype)
+    if noise.get("ok") and mm.get("ok"):
+        floor_s = noise["flops"] / (mm["tflops"] * 1e12)
+        ratio = noise["median_s"] / floor_s
+        target(name, goal, ratio, ratio <= args.goal_noise,
+               f"{noise['median_s'] * 1e3:.2f} ms vs floor {floor_s * 1e3:.2f} ms "
+               f"({noise['flops'] / 1e12:.3g} TFLOP at {mm['tflops']:.3g} TFLOP/s)")
     else:
-        target("DCLR noise update / infonce", None, f"<= {args.goal_noise:g}x", False,
-               noise.get("error") or fused.get("error"))
+        target(name, goal, detail=failure(noise, mm))
 
-    # 5. the chunk size trades memory for GEMM efficiency and launch overhead: measure a few
-    #    (rows in the table, no goal) so that the default budget can be chosen from data
-    if device == "cuda":
-        for nn in (n, big):
-            for chunk in (512, 1024, 2048, 4096):
-                spec = {"kind": "case", "objective": "infonce", "impl": "fastcl", "n": nn,
-                        "m": num_candidates("infonce", nn), "d": d, "dtype": dtype,
-                        "chunk_size": chunk}
-                row = runner.run(spec)[0]
-                row["note"] = f"chunk_size={chunk}"
-                rows.append(row)
-                print(f"  chunk_size={chunk}: " + status_line(row), flush=True)
-    return rows, targets, errors
+    # 5. against torch.compile of the reference (static shapes: its best case; compile excluded)
+    name, goal = f"speed vs torch.compile(reference), infonce N=M={n}", f"> {args.goal_compiled:g}x"
+    if left() is not None and left() < args.compile_reserve:
+        target(name, goal, result="SKIPPED",
+               detail=f"{left():.0f} s of the time budget left, --compile-reserve {args.compile_reserve:g} s")
+    else:
+        compiled = case("infonce", "compiled", n, compile_dynamic=False)
+        if fused.get("ok") and compiled.get("ok"):
+            speed = compiled["median_s"] / fused["median_s"]
+            target(name, goal, speed, speed > args.goal_compiled,
+                   f"{fused['median_s'] * 1e3:.2f} ms vs {compiled['median_s'] * 1e3:.2f} ms "
+                   f"(compile {compiled.get('compile_s') or 0:.1f} s)")
+        else:
+            target(name, goal, detail=failure(fused, compiled))
+
+    # 6. the chunk size trades memory for GEMM efficiency and launch overhead: a few rows, no
+    #    goal (bench/ab.py compares the chunk sizings themselves)
+    chunks = args.target_chunks
+    if chunks is None:
+        chunks = "1024,2048,4096" if device == "cuda" else ""
+    for nn in (n, big):
+        for chunk in (int(c) for c in split_list([chunks], None, "--target-chunks")):
+            if left() is not None and left() <= 0:
+                print(f"  chunk_size={chunk}, N={nn}: skipped (time budget spent)", flush=True)
+                continue
+            case("infonce", "fastcl", nn, chunk_size=chunk)["note"] = f"chunk_size={chunk}"
+    save()
 
 
 def targets_text(targets) -> str:
@@ -723,12 +794,30 @@ def targets_text(targets) -> str:
     for t in targets:
         v = t["value"]
         shown = ("—" if v is None else f"{100 * v:.1f}%" if "fraction" in t["target"] else f"{v:.2f}x")
-        lines.append(f"  [{t['result']:<5}] {t['target']}: {shown} (goal {t['goal']})\n"
-                     f"          {t['detail']}")
+        lines.append(f"  [{t['result']:<7}] {t['target']}: {shown} (goal {t['goal']})\n"
+                     f"            {t['detail']}")
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main
+
+def explain(args) -> int:
+    """``--explain N``: the analytic cost model of ``bench/_explain.py`` (no GPU, no benchmark)."""
+    try:
+        from _explain import explain_text
+    except ModuleNotFoundError as exc:
+        if exc.name != "_explain":
+            raise
+        raise SystemExit("--explain needs bench/_explain.py (fastcl's cost model), which this "
+                         "checkout does not have") from None
+    except ImportError as exc:
+        raise SystemExit(f"--explain: bench/_explain.py has no explain_text ({exc})") from None
+    dtype = args.target_dtype or (split_list(args.dtype, DTYPES, "--dtype")[0] if args.dtype
+                                  else "bfloat16")
+    print(explain_text(args.explain, d=args.target_d, dtype=dtype, device=args.explain_device,
+                       memory_budget_mib=args.explain_budget_mib))
+    return 0
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -739,6 +828,13 @@ def main(argv=None) -> int:
     mode.add_argument("--full", action="store_true",
                       help="the full sweep (meant for a GPU; on CPU the same as the default)")
     mode.add_argument("--targets", action="store_true", help="measure the Triton kernels' targets")
+    mode.add_argument("--explain", type=int, metavar="N", default=None,
+                      help="print the cost model of one GPU infonce call at N=M (no GPU needed)")
+    mode.add_argument("--env", action="store_true",
+                      help="print the environment (with --out-stem: also <stem>.json) and exit")
+    p.add_argument("--explain-device", choices=("h200", "h100", "a100"), default="h200")
+    p.add_argument("--explain-budget-mib", type=float, default=None,
+                   help="--explain: chunk memory budget (default: fastcl's CUDA default)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--objective", action="append", help=f"comma list of {', '.join(OBJECTIVES)} "
                    "(replaces the built-in sweep)")
@@ -779,17 +875,26 @@ def main(argv=None) -> int:
     g.add_argument("--target-n", type=int, default=16384, help="N=M of the speed/memory/noise targets")
     g.add_argument("--target-big-n", type=int, default=32768, help="N=M of the matmul-fraction target")
     g.add_argument("--target-d", type=int, default=768)
-    g.add_argument("--target-dtype", choices=DTYPES, default=None, help="default bf16 on GPU, fp32 on CPU")
-    g.add_argument("--goal-fraction", type=float, default=0.5,
-                   help="fraction of matmul throughput to reach (default 0.5)")
-    g.add_argument("--goal-speedup", type=float, default=3.0)
-    g.add_argument("--goal-memory", type=float, default=20.0)
-    g.add_argument("--goal-noise", type=float, default=1.5)
+    g.add_argument("--target-dtype", choices=DTYPES, default=None,
+                   help="default bf16 on GPU, fp32 on CPU (--explain: bf16)")
+    g.add_argument("--target-chunks", default=None,
+                   help="comma list of chunk sizes for rows without a goal (GPU default "
+                        "1024,2048,4096; '' for none)")
+    g.add_argument("--goal-fraction", type=float, default=0.6,
+                   help="fraction of matmul throughput to reach at --target-big-n (default 0.6)")
+    g.add_argument("--goal-speedup", type=float, default=1.5, help="x faster than eager (1.5)")
+    g.add_argument("--goal-compiled", type=float, default=1.0,
+                   help="x faster than torch.compile of the reference (more than 1.0)")
+    g.add_argument("--goal-memory", type=float, default=10.0, help="x less memory than eager (10)")
+    g.add_argument("--goal-noise", type=float, default=1.15,
+                   help="noise update time over its FLOP floor at matmul throughput (1.15)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker is not None:
         return answer_as_worker(args.worker, worker)
+    if args.explain is not None:
+        return explain(args)
 
     if args.repeats < 1 or args.threads < 1:
         raise SystemExit("--repeats and --threads must be positive")
@@ -801,6 +906,13 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device")
     torch.set_num_threads(args.threads)
+    if args.env:
+        env_info = environment(device, args.threads)
+        print(json.dumps(env_info, indent=1))
+        if args.out_stem:
+            Path(args.out_stem).parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{args.out_stem}.json").write_text(json.dumps(env_info, indent=1) + "\n")
+        return 0
     mode_name = "quick" if args.quick else "full" if args.full else "targets" if args.targets else "default"
     custom = any([args.objective, args.impl, args.n, args.d, args.dtype])
     plan = [] if args.targets else (custom_plan(args, device) if custom else default_plan(device, mode_name))
@@ -847,12 +959,13 @@ def main(argv=None) -> int:
     code = 0
     try:
         if args.targets:
-            rows, targets, errors = run_targets(args, runner, device)
-            report["targets"] = targets
-            print("\nTargets (" + ", ".join(f"{k}={getattr(args, k)}" for k in
-                                           ("target_n", "target_big_n", "target_d")) + ")")
-            print(targets_text(targets))
-            code = 1 if errors else 0
+            report["targets"] = targets = []
+            print("Targets (" + ", ".join(f"{k}={getattr(args, k)}" for k in
+                                         ("target_n", "target_big_n", "target_d")) + ")", flush=True)
+            run_targets(args, runner, device, rows, targets,
+                        save=lambda: write_outputs(report, rows, stem, plots=False))
+            print("\nTargets:\n" + targets_text(targets))
+            code = 1 if any(t["result"] == "ERROR" for t in targets) else 0
         else:
             try:
                 from tqdm import tqdm

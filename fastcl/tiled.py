@@ -22,11 +22,13 @@ PyTorch epilogue (:func:`torch_chunk`) for fused kernels.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._switches import legacy
 from .reference import EPS, accumulate_dtype
 
 #: Default bytes for the per-chunk R×M work buffers (all of them together). On a GPU a
@@ -53,6 +55,19 @@ class Epilogue:
 
 
 @functools.lru_cache(maxsize=None)
+def _mixed_addmm_supported(device_type: str) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates 16-bit
+    products into a float32 buffer in place on this device type (cuBLAS with beta = 1)."""
+    try:
+        x = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
+        torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
+        return bool((acc == 3).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
 def _mixed_mm_supported(device_type: str) -> bool:
     """Whether ``torch.mm(..., out_dtype=float32)`` takes 16-bit inputs on this device type."""
     try:
@@ -69,29 +84,59 @@ def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``a @ b`` written in ``acc``. 16-bit GEMMs write float32 directly where torch can;
-    elsewhere the product is rounded to 16 bits first (~3 significant digits: fine for the
-    gradient GEMMs, too coarse for cosines at τ = 0.05 — the Triton kernels form those)."""
+    """``a @ b`` written in ``acc``. 16-bit GEMMs write float32 directly where torch can; a
+    CPU widens the operands (the same products and sums, and no slower there); elsewhere
+    the product is rounded to 16 bits first (~3 significant digits: fine for the gradient
+    GEMMs, too coarse for cosines at τ = 0.05 — the Triton kernels form those)."""
     if a.dtype == acc:
         return a @ b
     if _mixed_mm_supported(a.device.type):
         return torch.mm(a, b, out_dtype=acc)
+    if a.device.type == "cpu":
+        return a.to(acc) @ b.to(acc)
     return (a @ b).to(acc)
 
 
-def rows_per_chunk(n: int, m: int, ep: Epilogue, n_pos: int, elem_bytes: int,
-                   device_type: str = "cpu") -> int:
-    """Anchor rows per chunk: ``ep.chunk_size``, or as many as the memory budget allows."""
+def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with ``out`` the accumulator: in place (one GEMM with beta = 1) where
+    torch can; else through a product the size of ``out`` (``FASTCL_LEGACY=dk`` forces it)."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    elif not legacy("dk") and _mixed_addmm_supported(a.device.type):
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        out += _mm(a, b, out.dtype)
+
+
+def rows_per_chunk(n: int, m: int, ep: Epilogue, row_bytes: int, device_type: str = "cpu",
+                   multiple: int = 16) -> int:
+    """Anchor rows per chunk: ``ep.chunk_size``, or as many as the memory budget allows given
+    ``row_bytes``, the engine's chunk buffers per anchor row (``engine.row_bytes``), rounded
+    down to a multiple of ``multiple`` (the engine's row tile) when there is room for one."""
     if ep.chunk_size is not None:
         return max(1, min(n, ep.chunk_size))
     budget = ep.memory_budget or DEFAULT_MEMORY_BUDGET.get(device_type, DEFAULT_MEMORY_BUDGET["cpu"])
-    # focal keeps the cosines beside the logits; the released BCE needs one more slice too
+    rows = max(1, budget // max(row_bytes, 1))
+    return int(min(n, rows if rows < multiple else rows // multiple * multiple))
+
+
+def _legacy_row_bytes(ep: Epilogue, m: int, n_pos: int, elem_bytes: int) -> int:
+    """The first chunk sizing (``FASTCL_LEGACY=chunks``): one formula for every engine."""
     slices = 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
     per_row = m * elem_bytes * slices
     if ep.complementary is not None:
         per_row += n_pos * (elem_bytes + 1)
-    rows = max(1, budget // max(per_row, 1))
-    return int(min(n, rows if rows < 16 else rows // 16 * 16))
+    return per_row
+
+
+def chunk_rows(engine, ep: Epilogue, n: int, m: int, n_pos: int, dtype: torch.dtype,
+               device_type: str) -> int:
+    """The rows per chunk the driver uses for ``engine`` (the benchmarks ask it too)."""
+    if legacy("chunks"):
+        elem = engine.legacy_entry_bytes(dtype)
+        return rows_per_chunk(n, m, ep, _legacy_row_bytes(ep, m, n_pos, elem), device_type)
+    return rows_per_chunk(n, m, ep, engine.row_bytes(ep, dtype, m, n_pos), device_type,
+                          getattr(engine, "row_multiple", 16))
 
 
 class TiledContrastive(torch.autograd.Function):
@@ -107,6 +152,7 @@ class TiledContrastive(torch.autograd.Function):
                                           engine=engine)
         ctx.save_for_backward(*[g if g is not None else torch.empty(0) for g in grads])
         ctx.has_grad = [g is not None for g in grads]
+        ctx.dtypes = [anchors.dtype] + [c.dtype for c in candidates]
         return loss
 
     @staticmethod
@@ -117,8 +163,9 @@ class TiledContrastive(torch.autograd.Function):
         # is made on CPU only: on an accelerator it is a host sync, and the multiply it saves is
         # one N×d elementwise pass, small next to the chunk GEMMs.
         scale = None if grad_loss.device.type == "cpu" and bool(grad_loss == 1) else grad_loss
-        for has, g in zip(ctx.has_grad, ctx.saved_tensors):
-            out.append(None if not has else (g if scale is None else g * scale.to(g.dtype)))
+        for has, g, dtype in zip(ctx.has_grad, ctx.saved_tensors, ctx.dtypes):
+            out.append(None if not has else
+                       (g if scale is None else g * scale.to(g.dtype)).to(dtype))
         return tuple(out)
 
 
@@ -139,6 +186,7 @@ class Chunk:
     keys: torch.Tensor          # (M×d) raw candidates, matmul dtype
     inv_q: torch.Tensor         # (R,) 1/max(‖q_i‖, eps), accumulate dtype
     inv_k: torch.Tensor         # (M,)
+    ginv_k: torch.Tensor        # (M,) γ·c·inv_k, c = min_j ‖k_j‖: the column factor of H (≤ γ)
     comp_q: torch.Tensor | None = None   # (R×d_c) complementary anchors, normalized, matmul dtype
     comp_k: torch.Tensor | None = None   # (N×d_c) complementary positives, likewise
 
@@ -146,8 +194,10 @@ class Chunk:
 def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     """The epilogue in PyTorch ops, in place on one R×M buffer.
 
-    Returns ``(Σ_rows loss, G')`` where ``G'_ij = ∂L/∂s_ij · inv_q_i · inv_k_j`` (matmul dtype),
-    the form both gradient GEMMs consume with the raw inputs (``None`` if not ``want_grad``).
+    Returns ``(Σ_rows loss, H, True)`` where ``H_ij = ∂ℓ_i/∂s_ij · ginv_k_j`` (matmul dtype;
+    ``None`` if not ``want_grad``) and ℓ_i is row i's loss before the mean. The driver
+    applies the row factors ``inv_q_i / (N·c)`` outside H (``True`` says so): kept inside,
+    they put the entries near 1e-9, where fp16 flushes them to zero.
     """
     n, n_pos, m = c.n, c.n_pos, c.keys.shape[0]
     r = c.r1 - c.r0
@@ -195,7 +245,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         row_loss = lse - pos_logit
     loss_sum = row_loss.sum(dtype=torch.float64)
     if not want_grad:
-        return loss_sum, None
+        return loss_sum, None, True
 
     grad = probs                                       # becomes ∂L/∂s in place
     if released:
@@ -204,26 +254,37 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         v[ar, diag] = -1.0
         grad.mul_(-v.sum(dim=1, keepdim=True)).add_(v)
         del v
-        scale = inv_t / (n * m)
         if drop is not None:
             grad[:, :n_pos].masked_fill_(drop, 0.0)
     else:
         if ep.positives:
             grad[ar, diag] -= 1.0
-        scale = inv_t / n
         if ep.focal_m is not None:
             # g'(s) = (2s + m)/τ off the positive, 2s/τ on it
             slope = cos.mul_(2.0).add_(ep.focal_m)
             slope[ar, diag] -= ep.focal_m
             grad.mul_(slope)
-    grad.mul_(c.inv_k[None, :]).mul_((c.inv_q * scale)[:, None])
-    return loss_sum, grad.to(c.q.dtype)
+    grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
+    return loss_sum, grad.to(c.q.dtype), True
 
 
-# Chunk memory per R×M entry, for the driver's choice of R (focal and the mask add theirs).
-torch_chunk.entry_bytes = lambda dtype: (torch.finfo(accumulate_dtype(dtype)).bits // 8
-                                         + (0 if dtype == accumulate_dtype(dtype)
-                                            else torch.finfo(dtype).bits // 8))
+def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> int:
+    """torch_chunk's buffers per anchor row: the accumulate-dtype slice, a second one for focal
+    (the cosines) and the released BCE, the cast to the GEMM dtype, the mask's R×N slices."""
+    acc = torch.finfo(accumulate_dtype(dtype)).bits // 8
+    gemm = 0 if dtype == accumulate_dtype(dtype) else torch.finfo(dtype).bits // 8
+    slices = 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
+    per_row = m * (acc * slices + gemm)
+    if ep.complementary is not None:
+        per_row += n_pos * (acc + 1)
+    return per_row
+
+
+torch_chunk.row_bytes = _torch_row_bytes
+# The first chunk sizing's bytes per R×M entry (FASTCL_LEGACY=chunks).
+torch_chunk.legacy_entry_bytes = lambda dtype: (torch.finfo(accumulate_dtype(dtype)).bits // 8
+                                                + (0 if dtype == accumulate_dtype(dtype)
+                                                   else torch.finfo(dtype).bits // 8))
 
 
 def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
@@ -242,60 +303,87 @@ def _norms(x: torch.Tensor, acc: torch.dtype):
     return torch.linalg.vector_norm(x, dim=1, dtype=acc).clamp_min_(EPS)
 
 
-def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_chunk):
+def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_chunk,
+                        gemm_dtype: torch.dtype | None = None):
     """The chunked driver shared by every engine. Returns
     ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with ``None`` where ``need`` says no
-    gradient is wanted."""
+    gradient is wanted. ``gemm_dtype`` overrides the dtype the chunk GEMMs read
+    (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's 16-bit buffers."""
     n, d = anchors.shape
     in_dtype, device = anchors.dtype, anchors.device
     acc = accumulate_dtype(in_dtype)
-    dtype = matmul_dtype(in_dtype, device)
+    dtype = gemm_dtype or matmul_dtype(in_dtype, device)
     sizes = [c.shape[0] for c in candidates]
     m = sum(sizes)
     need_q, need_k = bool(need[0]), any(need[1:])
+    released = ep.formulation == "released"
 
     # One (M×d) candidate matrix; a copy only when there are several blocks or a dtype change.
     # Made contiguous once here, at the boundary: the engines assume unit stride along d.
     keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype).contiguous()
     norm_k, norm_q = _norms(keys, acc), _norms(anchors, acc)
     inv_k, inv_q = 1.0 / norm_k, 1.0 / norm_q
+    # H's column factor γ·c·inv_k_j ≤ γ (c = min_j ‖k_j‖) keeps H in a 16-bit range whatever
+    # the norms (no host sync: c stays on the device); γ lifts fp16 entries off its subnormals.
+    h_scale = norm_k.min() * _fp16_gain(ep, dtype)
+    ginv_k = inv_k * h_scale
     dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
     # dq rows are final once their chunk is done: stored in the input dtype straight away
-    dq = torch.empty(n, d, dtype=in_dtype, device=device) if need_q else None
+    # fp16 keeps them in the accumulate dtype until backward has applied the incoming scale:
+    # at scale 1 (before a loss scaler's 2¹⁶) fp16 would flush most of a gradient of ~1/N.
+    grad_dtype = acc if in_dtype == torch.float16 else in_dtype
+    dq = torch.empty(n, d, dtype=grad_dtype, device=device) if need_q else None
     comp = None
     if ep.complementary is not None:
         comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
                 for x in ep.complementary]
 
-    rows = rows_per_chunk(n, m, ep, sizes[0], engine.entry_bytes(dtype), device.type)
+    rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device.type)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    factored = True
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         q = anchors[r0:r1].to(dtype).contiguous()
         chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q[r0:r1], inv_k,
-                      comp[0][r0:r1] if comp else None, comp[1] if comp else None)
-        part, g = engine(ep, chunk, need_q or need_k)
+                      ginv_k, comp[0][r0:r1] if comp else None, comp[1] if comp else None)
+        part, g, factored = engine(ep, chunk, need_q or need_k)
         loss_sum += part
         if g is None:
             continue
+        # G' = w ⊙ H with row factors w_i = inv_q_i / (N·c) (N·M·c for the released BCE);
+        # an unfactored engine (FASTCL_LEGACY=epilogue) returns G' itself.
         if need_q:
-            dq[r0:r1] = _tangent_(_mm(g, keys, acc), q, norm_q[r0:r1], rows)
+            u = _mm(g, keys, acc)
+            if factored:
+                u.mul_(inv_q[r0:r1, None] / ((n * m if released else n) * h_scale))
+            dq[r0:r1] = _tangent_(u, q, norm_q[r0:r1], rows)
         if need_k:
-            if dtype == acc:
-                dk.addmm_(g.T, q)
-            else:
-                dk += _mm(g.T, q, acc)
+            # Σ_i H_ij w_i q_i = Σ_i H_ij q̂_i / (N·c): unit rows in the GEMM, the scalar once
+            q_in = (q * inv_q[r0:r1, None].to(dtype)) if factored else q
+            _accumulate_mm(dk, g.T, q_in)
 
-    released = ep.formulation == "released"
     loss = (loss_sum / (n * m if released else n)).to(acc)
     grads = [dq]
     if need_k:
+        if factored:
+            dk.mul_(1.0 / ((n * m if released else n) * h_scale))
         dk = _tangent_(dk, keys, norm_k, rows)
-        grads += [dk[s:s + c.shape[0]].to(c.dtype) if want else None
+        grads += [dk[s:s + c.shape[0]].to(acc if c.dtype == torch.float16 else c.dtype)
+                  if want else None
                   for s, c, want in zip(_offsets(sizes), candidates, need[1:])]
     else:
         grads += [None] * len(candidates)
     return loss, grads
+
+
+def _fp16_gain(ep: Epilogue, dtype: torch.dtype) -> float:
+    """A power of two for H in fp16 (5 exponent bits): the largest that keeps every entry
+    below 2¹⁴ — |∂ℓ/∂s| ≤ (2 + |m|)/τ — so that small softmax entries stay normal numbers.
+    bf16 and fp32 have the range already; the released BCE's v = p/(1−p) has no bound."""
+    if dtype != torch.float16 or ep.formulation == "released":
+        return 1.0
+    slope = (2.0 + abs(ep.focal_m)) / ep.temperature if ep.focal_m is not None else 1.0 / ep.temperature
+    return 2.0 ** max(0, math.floor(math.log2(2**14 / slope)))
 
 
 def _offsets(sizes):

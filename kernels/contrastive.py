@@ -1,26 +1,34 @@
 """Fused Triton kernels for the contrastive family (InfoNCE, focal, DCLR, noise update).
 
 The driver in :mod:`fastcl.tiled` walks anchor rows in chunks of R; for each chunk this
-module replaces the PyTorch epilogue with two kernels over a grid of R×M tiles:
+module replaces the PyTorch epilogue with two kernels:
 
-``_similarity_kernel``  s = (q·kᵀ)·inv‖q‖·inv‖k‖ accumulated over d in BLOCK_D steps
-                        (fp32 accumulation), the logit transform (temperature, focal,
-                        hard-negative log-weight), the DCLR mask computed in the tile from
-                        the complementary embeddings, and each tile's (max, Σexp) of its
-                        rows. Writes s (the cosines; ``DROPPED`` where masked) and the
-                        per-tile partials.
-``_gradient_kernel``    with the row log-sum-exp combined from the partials, recomputes the
-                        logits from s and writes ``G'_ij = ∂L/∂s_ij / (‖q_i‖‖k_j‖)`` in the
-                        GEMM dtype; for the released DCLR formulation a first stage reduces
-                        Σ_j v_ij and Σ_j log(1−p_ij) per tile.
+``_similarity_kernel``  a grid of R×128 tiles: s = (q·kᵀ)·inv‖q‖·inv‖k‖ accumulated over d
+                        in BLOCK_D steps (fp32), the logit transform (temperature, focal,
+                        hard-negative log-weight), the DCLR mask computed in the tile from the
+                        complementary embeddings, and each tile's (max, Σexp) of its rows.
+                        It stores either ``e = exp(l − tile max)`` in the GEMM dtype (where
+                        the gradient needs nothing but the softmax: InfoNCE, hard negatives,
+                        the paper's DCLR, the noise update) or the fp32 cosines (focal needs
+                        s for its slope, the released DCLR needs to know what was dropped).
+``_row_kernel``         one program per anchor row (the pattern of a fused cross-entropy):
+                        combines the tile partials into the row log-sum-exp, writes the row
+                        loss, and turns the stored row into the gradient in place —
+                        ``H_ij = ∂ℓ_i/∂s_ij · c·inv‖k_j‖`` — in one pass (two for the released
+                        DCLR, whose BCE needs Σ_j first).
 
-The two gradient GEMMs ``G'K`` and ``G'ᵀQ`` then run on the raw inputs (cuBLAS on a
-GPU). Partials per column tile rather than a running max/sum in one program per row
-block: a tile grid keeps every SM busy at any chunk size (the split-softmax idea of
-flash-decoding), and the combine is an R×(M/BLOCK_M) reduction. No atomics: results are
-bit-identical run to run.
+The two gradient GEMMs ``H K`` and ``Hᵀ(w⊙Q)`` then run on the raw inputs (cuBLAS on a
+GPU), with the row weights ``w_i = inv‖q_i‖ / (N·c)`` applied outside the 16-bit buffer:
+kept inside, they put G′ near 1e-9, where fp16 flushes it to zero. Partials per column tile
+rather than one program per row block: a tile grid keeps every SM busy at any chunk size
+(the split-softmax idea of flash-decoding). No atomics: results are bit-identical run to run.
 
-Both kernels share ``_logits`` so the math lives in one place.
+``FASTCL_LEGACY=epilogue`` (:mod:`fastcl._switches`) brings back the first design: fp32
+cosines, the log-sum-exp in PyTorch ops, and ``_gradient_kernel`` writing G′ with the row
+factors inside — kept so that one GPU run can time both.
+
+Offsets that scale with R·M or M·d are formed in int64: a chunk of R·M ≥ 2³¹ entries is
+reachable with a large ``chunk_size``.
 """
 
 from __future__ import annotations
@@ -31,8 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
+from fastcl._switches import autotune_pinned, legacy
+
 #: A cosine never exceeds 1: this value in the stored s marks a dropped in-batch negative.
-DROPPED = 4.0
+#: A constexpr: a plain module global cannot be read inside a jitted function.
+DROPPED = tl.constexpr(4.0)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -59,20 +70,37 @@ def _tile(R, M, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(a_ptr, b_ptr, rows, cols, row_ok, col_ok, K, stride_a, stride_b,
+def _tile_dot(a_ptr, b_ptr, a_start, b_start, a_rows, b_rows, K, stride_a, stride_b,
               PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_D: tl.constexpr):
-    """(a_rows · b_colsᵀ) for one tile, accumulated in fp32 over K in BLOCK_D steps, like a
-    matmul: K (the embedding width, 384–4096) is too wide to keep a row block resident."""
+    """a[a_start : +BLOCK_R] · b[b_start : +BLOCK_M]ᵀ for one tile (rows past ``a_rows`` /
+    ``b_rows`` read as 0), accumulated in fp32 over K in BLOCK_D steps, like a matmul: K
+    (the embedding width, 384–4096) is too wide to keep a row block resident."""
+    ra = tl.arange(0, BLOCK_R)
+    rb = tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_D)
+    # the tile's base in int64 (M·d can pass 2³¹); offsets inside the tile stay int32
+    a_ptr += a_start.to(tl.int64) * stride_a
+    b_ptr += b_start.to(tl.int64) * stride_b
+    a_ok = (a_start + ra) < a_rows
+    b_ok = (b_start + rb) < b_rows
     acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_D):
-        kk = k0 + tl.arange(0, BLOCK_D)
-        a = tl.load(a_ptr + rows[:, None] * stride_a + kk[None, :],
-                    mask=row_ok[:, None] & (kk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + cols[:, None] * stride_b + kk[None, :],
-                    mask=col_ok[:, None] & (kk[None, :] < K), other=0.0)
+        k_ok = (k0 + kk) < K
+        a = tl.load(a_ptr + ra[:, None] * stride_a + (k0 + kk)[None, :],
+                    mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + rb[:, None] * stride_b + (k0 + kk)[None, :],
+                    mask=b_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
     return acc
+
+
+@triton.jit
+def _tile_ptrs(ptr, stride, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Pointers to this program's R×M tile of a row-major buffer: an int64 tile base (R·M
+    can pass 2³¹), int32 offsets inside the tile."""
+    base = ptr + (tl.program_id(0) * BLOCK_R).to(tl.int64) * stride + tl.program_id(1) * BLOCK_M
+    return base + tl.arange(0, BLOCK_R)[:, None] * stride + tl.arange(0, BLOCK_M)[None, :]
 
 
 @triton.jit
@@ -88,19 +116,21 @@ def _positive(cols, rows_g, POSITIVES: tl.constexpr):
 @triton.jit
 def _similarity_kernel(
     q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr,
-    s_ptr, part_max_ptr, part_sum_ptr, pos_ptr,
+    t_ptr, part_max_ptr, part_sum_ptr, pos_ptr,
     R, M, D, DC, first_pos, n_pos,
-    stride_q, stride_k, stride_cq, stride_ck, stride_s, stride_part,
+    stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
     inv_t, focal_m, hard_w, phi,
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, PREC: tl.constexpr,
+    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(1)
     rows, cols, row_ok, col_ok = _tile(R, M, BLOCK_R, BLOCK_M)
     rows_g = first_pos + rows              # global anchor index = its positive's column
 
-    acc = _tile_dot(q_ptr, k_ptr, rows, cols, row_ok, col_ok, D, stride_q, stride_k,
+    row0 = tl.program_id(0) * BLOCK_R
+    col0 = pid_m * BLOCK_M
+    acc = _tile_dot(q_ptr, k_ptr, row0, col0, R, M, D, stride_q, stride_k,
                     PREC, BLOCK_R, BLOCK_M, BLOCK_D)
     inv_q = tl.load(inv_q_ptr + rows, mask=row_ok, other=0.0)
     inv_k = tl.load(inv_k_ptr + cols, mask=col_ok, other=0.0)
@@ -112,7 +142,7 @@ def _similarity_kernel(
     if MASK:
         # the complementary model's cosine, in the same tile: no N×M mask ever exists
         in_batch = cols < n_pos
-        cacc = _tile_dot(cq_ptr, ck_ptr, rows, cols, row_ok, in_batch, DC, stride_cq, stride_ck,
+        cacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_pos, DC, stride_cq, stride_ck,
                          PREC, BLOCK_R, BLOCK_M, BLOCK_D)
         if RELEASED:
             too_close = cacc * inv_t > 20.0 * phi      # the released code's test
@@ -125,21 +155,143 @@ def _similarity_kernel(
         else:
             l = tl.where(drop, float("-inf"), l)       # paper: leaves the denominator
 
-    ok = row_ok[:, None] & col_ok[None, :]
-    tl.store(s_ptr + rows[:, None] * stride_s + cols[None, :], s, mask=ok)
-
     l = tl.where(col_ok[None, :], l, float("-inf"))
     tile_max = tl.max(l, axis=1)
     safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-    tile_sum = tl.sum(tl.exp(l - safe_max[:, None]), axis=1)
+    e = tl.exp(l - safe_max[:, None])
+    ok = row_ok[:, None] & col_ok[None, :]
+    t_ptrs = _tile_ptrs(t_ptr, stride_t, BLOCK_R, BLOCK_M)
+    if STORE_EXP:
+        tl.store(t_ptrs, e.to(t_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(t_ptrs, s, mask=ok)
     tl.store(part_max_ptr + rows * stride_part + pid_m, tile_max, mask=row_ok)
-    tl.store(part_sum_ptr + rows * stride_part + pid_m, tile_sum, mask=row_ok)
+    tl.store(part_sum_ptr + rows * stride_part + pid_m, tl.sum(e, axis=1), mask=row_ok)
     if POSITIVES:
         # the tile holding column i writes anchor i's positive logit
         pos_here = row_ok & (rows_g >= pid_m * BLOCK_M) & (rows_g < pid_m * BLOCK_M + BLOCK_M) \
             & (rows_g < M)
         pos_logit = tl.sum(tl.where(is_pos, l, 0.0), axis=1)
         tl.store(pos_ptr + rows, pos_logit, mask=pos_here)
+
+
+@triton.jit
+def _row_lse(part_max_ptr, part_sum_ptr, row, T, stride_part, BLOCK_T: tl.constexpr):
+    """log Σ_j exp(l_ij) of one row from its per-tile (max, Σexp) partials."""
+    run_max = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+    run_sum = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        ok = t < T
+        pm = tl.load(part_max_ptr + row * stride_part + t, mask=ok, other=float("-inf"))
+        ps = tl.load(part_sum_ptr + row * stride_part + t, mask=ok, other=0.0)
+        new_max = tl.maximum(run_max, pm)
+        base = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - base) + ps * tl.exp(pm - base)
+        run_max = new_max
+    row_max = tl.max(run_max, axis=0)
+    base = tl.where(row_max == float("-inf"), 0.0, row_max)
+    return base + tl.log(tl.sum(run_sum * tl.exp(run_max - base), axis=0))
+
+
+@triton.jit
+def _row_probs(t_ptr, part_max_ptr, row, row64, cols, ok, lse, first_pos, n_pos, stride_t,
+               stride_part, inv_t, focal_m, hard_w,
+               FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr,
+               RELEASED: tl.constexpr, POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr,
+               TILE_M: tl.constexpr):
+    """Softmax p of one block of a row, the stored cosines s (0 in exp mode) and the mask of
+    dropped columns, from whatever the similarity kernel stored."""
+    x = tl.load(t_ptr + row64 * stride_t + cols, mask=ok, other=0.0).to(tl.float32)
+    rows_g = tl.full((1,), 0, tl.int32) + first_pos + row
+    is_pos = _positive(cols, rows_g, POSITIVES)
+    if STORE_EXP:
+        # p = exp(l − tile max) · exp(tile max − lse); a fully masked tile has max −inf, e 0
+        tile_max = tl.load(part_max_ptr + row * stride_part + cols // TILE_M, mask=ok,
+                           other=float("-inf"))
+        scale = tl.where(tile_max == float("-inf"), 0.0, tl.exp(tile_max - lse))
+        p = (x * scale)[None, :]
+        s = p                                # unused: exp mode has no slope or mask to read
+        dropped = is_pos
+    else:
+        s = x[None, :]
+        l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
+        dropped = is_pos                     # unused unless MASK
+        if MASK:
+            dropped = s == DROPPED
+            if RELEASED:
+                l = tl.where(dropped, 0.0, l)
+            else:
+                l = tl.where(dropped, float("-inf"), l)
+        p = tl.exp(l - lse)
+    p = tl.where(ok[None, :], p, 0.0)
+    return p, s, is_pos, dropped
+
+
+@triton.jit
+def _row_kernel(
+    t_ptr, g_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, loss_ptr,
+    M, T, first_pos, n_pos, stride_t, stride_g, stride_part,
+    inv_t, focal_m, hard_w,
+    FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
+    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, WANT_GRAD: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    lse = _row_lse(part_max_ptr, part_sum_ptr, row, T, stride_part, BLOCK_T)
+    if POSITIVES:
+        pos = tl.load(pos_ptr + row)
+    else:
+        pos = 0.0
+
+    if RELEASED:
+        # BCE on the softmax: v = p/(1−p) off the positive, −1 on it. Pass 1: Σ_j v and
+        # Σ_j log(1−p) (accurate for small p, clamped at −100 like torch's BCE).
+        v_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+        log_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+        for c0 in range(0, M, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            ok = cols < M
+            p, s, is_pos, dropped = _row_probs(
+                t_ptr, part_max_ptr, row, row64, cols, ok, lse, first_pos, n_pos, stride_t,
+                stride_part, inv_t, focal_m, hard_w, FOCAL, HARD, MASK, RELEASED, POSITIVES,
+                STORE_EXP, TILE_M)
+            not_p = tl.maximum(1.0 - p, 1e-30)           # only p = 1 exactly is guarded
+            v_acc += tl.where(ok[None, :], tl.where(is_pos, -1.0, p / not_p), 0.0)
+            log_not = tl.where(p < 1e-4, -p - 0.5 * p * p, tl.log(not_p))
+            log_acc += tl.where(ok[None, :] & (~is_pos), tl.maximum(log_not, -100.0), 0.0)
+        vsum = tl.sum(tl.sum(v_acc, axis=1), axis=0)
+        row_loss = -tl.sum(tl.sum(log_acc, axis=1), axis=0) - tl.maximum(pos - lse, -100.0)
+    else:
+        vsum = 0.0
+        row_loss = lse - pos
+    tl.store(loss_ptr + row, row_loss)
+
+    if WANT_GRAD:
+        for c0 in range(0, M, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            ok = cols < M
+            p, s, is_pos, dropped = _row_probs(
+                t_ptr, part_max_ptr, row, row64, cols, ok, lse, first_pos, n_pos, stride_t,
+                stride_part, inv_t, focal_m, hard_w, FOCAL, HARD, MASK, RELEASED, POSITIVES,
+                STORE_EXP, TILE_M)
+            if RELEASED:
+                not_p = tl.maximum(1.0 - p, 1e-30)
+                v = tl.where(is_pos, -1.0, p / not_p)
+                g = (v - p * vsum) * inv_t
+                g = tl.where(dropped, 0.0, g)            # a × 0 logit has no slope in s
+            else:
+                g = tl.where(is_pos, p - 1.0, p)
+                if FOCAL:
+                    g = g * tl.where(is_pos, 2.0 * s, 2.0 * s + focal_m) * inv_t
+                else:
+                    g = g * inv_t
+            ginv_k = tl.load(ginv_k_ptr + cols, mask=ok, other=0.0)
+            g = g * ginv_k[None, :]
+            # in exp mode g_ptr is t_ptr: each block is read before it is overwritten
+            tl.store(g_ptr + row64 * stride_g + cols[None, :], g.to(g_ptr.dtype.element_ty),
+                     mask=ok[None, :])
 
 
 @triton.jit
@@ -151,12 +303,13 @@ def _gradient_kernel(
     POSITIVES: tl.constexpr, STAGE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
+    """The first design's gradient (``FASTCL_LEGACY=epilogue``): G′ with the row factors."""
     pid_m = tl.program_id(1)
     rows, cols, row_ok, col_ok = _tile(R, M, BLOCK_R, BLOCK_M)
     ok = row_ok[:, None] & col_ok[None, :]
     rows_g = first_pos + rows
 
-    s = tl.load(s_ptr + rows[:, None] * stride_s + cols[None, :], mask=ok, other=0.0)
+    s = tl.load(_tile_ptrs(s_ptr, stride_s, BLOCK_R, BLOCK_M), mask=ok, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     is_pos = _positive(cols, rows_g, POSITIVES)
     l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
@@ -169,12 +322,10 @@ def _gradient_kernel(
     p = tl.where(ok, tl.exp(l - lse[:, None]), 0.0)
 
     if RELEASED:
-        # BCE on the softmax: v = p/(1−p) off the positive, −1 on it
-        not_p = tl.maximum(1.0 - p, 1e-30)             # only p = 1 exactly is guarded
+        not_p = tl.maximum(1.0 - p, 1e-30)
         v = tl.where(is_pos, -1.0, p / not_p)
         v = tl.where(ok, v, 0.0)
         if STAGE == 0:
-            # log(1−p), accurate for small p, clamped at −100 like torch's BCE
             log_not = tl.where(p < 1e-4, -p - 0.5 * p * p, tl.log(not_p))
             log_not = tl.where(ok & (~is_pos), tl.maximum(log_not, -100.0), 0.0)
             tl.store(part_v_ptr + rows * stride_part + pid_m, tl.sum(v, axis=1), mask=row_ok)
@@ -183,8 +334,9 @@ def _gradient_kernel(
             vsum = tl.load(vsum_ptr + rows, mask=row_ok, other=0.0)
             g = (v - p * vsum[:, None]) * (inv_t * scale)
             if MASK:
-                g = tl.where(dropped, 0.0, g)          # a × 0 logit has no slope in s
-            _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g)
+                g = tl.where(dropped, 0.0, g)
+            _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g,
+                        BLOCK_R, BLOCK_M)
     else:
         g = tl.where(is_pos, p - 1.0, p)
         if FOCAL:
@@ -192,49 +344,109 @@ def _gradient_kernel(
         else:
             slope = inv_t
         g = g * slope * scale
-        _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g)
+        _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g,
+                        BLOCK_R, BLOCK_M)
 
 
 @triton.jit
-def _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g):
+def _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g,
+                BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
     """G'_ij = ∂L/∂s_ij / (‖q_i‖‖k_j‖), the form both gradient GEMMs take with raw inputs."""
     inv_q = tl.load(inv_q_ptr + rows, mask=row_ok, other=0.0)
     inv_k = tl.load(inv_k_ptr + cols, mask=col_ok, other=0.0)
     g = g * inv_q[:, None] * inv_k[None, :]
-    tl.store(g_ptr + rows[:, None] * stride_g + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=ok)
+    tl.store(_tile_ptrs(g_ptr, stride_g, BLOCK_R, BLOCK_M), g.to(g_ptr.dtype.element_ty), mask=ok)
 
 
-# --------------------------------------------------------------------------- launch
-# BLOCK_M is fixed per mode because the tile partials are laid out by column tile.
+# --------------------------------------------------------------------------- variants
+#: Offsets inside one tile of a row-major R×M buffer are int32: a 256-row tile of M columns.
+MAX_CANDIDATES = 2**31 // 256
+
+#: The similarity tile's width is fixed (the partials are laid out by column tile).
 SIM_BLOCK_M = 16 if INTERPRET else 128
 
+#: Autotune candidates (BLOCK_R, BLOCK_D, num_warps, num_stages) with BLOCK_M = 128, by
+#: input kind and mask. Each compiles without register spills for every variant and dtype
+#: on sm_80 and sm_90 (``python -m fastcl.kernels.compile_check --full``, run by
+#: tests/test_compile.py): the masked DCLR tile holds a second accumulator, and exact fp32
+#: products (no tensor cores) need thinner K steps.
+SIM_CONFIGS = {
+    ("16bit", False): [(128, 32, 8, 4), (64, 64, 8, 3)],
+    ("16bit", True): [(64, 32, 8, 3), (64, 16, 8, 4), (32, 64, 8, 3)],
+    ("fp32", False): [(64, 16, 8, 3), (32, 32, 8, 3)],
+    ("fp32", True): [(64, 16, 8, 3)],
+}
+#: The first design's list, spills included (``FASTCL_LEGACY=configs``).
+LEGACY_SIM_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
 
-def _configs():
-    """Tile sizes. One fixed config under the interpreter; a small autotuned set on GPU."""
-    if INTERPRET:
-        return None
-    return [
-        triton.Config({"BLOCK_R": br, "BLOCK_D": bd}, num_warps=w, num_stages=st)
-        for br, bd, w, st in [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
-    ]
+SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
+GRAD_BLOCK = ({"BLOCK_R": 16, "BLOCK_M": 16} if INTERPRET  # the legacy elementwise tiles
+              else {"BLOCK_R": 32, "BLOCK_M": 128})
+ROW_BLOCK = ({"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET
+             else {"BLOCK_N": 2048, "BLOCK_T": 256, "num_warps": 8})
+
+#: Every flag set an objective launches, by name (the compile test builds each one).
+VARIANTS = {
+    "infonce": dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True),
+    "infonce-hard": dict(FOCAL=False, HARD=True, MASK=False, RELEASED=False, POSITIVES=True),
+    "focal": dict(FOCAL=True, HARD=False, MASK=False, RELEASED=False, POSITIVES=True),
+    "dclr-mask": dict(FOCAL=False, HARD=False, MASK=True, RELEASED=False, POSITIVES=True),
+    "dclr-released": dict(FOCAL=False, HARD=False, MASK=False, RELEASED=True, POSITIVES=True),
+    "dclr-released-mask": dict(FOCAL=False, HARD=False, MASK=True, RELEASED=True, POSITIVES=True),
+    "noise": dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=False),
+}
+
+
+def flags(ep) -> dict:
+    """The kernels' constexpr flags for an epilogue (one of ``VARIANTS``)."""
+    return dict(FOCAL=ep.focal_m is not None, HARD=bool(ep.hard_negative_weight),
+                MASK=ep.complementary is not None, RELEASED=ep.formulation == "released",
+                POSITIVES=ep.positives)
+
+
+def stores_exp(f: dict) -> bool:
+    """Whether the gradient needs only the softmax: then the chunk buffer holds
+    exp(l − tile max) in the GEMM dtype; focal needs s for its slope and the released DCLR
+    needs the dropped columns, so those keep the fp32 cosines."""
+    return not (f["FOCAL"] or f["RELEASED"])
+
+
+def sim_configs(f: dict, dtype: str, legacy_list: bool = False) -> list[tuple]:
+    """The similarity kernel's autotune list for these flags and input dtype (a torch dtype
+    or its name)."""
+    if legacy_list:
+        return LEGACY_SIM_CONFIGS
+    kind = "fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit"
+    return SIM_CONFIGS[(kind, bool(f["MASK"]))]
 
 
 _TUNED = {}
+_AUTOTUNE_KEY = ["M", "D", "DC", "FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "STORE_EXP"]
 
 
-def _kernel(fn, key):
-    """The autotuned wrapper of a kernel on GPU, the bare kernel under the interpreter."""
-    configs = _configs() if fn is _similarity_kernel else None
-    if configs is None:
-        return fn
-    if fn not in _TUNED:
-        _TUNED[fn] = triton.autotune(configs=configs, key=key)(fn)
-    return _TUNED[fn]
+def _similarity(f: dict, dtype: torch.dtype):
+    """The similarity kernel for these flags: autotuned on GPU (the flags are in the key, so
+    each objective gets its own choice), the bare kernel under the interpreter."""
+    if INTERPRET:
+        return _similarity_kernel
+    old = legacy("configs")
+    configs = sim_configs(f, dtype, old)
+    if autotune_pinned():
+        configs = configs[:1]
+    key = ("legacy" if old else f"{'fp32' if dtype == torch.float32 else '16bit'}"
+           f"{'-mask' if f['MASK'] else ''}", len(configs))
+    if key not in _TUNED:
+        _TUNED[key] = triton.autotune(
+            configs=[triton.Config({"BLOCK_R": br, "BLOCK_D": bd}, num_warps=w, num_stages=st)
+                     for br, bd, w, st in configs],
+            key=_AUTOTUNE_KEY)(_similarity_kernel)
+    return _TUNED[key]
 
 
-SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
-GRAD_BLOCK = ({"BLOCK_R": 16, "BLOCK_M": 16} if INTERPRET  # the elementwise kernel's tiles
-              else {"BLOCK_R": 32, "BLOCK_M": 128})
+def chosen_configs() -> dict:
+    """What autotuning picked so far in this process: {list name: {key: config}}."""
+    return {f"_similarity_kernel[{name}]": {str(k): str(v) for k, v in tuner.cache.items()}
+            for (name, _), tuner in _TUNED.items()}
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -243,40 +455,67 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def triton_chunk(ep, c, want_grad):
-    """The Triton engine for :func:`fastcl.tiled.contrastive_forward` (same contract as
-    :func:`fastcl.tiled.torch_chunk`)."""
+# --------------------------------------------------------------------------- engine
+def _launch_similarity(ep, c, f, store_exp):
+    """The similarity kernel over the chunk: the stored buffer, the partials, the positives."""
     R, d = c.q.shape
     M = c.keys.shape[0]
-    n, n_pos = c.n, c.n_pos
+    if M >= MAX_CANDIDATES:
+        raise ValueError(f"{M} candidates: the Triton kernels take fewer than {MAX_CANDIDATES} "
+                         "(32-bit offsets inside a tile); use backend='tiled'")
     dev = c.q.device
-    released = ep.formulation == "released"
-    mask = ep.complementary is not None
-    flags = dict(FOCAL=ep.focal_m is not None, HARD=bool(ep.hard_negative_weight), MASK=mask,
-                 RELEASED=released, POSITIVES=ep.positives)
-    focal_m = float(ep.focal_m or 0.0)
-    inv_t = 1.0 / ep.temperature
-    q, keys = c.q, c.keys                  # contiguous, in the GEMM dtype (the driver's job)
-    inv_q, inv_k = c.inv_q.float(), c.inv_k.float()
-    if mask:
+    if f["MASK"]:
         cq, ck = c.comp_q, c.comp_k
         dc = cq.shape[1]
     else:
-        cq, ck, dc = q, keys, 0            # never read
-
-    s = torch.empty(R, M, dtype=torch.float32, device=dev)
-    sim = _kernel(_similarity_kernel, ["M", "D", "DC"])
+        cq, ck, dc = c.q, c.keys, 0        # never read
+    t = torch.empty(R, M, dtype=c.q.dtype if store_exp else torch.float32, device=dev)
     tiles = triton.cdiv(M, SIM_BLOCK_M)
     part_max = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     pos = torch.zeros(R, dtype=torch.float32, device=dev)
     grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
     extra = SIM_FIXED if INTERPRET else {}
-    sim[grid](q, keys, inv_q, inv_k, cq, ck, s, part_max, part_sum, pos,
-              R, M, d, dc, c.first_pos, n_pos,
-              q.stride(0), keys.stride(0), cq.stride(0), ck.stride(0), s.stride(0), tiles,
-              inv_t, focal_m, float(ep.hard_negative_weight), float(ep.phi or 0.0),
-              PREC=_precision(q.dtype), BLOCK_M=SIM_BLOCK_M, **flags, **extra)
+    _similarity(f, c.q.dtype)[grid](
+        c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos,
+        R, M, d, dc, c.first_pos, c.n_pos,
+        c.q.stride(0), c.keys.stride(0), cq.stride(0), ck.stride(0), t.stride(0), tiles,
+        1.0 / ep.temperature, float(ep.focal_m or 0.0), float(ep.hard_negative_weight),
+        float(ep.phi or 0.0),
+        PREC=_precision(c.q.dtype), STORE_EXP=store_exp, BLOCK_M=SIM_BLOCK_M, **f, **extra)
+    return t, part_max, part_sum, pos
+
+
+def triton_chunk(ep, c, want_grad):
+    """The Triton engine for :func:`fastcl.tiled.contrastive_forward` (same contract as
+    :func:`fastcl.tiled.torch_chunk`): ``(Σ_rows loss, H, True)`` with H in the GEMM dtype."""
+    if legacy("epilogue"):
+        return _legacy_chunk(ep, c, want_grad)
+    f = flags(ep)
+    store_exp = stores_exp(f)
+    t, part_max, part_sum, pos = _launch_similarity(ep, c, f, store_exp)
+    R, M = t.shape
+    # exp mode: the gradient overwrites the stored row in place; else a GEMM-dtype buffer
+    g = t if store_exp else (torch.empty(R, M, dtype=c.q.dtype, device=t.device)
+                             if want_grad else t)
+    row_loss = torch.empty(R, dtype=torch.float32, device=t.device)
+    _row_kernel[(R,)](
+        t, g, part_max, part_sum, pos, c.ginv_k.float(), row_loss,
+        M, part_max.shape[1], c.first_pos, c.n_pos, t.stride(0), g.stride(0), part_max.stride(0),
+        1.0 / ep.temperature, float(ep.focal_m or 0.0), float(ep.hard_negative_weight),
+        STORE_EXP=store_exp, WANT_GRAD=want_grad, TILE_M=SIM_BLOCK_M, **f, **ROW_BLOCK)
+    return row_loss.sum(dtype=torch.float64), (g if want_grad else None), True
+
+
+def _legacy_chunk(ep, c, want_grad):
+    """The first design: fp32 cosines, the row log-sum-exp in PyTorch ops, G′ with the row
+    factors from a separate gradient kernel. Returns ``(Σ_rows loss, G′, False)``."""
+    f = flags(ep)
+    s, part_max, part_sum, pos = _launch_similarity(ep, c, f, False)
+    R, M = s.shape
+    dev = s.device
+    released = f["RELEASED"]
+    focal_m, inv_t = float(ep.focal_m or 0.0), 1.0 / ep.temperature
     # Row log-sum-exp from the tile partials.
     row_max = part_max.amax(dim=1)
     safe = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
@@ -285,28 +524,41 @@ def triton_chunk(ep, c, want_grad):
     gb = GRAD_BLOCK
     ggrid = (triton.cdiv(R, gb["BLOCK_R"]), triton.cdiv(M, gb["BLOCK_M"]))
     gtiles = ggrid[1]
-    scale = 1.0 / (n * M) if released else 1.0 / n
-    common = (R, M, c.first_pos, n_pos, s.stride(0))
+    scale = 1.0 / (c.n * M) if released else 1.0 / c.n
+    common = (R, M, c.first_pos, c.n_pos, s.stride(0))
     vsum = lse                              # placeholder pointer unless released
     if released:
         part_v = torch.zeros(R, gtiles, dtype=torch.float32, device=dev)
         part_log = torch.zeros(R, gtiles, dtype=torch.float32, device=dev)
-        _gradient_kernel[ggrid](s, lse, inv_q, inv_k, lse, s, part_v, part_log,
+        _gradient_kernel[ggrid](s, lse, c.inv_q, c.inv_k, lse, s, part_v, part_log,
                                 *common, s.stride(0), gtiles, inv_t, focal_m,
-                                float(ep.hard_negative_weight), scale, STAGE=0, **flags, **gb)
+                                float(ep.hard_negative_weight), scale, STAGE=0, **f, **gb)
         vsum = part_v.sum(dim=1)
         row_loss = -part_log.sum(dim=1) - (pos - lse).clamp_min(-100.0)
     else:
         row_loss = lse - pos if ep.positives else lse
     loss_sum = row_loss.sum(dtype=torch.float64)
     if not want_grad:
-        return loss_sum, None
-    g = torch.empty(R, M, dtype=q.dtype, device=dev)
-    _gradient_kernel[ggrid](s, lse, inv_q, inv_k, vsum, g, lse, lse,
+        return loss_sum, None, False
+    g = torch.empty(R, M, dtype=c.q.dtype, device=dev)
+    _gradient_kernel[ggrid](s, lse, c.inv_q, c.inv_k, vsum, g, lse, lse,
                             *common, g.stride(0), 0, inv_t, focal_m,
-                            float(ep.hard_negative_weight), scale, STAGE=1, **flags, **gb)
-    return loss_sum, g
+                            float(ep.hard_negative_weight), scale, STAGE=1, **f, **gb)
+    return loss_sum, g, False
 
 
-# Chunk memory per R×M entry, for the driver's choice of R: s in fp32 plus G' in the GEMM dtype.
-triton_chunk.entry_bytes = lambda dtype: 4 + torch.finfo(dtype).bits // 8
+def _row_bytes(ep, dtype: torch.dtype, m: int, n_pos: int) -> int:
+    """Chunk memory per anchor row: one buffer in the GEMM dtype (exp mode), or the fp32
+    cosines plus the gradient (focal, released DCLR, the first design). The DCLR mask is
+    formed inside the tiles and costs nothing here."""
+    gemm = torch.finfo(dtype).bits // 8
+    if legacy("epilogue") or not stores_exp(flags(ep)):
+        return m * (4 + gemm)
+    return m * gemm
+
+
+triton_chunk.row_bytes = _row_bytes
+#: Chunk rows are rounded to this: the similarity kernel's largest row tile.
+triton_chunk.row_multiple = 16 if INTERPRET else 128
+#: The first chunk sizing's bytes per R×M entry (FASTCL_LEGACY=chunks).
+triton_chunk.legacy_entry_bytes = lambda dtype: 4 + torch.finfo(dtype).bits // 8

@@ -71,7 +71,7 @@ def test_no_grad_does_no_gradient_work(mode, monkeypatch):
         asked.append(want_grad)
         return real(ep, chunk, want_grad)
 
-    spy.entry_bytes = real.entry_bytes
+    spy.__dict__.update(real.__dict__)         # the sizing attributes
     monkeypatch.setattr(tiled, "torch_chunk", spy)
     import fastcl.functional
     monkeypatch.setattr(fastcl.functional, "_engine", lambda be: spy)
@@ -111,19 +111,67 @@ def test_zero_row_is_finite():
 
 
 class TestChunkChoice:
+    def rows(self, ep, n=16384, m=16384, dtype=torch.float32, device="cpu"):
+        return tiled.chunk_rows(tiled.torch_chunk, ep, n, m, n, dtype, device)
+
     def test_budget_bounds_the_chunk(self):
-        ep = tiled.Epilogue(0.05)
-        n = m = 16384
-        rows = tiled.rows_per_chunk(n, m, ep, n, 4)
-        assert 16 <= rows < n
-        assert rows * m * 4 <= tiled.DEFAULT_MEMORY_BUDGET["cpu"]
+        rows = self.rows(tiled.Epilogue(0.05))
+        assert 16 <= rows < 16384 and rows % 16 == 0
+        assert rows * 16384 * 4 <= tiled.DEFAULT_MEMORY_BUDGET["cpu"]
 
     def test_focal_and_mask_shrink_the_chunk(self):
-        n = m = 16384
-        plain = tiled.rows_per_chunk(n, m, tiled.Epilogue(0.05), n, 4)
-        focal = tiled.rows_per_chunk(n, m, tiled.Epilogue(0.05, focal_m=0.3), n, 4)
+        plain = self.rows(tiled.Epilogue(0.05))
+        focal = self.rows(tiled.Epilogue(0.05, focal_m=0.3))
         assert focal <= plain // 2 + 16
 
     def test_override(self):
-        assert tiled.rows_per_chunk(100, 100, tiled.Epilogue(0.05, chunk_size=7), 100, 4) == 7
-        assert tiled.rows_per_chunk(5, 100, tiled.Epilogue(0.05, chunk_size=64), 5, 4) == 5
+        assert tiled.rows_per_chunk(100, 100, tiled.Epilogue(0.05, chunk_size=7), 400) == 7
+        assert tiled.rows_per_chunk(5, 100, tiled.Epilogue(0.05, chunk_size=64), 400) == 5
+
+    def test_rounded_to_the_engine_row_tile(self):
+        ep = tiled.Epilogue(0.05, memory_budget=1000 * 4096)
+        assert tiled.rows_per_chunk(10**6, 1, ep, 4096, multiple=128) == 896
+        assert tiled.rows_per_chunk(10**6, 1, ep, 4096) == 992
+        assert tiled.rows_per_chunk(10**6, 1, ep, 4096 * 100, multiple=128) == 10   # < one tile
+
+    def test_legacy_sizing_is_the_first_formula(self, monkeypatch):
+        monkeypatch.setenv("FASTCL_LEGACY", "chunks")
+        ep = tiled.Epilogue(0.05, focal_m=0.3)
+        # fp32 on CPU: 4 bytes an entry, two slices for focal
+        assert self.rows(ep) == tiled.DEFAULT_MEMORY_BUDGET["cpu"] // (16384 * 8) // 16 * 16
+
+
+def test_fp16_gradient_does_not_underflow():
+    """fp16 inputs at N=4096, τ=0.05, norms ≈ 16, with the chunk buffer in fp16 as on a GPU
+    (emulated here: ``gemm_dtype``). G' = ∂L/∂s/(‖q‖‖k‖) itself sits near 1e-9 there, where
+    fp16 flushes most entries to zero: the driver keeps the row factors outside the buffer,
+    and the returned gradients stay fp32 until a loss scaler's factor is applied."""
+    n, d = 4096, 256
+    g = torch.Generator().manual_seed(0)
+    a64 = torch.randn(n, d, generator=g, dtype=torch.float64)          # ‖a_i‖ ≈ 16
+    p64 = a64 + 0.7 * torch.randn(n, d, generator=g, dtype=torch.float64)
+    a, p = a64.half(), p64.half()
+    ref_a, ref_p = a.double().requires_grad_(), p.double().requires_grad_()
+    fastcl.reference.infonce(ref_a, ref_p, temperature=0.05).backward()
+    loss, grads = tiled.contrastive_forward(tiled.Epilogue(0.05), a, (p,), need=(True, True),
+                                            gemm_dtype=torch.float16)
+    for got, ref in zip(grads, (ref_a.grad, ref_p.grad)):
+        rel = (got.double() - ref).norm() / ref.norm()
+        assert rel < 1e-2, rel
+
+    # Through autograd with a loss scale, as torch.amp's GradScaler does: the fp16 .grad
+    # holds the scaled gradient without flushing it.
+    x, y = a.clone().requires_grad_(), p.clone().requires_grad_()
+    scale = 2.0**16
+    (fastcl.infonce(x, y, backend="tiled") * scale).backward()
+    assert x.grad.dtype == torch.float16
+    rel = (x.grad.double() / scale - ref_a.grad).norm() / ref_a.grad.norm()
+    assert rel < 1e-2, rel
+
+    # The first design stored G' with the row factors inside, in fp16: most of it flushed.
+    cos = torch.nn.functional.normalize(a.double(), dim=1) @ torch.nn.functional.normalize(
+        p.double(), dim=1).T
+    probs = torch.softmax(cos / 0.05, dim=1) - torch.eye(n, dtype=torch.float64)
+    g_prime = probs / 0.05 / n / a.double().norm(dim=1)[:, None] / p.double().norm(dim=1)[None, :]
+    flushed = (g_prime.half() == 0) & (g_prime != 0)
+    assert flushed.double().mean() > 0.5

@@ -1,0 +1,344 @@
+#!/usr/bin/env python
+"""Explain: an analytic per-chunk cost model of fastcl's GPU infonce forward+backward.
+
+    python bench/_explain.py 32768 --device h200          # old vs new design, side by side
+    python bench/_explain.py 8192 --dtype float32 --device a100
+    python bench/_explain.py 32768 --device custom --peak-tflops 500 --bandwidth-tbs 3
+    python bench/run.py --explain 32768                   # the same text from the bench
+
+This is a MODEL, not a measurement: every figure is predicted from peak rates (device
+presets below); ``bench/gpu_check.sh`` measures the real thing. It exists to show where the
+time of a call goes and why the new design ("v2", the default) should beat the old one
+("v1", restored with ``FASTCL_LEGACY=all``).
+
+Notation: N anchors, M candidates (M = N for infonce), d width, b bytes per element of the
+GEMM dtype (2 for bfloat16/float16, 4 for float32), R rows per chunk, C = ceil(N/R) chunks,
+T = ceil(M/128) column tiles (BLOCK_M = 128). Useful FLOPs of forward+backward: 6·N·M·d
+(similarity 2NMd forward, two gradient GEMMs 2NMd each backward).
+
+Time of a stage = max(FLOPs / peak, bytes / bandwidth) + launches · launch_us. GEMM-like
+stages run at efficiency 1.0 of the preset peak (which is already a practical, measured-style
+ceiling); elementwise FLOPs are not counted, they are far below the memory time. A call =
+(C − 1) full chunks + the last chunk (its remaining rows) + the per-call stages.
+
+Chunk rows (budget 128 MiB on CUDA unless ``memory_budget_mib`` says otherwise):
+  old  R = floor(budget / (M·(4+b)) / 16)·16      (fp32 s plus G′ in the GEMM dtype per entry)
+  new  R = floor(budget / (M·b) / 128)·128        (one R×M buffer in the GEMM dtype; at least
+                                                   128 rows unless N < 128)
+Both are capped at N.
+
+Old design, per chunk:
+  similarity kernel       1 launch, 2RMd FLOPs; reads R·d·b + M·d·b; writes s R·M·4, partials R·T·8
+  row LSE + loss (torch)  6 + 2 launches; each reads/writes ≈ 3·R·T·4 (loss: R-sized)
+  gradient kernel         1 launch; reads s R·M·4; writes G′ R·M·b
+  small torch ops         4 launches; Q chunk copy R·d·b read + write, loss accumulate
+  GEMM G′K → fp32         1 launch, 2RMd; reads R·M·b + M·d·b; writes R·d·4
+  tangent on dq           5 launches; reads ≈ 4·R·d·4, writes ≈ 4·R·d·4
+  GEMM G′ᵀQ → fresh tmp   1 launch, 2RMd; reads R·M·b + R·d·b; writes M·d·4
+  dk += tmp               1 launch; reads 2·M·d·4; writes M·d·4
+New design, per chunk:
+  similarity kernel       1 launch, 2RMd; reads R·d·b + M·d·b; writes e = exp(l − tile max)
+                          R·M·b, partials R·T·8
+  row kernel              1 launch (one program per row); reads partials R·T·8 and e R·M·b;
+                          writes the gradient H in place R·M·b and the row loss R·4
+  small torch ops         3 launches: w = inv‖q‖/N, w⊙Q chunk (R·d·b read + write), loss sum
+  GEMM H K → fp32         1 launch, 2RMd; reads R·M·b + M·d·b; writes R·d·4
+  tangent on dq           5 launches (with the row weights); reads/writes ≈ 4·R·d·4 each
+  GEMM dk += Hᵀ(w⊙Q)      1 launch (addmm, beta=1, in place, fp32 accumulator), 2RMd;
+                          reads R·M·b + R·d·b + M·d·4; writes M·d·4
+Per call, both designs: norms of Q and K (2 launches, read N·d·b + M·d·b), dk zero (write
+M·d·4), final tangent on dk (5 launches, ≈ 4·M·d·4 read and written), cast of dk to the
+input dtype (read M·d·4, write M·d·b), input NaN check (2 launches, read N·d·b + M·d·b).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+BLOCK_M = 128                      # column tile of the Triton kernels
+MIB = 1 << 20
+DEFAULT_BUDGET_MIB = 128           # CUDA memory budget of the chunk buffers
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# Practical ceilings, not datasheet peaks (TFLOP/s, TB/s). fp32 is the non-tensor-core rate:
+# fastcl computes fp32 products exactly ("ieee"), so TF32 is listed for reference only.
+DEVICES = {
+    # bf16: measured torch.mm 8192³ on an H200; HBM: measured device-to-device copy.
+    "h200": dict(name="H200", bf16=790.0, tf32=395.0, fp32=60.0, hbm=4.3, sms=132, launch_us=4.0),
+    # H100 SXM: ≈ 0.76 of the 989 (bf16) / 494 (tf32) datasheet; 0.85 of 3.35 TB/s.
+    "h100": dict(name="H100 SXM", bf16=750.0, tf32=375.0, fp32=60.0, hbm=3.35 * 0.85, sms=132,
+                 launch_us=4.0),
+    # A100 SXM 80GB: 0.9 of the 312 (bf16) / 156 (tf32) datasheet; 0.85 of 2.0 TB/s.
+    "a100": dict(name="A100 SXM 80GB", bf16=280.0, tf32=140.0, fp32=19.5, hbm=2.0 * 0.85,
+                 sms=108, launch_us=4.0),
+}
+GEMM_EFF = 1.0                     # GEMM-like stages reach the (already practical) preset peak
+
+MODEL_NOTE = "predicted from peak rates; bench/gpu_check.sh measures the real thing"
+
+
+def _stage(key, name, launches, flops=0, read=0, written=0):
+    return dict(key=key, name=name, launches=launches, flops=flops, bytes_read=read,
+                bytes_written=written)
+
+
+def _time(st, dev):
+    """Predicted seconds of one stage, and what bounds it."""
+    t_compute = st["flops"] / (dev["peak_tflops"] * 1e12 * GEMM_EFF)
+    t_memory = (st["bytes_read"] + st["bytes_written"]) / (dev["bandwidth_tbs"] * 1e12)
+    t_launch = st["launches"] * dev["launch_us"] * 1e-6
+    bound = "compute" if t_compute >= t_memory else "memory"
+    if t_launch > max(t_compute, t_memory):   # tiny stages: the launches are the cost
+        bound = "launch"
+    return max(t_compute, t_memory) + t_launch, bound
+
+
+def rows_old(n, m, b, budget):
+    """v1: the budget pays for fp32 s and G′ (GEMM dtype) per entry; rows in steps of 16."""
+    r = budget // (m * (4 + b)) // 16 * 16
+    return min(max(r, 16), n)
+
+
+def rows_new(n, m, b, budget):
+    """v2: the budget pays for one R×M buffer in the GEMM dtype; rows in 128-row tiles."""
+    r = budget // (m * b) // BLOCK_M * BLOCK_M
+    return min(max(r, BLOCK_M), n)
+
+
+def chunk_old(r, m, d, b):
+    """Stages of one v1 chunk of r rows."""
+    t = math.ceil(m / BLOCK_M)
+    g = 2 * r * m * d
+    return [
+        _stage("sim", "similarity kernel → fp32 s", 1, g, r * d * b + m * d * b, r * m * 4 + r * t * 8),
+        # 6 launches for the LSE from the tile partials, 2 for the loss
+        _stage("lse", "row LSE + loss (torch)", 8, 0, 6 * 3 * r * t * 4 + 2 * r * 4,
+               6 * 3 * r * t * 4 + r * 4 + 4),
+        _stage("grad", "gradient kernel s → G′", 1, 0, r * m * 4 + r * 4, r * m * b),
+        _stage("prep", "Q chunk copy, loss acc", 4, 0, r * d * b + 8, r * d * b + 4),
+        _stage("gemm_dq", "GEMM G′K → fp32", 1, g, r * m * b + m * d * b, r * d * 4),
+        _stage("tan_dq", "tangent on dq", 5, 0, 4 * r * d * 4, 4 * r * d * 4),
+        # a fresh M×d fp32 temporary per chunk, then an extra full pass to add it
+        _stage("gemm_dk", "GEMM G′ᵀQ → fresh tmp", 1, g, r * m * b + r * d * b, m * d * 4),
+        _stage("dk_add", "dk += tmp", 1, 0, 2 * m * d * 4, m * d * 4),
+    ]
+
+
+def chunk_new(r, m, d, b):
+    """Stages of one v2 chunk of r rows."""
+    t = math.ceil(m / BLOCK_M)
+    g = 2 * r * m * d
+    return [
+        _stage("sim", "similarity kernel → e", 1, g, r * d * b + m * d * b, r * m * b + r * t * 8),
+        # LSE, gradient (in place over e) and row loss fused in one kernel
+        _stage("grad", "row kernel (LSE+grad+loss)", 1, 0, r * t * 8 + r * m * b, r * m * b + r * 4),
+        _stage("prep", "w, w⊙Q, loss sum", 3, 0, r * 4 + (r * d * b + r * 4) + r * 4,
+               r * 4 + r * d * b + 4),
+        _stage("gemm_dq", "GEMM HK → fp32", 1, g, r * m * b + m * d * b, r * d * 4),
+        _stage("tan_dq", "tangent on dq (weighted)", 5, 0, 4 * r * d * 4, 4 * r * d * 4),
+        # accumulate straight into dk: no temporary, no extra pass
+        _stage("gemm_dk", "GEMM dk += Hᵀ(w⊙Q)", 1, g, r * m * b + r * d * b + m * d * 4, m * d * 4),
+    ]
+
+
+def per_call(n, m, d, b):
+    """Stages run once per call, the same in both designs."""
+    return [
+        _stage("norms", "norms of Q and K", 2, 0, n * d * b + m * d * b, (n + m) * 4),
+        _stage("dk_zero", "dk zero", 1, 0, 0, m * d * 4),
+        _stage("tan_dk", "tangent on dk", 5, 0, 4 * m * d * 4, 4 * m * d * 4),
+        _stage("cast_dk", "cast dk to input dtype", 1, 0, m * d * 4, m * d * b),
+        _stage("nan_check", "input NaN check", 2, 0, n * d * b + m * d * b, 8),
+    ]
+
+
+# The stage rows of the side-by-side table, in order (a design lacking one shows "—").
+CHUNK_ROWS = [
+    ("sim", "similarity GEMM"),
+    ("lse", "row LSE + loss"),
+    ("grad", "gradient / row kernel"),
+    ("prep", "small torch ops"),
+    ("gemm_dq", "GEMM dq = G K"),
+    ("tan_dq", "tangent on dq"),
+    ("gemm_dk", "GEMM dk ← Gᵀ Q"),
+    ("dk_add", "dk += tmp"),
+]
+CALL_ROWS = [("norms", "norms of Q, K"), ("dk_zero", "dk zero"), ("tan_dk", "tangent on dk"),
+             ("cast_dk", "cast dk"), ("nan_check", "input NaN check")]
+
+_DESIGNS = {"old": ("v1, FASTCL_LEGACY=all", rows_old, chunk_old, lambda r, m, b: r * m * (4 + b)),
+            "new": ("v2, default", rows_new, chunk_new, lambda r, m, b: r * m * b)}
+
+
+def _device(device, dtype, peak_tflops, bandwidth_tbs, launch_us):
+    if device == "custom":
+        if peak_tflops is None or bandwidth_tbs is None:
+            raise ValueError("device 'custom' needs peak_tflops and bandwidth_tbs")
+        base = dict(name="custom", bf16=peak_tflops, tf32=peak_tflops, fp32=peak_tflops,
+                    hbm=bandwidth_tbs, sms=None, launch_us=4.0)
+    elif device in DEVICES:
+        base = DEVICES[device]
+    else:
+        raise ValueError(f"unknown device {device!r}; one of {sorted(DEVICES) + ['custom']}")
+    peak = base["fp32"] if dtype == "float32" else base["bf16"]
+    return dict(preset=device, name=base["name"], sms=base["sms"],
+                peak_tflops=float(peak_tflops if peak_tflops is not None else peak),
+                peak_kind="fp32 (no TF32)" if dtype == "float32" else f"{dtype} tensor core",
+                bandwidth_tbs=float(bandwidth_tbs if bandwidth_tbs is not None else base["hbm"]),
+                launch_us=float(launch_us if launch_us is not None else base["launch_us"]))
+
+
+def _timed(stages, dev):
+    out = []
+    for st in stages:
+        sec, bound = _time(st, dev)
+        out.append(dict(st, us=sec * 1e6, bound=bound))
+    return out
+
+
+def _sum(stages, field):
+    return sum(s[field] for s in stages)
+
+
+def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib=None,
+            design="both", peak_tflops=None, bandwidth_tbs=None, launch_us=None):
+    """The cost model as a JSON-serialisable dict (see the module docstring for the formulas)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}")
+    if design not in ("both", "old", "new"):
+        raise ValueError("design must be 'both', 'old' or 'new'")
+    m = n if m is None else m
+    b = DTYPE_BYTES[dtype]
+    dev = _device(device, dtype, peak_tflops, bandwidth_tbs, launch_us)
+    budget_mib = DEFAULT_BUDGET_MIB if memory_budget_mib is None else memory_budget_mib
+    budget = int(budget_mib * MIB)
+    useful = 6 * n * m * d
+    once = _timed(per_call(n, m, d, b), dev)
+
+    designs = {}
+    for name in (("old", "new") if design == "both" else (design,)):
+        label, rows_fn, chunk_fn, buf_fn = _DESIGNS[name]
+        r = rows_fn(n, m, b, budget)
+        c = math.ceil(n / r)
+        last = n - (c - 1) * r                      # rows of the last (maybe short) chunk
+        full = _timed(chunk_fn(r, m, d, b), dev)
+        tail = _timed(chunk_fn(last, m, d, b), dev)
+        total_us = (c - 1) * _sum(full, "us") + _sum(tail, "us") + _sum(once, "us")
+        per_chunk = {f: _sum(full, f) for f in ("launches", "flops", "bytes_read", "bytes_written", "us")}
+        designs[name] = dict(
+            label=label, rows=r, chunks=c, last_rows=last, tiles=math.ceil(m / BLOCK_M),
+            chunk_buffer_mib=buf_fn(r, m, b) / MIB,
+            chunk_stages=full, per_chunk=per_chunk, per_call_stages=once,
+            total=dict(
+                launches=(c - 1) * per_chunk["launches"] + _sum(tail, "launches") + _sum(once, "launches"),
+                flops=(c - 1) * per_chunk["flops"] + _sum(tail, "flops") + _sum(once, "flops"),
+                bytes=sum((c - 1) * _sum(full, f) + _sum(tail, f) + _sum(once, f)
+                          for f in ("bytes_read", "bytes_written")),
+                us=total_us, ms=total_us / 1e3),
+            fraction_of_matmul=useful / (total_us * 1e-6) / (dev["peak_tflops"] * 1e12),
+        )
+    return dict(model=MODEL_NOTE, n=n, m=m, d=d, dtype=dtype, bytes_per_element=b,
+                memory_budget_mib=budget_mib, block_m=BLOCK_M, gemm_efficiency=GEMM_EFF,
+                device=dev, useful_flops=useful, designs=designs)
+
+
+def _cells(st):
+    """Table cells of one stage of one design: launches, GFLOP, MB read, MB written, µs, bound."""
+    if st is None:
+        return ["—"] * 6
+    return [str(st["launches"]), f"{st['flops'] / 1e9:.1f}", f"{st['bytes_read'] / 1e6:.1f}",
+            f"{st['bytes_written'] / 1e6:.1f}", f"{st['us']:.1f}", st["bound"]]
+
+
+def explain_text(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib=None,
+                 **kw):
+    """The cost model as printable text: header, per-stage table (old | new), totals."""
+    e = explain(n, m, d, dtype, device, memory_budget_mib, **kw)
+    dev, ds = e["device"], e["designs"]
+    names = list(ds)
+    lines = [
+        f"fastcl explain: infonce forward+backward, a cost MODEL ({MODEL_NOTE})",
+        f"device {dev['name']}: {dev['peak_tflops']:g} TFLOP/s {dev['peak_kind']}, "
+        f"{dev['bandwidth_tbs']:.2f} TB/s, {dev['sms'] or '?'} SMs, {dev['launch_us']:g} µs/launch",
+        f"N={e['n']} M={e['m']} d={e['d']} dtype={e['dtype']} (b={e['bytes_per_element']}) "
+        f"budget={e['memory_budget_mib']:g} MiB  useful FLOPs 6·N·M·d = {e['useful_flops'] / 1e9:,.1f} GFLOP",
+    ]
+    for k in names:
+        x = ds[k]
+        lines.append(f"  {k.upper():3s} ({x['label']}): R={x['rows']} rows/chunk, C={x['chunks']} chunks "
+                     f"(last {x['last_rows']} rows), T={x['tiles']} column tiles")
+    lines.append("stage time = max(FLOPs/peak, bytes/bandwidth) + launches·launch_us; GEMM eff 1.0; "
+                 "bound: compute | memory | launch (launch overhead above both)")
+
+    widths = [6, 7, 8, 8, 8, 7]
+    heads = ["launch", "GFLOP", "MB rd", "MB wr", "µs", "bound"]
+    sep = " ‖ "
+
+    def row(label, groups):
+        cells = sep.join(" ".join(c.rjust(w) for c, w in zip(g, widths)) for g in groups)
+        return f"{label:<22s}{sep}{cells}"
+
+    group_w = sum(widths) + len(widths) - 1
+    lines += ["", " " * 22 + sep + sep.join(f"{k.upper()} ({ds[k]['label']})".center(group_w) for k in names),
+              row("per chunk (full)", [heads] * len(names))]
+    for key, label in CHUNK_ROWS:
+        by = [{s["key"]: s for s in ds[k]["chunk_stages"]}.get(key) for k in names]
+        if any(by):
+            lines.append(row(label, [_cells(s) for s in by]))
+    lines.append(row("chunk total", [_cells(dict(ds[k]["per_chunk"], bound="")) for k in names]))
+    lines.append(row("per call (once)", [[""] * 6] * len(names)))
+    for key, label in CALL_ROWS:
+        lines.append(row(label, [_cells({s["key"]: s for s in ds[k]["per_call_stages"]}[key])
+                                 for k in names]))
+
+    def versus(fmt, get):
+        return "  vs  ".join(f"{k} {fmt(get(ds[k]))}" for k in names)
+
+    lines += [
+        "",
+        "totals",
+        "  launches per chunk:        " + versus(str, lambda x: x["per_chunk"]["launches"]),
+        "  launches per call:         " + versus(str, lambda x: x["total"]["launches"]),
+        "  predicted ms per call:     " + versus("{:.2f}".format, lambda x: x["total"]["ms"]),
+        f"  predicted fraction of {dtype} matmul peak: "
+        + versus("{:.3f}".format, lambda x: x["fraction_of_matmul"]),
+        "  chunk buffers (MiB):       " + versus("{:.1f}".format, lambda x: x["chunk_buffer_mib"])
+        + "   (old R·M·(4+b), new R·M·b; MB = 1e6 bytes above)",
+        "",
+        "note: at N=M=32768, d=768, bfloat16 on H200 this fraction is the number the GPU run "
+        "(bench/gpu_check.sh) checks.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="fastcl: analytic cost model of GPU infonce "
+                                "forward+backward, old vs new design (" + MODEL_NOTE + ")")
+    p.add_argument("n", type=int, help="anchors N")
+    p.add_argument("--m", type=int, default=None, help="candidates M (default N)")
+    p.add_argument("--d", type=int, default=768, help="embedding width")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--device", default="h200", choices=sorted(DEVICES) + ["custom"])
+    p.add_argument("--peak-tflops", type=float, default=None, help="GEMM peak for the dtype")
+    p.add_argument("--bandwidth-tbs", type=float, default=None, help="memory bandwidth, TB/s")
+    p.add_argument("--launch-us", type=float, default=None, help="launch overhead, µs")
+    p.add_argument("--budget-mib", type=float, default=None, help="chunk memory budget, MiB")
+    p.add_argument("--design", default="both", choices=["both", "old", "new"])
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    a = p.parse_args(argv)
+    if a.device == "custom" and (a.peak_tflops is None or a.bandwidth_tbs is None):
+        p.error("--device custom needs --peak-tflops and --bandwidth-tbs")
+    kw = dict(m=a.m, d=a.d, dtype=a.dtype, device=a.device, memory_budget_mib=a.budget_mib,
+              design=a.design, peak_tflops=a.peak_tflops, bandwidth_tbs=a.bandwidth_tbs,
+              launch_us=a.launch_us)
+    if a.json:
+        print(json.dumps(explain(a.n, **kw), indent=1))
+    else:
+        print(explain_text(a.n, **kw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

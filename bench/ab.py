@@ -1,0 +1,282 @@
+#!/usr/bin/env python
+"""A/B: fastcl's current fast path against its earlier designs, in one process.
+
+    python bench/ab.py                     # GPU: infonce N=M=32768 and 16384, noise K=N=16384
+    python bench/ab.py --device cpu --n 256 --noise-n 128 --d 64     # a tiny CPU run
+
+fastcl reads ``FASTCL_LEGACY`` (a comma list of earlier behaviours, see
+``fastcl/_switches.py``) at every call, so one process measures, on the same inputs, the
+current design (``FASTCL_LEGACY=""``), each switch alone (one earlier behaviour back) and
+``all`` (the earlier design). Per case and variant: the median forward+backward time
+(``triton.testing.do_bench`` on GPU), the first call (autotuning and compilation), the peak
+memory beyond the inputs (GPU), useful TFLOP/s as a percentage of the ``torch.mm``
+throughput measured once per shape, what autotuning chose, and the result against the
+current design's: the loss (relative difference), or for the noise update the distance
+between the two noises over the largest distance the ascent can move them
+(steps · lr · √K).
+
+On CPU the backend is "tiled": ``epilogue`` and ``configs`` are Triton-only and change
+nothing there. A variant that fails (an unknown switch, an error in the driver) is a row
+saying so; the JSON is rewritten after every row, so a run cut short keeps what it measured.
+
+Outputs: a table, ``<stem>.json`` and ``<stem>.csv`` (default stem
+``bench/results/<device>-<date>-ab``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
+import _report
+from _cases import NOISE_STEPS, num_candidates
+from _measure import default_threads, matmul_limit
+from run import _sync, _build, device_slug, environment, measure_in_process
+
+HERE = Path(__file__).resolve().parent
+SWITCHES = ("dk", "chunks", "epilogue", "configs")   # as fastcl/_switches.py names them
+
+
+# --------------------------------------------------------------------------- switches
+
+def legacy_switches() -> dict:
+    """What this fastcl offers: the switch names it knows, and for each whether the code
+    outside ``_switches`` mentions it (a switch nobody reads makes a variant equal the new)."""
+    try:
+        from fastcl import _switches
+        known = list(getattr(_switches, "LEGACY", SWITCHES))
+    except ImportError:
+        return {"available": False, "known": [], "note": "this fastcl has no FASTCL_LEGACY "
+                "switches (fastcl._switches missing): every variant runs the same code"}
+    import fastcl
+    import fastcl.kernels
+    text = ""
+    for pkg in (fastcl, fastcl.kernels):
+        for f in sorted(Path(pkg.__file__).parent.glob("*.py")):
+            if f.name != "_switches.py":
+                text += f.read_text(errors="replace")
+    return {"available": True, "known": known,
+            "used_in_source": {s: f'"{s}"' in text or f"'{s}'" in text for s in known}}
+
+
+def set_legacy(variant: str) -> None:
+    os.environ["FASTCL_LEGACY"] = variant
+
+
+def chosen_configs():
+    """What autotuning picked so far in this process (fastcl's ``chosen_configs()``), or a
+    string saying why that is not available."""
+    try:
+        from fastcl.kernels import contrastive
+    except Exception as exc:  # no Triton, or a broken import: report it
+        return f"not available: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+    fn = getattr(contrastive, "chosen_configs", None)
+    if fn is None:
+        return "not available: fastcl.kernels.contrastive has no chosen_configs()"
+    try:
+        return json.loads(json.dumps(fn(), default=str))
+    except Exception as exc:
+        return f"error: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
+# --------------------------------------------------------------------------- one variant
+
+def noise_result(spec: dict, device: str):
+    """The noise the update returns for this spec (one more call, for the comparison)."""
+    case = _build(spec, device)
+    z = case.step().detach().float()
+    _sync(device)
+    return z
+
+
+def compare(row: dict, base: dict | None, z, z_base, spec: dict) -> None:
+    """Fill ``rel_diff`` and ``same`` of ``row`` against the current design's row."""
+    tol = 1e-2 if spec["dtype"] in ("bfloat16", "float16") else 1e-4
+    row["tolerance"] = tol
+    if spec["objective"] == "noise":
+        if z is None or z_base is None:
+            return
+        import fastcl
+        lr = inspect.signature(fastcl.dclr_noise).parameters["lr"].default
+        reach = NOISE_STEPS * lr * math.sqrt(z.shape[0])
+        row["rel_diff"] = float((z - z_base).norm()) / reach
+        row["compared"] = "‖z − z_new‖ / (steps·lr·√K)"
+    elif base is not None and row.get("loss") is not None and base.get("loss") is not None:
+        row["rel_diff"] = abs(row["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-12)
+        row["compared"] = "loss"
+    if "rel_diff" in row:
+        row["same"] = row["rel_diff"] < tol
+
+
+def measure_variant(spec, variant, device, args, mm) -> tuple[dict, object]:
+    set_legacy(variant)
+    row = {**spec, "variant": variant or "new", "fastcl_legacy": variant}
+    row.update(measure_in_process(spec, device, args.warmup_ms, args.rep_ms))
+    z = None
+    if row.get("ok"):
+        row["tflops"] = row["flops"] / row["median_s"] / 1e12
+        if mm.get("ok"):
+            row["matmul_tflops"] = mm["tflops"]
+            row["pct_of_matmul"] = 100.0 * row["tflops"] / mm["tflops"]
+        if spec["objective"] == "noise":
+            try:
+                z = noise_result(spec, device)
+            except Exception as exc:
+                row["compare_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    row["chosen_configs"] = chosen_configs()
+    return row, z
+
+
+# --------------------------------------------------------------------------- output
+
+HEAD = ("case", "variant", "ran", "median ms", "x new", "1st call s", "peak MiB", "TFLOP/s",
+        "% mm", "loss", "rel diff", "same")
+
+
+def table(rows) -> str:
+    new = {r["case"]: r for r in rows if r["variant"] == "new" and r.get("ok")}
+    body = []
+    for r in rows:
+        cells = [r["case"], r["variant"], r.get("backend") or ""]
+        if not r.get("ok"):
+            body.append((cells, ("SKIPPED: " if r.get("skipped") else "ERROR: ") + str(r.get("error"))))
+            continue
+        base = new.get(r["case"])
+        fmt = lambda v, f: "" if v is None else format(v, f)
+        cells += [f"{r['median_s'] * 1e3:.2f}",
+                  fmt(base and r["median_s"] / base["median_s"], ".3f"),
+                  fmt(r.get("first_call_s"), ".2f"), fmt(r.get("peak_beyond_inputs_mib"), ".1f"),
+                  fmt(r.get("tflops"), ".3g"), fmt(r.get("pct_of_matmul"), ".1f"),
+                  fmt(r.get("loss"), ".6g"), fmt(r.get("rel_diff"), ".2e"),
+                  {True: "yes", False: "NO"}.get(r.get("same"), "")]
+        body.append((cells, None))
+    return _report._render(HEAD, body, right=set(range(3, len(HEAD))))
+
+
+def status(row, base) -> str:
+    what = f"{row['case']} {row['variant']}"
+    if not row.get("ok"):
+        return f"{what}: {'skipped' if row.get('skipped') else 'ERROR'}: {row.get('error')}"
+    mem = row.get("peak_beyond_inputs_mib")
+    return (f"{what}: {row['median_s'] * 1e3:.2f} ms"
+            + (f" ({row['median_s'] / base['median_s']:.3f}x new)" if base and base is not row else "")
+            + (f", {mem:.1f} MiB" if mem is not None else "")
+            + (f", {row['pct_of_matmul']:.1f}% of mm" if row.get("pct_of_matmul") is not None else "")
+            + (f", rel diff {row['rel_diff']:.1e}" + ("" if row["same"] else " MISMATCH")
+               if row.get("rel_diff") is not None else ""))
+
+
+def write(report, stem: Path) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{stem}.json.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    tmp.replace(f"{stem}.json")
+    if report["rows"]:
+        _report.write_csv([{k: v for k, v in r.items() if k != "chosen_configs"}
+                           for r in report["rows"]], Path(f"{stem}.csv"))
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--n", default=None, help="comma list of infonce N=M (GPU default 32768,16384)")
+    p.add_argument("--noise-n", default=None, help="comma list of noise-update K=N (GPU default "
+                   "16384; '' for none)")
+    p.add_argument("--d", type=int, default=768)
+    p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--variants", default=",".join(("new",) + SWITCHES + ("all",)),
+                   help="comma list: new (FASTCL_LEGACY=''), a switch, or all")
+    p.add_argument("--warmup-ms", type=float, default=10, help="do_bench warm-up (GPU)")
+    p.add_argument("--rep-ms", type=float, default=50, help="do_bench measuring time (GPU)")
+    p.add_argument("--threads", type=int, default=default_threads(), help="torch threads on CPU")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: variants not started by then are rows saying so")
+    p.add_argument("--out-stem", default=None, help="output path without extension")
+    args = p.parse_args(argv)
+
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(args.threads)
+    gpu = device == "cuda"
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    ns = [int(x) for x in (args.n or ("32768,16384" if gpu else "256")).split(",") if x.strip()]
+    noise_ns = [int(x) for x in (args.noise_n if args.noise_n is not None
+                                 else "16384" if gpu else "128").split(",") if x.strip()]
+    cases = [("infonce", n) for n in ns] + [("noise", n) for n in noise_ns]
+    variants = ["" if v.strip() == "new" else v.strip() for v in args.variants.split(",") if v.strip()]
+    stem = Path(args.out_stem) if args.out_stem else (
+        HERE / "results" / f"{device_slug(device)}-{datetime.date.today().isoformat()}-ab")
+
+    saved = os.environ.get("FASTCL_LEGACY")
+    report = {"benchmark": "fastcl A/B: the current design against each FASTCL_LEGACY switch",
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": " ".join([sys.executable, *sys.argv]), "device": device,
+              "environment": environment(device, args.threads), "switches": legacy_switches(),
+              "settings": vars(args), "matmul": [], "rows": []}
+    print(f"fastcl A/B | {device} | {dtype} d={args.d} | cases "
+          + ", ".join(f"{o} N={n}" for o, n in cases) + " | variants "
+          + ", ".join(v or "new" for v in variants), flush=True)
+    if not report["switches"]["available"]:
+        print("NOTE: " + report["switches"]["note"], flush=True)
+    t0 = time.perf_counter()
+    try:
+        for objective, n in cases:
+            spec = {"kind": "case", "objective": objective, "impl": "fastcl", "n": n,
+                    "m": num_candidates(objective, n), "d": args.d, "dtype": dtype, "seed": 0}
+            name = f"{objective} N={n}"
+            try:
+                mm = {"ok": True, **matmul_limit(n, spec["m"], args.d, getattr(torch, dtype), device)}
+            except Exception as exc:
+                mm = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            report["matmul"].append(mm)
+            base, z_base = None, None
+            for variant in variants:
+                if args.time_budget is not None and time.perf_counter() - t0 > args.time_budget:
+                    row, z = {**spec, "variant": variant or "new", "ok": False, "skipped": True,
+                              "error": f"time budget of {args.time_budget:g} s spent"}, None
+                else:
+                    row, z = measure_variant(spec, variant, device, args, mm)
+                row["case"] = name
+                if variant == "":
+                    base, z_base = (row, z) if row.get("ok") else (None, None)
+                elif row.get("ok"):
+                    compare(row, base, z, z_base, spec)
+                report["rows"].append(row)
+                report["elapsed_s"] = time.perf_counter() - t0
+                write(report, stem)
+                print("  " + status(row, base), flush=True)
+                del z
+                gc.collect()
+                if gpu:
+                    torch.cuda.empty_cache()
+    finally:
+        if saved is None:
+            os.environ.pop("FASTCL_LEGACY", None)
+        else:
+            os.environ["FASTCL_LEGACY"] = saved
+    print("\n" + table(report["rows"]))
+    bad = [r for r in report["rows"] if r.get("same") is False]
+    print(f"\nx new = time over the new design's; rel diff = against the new design "
+          f"(loss; noise: ‖Δz‖/(steps·lr·√K)); {len(bad)} variant(s) disagree beyond tolerance")
+    print(f"{time.perf_counter() - t0:.0f} s; wrote {stem}.json, {stem}.csv")
+    return 1 if any(not r.get("ok") and not r.get("skipped") for r in report["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

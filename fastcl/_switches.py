@@ -1,0 +1,49 @@
+"""Switches that bring back an earlier design of the fast path, for side-by-side measurement.
+
+Every performance change to the chunk driver and the Triton engine sits behind one name
+here, so that one process can time the old and the new design on the same inputs
+(``bench/ab.py`` does, through ``bench/gpu_check.sh``). They are read at every call, not at
+import, and change speed and memory only: every design computes the same loss.
+
+``FASTCL_LEGACY`` is a comma list of:
+
+``dk``        ∂L/∂candidates accumulated through a fresh M×d product per chunk, then added
+              (new: one GEMM accumulating in place into the fp32 buffer);
+``chunks``    the first chunk sizing: one budget for all engines, counting the fp32 slice
+              plus the gradient in the GEMM dtype, rows a multiple of 16 (new: each engine
+              counts its own buffers, rows a multiple of the kernels' 128-row tile);
+``epilogue``  Triton only: fp32 cosines, the row log-sum-exp in PyTorch ops and a separate
+              gradient kernel (new: exp(l − tile max) stored in the GEMM dtype where the
+              objective allows, one row kernel for log-sum-exp, loss and gradient in place);
+``configs``   Triton only: the first autotune list (new: Hopper-sized tiles without spills);
+``all``       every one of them.
+
+``FASTCL_AUTOTUNE=0`` pins autotuning to the first config of each list (bounded compile
+time in tests); it changes speed only.
+"""
+
+from __future__ import annotations
+
+import os
+
+LEGACY = ("dk", "chunks", "epilogue", "configs")
+
+
+def legacy(name: str) -> bool:
+    """Whether ``FASTCL_LEGACY`` asks for the earlier design of ``name`` (one of ``LEGACY``)."""
+    if name not in LEGACY:
+        raise ValueError(f"unknown legacy switch {name!r}; known: {', '.join(LEGACY)}")
+    raw = os.environ.get("FASTCL_LEGACY", "")
+    if not raw:
+        return False
+    chosen = {part.strip() for part in raw.split(",") if part.strip()}
+    unknown = chosen - set(LEGACY) - {"all"}
+    if unknown:
+        raise ValueError(f"FASTCL_LEGACY names unknown switches {sorted(unknown)}; "
+                         f"known: {', '.join(LEGACY)}, all")
+    return "all" in chosen or name in chosen
+
+
+def autotune_pinned() -> bool:
+    """``FASTCL_AUTOTUNE=0``: use each kernel's first config instead of autotuning."""
+    return os.environ.get("FASTCL_AUTOTUNE", "1") == "0"

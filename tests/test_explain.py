@@ -1,0 +1,72 @@
+"""The analytic cost model of bench/_explain.py: consistency of its numbers (CPU, fast)."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import _explain  # noqa: E402
+
+N, D = 32768, 768
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return _explain.explain(N, d=D, dtype="bfloat16", device="h200")
+
+
+def test_new_design_beats_old_at_32768(h200):
+    old, new = h200["designs"]["old"], h200["designs"]["new"]
+    assert new["per_chunk"]["launches"] < old["per_chunk"]["launches"]
+    assert new["rows"] > old["rows"]
+    assert new["fraction_of_matmul"] > old["fraction_of_matmul"]
+    assert 0 < new["fraction_of_matmul"] <= 1.0
+    assert new["total"]["ms"] < old["total"]["ms"]
+
+
+def test_rows_new_is_a_multiple_of_the_tile(h200):
+    assert h200["designs"]["new"]["rows"] % 128 == 0
+    assert h200["designs"]["new"]["rows"] == 2048          # 128 MiB / (32768 · 2 B)
+    assert h200["designs"]["old"]["rows"] == 672           # 128 MiB / (32768 · 6 B), step 16
+    assert _explain.explain(100, design="new")["designs"]["new"]["rows"] == 100
+
+
+def test_useful_flops_and_stage_flops_sum(h200):
+    assert h200["useful_flops"] == 6 * N * N * D
+    for x in h200["designs"].values():
+        assert x["total"]["flops"] == 6 * N * N * D
+    # also with a short last chunk and M ≠ N
+    e = _explain.explain(5000, m=7000, d=384, dtype="float16", device="h100")
+    for x in e["designs"].values():
+        assert x["chunks"] > 1 or x["last_rows"] == 5000
+        assert x["total"]["flops"] == 6 * 5000 * 7000 * 384
+
+
+def test_fp32_uses_fp32_peak():
+    e = _explain.explain(4096, dtype="float32", device="h200")
+    assert e["device"]["peak_tflops"] == _explain.DEVICES["h200"]["fp32"]
+    assert e["bytes_per_element"] == 4
+    assert _explain.explain(4096, device="a100", dtype="float32")["device"]["peak_tflops"] == 19.5
+
+
+def test_design_option_and_json():
+    assert list(_explain.explain(4096, design="old")["designs"]) == ["old"]
+    assert list(_explain.explain(4096, design="new")["designs"]) == ["new"]
+    json.dumps(_explain.explain(4096))
+    with pytest.raises(ValueError):
+        _explain.explain(4096, device="custom")
+    c = _explain.explain(4096, device="custom", peak_tflops=100, bandwidth_tbs=1)
+    assert c["device"]["peak_tflops"] == 100 and c["device"]["bandwidth_tbs"] == 1
+
+
+def test_text_says_it_is_a_model():
+    t = _explain.explain_text(N, d=D, device="h200")
+    assert "MODEL" in t and "predicted from peak rates" in t and "bench/gpu_check.sh" in t
+    assert "—" in t                                        # stages absent in one design
+
+
+def test_main(capsys):
+    assert _explain.main(["4096", "--device", "a100"]) == 0
+    out = capsys.readouterr().out
+    assert "A100" in out and "predicted ms per call" in out
