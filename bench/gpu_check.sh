@@ -154,11 +154,11 @@ T=$(limit 125)
 stage targets "$T" 30 "$PY" bench/run.py --targets "${FAST[@]}" --time-budget $((T - 15)) \
     --out-stem "$STEM-targets" ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
 
-T=$(limit 50)
+T=$(limit 45)
 stage ab "$T" 24 "$PY" bench/ab.py --time-budget $((T - 15)) --out-stem "$STEM-ab" \
     ${AB_ARGS[@]+"${AB_ARGS[@]}"}
 
-T=$(limit 25)
+T=$(limit 30)
 stage profile "$T" 30 "$PY" bench/profile_step.py --out-stem "$STEM-profile" \
     ${PROFILE_ARGS[@]+"${PROFILE_ARGS[@]}"}
 
