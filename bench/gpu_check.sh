@@ -154,7 +154,7 @@ T=$(limit 125)
 stage targets "$T" 30 "$PY" bench/run.py --targets "${FAST[@]}" --time-budget $((T - 15)) \
     --out-stem "$STEM-targets" ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
 
-T=$(limit 45)
+T=$(limit 55)
 stage ab "$T" 24 "$PY" bench/ab.py --time-budget $((T - 15)) --out-stem "$STEM-ab" \
     ${AB_ARGS[@]+"${AB_ARGS[@]}"}
 
@@ -168,7 +168,7 @@ PYTEST=(env FASTCL_AUTOTUNE=0 "$PY" -m pytest tests/test_triton.py -v --tb=short
         -p _checkout -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"})
 T=$(limit 45)
 stage tests-gpu "$T" 15 "${PYTEST[@]}" -k "gpu"
-T=$(limit 30)
+T=$(limit 40)
 stage tests-small "$T" 15 "${PYTEST[@]}" -k "$SMALL_TESTS"
 
 T=$(limit 240)

@@ -9,7 +9,7 @@ For each design — the current one (``FASTCL_LEGACY=""``) and the earlier one
 out of the profile), then one profiled call:
 
 * time per kernel family: ``similarity`` (``_similarity_kernel``), ``row``
-  (``_row_kernel``), ``gradient`` (``_gradient_kernel``), ``gemm`` (cuBLAS), ``torch ops``
+  (``_row_kernel``), ``gradient`` (``_gradient_kernel``), ``tangent`` (``_tangent_kernel``), ``gemm`` (cuBLAS), ``torch ops``
   (PyTorch's own elementwise, reduction, copy and fill kernels) and ``other``; on CPU the
   self time of each operator call (GEMMs: ``aten::mm`` and its kin; a launch is a call);
 * GPU busy time (the union of the kernels' intervals) against the wall time of the call
@@ -48,6 +48,7 @@ FAMILIES = [  # first match wins
     ("similarity", r"_similarity_kernel"),
     ("row", r"_row_kernel"),
     ("gradient", r"_gradient_kernel"),
+    ("tangent", r"_tangent_kernel"),
     ("gemm", r"gemm|xmma|cutlass|nvjet|sm90_|sm80_|Kernel2|cublas|splitK"
              r"|^aten::(mm|addmm_?|bmm|baddbmm|matmul|linear)$"),
     ("torch ops", r"at::|aten::|elementwise|reduce|Memset|Memcpy|memset|memcpy"),

@@ -15,7 +15,10 @@ import, and change speed and memory only: every design computes the same loss.
 ``epilogue``  Triton only: fp32 cosines, the row log-sum-exp in PyTorch ops and a separate
               gradient kernel (new: exp(l − tile max) stored in the GEMM dtype where the
               objective allows, one row kernel for log-sum-exp, loss and gradient in place);
-``configs``   Triton only: the first autotune list (new: Hopper-sized tiles without spills);
+``configs``   Triton only: the first autotune list (new: tiles that compile without spills);
+``tangent``   the chain rule through the L2 normalization in PyTorch ops (~10 launches a
+              chunk; new, where the engine has one: one Triton launch that also writes the
+              normalized anchors for the second GEMM);
 ``all``       every one of them.
 
 ``FASTCL_AUTOTUNE=0`` pins autotuning to the first config of each list (bounded compile
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import os
 
-LEGACY = ("dk", "chunks", "epilogue", "configs")
+LEGACY = ("dk", "chunks", "epilogue", "configs", "tangent")
 
 
 def legacy(name: str) -> bool:

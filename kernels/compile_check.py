@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 #: Triton's names for the dtypes fastcl's kernels take.
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHS = (80, 90)
-FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale"}
+FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps"}
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Spec:
     num_warps: int = 4
     num_stages: int = 3
     gemm_ptrs: tuple = ()         # pointer arguments in the GEMM dtype; the others are fp32
+    out_ptrs: tuple = ()          # pointer arguments in the gradient's dtype (fp32 for fp16)
     legacy: bool = False          # a config kept only for timing the first design
 
     @property
@@ -103,25 +104,25 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
     specs = []
     for arch, dtype in pairs:
         prec = "ieee" if dtype == "float32" else "tf32"
+        again = rest and (arch, dtype) in SUBSET     # already in the subset
         for variant, f in kc.VARIANTS.items():
             exp = kc.stores_exp(f)
-            # the similarity kernel: the mode the new design uses, and fp32 cosines for the
-            # first design's epilogue (FASTCL_LEGACY=epilogue)
-            modes = sorted({exp, False}, reverse=True)
-            again = rest and (arch, dtype) in SUBSET     # already in the subset
+            # the similarity kernel: the mode the new design uses, and fp32 cosines with the
+            # positives written for the first design's epilogue (FASTCL_LEGACY=epilogue)
+            modes = [(exp, False), (False, True)]
             lists = (([] if again else [(kc.sim_configs(f, dtype), False)])
                      # the first design's list is timed on Hopper in bf16 only (bench/ab.py)
                      + ([(kc.LEGACY_SIM_CONFIGS, True)] if full and (arch, dtype) == (90, "bfloat16")
                         else []))
-            for store_exp in modes:
+            for store_exp, write_pos in modes:
                 for configs, old in lists:
                     for br, bd, warps, stages in configs:
                         specs.append(Spec(
                             "_similarity_kernel", variant, dtype, arch,
-                            dict(f, STORE_EXP=store_exp, PREC=prec, BLOCK_R=br,
-                                 BLOCK_M=kc.SIM_BLOCK_M, BLOCK_D=bd),
+                            dict(f, STORE_EXP=store_exp, WRITE_POS=write_pos, PREC=prec,
+                                 BLOCK_R=br, BLOCK_M=kc.SIM_BLOCK_M, BLOCK_D=bd),
                             warps, stages, ("q_ptr", "k_ptr", "cq_ptr", "ck_ptr")
-                            + (("t_ptr",) if store_exp else ()), old))
+                            + (("t_ptr",) if store_exp else ()), legacy=old))
             if again:
                 continue
             row = {k: v for k, v in kc.ROW_BLOCK.items() if k != "num_warps"}
@@ -129,10 +130,21 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
                 specs.append(Spec(
                     "_row_kernel", variant, dtype, arch,
                     dict(f, STORE_EXP=exp, WANT_GRAD=want_grad, TILE_M=kc.SIM_BLOCK_M, **row),
-                    kc.ROW_BLOCK.get("num_warps", 4), 3, ("g_ptr",) + (("t_ptr",) if exp else ())))
+                    kc.ROW_BLOCK.get("num_warps", 4), 3,
+                    ("g_ptr", "q_ptr", "k_ptr") + (("t_ptr",) if exp else ())))
             for stage in ((0, 1) if f["RELEASED"] else (1,)):
                 specs.append(Spec("_gradient_kernel", variant, dtype, arch,
-                                  dict(f, STAGE=stage, **kc.GRAD_BLOCK), 4, 3, ("g_ptr",), True))
+                                  dict(f, STAGE=stage, **kc.GRAD_BLOCK), 4, 3, ("g_ptr",),
+                                  legacy=True))
+        if not again:
+            # the chain rule through the normalization, at the widths of common encoders
+            for width in (384, 768, 1536, 4096):
+                block = 1 << (width - 1).bit_length()
+                for x_hat in (True, False):
+                    specs.append(Spec("_tangent_kernel", f"d={width}", dtype, arch,
+                                      dict(WRITE_X_HAT=x_hat, BLOCK_D=block),
+                                      4 if width <= 1024 else 8, 3, ("x_ptr", "x_hat_ptr"),
+                                      out_ptrs=("out_ptr",)))
     return specs
 
 
@@ -142,7 +154,9 @@ def _signature(fn, spec: Spec) -> dict:
         if i in fn.constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*" + (DTYPES[spec.dtype] if name in spec.gemm_ptrs else "fp32")
+            out_dtype = "fp32" if spec.dtype == "float16" else DTYPES[spec.dtype]
+            sig[name] = "*" + (DTYPES[spec.dtype] if name in spec.gemm_ptrs else
+                               out_dtype if name in spec.out_ptrs else "fp32")
         elif name in FLOAT_ARGS:
             sig[name] = "fp32"
         else:

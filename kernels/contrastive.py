@@ -121,8 +121,8 @@ def _similarity_kernel(
     stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
     inv_t, focal_m, hard_w, phi,
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, WRITE_POS: tl.constexpr,
+    PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(1)
     rows, cols, row_ok, col_ok = _tile(R, M, BLOCK_R, BLOCK_M)
@@ -167,8 +167,9 @@ def _similarity_kernel(
         tl.store(t_ptrs, s, mask=ok)
     tl.store(part_max_ptr + rows * stride_part + pid_m, tile_max, mask=row_ok)
     tl.store(part_sum_ptr + rows * stride_part + pid_m, tl.sum(e, axis=1), mask=row_ok)
-    if POSITIVES:
-        # the tile holding column i writes anchor i's positive logit
+    if POSITIVES and WRITE_POS:
+        # the tile holding column i writes anchor i's positive logit (the first design; the
+        # row kernel forms it from one row dot instead, sparing every tile a reduction)
         pos_here = row_ok & (rows_g >= pid_m * BLOCK_M) & (rows_g < pid_m * BLOCK_M + BLOCK_M) \
             & (rows_g < M)
         pos_logit = tl.sum(tl.where(is_pos, l, 0.0), axis=1)
@@ -229,19 +230,39 @@ def _row_probs(t_ptr, part_max_ptr, row, row64, cols, ok, lse, first_pos, n_pos,
 
 
 @triton.jit
+def _positive_logit(q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, row, first_pos, D, stride_q, stride_k,
+                    inv_t, FOCAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Anchor ``row``'s positive logit from one row dot (fp32 accumulation, like the tiles):
+    s/τ, or s²/τ for focal. The positive is never masked nor hard-weighted."""
+    col = first_pos + row
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        a = tl.load(q_ptr + row.to(tl.int64) * stride_q + dd, mask=dd < D, other=0.0)
+        b = tl.load(k_ptr + col.to(tl.int64) * stride_k + dd, mask=dd < D, other=0.0)
+        acc += a.to(tl.float32) * b.to(tl.float32)
+    s = tl.sum(acc, axis=0) * tl.load(inv_q_ptr + row) * tl.load(inv_k_ptr + col)
+    if FOCAL:
+        s = s * s
+    return s * inv_t
+
+
+@triton.jit
 def _row_kernel(
-    t_ptr, g_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, loss_ptr,
-    M, T, first_pos, n_pos, stride_t, stride_g, stride_part,
+    t_ptr, g_ptr, part_max_ptr, part_sum_ptr, ginv_k_ptr, loss_ptr,
+    q_ptr, k_ptr, inv_q_ptr, inv_k_ptr,
+    M, T, D, first_pos, n_pos, stride_t, stride_g, stride_part, stride_q, stride_k,
     inv_t, focal_m, hard_w,
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
     POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, WANT_GRAD: tl.constexpr,
-    TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     lse = _row_lse(part_max_ptr, part_sum_ptr, row, T, stride_part, BLOCK_T)
     if POSITIVES:
-        pos = tl.load(pos_ptr + row)
+        pos = _positive_logit(q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, row, first_pos, D, stride_q,
+                              stride_k, inv_t, FOCAL, BLOCK_D)
     else:
         pos = 0.0
 
@@ -358,6 +379,43 @@ def _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, 
     tl.store(_tile_ptrs(g_ptr, stride_g, BLOCK_R, BLOCK_M), g.to(g_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _tangent_kernel(u_ptr, x_ptr, inv_x_ptr, scale_ptr, out_ptr, x_hat_ptr,
+                    D, stride_u, stride_x, stride_out, stride_x_hat, scale_stride, inv_eps,
+                    WRITE_X_HAT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row of the chain rule through x̂ = x/‖x‖: ``out = w·(u − x̂(x̂·u))`` with the row
+    weight w = scale[row·scale_stride] (a stride of 0 for one scalar), no projection where
+    the norm was clamped; optionally x̂ itself in the GEMM dtype (the second GEMM's operand).
+    One launch in place of the ~10 elementwise passes it takes in PyTorch ops."""
+    row = tl.program_id(0).to(tl.int64)
+    dd = tl.arange(0, BLOCK_D)
+    ok = dd < D
+    u = tl.load(u_ptr + row * stride_u + dd, mask=ok, other=0.0).to(tl.float32)
+    inv_x = tl.load(inv_x_ptr + row)
+    x_hat = tl.load(x_ptr + row * stride_x + dd, mask=ok, other=0.0).to(tl.float32) * inv_x
+    coef = tl.where(inv_x >= inv_eps, 0.0, tl.sum(x_hat * u, axis=0))
+    w = tl.load(scale_ptr + row * scale_stride)
+    tl.store(out_ptr + row * stride_out + dd, ((u - x_hat * coef) * w).to(out_ptr.dtype.element_ty),
+             mask=ok)
+    if WRITE_X_HAT:
+        tl.store(x_hat_ptr + row * stride_x_hat + dd, x_hat.to(x_hat_ptr.dtype.element_ty), mask=ok)
+
+
+def triton_tangent(u, x, inv_x, scale, out, x_hat=None, eps=1e-8):
+    """``out = scale ⊙ (u − x̂(x̂·u))`` row by row (:func:`fastcl.tiled._tangent_` in one
+    launch); ``scale`` has one entry per row or one for all; writes x̂ into ``x_hat`` if given."""
+    rows, d = u.shape
+    if rows == 0:
+        return out
+    _tangent_kernel[(rows,)](
+        u, x, inv_x, scale, out, x_hat if x_hat is not None else out,
+        d, u.stride(0), x.stride(0), out.stride(0),
+        (x_hat if x_hat is not None else out).stride(0), 0 if scale.numel() == 1 else 1,
+        1.0 / eps, WRITE_X_HAT=x_hat is not None, BLOCK_D=triton.next_power_of_2(d),
+        **({} if INTERPRET else {"num_warps": 4 if d <= 1024 else 8}))
+    return out
+
+
 # --------------------------------------------------------------------------- variants
 #: Offsets inside one tile of a row-major R×M buffer are int32: a 256-row tile of M columns.
 MAX_CANDIDATES = 2**31 // 256
@@ -382,8 +440,8 @@ LEGACY_SIM_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (256, 64
 SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
 GRAD_BLOCK = ({"BLOCK_R": 16, "BLOCK_M": 16} if INTERPRET  # the legacy elementwise tiles
               else {"BLOCK_R": 32, "BLOCK_M": 128})
-ROW_BLOCK = ({"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET
-             else {"BLOCK_N": 2048, "BLOCK_T": 256, "num_warps": 8})
+ROW_BLOCK = ({"BLOCK_N": 32, "BLOCK_T": 4, "BLOCK_D": 16} if INTERPRET
+             else {"BLOCK_N": 2048, "BLOCK_T": 256, "BLOCK_D": 256, "num_warps": 8})
 
 #: Every flag set an objective launches, by name (the compile test builds each one).
 VARIANTS = {
@@ -456,7 +514,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 # --------------------------------------------------------------------------- engine
-def _launch_similarity(ep, c, f, store_exp):
+def _launch_similarity(ep, c, f, store_exp, write_pos=False):
     """The similarity kernel over the chunk: the stored buffer, the partials, the positives."""
     R, d = c.q.shape
     M = c.keys.shape[0]
@@ -473,7 +531,7 @@ def _launch_similarity(ep, c, f, store_exp):
     tiles = triton.cdiv(M, SIM_BLOCK_M)
     part_max = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
-    pos = torch.zeros(R, dtype=torch.float32, device=dev)
+    pos = torch.zeros(R, dtype=torch.float32, device=dev) if write_pos else part_max
     grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
     extra = SIM_FIXED if INTERPRET else {}
     _similarity(f, c.q.dtype)[grid](
@@ -482,36 +540,38 @@ def _launch_similarity(ep, c, f, store_exp):
         c.q.stride(0), c.keys.stride(0), cq.stride(0), ck.stride(0), t.stride(0), tiles,
         1.0 / ep.temperature, float(ep.focal_m or 0.0), float(ep.hard_negative_weight),
         float(ep.phi or 0.0),
-        PREC=_precision(c.q.dtype), STORE_EXP=store_exp, BLOCK_M=SIM_BLOCK_M, **f, **extra)
+        PREC=_precision(c.q.dtype), STORE_EXP=store_exp, WRITE_POS=write_pos, BLOCK_M=SIM_BLOCK_M,
+        **f, **extra)
     return t, part_max, part_sum, pos
 
 
 def triton_chunk(ep, c, want_grad):
     """The Triton engine for :func:`fastcl.tiled.contrastive_forward` (same contract as
-    :func:`fastcl.tiled.torch_chunk`): ``(Σ_rows loss, H, True)`` with H in the GEMM dtype."""
+    :func:`fastcl.tiled.torch_chunk`): row losses into ``c.loss_out``; returns ``(H, True)``
+    with H in the GEMM dtype (``None`` without ``want_grad``)."""
     if legacy("epilogue"):
         return _legacy_chunk(ep, c, want_grad)
     f = flags(ep)
     store_exp = stores_exp(f)
-    t, part_max, part_sum, pos = _launch_similarity(ep, c, f, store_exp)
+    t, part_max, part_sum, _ = _launch_similarity(ep, c, f, store_exp)
     R, M = t.shape
     # exp mode: the gradient overwrites the stored row in place; else a GEMM-dtype buffer
     g = t if store_exp else (torch.empty(R, M, dtype=c.q.dtype, device=t.device)
                              if want_grad else t)
-    row_loss = torch.empty(R, dtype=torch.float32, device=t.device)
     _row_kernel[(R,)](
-        t, g, part_max, part_sum, pos, c.ginv_k.float(), row_loss,
-        M, part_max.shape[1], c.first_pos, c.n_pos, t.stride(0), g.stride(0), part_max.stride(0),
+        t, g, part_max, part_sum, c.ginv_k, c.loss_out, c.q, c.keys, c.inv_q, c.inv_k,
+        M, part_max.shape[1], c.q.shape[1], c.first_pos, c.n_pos, t.stride(0), g.stride(0),
+        part_max.stride(0), c.q.stride(0), c.keys.stride(0),
         1.0 / ep.temperature, float(ep.focal_m or 0.0), float(ep.hard_negative_weight),
         STORE_EXP=store_exp, WANT_GRAD=want_grad, TILE_M=SIM_BLOCK_M, **f, **ROW_BLOCK)
-    return row_loss.sum(dtype=torch.float64), (g if want_grad else None), True
+    return (g if want_grad else None), True
 
 
 def _legacy_chunk(ep, c, want_grad):
     """The first design: fp32 cosines, the row log-sum-exp in PyTorch ops, G′ with the row
-    factors from a separate gradient kernel. Returns ``(Σ_rows loss, G′, False)``."""
+    factors from a separate gradient kernel. Returns ``(G′, False)``."""
     f = flags(ep)
-    s, part_max, part_sum, pos = _launch_similarity(ep, c, f, False)
+    s, part_max, part_sum, pos = _launch_similarity(ep, c, f, False, write_pos=True)
     R, M = s.shape
     dev = s.device
     released = f["RELEASED"]
@@ -537,14 +597,14 @@ def _legacy_chunk(ep, c, want_grad):
         row_loss = -part_log.sum(dim=1) - (pos - lse).clamp_min(-100.0)
     else:
         row_loss = lse - pos if ep.positives else lse
-    loss_sum = row_loss.sum(dtype=torch.float64)
+    c.loss_out.copy_(row_loss)
     if not want_grad:
-        return loss_sum, None, False
+        return None, False
     g = torch.empty(R, M, dtype=c.q.dtype, device=dev)
     _gradient_kernel[ggrid](s, lse, c.inv_q, c.inv_k, vsum, g, lse, lse,
                             *common, g.stride(0), 0, inv_t, focal_m,
                             float(ep.hard_negative_weight), scale, STAGE=1, **f, **gb)
-    return loss_sum, g, False
+    return g, False
 
 
 def _row_bytes(ep, dtype: torch.dtype, m: int, n_pos: int) -> int:
@@ -562,3 +622,5 @@ triton_chunk.row_bytes = _row_bytes
 triton_chunk.row_multiple = 16 if INTERPRET else 128
 #: The first chunk sizing's bytes per R×M entry (FASTCL_LEGACY=chunks).
 triton_chunk.legacy_entry_bytes = lambda dtype: 4 + torch.finfo(dtype).bits // 8
+#: The chain rule through the normalization, one launch a block of rows.
+triton_chunk.tangent = triton_tangent

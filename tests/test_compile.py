@@ -69,6 +69,8 @@ def test_every_variant_and_kernel_is_covered(subset):
         for variant in VARIANTS:
             assert (kernel, variant, "bfloat16", 90) in seen
             assert (kernel, variant, "float32", 80) in seen
+    for width in (384, 768, 1536, 4096):
+        assert ("_tangent_kernel", f"d={width}", "bfloat16", 90) in seen
 
 
 def test_resources_are_read(subset):
@@ -89,6 +91,8 @@ def test_large_buffers_are_addressed_in_int64(subset):
         elif kernel == "_row_kernel":          # without a gradient only the BCE reads the row
             need = ({"t_ptr", "g_ptr"} if c["WANT_GRAD"] else
                     {"t_ptr"} if c["RELEASED"] else set())
+        elif kernel == "_tangent_kernel":
+            need = {"u_ptr", "x_ptr", "out_ptr"} | ({"x_hat_ptr"} if c["WRITE_X_HAT"] else set())
         else:                                  # its stage 0 only reduces the BCE's sums
             need = {"s_ptr"} | ({"g_ptr"} if c["STAGE"] == 1 else set())
         assert need <= set(r["wide_pointers"]), (r["name"], r["wide_pointers"])
