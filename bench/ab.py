@@ -43,7 +43,10 @@ from _measure import default_threads, matmul_limit
 from run import _sync, _build, device_slug, environment, measure_in_process
 
 HERE = Path(__file__).resolve().parent
-SWITCHES = ("dk", "chunks", "epilogue", "configs")   # as fastcl/_switches.py names them
+try:                    # the switches this fastcl offers, else the first four it had
+    from fastcl._switches import LEGACY as SWITCHES
+except ImportError:
+    SWITCHES = ("dk", "chunks", "epilogue", "configs")
 
 
 # --------------------------------------------------------------------------- switches
