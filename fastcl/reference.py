@@ -32,8 +32,11 @@ def cosine_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def row_cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``cos(x_i, y_i)`` for each row, with each norm clamped at EPS. Autograd keeps only
-    x, y and per-row scalars (no normalized N×d copies, unlike F.cosine_similarity)."""
+    """``cos(x_i, y_i)`` for each row, with each norm clamped at EPS, in float32 or wider
+    (16-bit norms and dots lose small differences, and overflow in fp16 at norms ≈ 256).
+    Autograd keeps only x, y and per-row scalars (no normalized N×d copies, unlike
+    F.cosine_similarity)."""
+    x, y = wide(x), wide(y)
     norms = (torch.linalg.vector_norm(x, dim=-1).clamp_min(EPS)
              * torch.linalg.vector_norm(y, dim=-1).clamp_min(EPS))
     return wide(torch.einsum("nd,nd->n", x, y) / norms)

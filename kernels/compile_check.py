@@ -107,20 +107,20 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
         again = rest and (arch, dtype) in SUBSET     # already in the subset
         for variant, f in kc.VARIANTS.items():
             exp = kc.stores_exp(f)
-            # the similarity kernel: the mode the new design uses, and fp32 cosines with the
-            # positives written for the first design's epilogue (FASTCL_LEGACY=epilogue)
-            modes = [(exp, False), (False, True)]
+            # the similarity kernel: the mode the new design uses, and fp32 cosines for the
+            # first design's epilogue (FASTCL_LEGACY=epilogue)
+            modes = sorted({exp, False}, reverse=True)
             lists = (([] if again else [(kc.sim_configs(f, dtype), False)])
                      # the first design's list is timed on Hopper in bf16 only (bench/ab.py)
                      + ([(kc.LEGACY_SIM_CONFIGS, True)] if full and (arch, dtype) == (90, "bfloat16")
                         else []))
-            for store_exp, write_pos in modes:
+            for store_exp in modes:
                 for configs, old in lists:
                     for br, bd, warps, stages in configs:
                         specs.append(Spec(
                             "_similarity_kernel", variant, dtype, arch,
-                            dict(f, STORE_EXP=store_exp, WRITE_POS=write_pos, PREC=prec,
-                                 BLOCK_R=br, BLOCK_M=kc.SIM_BLOCK_M, BLOCK_D=bd),
+                            dict(f, STORE_EXP=store_exp, PREC=prec, BLOCK_R=br,
+                                 BLOCK_M=kc.SIM_BLOCK_M, BLOCK_D=bd),
                             warps, stages, ("q_ptr", "k_ptr", "cq_ptr", "ck_ptr")
                             + (("t_ptr",) if store_exp else ()), legacy=old))
             if again:
@@ -131,7 +131,7 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
                     "_row_kernel", variant, dtype, arch,
                     dict(f, STORE_EXP=exp, WANT_GRAD=want_grad, TILE_M=kc.SIM_BLOCK_M, **row),
                     kc.ROW_BLOCK.get("num_warps", 4), 3,
-                    ("g_ptr", "q_ptr", "k_ptr") + (("t_ptr",) if exp else ())))
+                    ("g_ptr",) + (("t_ptr",) if exp else ())))
             for stage in ((0, 1) if f["RELEASED"] else (1,)):
                 specs.append(Spec("_gradient_kernel", variant, dtype, arch,
                                   dict(f, STAGE=stage, **kc.GRAD_BLOCK), 4, 3, ("g_ptr",),
