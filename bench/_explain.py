@@ -21,10 +21,10 @@ stages run at efficiency 1.0 of the preset peak (which is already a practical, m
 ceiling); elementwise FLOPs are not counted, they are far below the memory time. A call =
 (C − 1) full chunks + the last chunk (its remaining rows) + the per-call stages.
 
-Chunk rows (budget 128 MiB on CUDA unless ``memory_budget_mib`` says otherwise):
-  old  R = floor(budget / (M·(4+b)) / 16)·16      (fp32 s plus G′ in the GEMM dtype per entry)
-  new  R = floor(budget / (M·b) / 128)·128        (one R×M buffer in the GEMM dtype; at least
-                                                   128 rows unless N < 128)
+Chunk rows (the CUDA budgets of fastcl.tiled unless ``memory_budget_mib`` says otherwise):
+  old  R = floor(128 MiB / (M·(4+b)) / 16)·16      (fp32 s plus G′ in the GEMM dtype per entry)
+  new  R = floor(min(256 MiB / (M·b), 4096) / 128)·128   (one R×M buffer in the GEMM dtype,
+                                                   at most 4096 rows; at least 128 unless N < 128)
 Both are capped at N.
 
 Old design, per chunk:
@@ -41,14 +41,16 @@ New design, per chunk:
                           R·M·b, partials R·T·8
   row kernel              1 launch (one program per row); reads partials R·T·8 and e R·M·b;
                           writes the gradient H in place R·M·b and the row loss R·4
-  small torch ops         3 launches: w = inv‖q‖/N, w⊙Q chunk (R·d·b read + write), loss sum
   GEMM H K → fp32         1 launch, 2RMd; reads R·M·b + M·d·b; writes R·d·4
-  tangent on dq           5 launches (with the row weights); reads/writes ≈ 4·R·d·4 each
-  GEMM dk += Hᵀ(w⊙Q)      1 launch (addmm, beta=1, in place, fp32 accumulator), 2RMd;
+  tangent kernel          1 launch: dq = w⊙(u − q̂(q̂·u)) and q̂; reads R·d·4 + R·d·b;
+                          writes 2·R·d·b
+  GEMM dk += Hᵀq̂          1 launch (addmm, beta=1, in place, fp32 accumulator), 2RMd;
                           reads R·M·b + R·d·b + M·d·4; writes M·d·4
-Per call, both designs: norms of Q and K (2 launches, read N·d·b + M·d·b), dk zero (write
-M·d·4), final tangent on dk (5 launches, ≈ 4·M·d·4 read and written), cast of dk to the
-input dtype (read M·d·4, write M·d·b), input NaN check (2 launches, read N·d·b + M·d·b).
+Per call, old: norms of Q and K (2 launches, read N·d·b + M·d·b), dk zero (write M·d·4),
+final tangent on dk (5 launches, ≈ 4·M·d·4 read and written), cast of dk to the input dtype
+(read M·d·4, write M·d·b), input NaN check (2 launches, read N·d·b + M·d·b). New: the same,
+but the tangent on dk is one launch that writes the input dtype (read M·d·(4+b), write
+M·d·b; no cast), and 3 launches of row weights and scales.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ import sys
 
 BLOCK_M = 128                      # column tile of the Triton kernels
 MIB = 1 << 20
-DEFAULT_BUDGET_MIB = 128           # CUDA memory budget of the chunk buffers
+MAX_ROWS_NEW = 4096                # fastcl.tiled.MAX_CHUNK_ROWS["cuda"]
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 # Practical ceilings, not datasheet peaks (TFLOP/s, TB/s). fp32 is the non-tensor-core rate:
@@ -102,8 +104,9 @@ def rows_old(n, m, b, budget):
 
 
 def rows_new(n, m, b, budget):
-    """v2: the budget pays for one R×M buffer in the GEMM dtype; rows in 128-row tiles."""
-    r = budget // (m * b) // BLOCK_M * BLOCK_M
+    """v2: the budget pays for one R×M buffer in the GEMM dtype, at most 4096 rows; rows in
+    128-row tiles."""
+    r = min(budget // (m * b), MAX_ROWS_NEW) // BLOCK_M * BLOCK_M
     return min(max(r, BLOCK_M), n)
 
 
@@ -134,22 +137,31 @@ def chunk_new(r, m, d, b):
         _stage("sim", "similarity kernel → e", 1, g, r * d * b + m * d * b, r * m * b + r * t * 8),
         # LSE, gradient (in place over e) and row loss fused in one kernel
         _stage("grad", "row kernel (LSE+grad+loss)", 1, 0, r * t * 8 + r * m * b, r * m * b + r * 4),
-        _stage("prep", "w, w⊙Q, loss sum", 3, 0, r * 4 + (r * d * b + r * 4) + r * 4,
-               r * 4 + r * d * b + 4),
         _stage("gemm_dq", "GEMM HK → fp32", 1, g, r * m * b + m * d * b, r * d * 4),
-        _stage("tan_dq", "tangent on dq (weighted)", 5, 0, 4 * r * d * 4, 4 * r * d * 4),
+        _stage("tan_dq", "tangent kernel (dq, q̂)", 1, 0, r * d * 4 + r * d * b, 2 * r * d * b),
         # accumulate straight into dk: no temporary, no extra pass
-        _stage("gemm_dk", "GEMM dk += Hᵀ(w⊙Q)", 1, g, r * m * b + r * d * b + m * d * 4, m * d * 4),
+        _stage("gemm_dk", "GEMM dk += Hᵀq̂", 1, g, r * m * b + r * d * b + m * d * 4, m * d * 4),
     ]
 
 
-def per_call(n, m, d, b):
-    """Stages run once per call, the same in both designs."""
+def per_call_old(n, m, d, b):
+    """Stages run once per call in v1."""
     return [
         _stage("norms", "norms of Q and K", 2, 0, n * d * b + m * d * b, (n + m) * 4),
         _stage("dk_zero", "dk zero", 1, 0, 0, m * d * 4),
         _stage("tan_dk", "tangent on dk", 5, 0, 4 * m * d * 4, 4 * m * d * 4),
         _stage("cast_dk", "cast dk to input dtype", 1, 0, m * d * 4, m * d * b),
+        _stage("nan_check", "input NaN check", 2, 0, n * d * b + m * d * b, 8),
+    ]
+
+
+def per_call_new(n, m, d, b):
+    """Stages run once per call in v2: one tangent launch writes the input dtype."""
+    return [
+        _stage("norms", "norms of Q and K", 2, 0, n * d * b + m * d * b, (n + m) * 4),
+        _stage("dk_zero", "dk zero", 1, 0, 0, m * d * 4),
+        _stage("weights", "row weights, scales", 3, 0, 2 * (n + m) * 4, (n + m) * 4),
+        _stage("tan_dk", "tangent on dk", 1, 0, m * d * (4 + b), m * d * b),
         _stage("nan_check", "input NaN check", 2, 0, n * d * b + m * d * b, 8),
     ]
 
@@ -165,11 +177,13 @@ CHUNK_ROWS = [
     ("gemm_dk", "GEMM dk ← Gᵀ Q"),
     ("dk_add", "dk += tmp"),
 ]
-CALL_ROWS = [("norms", "norms of Q, K"), ("dk_zero", "dk zero"), ("tan_dk", "tangent on dk"),
-             ("cast_dk", "cast dk"), ("nan_check", "input NaN check")]
+CALL_ROWS = [("norms", "norms of Q, K"), ("dk_zero", "dk zero"), ("weights", "row weights"),
+             ("tan_dk", "tangent on dk"), ("cast_dk", "cast dk"), ("nan_check", "input NaN check")]
 
-_DESIGNS = {"old": ("v1, FASTCL_LEGACY=all", rows_old, chunk_old, lambda r, m, b: r * m * (4 + b)),
-            "new": ("v2, default", rows_new, chunk_new, lambda r, m, b: r * m * b)}
+# name: (label, rows, chunk stages, per-call stages, chunk buffer bytes, default budget MiB)
+_DESIGNS = {"old": ("v1, FASTCL_LEGACY=all", rows_old, chunk_old, per_call_old,
+                    lambda r, m, b: r * m * (4 + b), 128),
+            "new": ("v2, default", rows_new, chunk_new, per_call_new, lambda r, m, b: r * m * b, 256)}
 
 
 def _device(device, dtype, peak_tflops, bandwidth_tbs, launch_us):
@@ -212,15 +226,14 @@ def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib
     m = n if m is None else m
     b = DTYPE_BYTES[dtype]
     dev = _device(device, dtype, peak_tflops, bandwidth_tbs, launch_us)
-    budget_mib = DEFAULT_BUDGET_MIB if memory_budget_mib is None else memory_budget_mib
-    budget = int(budget_mib * MIB)
     useful = 6 * n * m * d
-    once = _timed(per_call(n, m, d, b), dev)
 
     designs = {}
     for name in (("old", "new") if design == "both" else (design,)):
-        label, rows_fn, chunk_fn, buf_fn = _DESIGNS[name]
-        r = rows_fn(n, m, b, budget)
+        label, rows_fn, chunk_fn, call_fn, buf_fn, default_mib = _DESIGNS[name]
+        budget_mib = default_mib if memory_budget_mib is None else memory_budget_mib
+        r = rows_fn(n, m, b, int(budget_mib * MIB))
+        once = _timed(call_fn(n, m, d, b), dev)
         c = math.ceil(n / r)
         last = n - (c - 1) * r                      # rows of the last (maybe short) chunk
         full = _timed(chunk_fn(r, m, d, b), dev)
@@ -228,7 +241,7 @@ def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib
         total_us = (c - 1) * _sum(full, "us") + _sum(tail, "us") + _sum(once, "us")
         per_chunk = {f: _sum(full, f) for f in ("launches", "flops", "bytes_read", "bytes_written", "us")}
         designs[name] = dict(
-            label=label, rows=r, chunks=c, last_rows=last, tiles=math.ceil(m / BLOCK_M),
+            label=label, memory_budget_mib=budget_mib, rows=r, chunks=c, last_rows=last, tiles=math.ceil(m / BLOCK_M),
             chunk_buffer_mib=buf_fn(r, m, b) / MIB,
             chunk_stages=full, per_chunk=per_chunk, per_call_stages=once,
             total=dict(
@@ -240,7 +253,7 @@ def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib
             fraction_of_matmul=useful / (total_us * 1e-6) / (dev["peak_tflops"] * 1e12),
         )
     return dict(model=MODEL_NOTE, n=n, m=m, d=d, dtype=dtype, bytes_per_element=b,
-                memory_budget_mib=budget_mib, block_m=BLOCK_M, gemm_efficiency=GEMM_EFF,
+                memory_budget_mib=memory_budget_mib, block_m=BLOCK_M, gemm_efficiency=GEMM_EFF,
                 device=dev, useful_flops=useful, designs=designs)
 
 
@@ -263,11 +276,12 @@ def explain_text(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budge
         f"device {dev['name']}: {dev['peak_tflops']:g} TFLOP/s {dev['peak_kind']}, "
         f"{dev['bandwidth_tbs']:.2f} TB/s, {dev['sms'] or '?'} SMs, {dev['launch_us']:g} µs/launch",
         f"N={e['n']} M={e['m']} d={e['d']} dtype={e['dtype']} (b={e['bytes_per_element']}) "
-        f"budget={e['memory_budget_mib']:g} MiB  useful FLOPs 6·N·M·d = {e['useful_flops'] / 1e9:,.1f} GFLOP",
+        f"useful FLOPs 6·N·M·d = {e['useful_flops'] / 1e9:,.1f} GFLOP",
     ]
     for k in names:
         x = ds[k]
-        lines.append(f"  {k.upper():3s} ({x['label']}): R={x['rows']} rows/chunk, C={x['chunks']} chunks "
+        lines.append(f"  {k.upper():3s} ({x['label']}): budget {x['memory_budget_mib']:g} MiB, "
+                     f"R={x['rows']} rows/chunk, C={x['chunks']} chunks "
                      f"(last {x['last_rows']} rows), T={x['tiles']} column tiles")
     lines.append("stage time = max(FLOPs/peak, bytes/bandwidth) + launches·launch_us; GEMM eff 1.0; "
                  "bound: compute | memory | launch (launch overhead above both)")
@@ -290,7 +304,7 @@ def explain_text(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budge
     lines.append(row("chunk total", [_cells(dict(ds[k]["per_chunk"], bound="")) for k in names]))
     lines.append(row("per call (once)", [[""] * 6] * len(names)))
     for key, label in CALL_ROWS:
-        lines.append(row(label, [_cells({s["key"]: s for s in ds[k]["per_call_stages"]}[key])
+        lines.append(row(label, [_cells({s["key"]: s for s in ds[k]["per_call_stages"]}.get(key))
                                  for k in names]))
 
     def versus(fmt, get):

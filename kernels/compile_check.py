@@ -110,7 +110,7 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
             # the similarity kernel: the mode the new design uses, and fp32 cosines for the
             # first design's epilogue (FASTCL_LEGACY=epilogue)
             modes = sorted({exp, False}, reverse=True)
-            lists = (([] if again else [(kc.sim_configs(f, dtype), False)])
+            lists = (([] if again else [(kc.sim_configs(f, dtype, arch), False)])
                      # the first design's list is timed on Hopper in bf16 only (bench/ab.py)
                      + ([(kc.LEGACY_SIM_CONFIGS, True)] if full and (arch, dtype) == (90, "bfloat16")
                         else []))

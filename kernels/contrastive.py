@@ -410,11 +410,13 @@ SIM_BLOCK_M = 16 if INTERPRET else 128
 #: tests/test_compile.py): the masked DCLR tile holds a second accumulator, and exact fp32
 #: products (no tensor cores) need thinner K steps.
 SIM_CONFIGS = {
-    ("16bit", False): [(128, 32, 8, 4), (64, 64, 8, 3)],
+    ("16bit", False): [(128, 32, 8, 4), (64, 64, 8, 3)],      # an H200 picks the second
     ("16bit", True): [(64, 32, 8, 3), (64, 16, 8, 4), (32, 64, 8, 3)],
-    ("fp32", False): [(64, 16, 8, 3), (32, 32, 8, 3)],
+    ("fp32", False): [(32, 32, 8, 3), (32, 16, 8, 3)],
     ("fp32", True): [(32, 16, 8, 3)],
 }
+#: Where an older target needs another list (sm_80: the 64×64 K step spills for focal).
+SIM_CONFIGS_BY_ARCH = {80: {("16bit", False): [(128, 32, 8, 4), (64, 32, 8, 3)]}}
 #: The first design's list, spills included (``FASTCL_LEGACY=configs``).
 LEGACY_SIM_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
 
@@ -450,30 +452,36 @@ def stores_exp(f: dict) -> bool:
     return not (f["FOCAL"] or f["RELEASED"])
 
 
-def sim_configs(f: dict, dtype: str, legacy_list: bool = False) -> list[tuple]:
-    """The similarity kernel's autotune list for these flags and input dtype (a torch dtype
-    or its name)."""
+def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False) -> list[tuple]:
+    """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
+    its name) and compute capability (90 for sm_90; an sm_80-class GPU uses 80)."""
     if legacy_list:
         return LEGACY_SIM_CONFIGS
-    kind = "fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit"
-    return SIM_CONFIGS[(kind, bool(f["MASK"]))]
+    key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit", bool(f["MASK"]))
+    return SIM_CONFIGS_BY_ARCH.get(80 if arch < 90 else 90, {}).get(key, SIM_CONFIGS[key])
+
+
+def _arch(device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 _TUNED = {}
 _AUTOTUNE_KEY = ["M", "D", "DC", "FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "STORE_EXP"]
 
 
-def _similarity(f: dict, dtype: torch.dtype):
+def _similarity(f: dict, dtype: torch.dtype, device):
     """The similarity kernel for these flags: autotuned on GPU (the flags are in the key, so
     each objective gets its own choice), the bare kernel under the interpreter."""
     if INTERPRET:
         return _similarity_kernel
     old = legacy("configs")
-    configs = sim_configs(f, dtype, old)
+    arch = _arch(device)
+    configs = sim_configs(f, dtype, arch, old)
     if autotune_pinned():
         configs = configs[:1]
     key = ("legacy" if old else f"{'fp32' if dtype == torch.float32 else '16bit'}"
-           f"{'-mask' if f['MASK'] else ''}", len(configs))
+           f"{'-mask' if f['MASK'] else ''}-sm{arch}", len(configs))
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(
             configs=[triton.Config({"BLOCK_R": br, "BLOCK_D": bd}, num_warps=w, num_stages=st)
@@ -515,7 +523,7 @@ def _launch_similarity(ep, c, f, store_exp):
     pos = torch.empty(R, dtype=torch.float32, device=dev)   # every row's positive is written
     grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
     extra = SIM_FIXED if INTERPRET else {}
-    _similarity(f, c.q.dtype)[grid](
+    _similarity(f, c.q.dtype, c.q.device)[grid](
         c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos,
         R, M, d, dc, c.first_pos, c.n_pos,
         c.q.stride(0), c.keys.stride(0), cq.stride(0), ck.stride(0), t.stride(0), tiles,

@@ -41,10 +41,17 @@ def loss_and_grads(fn, inputs):
 def objectives(n, k):
     """Every objective and flag combination: name -> f(anchors, positives, extra, **kw) -> loss,
     where ``extra`` (K×d) serves as negatives, hard negatives (its first N rows) or DCLR noise."""
+    # Complementary embeddings in 6 clusters: cosines ≈ 1 within a cluster, |cos| < 0.1 across,
+    # so a threshold at 0.2 drops the same-cluster negatives and no pair sits near it (16-bit
+    # inputs would flip such a pair, and the comparison with a float32 reference with it).
     comp_g = torch.Generator().manual_seed(11)
-    c = torch.randn(n, 6, generator=comp_g, dtype=torch.float64)
-    c_pos = c + 0.4 * torch.randn(n, 6, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    c = torch.nn.functional.one_hot(torch.arange(n) % 6, 6).double()
+    c = c + 0.01 * torch.randn(n, 6, generator=comp_g, dtype=torch.float64)
+    c_pos = c + 0.01 * torch.randn(n, 6, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     comp = lambda a: (c.to(a.device, a.dtype), c_pos.to(a.device, a.dtype))
+    # ESCL's third view, made bf16-representable: the fast path on 16-bit inputs and the
+    # float32 reference on the same rounded inputs then see the same values
+    sensitive = lambda a: correlated(a, 1.0, seed=5).detach().to(torch.bfloat16).to(a.dtype)
     return {
         "infonce": lambda a, p, x, **kw: fastcl.infonce(a, p, **kw),
         "infonce-negatives": lambda a, p, x, **kw: fastcl.infonce(a, p, x, **kw),
@@ -57,11 +64,11 @@ def objectives(n, k):
         "dclr-weighted": lambda a, p, x, **kw: fastcl.dclr_loss(
             a, p, complementary=comp(a), phi=0.2, noise=x, noise_steps=0, **kw),
         "dclr-released": lambda a, p, x, **kw: fastcl.dclr_loss(
-            a, p, complementary=comp(a), phi=0.01, noise=x, noise_steps=0,
+            a, p, complementary=comp(a), phi=0.2, noise=x, noise_steps=0,
             formulation="released", **kw),
-        "escl": lambda a, p, x, **kw: fastcl.escl_loss(a, p, correlated(a, 1.0, seed=5).detach(), **kw),
-        "escl-margin": lambda a, p, x, **kw: fastcl.escl_loss(a, p, correlated(a, 1.0, seed=5).detach(),
-                                                             rd="margin", weight=0.3, **kw),
+        "escl": lambda a, p, x, **kw: fastcl.escl_loss(a, p, sensitive(a), **kw),
+        "escl-margin": lambda a, p, x, **kw: fastcl.escl_loss(a, p, sensitive(a), rd="margin",
+                                                             weight=0.3, **kw),
     }
 
 

@@ -27,7 +27,7 @@ def test_new_design_beats_old_at_32768(h200):
 
 def test_rows_new_is_a_multiple_of_the_tile(h200):
     assert h200["designs"]["new"]["rows"] % 128 == 0
-    assert h200["designs"]["new"]["rows"] == 2048          # 128 MiB / (32768 · 2 B)
+    assert h200["designs"]["new"]["rows"] == 4096          # min(256 MiB / (32768 · 2 B), 4096)
     assert h200["designs"]["old"]["rows"] == 672           # 128 MiB / (32768 · 6 B), step 16
     assert _explain.explain(100, design="new")["designs"]["new"]["rows"] == 100
 
@@ -70,3 +70,14 @@ def test_main(capsys):
     assert _explain.main(["4096", "--device", "a100"]) == 0
     out = capsys.readouterr().out
     assert "A100" in out and "predicted ms per call" in out
+
+
+@pytest.mark.parametrize("n", [16384, 32768, 65536])
+def test_rows_are_the_drivers(n):
+    """The model's chunk rows are the ones fastcl's driver picks for the Triton engine."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from fastcl.kernels.contrastive import triton_chunk
+    from fastcl.tiled import Epilogue, chunk_rows
+    rows = chunk_rows(triton_chunk, Epilogue(0.05), n, n, n, torch.bfloat16, "cuda")
+    assert _explain.explain(n, design="new")["designs"]["new"]["rows"] == rows
