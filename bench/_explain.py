@@ -23,8 +23,8 @@ ceiling); elementwise FLOPs are not counted, they are far below the memory time.
 
 Chunk rows (the CUDA budgets of fastcl.tiled unless ``memory_budget_mib`` says otherwise):
   old  R = floor(128 MiB / (M·(4+b)) / 16)·16      (fp32 s plus G′ in the GEMM dtype per entry)
-  new  R = floor(min(256 MiB / (M·b), 4096) / 128)·128   (one R×M buffer in the GEMM dtype,
-                                                   at most 4096 rows; at least 128 unless N < 128)
+  new  R = floor(min(256 MiB / (M·b), 3072) / 128)·128   (one R×M buffer in the GEMM dtype,
+                                                   at most 3072 rows; at least 128 unless N < 128)
 Both are capped at N.
 
 Old design, per chunk:
@@ -61,7 +61,7 @@ import sys
 
 BLOCK_M = 128                      # column tile of the Triton kernels
 MIB = 1 << 20
-MAX_ROWS_NEW = 4096                # fastcl.tiled.MAX_CHUNK_ROWS["cuda"]
+MAX_ROWS_NEW = 3072                # fastcl.tiled.MAX_CHUNK_ROWS["cuda"]
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 # Practical ceilings, not datasheet peaks (TFLOP/s, TB/s). fp32 is the non-tensor-core rate:
@@ -104,7 +104,7 @@ def rows_old(n, m, b, budget):
 
 
 def rows_new(n, m, b, budget):
-    """v2: the budget pays for one R×M buffer in the GEMM dtype, at most 4096 rows; rows in
+    """v2: the budget pays for one R×M buffer in the GEMM dtype, at most 3072 rows; rows in
     128-row tiles."""
     r = min(budget // (m * b), MAX_ROWS_NEW) // BLOCK_M * BLOCK_M
     return min(max(r, BLOCK_M), n)

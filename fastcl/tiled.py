@@ -32,11 +32,14 @@ from ._switches import legacy
 from .reference import EPS, accumulate_dtype
 
 #: Default bytes for the per-chunk R×M work buffers (all of them together), and the most
-#: rows a chunk takes. On a GPU a chunk must be large for the GEMMs and to keep each
-#: chunk's launches behind the GPU's work (R = 4096 at M = 32768 runs ~30 % faster than 2048,
-#: measured on an H200); past 4096 rows the GEMMs gain nothing and memory grows.
+#: rows a chunk takes. On a GPU a chunk must be large for the GEMMs and to keep each chunk's
+#: launches behind the GPU's work. Measured on an H200 (bf16, d = 768, same run,
+#: bench/results/nvidia-h200-2026-11-30-check3-targets.json): at N = M = 16384, 2048 / 3072 /
+#: 4096 rows took 4.57 / 3.78 / 3.55 ms and 205 / 272 / 338 MiB beyond the inputs (eager:
+#: 6.79 ms, 3120 MiB); at 32768, 12.49 / 12.08 / 11.52 ms. 3072 keeps ≥ 10× less memory than
+#: eager at 16384 for 6 % of speed.
 DEFAULT_MEMORY_BUDGET = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
-MAX_CHUNK_ROWS = {"cuda": 4096}
+MAX_CHUNK_ROWS = {"cuda": 3072}
 #: The first sizing (FASTCL_LEGACY=chunks).
 LEGACY_MEMORY_BUDGET = {"cpu": 64 * 2**20, "cuda": 128 * 2**20}
 

@@ -27,7 +27,7 @@ def test_new_design_beats_old_at_32768(h200):
 
 def test_rows_new_is_a_multiple_of_the_tile(h200):
     assert h200["designs"]["new"]["rows"] % 128 == 0
-    assert h200["designs"]["new"]["rows"] == 4096          # min(256 MiB / (32768 · 2 B), 4096)
+    assert h200["designs"]["new"]["rows"] == 3072          # min(256 MiB / (32768 · 2 B), 3072)
     assert h200["designs"]["old"]["rows"] == 672           # 128 MiB / (32768 · 6 B), step 16
     assert _explain.explain(100, design="new")["designs"]["new"]["rows"] == 100
 

@@ -164,9 +164,9 @@ def test_gpu_deterministic(name):
         assert (g1 is None and g2 is None) or torch.equal(g1, g2)
 
 
-@pytest.mark.parametrize("m,rows", [(16384, 4096), (32768, 4096), (65536, 2048)])
+@pytest.mark.parametrize("m,rows", [(16384, 3072), (32768, 3072), (65536, 2048)])
 def test_gpu_chunk_sizing(m, rows, monkeypatch):
-    """On CUDA the Triton engine counts its one 16-bit buffer: 256 MiB, at most 4096 rows; the
+    """On CUDA the Triton engine counts its one 16-bit buffer: 256 MiB, at most 3072 rows; the
     first sizing counted an fp32 slice too, in 128 MiB (R = 672 at M = 32768)."""
     from fastcl.kernels.contrastive import triton_chunk
     from fastcl.tiled import Epilogue, chunk_rows
