@@ -96,6 +96,17 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def select_device(device: str, threads: int):
+    """The device a run uses ("auto": CUDA when there is one) with torch's CPU threads set;
+    returns ``(device, on_gpu)``."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(threads)
+    return device, device == "cuda"
+
+
 def worker_env(system_malloc: bool = False) -> dict:
     """Environment of the CPU workers. ``MALLOC_MMAP_THRESHOLD_=1 MiB`` (unless asked not to
     or already set): glibc then gives every block of 1 MiB or more its own mapping, so a

@@ -39,7 +39,7 @@ from pathlib import Path
 import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
 import _report
 from _cases import NOISE_STEPS, num_candidates
-from _measure import default_threads, matmul_limit
+from _measure import default_threads, matmul_limit, select_device
 from run import _sync, _build, device_slug, environment, measure_in_process
 
 HERE = Path(__file__).resolve().parent
@@ -212,11 +212,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.set_num_threads(args.threads)
-    gpu = device == "cuda"
+    device, gpu = select_device(args.device, args.threads)
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     ns = [int(x) for x in (args.n or ("32768,16384" if gpu else "256")).split(",") if x.strip()]
     noise_ns = [int(x) for x in (args.noise_n if args.noise_n is not None

@@ -38,7 +38,7 @@ from pathlib import Path
 import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
 import _report
 from _cases import build
-from _measure import default_threads
+from _measure import default_threads, select_device
 from ab import chosen_configs, legacy_switches, set_legacy
 from run import _sync, device_slug, environment
 
@@ -205,11 +205,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.set_num_threads(args.threads)
-    gpu = device == "cuda"
+    device, gpu = select_device(args.device, args.threads)
     n = args.n or (32768 if gpu else 256)
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     stem = Path(args.out_stem) if args.out_stem else (

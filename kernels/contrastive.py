@@ -62,6 +62,22 @@ def _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w,
 
 
 @triton.jit
+def _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL: tl.constexpr,
+                   HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr):
+    """Logits recomputed from stored cosines, where ``DROPPED`` marks the masked negatives
+    (logit × 0 in the released code, out of the denominator in the paper); and that mask."""
+    l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
+    dropped = is_pos & (s == DROPPED)        # all False: the positive is never dropped
+    if MASK:
+        dropped = s == DROPPED
+        if RELEASED:
+            l = tl.where(dropped, 0.0, l)
+        else:
+            l = tl.where(dropped, float("-inf"), l)
+    return l, dropped
+
+
+@triton.jit
 def _tile(R, M, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
     """This program's tile of the R×M chunk: row and column indices and their bounds."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -197,13 +213,16 @@ def _row_lse(part_max_ptr, part_sum_ptr, row, T, stride_part, BLOCK_T: tl.conste
 
 
 @triton.jit
-def _row_probs(t_ptr, part_max_ptr, row, row64, cols, ok, lse, first_pos, n_pos, stride_t,
+def _row_probs(t_ptr, part_max_ptr, row, row64, c0, M, lse, first_pos, n_pos, stride_t,
                stride_part, inv_t, focal_m, hard_w,
                FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr,
                RELEASED: tl.constexpr, POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr,
-               TILE_M: tl.constexpr):
-    """Softmax p of one block of a row, the stored cosines s (0 in exp mode) and the mask of
-    dropped columns, from whatever the similarity kernel stored."""
+               TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns [c0, c0 + BLOCK_N) of one row: their indices and bounds, the softmax p, the
+    stored cosines s (unused in exp mode) and the dropped columns, from whatever the
+    similarity kernel stored."""
+    cols = c0 + tl.arange(0, BLOCK_N)
+    ok = cols < M
     x = tl.load(t_ptr + row64 * stride_t + cols, mask=ok, other=0.0).to(tl.float32)
     rows_g = tl.full((1,), 0, tl.int32) + first_pos + row
     is_pos = _positive(cols, rows_g, POSITIVES)
@@ -217,17 +236,11 @@ def _row_probs(t_ptr, part_max_ptr, row, row64, cols, ok, lse, first_pos, n_pos,
         dropped = is_pos
     else:
         s = x[None, :]
-        l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
-        dropped = is_pos                     # unused unless MASK
-        if MASK:
-            dropped = s == DROPPED
-            if RELEASED:
-                l = tl.where(dropped, 0.0, l)
-            else:
-                l = tl.where(dropped, float("-inf"), l)
+        l, dropped = _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w,
+                                    FOCAL, HARD, MASK, RELEASED)
         p = tl.exp(l - lse)
     p = tl.where(ok[None, :], p, 0.0)
-    return p, s, is_pos, dropped
+    return cols, ok, p, s, is_pos, dropped
 
 
 @triton.jit
@@ -253,12 +266,10 @@ def _row_kernel(
         v_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         log_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         for c0 in range(0, M, BLOCK_N):
-            cols = c0 + tl.arange(0, BLOCK_N)
-            ok = cols < M
-            p, s, is_pos, dropped = _row_probs(
-                t_ptr, part_max_ptr, row, row64, cols, ok, lse, first_pos, n_pos, stride_t,
+            cols, ok, p, s, is_pos, dropped = _row_probs(
+                t_ptr, part_max_ptr, row, row64, c0, M, lse, first_pos, n_pos, stride_t,
                 stride_part, inv_t, focal_m, hard_w, FOCAL, HARD, MASK, RELEASED, POSITIVES,
-                STORE_EXP, TILE_M)
+                STORE_EXP, TILE_M, BLOCK_N)
             not_p = tl.maximum(1.0 - p, 1e-30)           # only p = 1 exactly is guarded
             v_acc += tl.where(ok[None, :], tl.where(is_pos, -1.0, p / not_p), 0.0)
             log_not = tl.where(p < 1e-4, -p - 0.5 * p * p, tl.log(not_p))
@@ -272,12 +283,10 @@ def _row_kernel(
 
     if WANT_GRAD:
         for c0 in range(0, M, BLOCK_N):
-            cols = c0 + tl.arange(0, BLOCK_N)
-            ok = cols < M
-            p, s, is_pos, dropped = _row_probs(
-                t_ptr, part_max_ptr, row, row64, cols, ok, lse, first_pos, n_pos, stride_t,
+            cols, ok, p, s, is_pos, dropped = _row_probs(
+                t_ptr, part_max_ptr, row, row64, c0, M, lse, first_pos, n_pos, stride_t,
                 stride_part, inv_t, focal_m, hard_w, FOCAL, HARD, MASK, RELEASED, POSITIVES,
-                STORE_EXP, TILE_M)
+                STORE_EXP, TILE_M, BLOCK_N)
             if RELEASED:
                 not_p = tl.maximum(1.0 - p, 1e-30)
                 v = tl.where(is_pos, -1.0, p / not_p)
@@ -314,13 +323,8 @@ def _gradient_kernel(
     s = tl.load(_tile_ptrs(s_ptr, stride_s, BLOCK_R, BLOCK_M), mask=ok, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     is_pos = _positive(cols, rows_g, POSITIVES)
-    l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
-    if MASK:
-        dropped = s == DROPPED
-        if RELEASED:
-            l = tl.where(dropped, 0.0, l)
-        else:
-            l = tl.where(dropped, float("-inf"), l)
+    l, dropped = _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w,
+                                FOCAL, HARD, MASK, RELEASED)
     p = tl.where(ok, tl.exp(l - lse[:, None]), 0.0)
 
     if RELEASED:
