@@ -56,7 +56,8 @@ METHOD_OPTIONS = {
     "hard_negative_weight": ("simcse-sup", 0.0),
     "phi": ("dclr", None), "noise_ratio": ("dclr", None), "noise_steps": ("dclr", 4),
     "noise_lr": ("dclr", 1e-3), "noise_std": ("dclr", 1.0), "dclr_formulation": ("dclr", "paper"),
-    "complementary": ("dclr", None), "complementary_pooler": ("dclr", "cls_before_pooler"),
+    "complementary": ("dclr", None), "complementary_pooler": ("dclr", None),
+    "complementary_mode": ("dclr", "frozen"),
     "m": ("focal", 0.3),
     "rd_weight": ("escl", 2.5e-3), "rd": ("escl", "softplus"), "sensitive_dropout": ("escl", 0.45),
 }
@@ -162,7 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dclr: frozen complementary encoder (e.g. a trained SimCSE) for instance "
                         "weighting; without it no negative is dropped")
     g.add_argument("--complementary-pooler", choices=POOLERS, default=None,
-                   help="dclr: pooler of the complementary encoder (default cls_before_pooler)")
+                   help="dclr: pooler of the complementary encoder (default cls_before_pooler; "
+                        "cls, the checkpoint's own pooler output, with --complementary-mode released)")
+    g.add_argument("--complementary-mode", choices=("frozen", "released"), default=None,
+                   help="dclr: 'frozen' (default) embeds the batch once in eval mode, c = c+; "
+                        "'released' does as the authors' code: dropout on, the duplicated batch "
+                        "(c and c+ are two dropout views), still without gradients")
     g.add_argument("--m", type=float, default=None, help="focal: margin m of the negative logits s(s+m)/t (default 0.3)")
     g.add_argument("--rd-weight", type=float, default=None, help="escl: weight of the relative-difference term (default 2.5e-3)")
     g.add_argument("--rd", choices=("softplus", "margin"), default=None,
@@ -313,10 +319,13 @@ def make_objective(args, backbone, device) -> training.Objective:
         # DCLR's noise comes from its own generator so the run is reproducible and resumable.
         obj.generator = torch.Generator(device=device).manual_seed(args.seed)
         if args.complementary:
-            comp, comp_tok = load_encoder(args.complementary, args.complementary_pooler,
-                                          arg="--complementary", device=device)
+            released = args.complementary_mode == "released"
+            pooler = args.complementary_pooler or ("cls" if released else "cls_before_pooler")
+            comp, comp_tok = load_encoder(args.complementary, pooler, arg="--complementary",
+                                          device=device)
             obj.complementary = comp.requires_grad_(False).eval()
             obj.complementary_tokenizer = comp_tok
+            obj.complementary_mode = args.complementary_mode or "frozen"
     return obj
 
 

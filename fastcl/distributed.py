@@ -93,10 +93,10 @@ def global_loss(obj, views: dict, group=None) -> torch.Tensor:
                                 weight=obj.rd_weight, rd=obj.rd, anchor_offset=offset)
     # dclr: the noise of single-process training on the concatenated batch, on every process
     anchors = gather(h.detach(), group)
-    num = reference.noise_count(obj.noise_ratio, anchors.shape[0])
+    num = reference.noise_count(obj.noise_ratio, anchors.shape[0], obj.formulation)
     noise = fastcl.dclr_noise(anchors, positives.detach(), num, steps=obj.noise_steps,
                               lr=obj.noise_lr, std=obj.noise_std, temperature=t,
-                              generator=obj.generator)
+                              generator=obj.generator, formulation=obj.formulation)
     comp = views.get("complementary")
     if comp is not None:
         c, c_pos = (x.to(h.dtype) for x in comp)

@@ -187,19 +187,23 @@ def _noise_args(anchors, num, steps, lr, std, temperature, noise):
     return steps, lr, std, temperature, noise
 
 
-def _dclr_noise(anchors, positives, num, steps, lr, std, temperature, noise, generator, be, chunk_size):
+def _dclr_noise(anchors, positives, num, steps, lr, std, temperature, noise, generator, be, chunk_size,
+                formulation="paper", anchor_offset=0):
     if be == "reference":
         return reference.dclr_noise(anchors, positives, num, steps=steps, lr=lr, std=std,
-                                    temperature=temperature, noise=noise, generator=generator)
+                                    temperature=temperature, noise=noise, generator=generator,
+                                    formulation=formulation, anchor_offset=anchor_offset)
     if noise is None:
         noise = reference.draw_noise(num, anchors.shape[1], std=std, generator=generator,
                                      device=anchors.device)
     return tiled.noise_update(anchors, noise, steps=steps, lr=lr, temperature=temperature,
-                              chunk_size=chunk_size, engine=_engine(be))
+                              chunk_size=chunk_size, engine=_engine(be),
+                              positives=positives if formulation == "released" else None,
+                              anchor_offset=anchor_offset)
 
 
 def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperature=0.05,
-               noise=None, generator=None, backend="auto", chunk_size=None):
+               noise=None, generator=None, formulation="paper", backend="auto", chunk_size=None):
     r"""DCLR's noise negatives after ``steps`` normalized gradient-ascent steps.
 
     Starting from ``Z ~ N(0, std²)`` (num×d, drawn with ``generator``) or from ``noise``,
@@ -210,7 +214,10 @@ def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperatur
               z_j \leftarrow z_j + \beta\,\frac{g_j}{\lVert g_j\rVert},\ g = \partial L_U/\partial Z
 
     with h, h⁺ detached (β = ``lr``, τ_u = ``temperature``). A row with g_j = 0 stays put.
-    Returns the (num×d) float32 noise (float64 for float64 anchors), with no autograd graph.
+    ``formulation="released"`` follows the authors' code: each step's loss is the
+    cross-entropy over ``[h⁺; Z]`` (the N in-batch columns join the log-sum-exp), and a row
+    with g_j = 0 becomes 0. Returns the (num×d) float32 noise (float64 for float64 anchors),
+    with no autograd graph.
 
     Reference: Zhou et al., "Debiased Contrastive Learning of Unsupervised Sentence
     Representations", ACL 2022.
@@ -218,9 +225,10 @@ def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperatur
     anchors, positives, _ = _anchors_and_positives(anchors, positives)
     steps, lr, std, temperature, noise = _noise_args(anchors, num, steps, lr, std, temperature, noise)
     num = noise.shape[0] if noise is not None else num
+    formulation = check.choice("formulation", formulation, ("paper", "released"))
     chunk_size = check.chunk_size(chunk_size)
     return _dclr_noise(anchors, positives, num, steps, lr, std, temperature, noise, generator,
-                       _backend(backend, anchors), chunk_size)
+                       _backend(backend, anchors), chunk_size, formulation)
 
 
 def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, noise_ratio=1.0,
@@ -236,15 +244,34 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, no
 
     .. math:: L = \frac1N\sum_i\Big[-\frac{s_{ii}}{\tau} + \log\sum_j \alpha_{ij}\,e^{s_{ij}/\tau}\Big]
 
-    ``formulation="released"`` reproduces the authors' code instead: logits multiplied by
-    α (a dropped negative gets logit 0), threshold written ``cos/τ ≤ 20φ``, and binary
-    cross-entropy on the row softmax averaged over all N·(N+K) entries.
+    ``formulation="released"`` reproduces the authors' released code instead. Every
+    difference from the paper's formulation (the default), in one place:
+
+    ====================  ===============================  ==================================
+    what                  ``"paper"``                      ``"released"``
+    ====================  ===============================  ==================================
+    loss                  cross-entropy; a dropped         logits multiplied by α (a dropped
+                          negative leaves the denominator  negative gets logit 0), binary
+                                                           cross-entropy on the row softmax,
+                                                           mean over all N·(N+K) entries
+    mask test             ``cos(c_i, c⁺_j) ≥ φ`` drops     ``cos(c_i, c⁺_j)/τ > 20φ`` drops
+    noise columns         never dropped                    complementary cosine 0: every one
+                                                           dropped when φ < 0
+    noise step's loss     ``−s⁺/τ_u + log Σ_j e^{cos(h,    cross-entropy over ``[h⁺; Z]``: the
+                          z_j)/τ_u}`` (noise columns)      N in-batch columns join the LSE
+    K noise rows          ``round(noise_ratio·N)``         ``int(N·noise_ratio)``
+    zero noise gradient   the row stays where it was       the row becomes 0 (0/0 → NaN → 0)
+    ====================  ===============================  ==================================
+
+    Outside the loss, ``train.py --complementary-mode released`` runs the complementary model
+    as that code does (dropout on, the duplicated batch, its own pooler output); the
+    default ``frozen`` embeds the batch once in eval mode.
 
     ``anchor_offset`` (global negatives across processes): as in :func:`infonce`, with
     ``complementary = (c of these anchors, c⁺ of the whole batch)`` and K counted from the
     whole batch. The noise update then sees only these anchors: to match one process on
-    the whole batch, compute ``Z = dclr_noise(all anchors, all positives, K, generator=g)``
-    identically on every process and pass ``noise=Z, noise_steps=0``.
+    the whole batch, compute ``Z = dclr_noise(all anchors, all positives, K, generator=g,
+    formulation=...)`` identically on every process and pass ``noise=Z, noise_steps=0``.
 
     Reference: Zhou et al., "Debiased Contrastive Learning of Unsupervised Sentence
     Representations", ACL 2022.
@@ -258,10 +285,11 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, no
     if noise_ratio < 0:
         raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
     noise_temperature = temperature if noise_temperature is None else noise_temperature
-    num = None if noise is not None else reference.noise_count(noise_ratio, positives.shape[0])
+    formulation = check.choice("formulation", formulation, ("paper", "released"))
+    num = (None if noise is not None
+           else reference.noise_count(noise_ratio, positives.shape[0], formulation))
     steps, lr, std, noise_temperature, noise = _noise_args(
         anchors, num, noise_steps, noise_lr, noise_std, noise_temperature, noise)
-    formulation = check.choice("formulation", formulation, ("paper", "released"))
     chunk_size = check.chunk_size(chunk_size)
     be = _backend(backend, anchors)
     if be == "reference":
@@ -272,7 +300,7 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, no
                                    formulation=formulation, anchor_offset=anchor_offset)
     num = noise.shape[0] if noise is not None else num
     z = _dclr_noise(anchors, positives, num, steps, lr, std, noise_temperature, noise, generator,
-                    be, chunk_size)
+                    be, chunk_size, formulation, anchor_offset)
     ep = Epilogue(temperature, phi=phi if complementary is not None else None,
                   complementary=complementary, formulation=formulation, chunk_size=chunk_size,
                   anchor_offset=anchor_offset)

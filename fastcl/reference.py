@@ -94,18 +94,21 @@ def draw_noise(num, dim, *, std=1.0, generator=None, device=None) -> torch.Tenso
     return torch.randn(num, dim, generator=generator, device=device, dtype=torch.float32) * std
 
 
-def noise_count(noise_ratio, n) -> int:
-    """``K = round(noise_ratio · N)``."""
-    return int(round(noise_ratio * n))
+def noise_count(noise_ratio, n, formulation="paper") -> int:
+    """``K = round(noise_ratio · N)``; the released code truncates: ``int(N · noise_ratio)``."""
+    return int(n * noise_ratio) if formulation == "released" else int(round(noise_ratio * n))
 
 
 def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperature=0.05,
-               noise=None, generator=None):
+               noise=None, generator=None, formulation="paper", anchor_offset=0):
     """DCLR's noise negatives, improved by ``steps`` normalized gradient-ascent steps.
 
     ``L_U = mean_i[−s(h_i, h⁺_i)/τ_u + log Σ_j exp(cos(h_i, z_j)/τ_u)]`` with h, h⁺ detached;
     each step ``z_j ← z_j + lr · g_j/‖g_j‖``, ``g = ∂L_U/∂Z`` (a row with g_j = 0 stays put).
-    Written as the released code does it: an autograd graph per step.
+    ``formulation="released"``: the step's loss is the cross-entropy over ``[h⁺; Z]`` (the
+    in-batch columns join the log-sum-exp), and a row with g_j = 0 becomes 0 (0/0 is NaN
+    there, which the code then zeroes). Written as the released code does it: an autograd
+    graph per step.
     """
     h = wide(anchors.detach())
     h_pos = positives.detach().to(h.dtype)
@@ -114,12 +117,18 @@ def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperatur
     for _ in range(steps):
         z.requires_grad_(True)
         with torch.enable_grad():
-            positive = row_cosine(h, h_pos) / temperature
-            loss = (-positive + torch.logsumexp(cosine_matrix(h, z) / temperature, dim=1)).mean()
+            if formulation == "released":
+                logits = cosine_matrix(h, torch.cat([h_pos, z])) / temperature
+                loss = F.cross_entropy(logits, _labels(h.shape[0], h.device, anchor_offset))
+            else:
+                positive = row_cosine(h, h_pos) / temperature
+                loss = (-positive + torch.logsumexp(cosine_matrix(h, z) / temperature, dim=1)).mean()
             (grad,) = torch.autograd.grad(loss, z)
         norm = grad.norm(dim=1, keepdim=True)
         step = torch.where(norm > 0, grad / norm.clamp_min(torch.finfo(grad.dtype).tiny), 0.0)
         z = z.detach() + lr * step
+        if formulation == "released":
+            z = z.masked_fill(norm == 0, 0.0)
     return z.detach()
 
 
@@ -128,12 +137,14 @@ def dclr_weights(c_anchors, c_positives, num_noise, *, phi, temperature, formula
     """DCLR's instance weights α (N×(N+K)), 0 for dropped in-batch negatives.
 
     Paper: ``α_ij = 1[cos(c_i, c⁺_j) < φ]`` on in-batch columns, 1 on the positive and on
-    noise columns. Released code: the same with the test written ``cos/τ ≤ 20·φ``.
+    noise columns. Released code: the test written ``cos/τ ≤ 20·φ``, and noise columns get a
+    complementary cosine of 0, so φ < 0 drops every one of them.
     """
     cos = cosine_matrix(c_anchors, c_positives)
     keep = (cos / temperature <= 20 * phi) if formulation == "released" else (cos < phi)
     keep = keep | _at(keep.shape[0], keep.shape[1], anchor_offset, keep.device)
-    noise_cols = torch.ones(keep.shape[0], num_noise, dtype=torch.bool, device=keep.device)
+    keep_noise = formulation != "released" or phi >= 0
+    noise_cols = torch.full((keep.shape[0], num_noise), keep_noise, dtype=torch.bool, device=keep.device)
     return torch.cat([keep, noise_cols], dim=1)
 
 
@@ -147,10 +158,12 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, no
     over all N·(N+K) entries, as the authors' released code does.
     """
     n = anchors.shape[0]
-    num = noise.shape[0] if noise is not None else noise_count(noise_ratio, positives.shape[0])
+    num = (noise.shape[0] if noise is not None
+           else noise_count(noise_ratio, positives.shape[0], formulation))
     z = dclr_noise(anchors, positives, num, steps=noise_steps, lr=noise_lr, std=noise_std,
                    temperature=temperature if noise_temperature is None else noise_temperature,
-                   noise=noise, generator=generator)
+                   noise=noise, generator=generator, formulation=formulation,
+                   anchor_offset=anchor_offset)
     logits = cosine_matrix(anchors, torch.cat([positives, z.to(positives.dtype)])) / temperature
     labels = _labels(n, logits.device, anchor_offset)
     if complementary is None:

@@ -239,6 +239,11 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         del c_cos
         drop[ar, diag] = False                         # the positive is never dropped
         logits[:, :n_pos].masked_fill_(drop, 0.0 if released else float("-inf"))
+    # the released code gives the other columns (DCLR's noise) a complementary cosine of 0:
+    # φ < 0 drops every one of them
+    drop_rest = released and ep.complementary is not None and ep.phi < 0
+    if drop_rest:
+        logits[:, n_pos:] = 0.0
     pos_logit = logits[ar, diag].clone() if ep.positives else 0.0
 
     # Row log-sum-exp, leaving the softmax in the buffer.
@@ -270,6 +275,8 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         del v
         if drop is not None:
             grad[:, :n_pos].masked_fill_(drop, 0.0)
+        if drop_rest:
+            grad[:, n_pos:] = 0.0
     else:
         if ep.positives:
             grad[ar, diag] -= 1.0
@@ -436,20 +443,31 @@ def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):
 
 
 @torch.no_grad()
-def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, engine=torch_chunk):
+def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, engine=torch_chunk,
+                 positives=None, anchor_offset=0):
     """DCLR's normalized gradient ascent on the noise, chunked, without an autograd graph.
 
-    ``L_U``'s positive term does not depend on Z, so ``∂L_U/∂Z`` is the candidate gradient
-    of a positive-free InfoNCE of the anchors against Z: each step is one pass of the
-    shared driver asking for that gradient alone, then ``z_j += lr · g_j/‖g_j‖``.
+    Paper (``positives=None``): ``L_U``'s positive term does not depend on Z, so ``∂L_U/∂Z``
+    is the candidate gradient of a positive-free InfoNCE of the anchors against Z. Released
+    code (``positives`` given): the step's loss is the cross-entropy over ``[h⁺; Z]``, so the
+    in-batch columns join the log-sum-exp. Either way each step is one pass of the shared
+    driver asking for Z's gradient alone, then ``z_j += lr · g_j/‖g_j‖``. A row with
+    ``g_j = 0`` stays put (paper) or becomes 0 (released: its 0/0 is NaN, then zeroed).
     """
     z = noise.detach().to(accumulate_dtype(anchors.dtype)).clone()
     if steps == 0 or z.shape[0] == 0:
         return z
-    ep = Epilogue(temperature, positives=False, chunk_size=chunk_size)
+    released = positives is not None
+    ep = Epilogue(temperature, positives=released, chunk_size=chunk_size,
+                  anchor_offset=anchor_offset if released else 0)
+    fixed = (positives.detach(),) if released else ()
     for _ in range(steps):
-        _, (_, g) = contrastive_forward(ep, anchors.detach(), (z,), need=(False, True), engine=engine)
+        _, grads = contrastive_forward(ep, anchors.detach(), (*fixed, z.to(anchors.dtype)),
+                                       need=(False,) * (1 + len(fixed)) + (True,), engine=engine)
+        g = grads[-1].to(z.dtype)
         g_norm = torch.linalg.vector_norm(g, dim=1, keepdim=True)
         # a row with g_j = 0 adds 0/tiny = 0 and stays put
         z.addcdiv_(g, g_norm.clamp_min(torch.finfo(z.dtype).tiny), value=lr)
+        if released:
+            z.masked_fill_(g_norm == 0, 0.0)
     return z

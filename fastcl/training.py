@@ -221,6 +221,7 @@ class Objective:
     sensitive_dropout: float = 0.45
     complementary: SentenceEncoder | None = None
     complementary_tokenizer: object = None
+    complementary_mode: str = "frozen"     # or "released": dropout on, two views
     generator: torch.Generator | None = None
 
     def __post_init__(self):
@@ -291,17 +292,22 @@ def embed_views(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: list
 
 def complementary_views(obj: Objective, sentences: list, max_length: int,
                         chunk_size: int | None = None):
-    """``(c, c⁺)`` of the frozen complementary encoder: eval mode, no_grad, float32;
-    with ``chunk_size``, in forwards of at most that many sentences."""
+    """``(c, c⁺)`` of the frozen complementary encoder, no_grad, float32; with ``chunk_size``,
+    in forwards of at most that many sentences. ``frozen``: eval mode, one view (c⁺ = c).
+    ``released`` (the authors' code): dropout on, the duplicated batch, c and c⁺ its halves."""
     comp = obj.complementary
-    comp.eval()
+    released = obj.complementary_mode == "released"
+    comp.train(released)
     device = next(comp.parameters()).device
+    texts = list(sentences) * 2 if released else list(sentences)
     with torch.no_grad():
-        feats = tokenize(obj.complementary_tokenizer, sentences, max_length, device)
-        step = chunk_size or len(sentences)
+        feats = tokenize(obj.complementary_tokenizer, texts, max_length, device)
+        step = chunk_size or len(texts)
         c = torch.cat([comp(**{k: v[i:i + step] for k, v in feats.items()}).float()
-                       for i in range(0, len(sentences), step)])
-    return c, c
+                       for i in range(0, len(texts), step)])
+    comp.eval()
+    n = len(sentences)
+    return (c[:n], c[n:]) if released else (c, c)
 
 
 def objective_loss(obj: Objective, views: dict) -> torch.Tensor:

@@ -164,7 +164,11 @@ def _similarity_kernel(
             too_close = cacc * inv_t > 20.0 * phi      # the released code's test
         else:
             too_close = cacc >= phi
-        drop = too_close & in_batch[None, :] & (cols[None, :] != rows_g[:, None])
+        # the released code gives noise columns a complementary cosine of 0 (the tile dot
+        # reads their rows as 0), so φ < 0 drops them too; the paper keeps them
+        drop = too_close & (cols[None, :] != rows_g[:, None])
+        if not RELEASED:
+            drop = drop & in_batch[None, :]
         s = tl.where(drop, DROPPED, s)
         if RELEASED:
             l = tl.where(drop, 0.0, l)                 # released: logit × 0

@@ -202,6 +202,24 @@ def test_dclr_complementary_is_frozen_in_eval_mode(tiny):
     assert training.objective_loss(obj_half, views) < training.objective_loss(obj_off, unweighted)
 
 
+def test_dclr_complementary_released_mode(tiny):
+    """``complementary_mode="released"``, as the authors' code: dropout on, the duplicated
+    batch in one forward, c and c⁺ two dropout views; still no gradient, and eval mode after."""
+    encoder, tokenizer = tiny_encoder(tiny)
+    comp, comp_tok = load_encoder(tiny / "bert", "cls")       # the checkpoint's own pooler
+    calls = []
+    comp.backbone.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append((m.training, torch.is_grad_enabled(),
+                                              kwargs["input_ids"].shape[0])), with_kwargs=True)
+    obj = training.Objective("dclr", phi=0.5, complementary=comp.requires_grad_(False),
+                             complementary_tokenizer=comp_tok, complementary_mode="released",
+                             generator=torch.Generator().manual_seed(0))
+    c, c_pos = training.embed_views(obj, encoder, tokenizer, SENTENCES, 16)["complementary"]
+    assert calls == [(True, False, 2 * len(SENTENCES))]
+    assert c.shape == c_pos.shape == (len(SENTENCES), comp.backbone.config.hidden_size)
+    assert not torch.equal(c, c_pos) and not comp.training
+
+
 def test_supervised_views_from_triplets_and_pairs(tiny):
     encoder, tokenizer = tiny_encoder(tiny)
     obj = training.Objective("simcse-sup")
