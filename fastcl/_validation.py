@@ -45,7 +45,7 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
             raise TypeError(f"{name} has dtype {x.dtype} but anchors have {like.dtype}")
         if x.device != like.device:
             raise ValueError(f"{name} is on {x.device} but anchors are on {like.device}")
-    if _CHECK_FINITE and x.numel() and not bool(torch.isfinite(x).all()):
+    if _CHECK_FINITE and x.numel() and not x.is_meta and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf values")
     return x
 
@@ -58,6 +58,11 @@ def positive(name: str, value) -> float:
 
 
 def finite(name: str, value) -> float:
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        # float() would silently cut the graph: a learnable value would get no gradient
+        raise TypeError(f"{name} is a tensor that requires grad, but fastcl's losses take it as "
+                        f"a number and return no gradient for it; pass float({name}) (a "
+                        f"learnable {name} is not supported)")
     try:
         value = float(value)
     except (TypeError, ValueError):

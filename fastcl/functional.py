@@ -330,7 +330,7 @@ def escl_loss(anchors, positives, sensitive, *, temperature=0.05, weight=2.5e-3,
     temperature = check.positive("temperature", temperature)
     weight = check.finite("weight", weight)
     rd = check.choice("rd", rd, ("softplus", "margin"))
-    if len(margins) != 2:
+    if not isinstance(margins, (tuple, list)) or len(margins) != 2:
         raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
     margins = (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
     chunk_size = check.chunk_size(chunk_size)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _validation as check
-from .reference import EPS
+from .reference import EPS, wide
 
 
 def alignment(x, y, alpha=2):
@@ -14,6 +14,7 @@ def alignment(x, y, alpha=2):
     x = check.embeddings("x", x)
     y = check.embeddings("y", y, rows=x.shape[0], width=x.shape[1], like=x)
     alpha = check.positive("alpha", alpha)
+    x, y = wide(x), wide(y)        # 16-bit norms overflow (fp16) or lose the small differences
     diff = F.normalize(x, dim=-1, eps=EPS) - F.normalize(y, dim=-1, eps=EPS)
     return diff.norm(dim=1).pow(alpha).mean()
 
@@ -24,6 +25,6 @@ def uniformity(x, t=2):
     t = check.positive("t", t)
     if x.shape[0] < 2:
         raise ValueError(f"uniformity needs at least 2 rows in x, got {x.shape[0]}")
-    sq = torch.pdist(F.normalize(x, dim=-1, eps=EPS), p=2).pow(2)
+    sq = torch.pdist(F.normalize(wide(x), dim=-1, eps=EPS), p=2).pow(2)   # pdist: no 16-bit kernel
     # log-mean-exp, computed stably
     return torch.logsumexp(-t * sq, dim=0) - torch.log(torch.tensor(float(sq.numel()), dtype=sq.dtype))

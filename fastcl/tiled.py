@@ -26,7 +26,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ._switches import legacy
 from .reference import EPS, accumulate_dtype
@@ -169,8 +168,14 @@ class TiledContrastive(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            # create_graph=True (a gradient penalty, a Hessian-vector product): the stored
+            # gradient has no graph, so a second derivative would silently miss this loss
+            raise RuntimeError(
+                "fastcl's fused backends (tiled, triton) compute the gradient in the forward "
+                "pass and cannot be differentiated twice (backward with create_graph=True); "
+                "use backend='reference' for higher-order gradients")
         out = [None, None]
         # A grad of exactly 1 (the usual case) needs no copy of the stored gradients. The test
         # is made on CPU only: on an accelerator it is a host sync, and the multiply it saves is
