@@ -9,9 +9,12 @@ Loop: AdamW, linear decay to 0, gradient-norm clipping, bf16 autocast on GPU. Ev
 dev and SICK-R dev) and the best one is exported to ``--output-dir``, together with
 ``train_log.jsonl`` (one JSON object per step and per evaluation), ``dev_curve.png`` and
 ``align_uniform.png``. A checkpoint (``checkpoint.pt``: model, optimizer, scheduler, random
-states, data position) is written atomically every ``--checkpoint-steps`` steps and on
-SIGINT/SIGTERM; ``--resume`` continues from it with the same subsequent losses as an
-uninterrupted run.
+states, data position, with the SHA-256 of its content) is written atomically every
+``--checkpoint-steps`` steps, on SIGINT/SIGTERM and, when an error stops the loop, as an
+emergency checkpoint of the last consistent state; ``--resume`` verifies it and continues
+with the same subsequent losses as an uninterrupted run. The export is published as a whole
+(the previous one stays until the new one is complete), and the dev files are parsed before
+step 1. ``FASTCL_CRASH_AT=POINT[:N]`` (a test hook) kills the process at a write point.
 
 Large batches: ``--chunk-size C`` encodes in chunks of at most C inputs (cached two-pass
 encoding with exact dropout replay: the gradients of one pass, the activation memory of C
@@ -36,9 +39,9 @@ from pathlib import Path
 import torch
 
 from fastcl import training
-from fastcl.encoders import (POOLERS, MLPHead, SentenceEncoder, load_backbone, load_encoder,
-                             save_sentence_encoder)
-from fastcl.evaluate import evaluate, task_source
+from fastcl.encoders import (POOLERS, MLPHead, SentenceEncoder, clean_export_leftovers,
+                             load_backbone, load_encoder, save_sentence_encoder)
+from fastcl.evaluate import evaluate, load_task
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.jsonl"
@@ -62,7 +65,7 @@ METHOD_OPTIONS = {
     "rd_weight": ("escl", 2.5e-3), "rd": ("escl", "softplus"), "sensitive_dropout": ("escl", 0.45),
 }
 # Options whose value must be the same when resuming (they define the run's steps).
-RUN_DEFINING = ("method", "model", "data", "snli_splits", "batch_size", "lr", "epochs",
+RUN_DEFINING = ("method", "model", "data", "snli_splits", "sts_dir", "batch_size", "lr", "epochs",
                 "max_steps", "max_seq_len", "chunk_size", "pooler", "mlp_only_train", "seed", "temperature",
                 "warmup_steps", "weight_decay", "max_grad_norm", "precision", "select",
                 *METHOD_OPTIONS)
@@ -253,9 +256,11 @@ def setup(args) -> Run:
     if run.steps_per_epoch == 0:
         raise ValueError(f"--data: {len(run.data)} examples, fewer than --batch-size {args.batch_size}")
     run.total_steps = args.max_steps or args.epochs * run.steps_per_epoch
+    run.dev_cache = {}
     if args.sts_dir:
+        # parsed now: a missing or malformed dev file is an error before step 1, naming it
         for task in ("stsb-dev",) + (("sickr-dev",) if args.select == "avg" else ()):
-            task_source(args.sts_dir, task)  # fails early, naming the file looked for
+            run.dev_cache[task] = load_task(args.sts_dir, task)
     training.set_seed(args.seed)
     backbone, run.tokenizer = load_backbone(args.model, arg="--model")
     head = MLPHead(backbone.config.hidden_size, getattr(backbone.config, "initializer_range", 0.02)) \
@@ -272,8 +277,9 @@ def setup(args) -> Run:
     run.optimizer = training.make_optimizer(run.encoder, args.lr, args.weight_decay)
     run.scheduler = training.linear_schedule(run.optimizer, run.total_steps, args.warmup_steps)
     run.autocast = _autocast(args.precision, run.device)
-    run.state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best_metric": None, "best_step": None}
-    run.dev_cache = {}
+    run.state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best_metric": None, "best_step": None,
+                 "evaluated": None}
+    run.checkpoint_step = None
     return run
 
 
@@ -338,18 +344,38 @@ def _autocast(precision: str, device: torch.device):
 # ---------------------------------------------------------------------------------------
 # Log, checkpoint, export
 
+def json_safe(value):
+    """``value`` with every NaN or infinity replaced by None (JSON has no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def append_log(out: Path, record: dict, rank: int = 0) -> None:
     if rank:
         return
     with open(out / LOG, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
 
 
 def read_log(out: Path) -> list:
+    """The records of the log; a last line cut short by a crash is ignored."""
     path = out / LOG
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+    return records
 
 
 def truncate_log(out: Path, step: int) -> None:
@@ -365,7 +391,7 @@ def run_signature(args) -> dict:
     sig = {}
     for name in RUN_DEFINING:
         value = getattr(args, name)
-        if name in ("model", "data", "complementary") and value and Path(value).exists():
+        if name in ("model", "data", "complementary", "sts_dir") and value and Path(value).exists():
             value = str(Path(value).resolve())
         sig[name] = value
     return sig
@@ -390,6 +416,18 @@ def save_checkpoint(run: Run) -> None:
     state = checkpoint_state(run)
     if run.rank == 0:
         training.save_checkpoint(run.out / CHECKPOINT, state)
+    run.checkpoint_step = run.state["step"]
+
+
+def clean_leftovers(out: Path) -> list:
+    """Remove the temporary files of writes a crash interrupted (checkpoint, export, log,
+    plots). Run at start, before anything is written."""
+    removed = training.clean_checkpoint_temps(out, CHECKPOINT) + clean_export_leftovers(out)
+    for name in (f".{LOG}.tmp", ".dev_curve.tmp.png", ".align_uniform.tmp.png"):
+        if (out / name).is_file():
+            (out / name).unlink()
+            removed.append(out / name)
+    return removed
 
 
 def resume(run: Run) -> None:
@@ -414,8 +452,13 @@ def resume(run: Run) -> None:
     training.set_rng_state(ckpt["rng_ranks"][run.rank] if run.world > 1 else ckpt["rng"],
                            run.objective.generator)
     run.state = dict(ckpt["state"])
+    run.checkpoint_step = run.state["step"]
+    pending = run.state.pop("log_record", None)  # an emergency checkpoint's unwritten record
     if run.rank == 0:
         truncate_log(run.out, run.state["step"])
+        done = any(r.get("type") == "step" and r["step"] == run.state["step"] for r in read_log(run.out))
+        if pending is not None and not done:
+            append_log(run.out, pending)
 
 
 def export(run: Run) -> None:
@@ -448,19 +491,25 @@ def write_plots(out: Path, records: list) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for key in ("stsb-dev", "sickr-dev"):
         if key in evals[0]:
-            ax.plot(steps, [r[key] for r in evals], marker="o", label=key)
+            ax.plot(steps, [_nan(r.get(key)) for r in evals], marker="o", label=key)
     if "sickr-dev" in evals[0]:
-        ax.plot(steps, [r["metric"] for r in evals], linestyle="--", label="mean (selects)")
-    best = max(evals, key=lambda r: r["metric"])
-    ax.axvline(best["step"], color="grey", linestyle=":", label=f"best (step {best['step']})")
+        ax.plot(steps, [_nan(r["metric"]) for r in evals], linestyle="--", label="mean (selects)")
+    scored = [r for r in evals if r["metric"] is not None]
+    if scored:
+        best = max(scored, key=lambda r: r["metric"])
+        ax.axvline(best["step"], color="grey", linestyle=":", label=f"best (step {best['step']})")
     ax.set(xlabel="step", ylabel="Spearman x100", title="dev STS")
     ax.legend()
     _save_figure(fig, out / "dev_curve.png")
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for ax, key in zip(axes, ("alignment", "uniformity")):
-        ax.plot(steps, [math.nan if r[key] is None else r[key] for r in evals], marker="o")
+        ax.plot(steps, [_nan(r[key]) for r in evals], marker="o")
         ax.set(xlabel="step", ylabel=key, title=f"{key} on STS-B dev (lower is better)")
     _save_figure(fig, out / "align_uniform.png")
+
+
+def _nan(value) -> float:
+    return math.nan if value is None else value
 
 
 def _save_figure(fig, path: Path) -> None:
@@ -518,24 +567,33 @@ def maybe_evaluate(run: Run) -> None:
     if run.rank or not run.args.sts_dir or (step % run.args.eval_steps and step != run.total_steps):
         return
     record = {"type": "eval", "step": step, **dev_evaluation(run)}
-    record["best"] = run.state["best_metric"] is None or record["metric"] > run.state["best_metric"]
+    best = run.state["best_metric"]
+    # A NaN metric (e.g. constant embeddings) is never the best: it would also block every
+    # later comparison. best_step == step: this evaluation is redone after a resume.
+    record["best"] = math.isfinite(record["metric"]) and (
+        best is None or record["metric"] > best or run.state["best_step"] == step)
     if record["best"]:
+        export(run)  # the state names the new best only once its export is complete
         run.state["best_metric"], run.state["best_step"] = record["metric"], step
-        export(run)
     append_log(run.out, record)
+    run.state["evaluated"] = step
     write_plots(run.out, read_log(run.out))
     run.bar.write(f"step {step}: " + ", ".join(
-        f"{k} {record[k]:.2f}" for k in ("stsb-dev", "sickr-dev") if k in record)
+        f"{k} {_num(record[k], '.2f')}" for k in ("stsb-dev", "sickr-dev") if k in record)
         + f", alignment {_num(record['alignment'])}, uniformity {_num(record['uniformity'])}"
         + (" (best)" if record["best"] else ""))
 
 
-def _num(value) -> str:
-    return "n/a" if value is None else f"{value:.4g}"
+def _num(value, spec: str = ".4g") -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def train(run: Run) -> int:
-    """The loop; returns 0 when done, 128 + signal number when stopped by a signal."""
+    """The loop; returns 0 when done, 128 + signal number when stopped by a signal.
+
+    Any exception inside it first writes an emergency checkpoint of the last consistent
+    state when it can (:func:`emergency_checkpoint`), then propagates.
+    """
     from tqdm.auto import tqdm
 
     args, st = run.args, run.state
@@ -545,32 +603,89 @@ def train(run: Run) -> int:
                run.rank)
     run.bar = tqdm(total=run.total_steps, initial=st["step"], desc=args.method, mininterval=1.0,
                    dynamic_ncols=True, disable=run.rank != 0)
+    run.phase = "after"  # "step": inside a step; "log": its record pending; "after": done
+    hook = run.optimizer.register_step_pre_hook(lambda *_: setattr(run, "updating", True))
     with GracefulStop() as stop, contextlib.closing(run.bar):
-        while st["step"] < run.total_steps:
-            tic = time.perf_counter()
-            batch = next_batch(run)
-            out = training.train_step(run.objective, run.encoder, run.tokenizer, batch,
-                                      run.optimizer, run.scheduler, max_length=args.max_seq_len,
-                                      max_grad_norm=args.max_grad_norm, autocast=run.autocast,
-                                      chunk_size=args.chunk_size, distributed=run.world > 1)
-            st["step"] += 1
-            rate = len(batch) * run.world / (time.perf_counter() - tic)
-            append_log(run.out, {"type": "step", "step": st["step"], "epoch": st["epoch"], **out,
-                                 "examples_per_s": rate}, run.rank)
-            if run.world > 1:
-                stop.signum = agreed_signal(stop.signum, run.device)
-            run.bar.set_postfix(loss=f"{out['loss']:.4f}", ex_s=f"{rate:.1f}", refresh=False)
-            run.bar.update(1)
-            maybe_evaluate(run)
-            if st["step"] % args.checkpoint_steps == 0 or stop.signum or st["step"] == run.total_steps:
-                save_checkpoint(run)
-            if stop.signum:
-                if run.rank == 0:
-                    run.bar.write(f"stopped by signal {stop.signum} after step {st['step']}; "
-                                  f"checkpoint written, continue with --resume")
-                return 128 + stop.signum
+        try:
+            if st["step"] and st.get("evaluated") != st["step"]:
+                maybe_evaluate(run)  # an evaluation an error interrupted before the resume
+            while st["step"] < run.total_steps:
+                tic = time.perf_counter()
+                run.before = (dict(st), training.rng_state(run.objective.generator))
+                run.phase, run.updating = "step", False
+                batch = next_batch(run)
+                out = training.train_step(run.objective, run.encoder, run.tokenizer, batch,
+                                          run.optimizer, run.scheduler, max_length=args.max_seq_len,
+                                          max_grad_norm=args.max_grad_norm, autocast=run.autocast,
+                                          chunk_size=args.chunk_size, distributed=run.world > 1)
+                st["step"] += 1
+                rate = len(batch) * run.world / (time.perf_counter() - tic)
+                run.record = {"type": "step", "step": st["step"], "epoch": st["epoch"], **out,
+                              "examples_per_s": rate}
+                run.phase = "log"
+                append_log(run.out, run.record, run.rank)
+                run.phase = "after"
+                if run.world > 1:
+                    stop.signum = agreed_signal(stop.signum, run.device)
+                run.bar.set_postfix(loss=f"{out['loss']:.4f}", ex_s=f"{rate:.1f}", refresh=False)
+                run.bar.update(1)
+                maybe_evaluate(run)
+                if st["step"] % args.checkpoint_steps == 0 or stop.signum or st["step"] == run.total_steps:
+                    save_checkpoint(run)
+                if stop.signum:
+                    if run.rank == 0:
+                        run.bar.write(f"stopped by signal {stop.signum} after step {st['step']}; "
+                                      f"checkpoint written, continue with --resume")
+                    return 128 + stop.signum
+        except Exception as err:
+            emergency_checkpoint(run, err)
+            if isinstance(err, OSError):  # disk full, permissions...: no traceback needed
+                raise SystemExit(f"train.py: error: {err}") from err
+            raise
+        finally:
+            hook.remove()
     finish(run)
     return 0
+
+
+def emergency_checkpoint(run: Run, err: Exception) -> bool:
+    """After ``err`` in the loop, write the checkpoint of the last consistent state: the end
+    of the step in progress when the error came after it, the start of the step when it came
+    before the optimizer update (the step is then redone after ``--resume``). Not possible
+    during the update itself, nor with several processes. Returns whether one was written."""
+    def say(message):
+        print(f"train.py: {message}", file=sys.stderr, flush=True)
+
+    last = run.checkpoint_step
+    keep = f"the last checkpoint ({CHECKPOINT}, step {last}) is kept" if last is not None \
+        else "there is no checkpoint yet"
+    if run.world > 1:
+        say(f"error with {run.world} processes: no emergency checkpoint; {keep}")
+        return False
+    st = run.state
+    if run.phase == "step":
+        if run.updating:
+            say(f"error during the optimizer update of step {st['step'] + 1}: the model is "
+                f"half-updated, no emergency checkpoint; {keep}")
+            return False
+        state, rng = run.before  # the step had not changed the model: undo its data and draws
+        st.clear()
+        st.update(state)
+        training.set_rng_state(rng, run.objective.generator)
+        run.optimizer.zero_grad(set_to_none=True)
+    elif run.phase == "log":
+        st["log_record"] = run.record
+    try:
+        save_checkpoint(run)
+    except Exception as again:
+        say(f"error after step {st['step']}; the emergency checkpoint could not be written "
+            f"({again}); {keep}")
+        return False
+    finally:
+        st.pop("log_record", None)
+    say(f"error after step {st['step']} ({type(err).__name__}): emergency checkpoint written "
+        f"to {run.out / CHECKPOINT} at step {st['step']}; fix the cause and continue with --resume")
+    return True
 
 
 def agreed_signal(signum, device):
@@ -589,7 +704,8 @@ def finish(run: Run) -> None:
     summary = {"method": run.args.method, "steps": run.state["step"], "eval_pooler": run.eval_pooler,
                "select": run.args.select if run.args.sts_dir else None,
                "best_step": run.state["best_step"], "best_metric": run.state["best_metric"]}
-    (run.out / "train_results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run.out / "train_results.json").write_text(
+        json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
     print(f"model saved to {run.out} ({'best' if run.args.sts_dir else 'last'} step "
           f"{run.state['best_step'] or run.state['step']}, pooler {run.eval_pooler})")
 
@@ -604,6 +720,9 @@ def main(argv=None) -> int:
     try:
         init_distributed(args.device)
         out.mkdir(parents=True, exist_ok=True)
+        if int(os.environ.get("RANK", "0")) == 0:
+            for path in clean_leftovers(out):
+                print(f"removed {path}, left by an interrupted write")
         run = setup(args)
         if args.resume:
             resume(run)

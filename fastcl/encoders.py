@@ -330,17 +330,122 @@ def _sentence_transformers_modules(stage: Path, pooler: str, dim: int, num_layer
     return modules
 
 
+# Exports live in versions under VERSIONS_DIR; ``VERSIONS_DIR/current`` is a symbolic link to
+# the complete one, and every top-level entry of the export (config.json, model.safetensors,
+# 2_Dense, ...) is a link through it. Switching ``current`` with one rename switches them all.
+VERSIONS_DIR = ".model"
+CURRENT = "current"
+
+
+def crash_point(name: str) -> None:
+    """Test hook: ``FASTCL_CRASH_AT=NAME[:N]`` makes the process SIGKILL itself the N-th time
+    (default the first) it reaches the write point ``NAME`` (``checkpoint-write``,
+    ``export-stage``, ``export-publish``, ``export-links``). For fault-injection tests only."""
+    spec = os.environ.get("FASTCL_CRASH_AT")
+    if not spec:
+        return
+    target, _, nth = spec.partition(":")
+    if target != name:
+        return
+    counts = crash_point.__dict__.setdefault("counts", {})
+    counts[name] = counts.get(name, 0) + 1
+    if counts[name] == int(nth or 1):
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder`` (and the folders themselves) to disk."""
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def clean_export_leftovers(out_dir) -> list:
+    """Remove what an interrupted :func:`save_sentence_encoder` left in ``out_dir`` (staging
+    folders, temporary links, versions that are not the current one). Returns their paths."""
+    out_dir = Path(out_dir)
+    removed = []
+    for entry in out_dir.glob(".*"):
+        # the staging folder of older fastcl versions, temporary links of _link
+        stale_link = ".link-" in entry.name and entry.name.rpartition("-")[2].isdigit()
+        if entry.name == ".export.tmp" or (stale_link and entry.is_symlink()):
+            _remove(entry)
+            removed.append(entry)
+    versions = out_dir / VERSIONS_DIR
+    if not versions.is_dir():
+        return removed
+    current = versions / CURRENT
+    keep = os.readlink(current) if current.is_symlink() else None
+    for entry in versions.iterdir():
+        if entry.name == CURRENT or entry.name == keep:
+            continue
+        _remove(entry)
+        removed.append(entry)
+    return removed
+
+
+def _link(path: Path, target: str) -> None:
+    """Make ``path`` a symbolic link to ``target`` with one rename (replacing what is there)."""
+    if path.is_symlink() and os.readlink(path) == target:
+        return
+    tmp = path.with_name(f".{path.name}.link-{os.getpid()}")
+    if tmp.is_symlink() or tmp.exists():
+        _remove(tmp)
+    os.symlink(target, tmp)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)  # an export written by an older fastcl: a real folder
+    os.replace(tmp, path)
+
+
 def _publish(stage: Path, out_dir: Path) -> None:
-    """Move every entry of ``stage`` into ``out_dir``, each by an atomic rename."""
-    for entry in sorted(stage.iterdir()):
-        target = out_dir / entry.name
-        if entry.is_dir():
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(entry, target)
-        else:
-            os.replace(entry, target)
-    stage.rmdir()
+    """Make the complete export in ``stage`` (a folder under ``out_dir/VERSIONS_DIR``) the one
+    ``out_dir`` shows, all at once: a reader sees the previous export or this one, never a mix.
+
+    1. ``stage`` becomes version ``vN``; the previous version is kept.
+    2. Each top-level entry of the export is (made) a link to ``VERSIONS_DIR/current/<entry>``.
+       Names new to this export point at nothing until step 3.
+    3. ``current`` is switched to ``vN`` with one rename: every entry changes together.
+    4. Links to names this export lacks and the previous version are removed.
+    """
+    versions = out_dir / VERSIONS_DIR
+    numbers = [int(p.name[1:]) for p in versions.iterdir()
+               if p.name[:1] == "v" and p.name[1:].isdigit()]
+    version = versions / f"v{max(numbers, default=0) + 1}"
+    _fsync_tree(stage)
+    os.rename(stage, version)
+    _fsync_dir(versions)
+    crash_point("export-publish")
+    names = sorted(p.name for p in version.iterdir())
+    for name in names:
+        _link(out_dir / name, f"{VERSIONS_DIR}/{CURRENT}/{name}")
+    crash_point("export-links")
+    _link(versions / CURRENT, version.name)  # the switch
+    _fsync_dir(versions)
+    prefix = f"{VERSIONS_DIR}/{CURRENT}/"
+    for entry in out_dir.iterdir():
+        if entry.is_symlink() and os.readlink(entry).startswith(prefix) and entry.name not in names:
+            entry.unlink()
+    clean_export_leftovers(out_dir)
+    _fsync_dir(out_dir)
 
 
 def save_sentence_encoder(out_dir, backbone, tokenizer, pooler: str, head: MLPHead | None = None,
@@ -351,22 +456,24 @@ def save_sentence_encoder(out_dir, backbone, tokenizer, pooler: str, head: MLPHe
     (CLS token or masked mean) → [Dense(d, d, Tanh) holding ``head`` for ``cls``]. For ``cls``
     the head is also written into the model's own Linear + Tanh pooler when it has one, so
     ``AutoModel(...)(...).pooler_output`` is the embedding too (SimCSE's convention).
-    Files are staged in a sibling folder and renamed into place one by one.
+    The whole export is staged in ``OUT_DIR/.model/`` and published at once (see
+    :func:`_publish`): the top-level entries are links into the current version, so a reader
+    (or a crash) never sees files of two exports side by side.
     """
     check_pooler(pooler)
     if pooler == "cls" and head is None:
         raise ValueError("pooler 'cls' is exported with its MLP head: pass head=")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stage = out_dir / ".export.tmp"
-    if stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir()
+    clean_export_leftovers(out_dir)
+    stage = out_dir / VERSIONS_DIR / f"stage-{os.getpid()}"
+    stage.mkdir(parents=True)
     state = {k: v for k, v in backbone.state_dict().items()}
     if pooler == "cls" and model_pooler_head(backbone) is not None:
         state["pooler.dense.weight"] = head.dense.weight.detach().clone()
         state["pooler.dense.bias"] = head.dense.bias.detach().clone()
     backbone.save_pretrained(stage, state_dict=state)
+    crash_point("export-stage")
     tokenizer.save_pretrained(stage)
     config = backbone.config
     modules = _sentence_transformers_modules(stage, pooler, config.hidden_size,

@@ -68,8 +68,12 @@ class STSPairs:
 
 def _lines(path: Path) -> list:
     """Lines of a UTF-8 file split on LF only, with a trailing CR removed (CRLF files)."""
-    with open(path, encoding="utf-8", newline="") as f:
-        lines = f.read().split("\n")
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}: "
+                         f"{err.object[err.start:err.start + 4]!r})") from None
     if lines and lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
@@ -92,6 +96,10 @@ def _float(value: str, path: Path, lineno: int, what: str) -> float:
 def _pairs(task, s1, s2, scores, path) -> STSPairs:
     if not scores:
         raise ValueError(f"{path}: no scored pairs")
+    if min(scores) == max(scores):
+        # Spearman against a constant is undefined (NaN): refuse rather than report it
+        raise ValueError(f"{path}: every gold score is {scores[0]}; a rank correlation needs "
+                         "at least two different scores")
     return STSPairs(task, s1, s2, np.asarray(scores, dtype=np.float64))
 
 
@@ -333,13 +341,29 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--sts-dir: no such folder: {args.sts_dir}")
     pooler = args.pooler or saved_pooler(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # Read every task before loading the model: a malformed file is an error naming it.
+    data, missing = {}, {}
+    for task in args.tasks:
+        try:
+            data[task] = load_task(args.sts_dir, task)
+        except FileNotFoundError as err:
+            missing[task] = str(err)
+        except ValueError as err:
+            raise SystemExit(f"python -m fastcl.evaluate: error: {task}: {err}") from None
+    if not data:
+        raise SystemExit(f"python -m fastcl.evaluate: error: no task file found under "
+                         f"{args.sts_dir}:\n" + "\n".join(f"  {why}" for why in missing.values()))
     try:
         encoder, tokenizer = load_encoder(args.model, pooler, arg="model", device=device)
     except (ValueError, OSError) as err:
         raise SystemExit(f"python -m fastcl.evaluate: error: {err}") from err
     result = evaluate(encoder, tokenizer, None, args.sts_dir, args.tasks,
-                      batch_size=args.batch_size, max_length=args.max_length)
+                      batch_size=args.batch_size, max_length=args.max_length, data=data)
     print(format_table(result))
+    undefined = [t for t, v in result["scores"].items() if not math.isfinite(v)]
+    if undefined:
+        raise SystemExit(f"python -m fastcl.evaluate: error: no correlation for "
+                         f"{', '.join(undefined)}: the model gives every pair the same cosine")
     if args.json_out:
         out = {"model": args.model, "pooler": pooler, "sts_dir": str(args.sts_dir), **result}
         Path(args.json_out).write_text(json.dumps(out, indent=2) + "\n")

@@ -76,11 +76,18 @@ def read_sentences(path) -> TrainingData:
 def read_csv_triplets(path) -> TrainingData:
     """A csv with a header holding ``sent0, sent1`` and optionally ``hard_neg`` (standard
     csv quoting, as SimCSE's ``nli_for_simcse.csv``). Rows with an empty needed field are
-    skipped and counted."""
+    skipped and counted. Malformed quoting (a quote never closed, text after a closing quote)
+    and rows with more fields than the header are errors naming the file and line: they are
+    what an unbalanced quote that merges rows leaves."""
     path = Path(path)
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f)
-        header = reader.fieldnames or []
+    with _utf8(path), open(path, encoding="utf-8-sig", newline="") as f:
+        # strict: a quote that is never closed, or text after a closing quote, is an error
+        # instead of rows merged into one field
+        reader = csv.DictReader(f, strict=True)
+        try:
+            header = reader.fieldnames or []
+        except csv.Error as err:
+            raise ValueError(f"--data: {path}:{reader.line_num}: malformed csv ({err})") from None
         missing = [c for c in ("sent0", "sent1") if c not in header]
         if missing:
             raise ValueError(f"--data: {path} needs columns sent0,sent1[,hard_neg]; "
@@ -88,7 +95,20 @@ def read_csv_triplets(path) -> TrainingData:
         cols = ["sent0", "sent1"] + (["hard_neg"] if "hard_neg" in header else [])
         data = {c: [] for c in cols}
         skipped = 0
-        for row in reader:
+        rows = iter(reader)
+        while True:
+            first = reader.line_num + 1
+            try:
+                row = next(rows)
+            except StopIteration:
+                break
+            except csv.Error as err:
+                raise ValueError(f"--data: {path}:{first}: malformed csv ({err}); look for an "
+                                 "unbalanced quote") from None
+            if None in row:
+                span = f"{first}-{reader.line_num}" if reader.line_num > first else str(first)
+                raise ValueError(f"--data: {path}:{span}: the row has more fields than the "
+                                 f"header {header}; look for an unbalanced quote")
             values = [(row.get(c) or "").strip() for c in cols]
             if not all(values):
                 skipped += 1
@@ -146,9 +166,19 @@ def read_snli(folder, splits=None) -> TrainingData:
     return TrainingData(_dataset(data), "triplets", skipped, str(folder))
 
 
+@contextlib.contextmanager
+def _utf8(path: Path):
+    """Turn a UnicodeDecodeError while reading ``path`` into a ValueError naming it."""
+    try:
+        yield
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--data: {path} is not UTF-8 text (byte {err.start}: "
+                         f"{err.object[err.start:err.start + 4]!r}); convert it to UTF-8") from None
+
+
 def _plain_lines(path: Path) -> list:
     """Lines of a UTF-8 file split on LF only, a CR before the LF dropped."""
-    with open(path, encoding="utf-8", newline="") as f:
+    with _utf8(path), open(path, encoding="utf-8", newline="") as f:
         lines = f.read().split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the newline that ends the last line does not start another
@@ -506,21 +536,113 @@ def _tuples(x):
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+# A checkpoint file: MAGIC, the SHA-256 of the payload, the payload's length (8 bytes, little
+# endian), then the payload (``torch.save`` of the state). load_checkpoint verifies all three.
+MAGIC = b"FASTCL-CKPT\x00v2\n"
+_HEADER = len(MAGIC) + 32 + 8
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or fails verification; the message names the file."""
+
+
 def save_checkpoint(path, state: dict) -> None:
-    """``torch.save`` to a temporary file in the same folder, fsync, then ``os.replace``:
-    the checkpoint on disk is always a complete one."""
+    """Write ``state`` to a temporary file in the same folder with its digest, fsync, then
+    ``os.replace``: the checkpoint on disk is always a complete, verifiable one.
+
+    A write killed half-way leaves ``.<name>.tmp-<pid>``; :func:`clean_checkpoint_temps`
+    removes it at the next start.
+    """
+    import hashlib
+    import io
+
+    from .encoders import crash_point
+
     path = Path(path)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getbuffer()
+    header = MAGIC + hashlib.sha256(payload).digest() + len(payload).to_bytes(8, "little")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            f.write(header)
+            half = len(payload) // 2
+            f.write(payload[:half])
+            f.flush()
+            crash_point("checkpoint-write")
+            f.write(payload[half:])
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
+        del payload
         if tmp.exists():
             tmp.unlink()
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def clean_checkpoint_temps(folder, name: str = "checkpoint.pt") -> list:
+    """Remove ``.<name>.tmp-<pid>`` files that a killed :func:`save_checkpoint` left behind
+    (those of live processes other than this one are kept). Returns the paths removed."""
+    removed = []
+    for tmp in Path(folder).glob(f".{name}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def load_checkpoint(path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """The state saved by :func:`save_checkpoint`, after checking its length and SHA-256.
+
+    Raises :class:`CheckpointError` (a ValueError naming the file) for an empty, truncated,
+    damaged or foreign file.
+    """
+    import hashlib
+    import io
+
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {path}: cannot be read ({err.strerror or err})") from err
+    if not data:
+        raise CheckpointError(f"checkpoint {path} is empty (zero bytes): it is not usable")
+    if not data.startswith(MAGIC):
+        what = ("it has no integrity digest (written by an older fastcl?)" if data[:2] == b"PK"
+                else "it does not start with a fastcl checkpoint header")
+        raise CheckpointError(f"checkpoint {path} is not a fastcl checkpoint: {what}")
+    if len(data) < _HEADER:
+        raise CheckpointError(f"checkpoint {path} is truncated ({len(data)} bytes, shorter "
+                              "than its header)")
+    digest = data[len(MAGIC):len(MAGIC) + 32]
+    size = int.from_bytes(data[len(MAGIC) + 32:_HEADER], "little")
+    payload = memoryview(data)[_HEADER:]
+    if len(payload) != size:
+        raise CheckpointError(f"checkpoint {path} is {'truncated' if len(payload) < size else 'too long'}: "
+                              f"{len(payload)} payload bytes, the header says {size}")
+    if hashlib.sha256(payload).digest() != digest:
+        raise CheckpointError(f"checkpoint {path} is damaged: its SHA-256 does not match the "
+                              "digest written with it")
+    try:
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as err:  # verified bytes that still do not load: report, do not trace
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err

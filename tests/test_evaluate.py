@@ -414,3 +414,39 @@ def test_minilm_export_matches_sentence_transformers(tmp_path):
     packaged = st.SentenceTransformer(minilm_path(), device="cpu").encode(sentences)
     ours = torch.nn.functional.normalize(encode(*load_encoder(tmp_path / "avg", "avg"), sentences), dim=1)
     torch.testing.assert_close(torch.as_tensor(packaged), ours, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad data and undefined scores are clear errors
+
+def test_cli_without_any_task_file_is_an_error(tiny, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as err:
+        ev.main([str(tiny), "--pooler", "avg", "--sts-dir", str(tmp_path / "empty")])
+    assert err.value.code != 0 and "no task file found under" in str(err.value.code)
+    assert "stsb: none of" in str(err.value.code)
+
+
+def test_constant_gold_scores_are_refused(tiny, tmp_path):
+    sts = write_sts_dir(tmp_path / "sts", tasks=("stsb",))
+    path = sts / "stsb" / "sts-test.csv"
+    path.write_text("".join("\t".join(line.split("\t")[:4] + ["3.0"] + line.split("\t")[5:])
+                            for line in path.read_text().splitlines(keepends=True)))
+    with pytest.raises(ValueError, match=f"{path}: every gold score is 3.0"):
+        ev.load_stsb(path)
+    with pytest.raises(SystemExit) as err:
+        ev.main([str(tiny), "--pooler", "avg", "--sts-dir", str(sts), "--tasks", "stsb"])
+    assert "stsb:" in str(err.value.code) and "every gold score is 3.0" in str(err.value.code)
+
+
+def test_cli_data_errors_name_the_file_without_a_traceback(tiny, tmp_path):
+    sts = write_sts_dir(tmp_path / "sts", tasks=("stsb", "sick"))
+    bad = sts / "sick" / "SICK_test_annotated.txt"
+    bad.write_bytes(bad.read_bytes().replace(b"\tNEUTRAL", b"\tNEUTRAL\t\xff", 1))
+    with pytest.raises(ValueError, match=f"{bad} is not UTF-8 text"):
+        ev.load_sick(bad)
+    bad.write_text("pair_ID\tsentence_A\n1\tx\n")
+    with pytest.raises(SystemExit) as err:
+        ev.main([str(tiny), "--pooler", "avg", "--sts-dir", str(sts), "--tasks", "stsb", "sickr"])
+    assert isinstance(err.value.code, str)
+    assert f"sickr: {bad}: header lacks column(s) sentence_B, relatedness_score" in err.value.code

@@ -509,3 +509,151 @@ def test_minilm_few_steps_then_stsb_dev(method, tmp_path):
     # all-MiniLM-L6-v2's CLS scores about 80 on STS-B dev; two small steps keep it there
     assert 70 < result["stsb-dev"] < 95
     assert result["alignment"] > 0 and result["uniformity"] < 0
+
+
+# ---------------------------------------------------------------------------------------
+# Errors inside the loop, bad data found at start, results that must stay valid
+
+def loop_args(tiny, out, **more):
+    return base_args(tiny, out, "simcse", steps=6, sts_dir=tiny / "sts", eval_steps=2,
+                     checkpoint_steps=100, pooler="avg", **more)
+
+
+@pytest.fixture(scope="module")
+def loop_reference(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("loop") / "reference"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the tests that compare with it
+    try:
+        assert train.main(loop_args(tiny, out)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def fail_on_call(monkeypatch, owner, name, n, error):
+    """Make ``owner.name`` raise ``error`` on its ``n``-th call."""
+    real = getattr(owner, name)
+    count = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] == n:
+            raise error
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+@pytest.mark.parametrize("where,n", [("dev_evaluation", 2), ("export", 1)])
+def test_disk_full_in_evaluation_writes_an_emergency_checkpoint(tiny, tmp_path, monkeypatch,
+                                                                 loop_reference, capsys, where, n):
+    import errno
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        fail_on_call(m, train, where, n, OSError(errno.ENOSPC, "No space left on device"))
+        with pytest.raises(SystemExit, match="No space left on device"):
+            train.main(loop_args(tiny, out))
+    step = 2 * n  # evaluations at steps 2, 4, 6; the first one exports
+    assert training.load_checkpoint(out / "checkpoint.pt")["state"]["step"] == step
+    assert f"emergency checkpoint written to {out / 'checkpoint.pt'} at step {step}" in capsys.readouterr().err
+    assert train.main(loop_args(tiny, out, resume=True)) == 0
+    assert_same_run(loop_reference, out)
+    assert read_records(out, "eval") == read_records(loop_reference, "eval")
+
+
+def read_records(out, kind):
+    return [{k: v for k, v in r.items() if k != "examples_per_s"}
+            for r in train.read_log(out) if r["type"] == kind]
+
+
+def test_an_error_before_the_update_checkpoints_the_start_of_the_step(tiny, tmp_path, monkeypatch,
+                                                                      loop_reference):
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        fail_on_call(m, training, "objective_loss", 5, RuntimeError("out of memory"))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            train.main(loop_args(tiny, out))
+    # step 5 had drawn its batch and dropout masks, not changed the model: it is redone
+    assert training.load_checkpoint(out / "checkpoint.pt")["state"]["step"] == 4
+    assert train.main(loop_args(tiny, out, resume=True)) == 0
+    assert_same_run(loop_reference, out)
+
+
+def test_an_error_writing_a_step_record_keeps_it_for_the_resume(tiny, tmp_path, monkeypatch,
+                                                                loop_reference):
+    out = tmp_path / "out"
+    real = train.append_log
+
+    def append(path, record, rank=0):
+        if record["type"] == "step" and record["step"] == 3:
+            raise OSError(28, "No space left on device")
+        real(path, record, rank)
+    with monkeypatch.context() as m:
+        m.setattr(train, "append_log", append)
+        with pytest.raises(SystemExit):
+            train.main(loop_args(tiny, out))
+    assert training.load_checkpoint(out / "checkpoint.pt")["state"]["step"] == 3
+    assert [r["step"] for r in step_records(out)] == [1, 2]
+    assert train.main(loop_args(tiny, out, resume=True)) == 0
+    assert_same_run(loop_reference, out)
+
+
+def test_a_malformed_dev_file_is_an_error_before_step_1(tiny, tmp_path):
+    sts = write_sts_dir(tmp_path / "sts")
+    bad = sts / "stsb" / "sts-dev.csv"
+    bad.write_text(bad.read_text() + "main-news\tf\t2012\t99\tnot-a-score\ta b\tc d\n")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=f"train.py: error: {bad}:41: score 'not-a-score' is not a number"):
+        train.main(base_args(tiny, out, sts_dir=sts))
+    assert not step_records(out) and not (out / "checkpoint.pt").exists()
+
+
+def test_a_nan_dev_metric_is_never_the_best(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real = train.dev_evaluation
+    calls = {"n": 0}
+
+    def first_is_nan(run):
+        calls["n"] += 1
+        res = real(run)
+        return {**res, "stsb-dev": float("nan"), "metric": float("nan")} if calls["n"] == 1 else res
+    monkeypatch.setattr(train, "dev_evaluation", first_is_nan)
+    assert train.main(base_args(tiny, out, steps=4, sts_dir=tiny / "sts", eval_steps=2, pooler="avg")) == 0
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON output"))
+    records = [strict(line) for line in (out / train.LOG).read_text().splitlines()]
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [(r["step"], r["metric"], r["best"]) for r in evals][0] == (2, None, False)
+    assert evals[1]["best"] and evals[1]["metric"] is not None
+    summary = strict((out / "train_results.json").read_text())
+    assert summary["best_step"] == 4  # the step after the NaN could still be exported
+    encoder, tok = load_encoder(out, "avg")
+    assert evaluate(encoder, tok, None, tiny / "sts", ["stsb-dev"])["scores"]["stsb-dev"] == \
+        pytest.approx(evals[1]["stsb-dev"], abs=1e-6)
+
+
+def test_resume_with_another_sts_dir_is_refused(tiny, tmp_path):
+    out = tmp_path / "out"
+    assert train.main(base_args(tiny, out, steps=2, sts_dir=tiny / "sts")) == 0
+    other = write_sts_dir(tmp_path / "other", seed=1)
+    with pytest.raises(SystemExit, match="--resume needs the options.*--sts-dir"):
+        train.main(base_args(tiny, out, steps=2, sts_dir=other, resume=True))
+
+
+def test_a_csv_with_an_unbalanced_quote_is_an_error(tmp_path):
+    path = tmp_path / "nli.csv"
+    path.write_text('sent0,sent1,hard_neg\na,"b, he said,c\nd,e,f\ng,h,i\n')
+    with pytest.raises(ValueError, match=f"--data: {path}:2: malformed csv.*unbalanced quote"):
+        training.read_csv_triplets(path)
+    path.write_text('sent0,sent1,hard_neg\na,"b, c\nd,e",f,g\nh,i,j\n')
+    with pytest.raises(ValueError, match=f"--data: {path}:2-3: the row has more fields"):
+        training.read_csv_triplets(path)
+
+
+def test_non_utf8_data_names_the_file(tmp_path):
+    for name, text in (("t.txt", b"one\ntwo \xe9t\xe9\n"), ("n.csv", b"sent0,sent1\nx,caf\xe9\n")):
+        (tmp_path / name).write_bytes(text)
+        method = "simcse-sup" if name.endswith(".csv") else "simcse"
+        with pytest.raises(ValueError, match=f"--data: {tmp_path / name} is not UTF-8 text"):
+            training.read_training_data(tmp_path / name, method)
