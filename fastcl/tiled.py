@@ -131,13 +131,16 @@ def rows_per_chunk(n: int, m: int, ep: Epilogue, row_bytes: int, device_type: st
     return int(min(n, rows if rows < multiple else rows // multiple * multiple))
 
 
+def _slices(ep: Epilogue) -> int:
+    """R×M slices torch_chunk holds: focal keeps the cosines beside the logits, the released
+    BCE one more slice."""
+    return 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
+
+
 def _legacy_row_bytes(ep: Epilogue, m: int, n_pos: int, elem_bytes: int) -> int:
     """The first chunk sizing (``FASTCL_LEGACY=chunks``): one formula for every engine."""
-    slices = 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
-    per_row = m * elem_bytes * slices
-    if ep.complementary is not None:
-        per_row += n_pos * (elem_bytes + 1)
-    return per_row
+    mask = n_pos * (elem_bytes + 1) if ep.complementary is not None else 0
+    return m * elem_bytes * _slices(ep) + mask
 
 
 def chunk_rows(engine, ep: Epilogue, n: int, m: int, n_pos: int, dtype: torch.dtype,
@@ -244,9 +247,9 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         del c_cos
         drop[ar, diag] = False                         # the positive is never dropped
         logits[:, :n_pos].masked_fill_(drop, 0.0 if released else float("-inf"))
-    # the released code gives the other columns (DCLR's noise) a complementary cosine of 0:
-    # φ < 0 drops every one of them
-    drop_rest = released and ep.complementary is not None and ep.phi < 0
+    # the released code gives the other columns (DCLR's noise) a complementary cosine of 0,
+    # so its test drops all of them when 0/τ > 20φ, i.e. φ < 0
+    drop_rest = released and ep.complementary is not None and 0.0 > 20 * ep.phi
     if drop_rest:
         logits[:, n_pos:] = 0.0
     pos_logit = logits[ar, diag].clone() if ep.positives else 0.0
@@ -294,23 +297,23 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     return grad.to(c.q.dtype), True
 
 
+def _acc_and_cast_bytes(dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of an accumulate-dtype entry, and of its cast to the GEMM dtype (0 if none)."""
+    acc = accumulate_dtype(dtype)
+    return torch.finfo(acc).bits // 8, 0 if dtype == acc else torch.finfo(dtype).bits // 8
+
+
 def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> int:
-    """torch_chunk's buffers per anchor row: the accumulate-dtype slice, a second one for focal
-    (the cosines) and the released BCE, the cast to the GEMM dtype, the mask's R×N slices."""
-    acc = torch.finfo(accumulate_dtype(dtype)).bits // 8
-    gemm = 0 if dtype == accumulate_dtype(dtype) else torch.finfo(dtype).bits // 8
-    slices = 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
-    per_row = m * (acc * slices + gemm)
-    if ep.complementary is not None:
-        per_row += n_pos * (acc + 1)
-    return per_row
+    """torch_chunk's buffers per anchor row: its accumulate-dtype slices, the cast to the
+    GEMM dtype, the mask's R×N slices."""
+    acc, cast = _acc_and_cast_bytes(dtype)
+    mask = n_pos * (acc + 1) if ep.complementary is not None else 0
+    return m * (acc * _slices(ep) + cast) + mask
 
 
 torch_chunk.row_bytes = _torch_row_bytes
 # The first chunk sizing's bytes per R×M entry (FASTCL_LEGACY=chunks).
-torch_chunk.legacy_entry_bytes = lambda dtype: (torch.finfo(accumulate_dtype(dtype)).bits // 8
-                                                + (0 if dtype == accumulate_dtype(dtype)
-                                                   else torch.finfo(dtype).bits // 8))
+torch_chunk.legacy_entry_bytes = lambda dtype: sum(_acc_and_cast_bytes(dtype))
 
 
 def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
@@ -369,7 +372,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     row_loss = torch.empty(n, dtype=acc, device=device)
     # The engine's fused chain rule (one launch a chunk), unless FASTCL_LEGACY=tangent.
     tangent = None if legacy("tangent") else getattr(engine, "tangent", None)
-    w = inv_q / (denom * h_scale) if tangent is not None else None
+    w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
     g = None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -396,7 +399,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
         if need_q:
             u = _mm(g, keys, acc)
             if factored:
-                u.mul_(inv_q[r0:r1, None] / (denom * h_scale))
+                u.mul_(w[r0:r1, None])
             dq[r0:r1] = _tangent_(u, q, norm_q[r0:r1], rows)
         if need_k:
             q_in = (q * inv_q[r0:r1, None].to(dtype)) if factored else q

@@ -33,6 +33,7 @@ reachable with a large ``chunk_size``.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -469,8 +470,9 @@ def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False) -> li
     return SIM_CONFIGS_BY_ARCH.get(80 if arch < 90 else 90, {}).get(key, SIM_CONFIGS[key])
 
 
-def _arch(device) -> int:
-    major, minor = torch.cuda.get_device_capability(device)
+@functools.lru_cache(maxsize=None)
+def _arch(device_index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device_index)
     return 10 * major + minor
 
 
@@ -483,13 +485,11 @@ def _similarity(f: dict, dtype: torch.dtype, device):
     each objective gets its own choice), the bare kernel under the interpreter."""
     if INTERPRET:
         return _similarity_kernel
-    old = legacy("configs")
-    arch = _arch(device)
-    configs = sim_configs(f, dtype, arch, old)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    configs = sim_configs(f, dtype, _arch(index), legacy("configs"))
     if autotune_pinned():
         configs = configs[:1]
-    key = ("legacy" if old else f"{'fp32' if dtype == torch.float32 else '16bit'}"
-           f"{'-mask' if f['MASK'] else ''}-sm{arch}", len(configs))
+    key = tuple(configs)                   # one autotuner per config list
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(
             configs=[triton.Config({"BLOCK_R": br, "BLOCK_D": bd}, num_warps=w, num_stages=st)
@@ -499,9 +499,9 @@ def _similarity(f: dict, dtype: torch.dtype, device):
 
 
 def chosen_configs() -> dict:
-    """What autotuning picked so far in this process: {list name: {key: config}}."""
-    return {f"_similarity_kernel[{name}]": {str(k): str(v) for k, v in tuner.cache.items()}
-            for (name, _), tuner in _TUNED.items()}
+    """What autotuning picked so far in this process: {config list: {key: config}}."""
+    return {f"_similarity_kernel{list(configs)}": {str(k): str(v) for k, v in tuner.cache.items()}
+            for configs, tuner in _TUNED.items()}
 
 
 def _precision(dtype: torch.dtype) -> str:

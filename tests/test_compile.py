@@ -2,7 +2,9 @@
 
 Triton's interpreter (which the other Triton tests use here) never runs the code generator,
 so a kernel can pass there and fail on the first GPU. ``fastcl.kernels.compile_check``
-compiles every specialization fastcl can launch for sm_80 and sm_90 and reads ptxas's
+compiles every specialization fastcl can launch for sm_80 and sm_90 (``triton.compile`` of an
+``ASTSource`` with ``GPUTarget("cuda", 80 | 90, 32)``: Triton's code generator and ptxas, no
+GPU needed) and reads ptxas's
 report; these tests run it in a separate process (the kernels must be the jitted ones, and
 this process may have ``TRITON_INTERPRET=1``) and fail on any compile error or register
 spill. The default run covers every kernel and flag set (bf16 on sm_90, fp32 on sm_80); the
