@@ -29,20 +29,34 @@ noise). Useful FLOPs count the GEMM work an ideal implementation cannot avoid:
 ``6·N·M·d`` for a loss (similarities, and the two gradient products), plus for DCLR the
 complementary cosines ``2·N·N·d_c`` and the noise update, ``4·N·K·d`` per step
 (similarities and the noise gradient).
+
+The inputs, the one definition every benchmark uses (``run.py`` on CPU and GPU, its
+fresh-process memory figures included, ``ab.py``, ``profile_step.py`` and the
+micro-benchmarks): standard normal anchors h; positives h⁺ = h + 3·noise, a second view
+weakly correlated with the first (cosine ≈ 0.3, like two dropout views of a young encoder),
+so that losses are O(1) and the softmax spreads over many columns; ESCL's sensitive view
+h + 4·noise; independent hard negatives with weight ``w = 0`` (supervised SimCSE, what MNRL
+computes); DCLR's complementary pair c⁺ = c + 0.5·noise and its initial noise drawn here
+(the same for every implementation). Temperature, φ, m and the noise steps are fastcl's
+defaults (:mod:`fastcl.common`).
+
+Results written by the earlier ``bench/cpu_memory.py`` (``bench/results/cpu-memory-*.json``)
+used other inputs: independent positives and sensitive views, ``w = 1`` for the hard
+negatives, and DCLR's noise drawn by fastcl from a generator. The shapes were the same, so
+memory and time are comparable; the loss values are not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
+from fastcl.common import FOCAL_M, NOISE_STEPS, PHI, TEMPERATURE
+
 OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl", "noise")
 IMPLS = ("fastcl", "tiled", "reference", "compiled", "mnrl")
 MNRL_OBJECTIVES = ("infonce", "infonce-hard")
-TEMPERATURE = 0.05
 COMPLEMENTARY_DIM = 384
-NOISE_STEPS = 4
-PHI = 0.9
-FOCAL_M = 0.3
 
 _FUNCTIONS = {"infonce": "infonce", "infonce-hard": "infonce", "focal": "focal_infonce",
               "dclr": "dclr_loss", "escl": "escl_loss", "noise": "dclr_noise"}
@@ -62,16 +76,6 @@ def useful_flops(objective: str, n: int, d: int) -> float:
     if objective == "dclr":
         flops += 2.0 * n * n * COMPLEMENTARY_DIM + NOISE_STEPS * 4.0 * n * n * d
     return flops
-
-
-def auto_backend(x) -> str:
-    """What ``backend="auto"`` resolves to for ``x`` (fastcl's own rule when reachable)."""
-    try:
-        from fastcl.functional import _backend
-        return _backend("auto", x)
-    except Exception:  # the documented rule
-        import importlib.util
-        return "triton" if x.is_cuda and importlib.util.find_spec("triton") else "tiled"
 
 
 def _mnrl():
@@ -179,7 +183,7 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
     else:
         fn = getattr(fastcl, name)
         kwargs["backend"] = "auto" if impl == "fastcl" else impl
-        backend = auto_backend(anchors) if impl == "fastcl" else impl
+        backend = fastcl.resolve_backend(kwargs["backend"], anchors)
         if chunk_size is not None and impl != "reference":
             kwargs["chunk_size"] = chunk_size
 
@@ -199,16 +203,9 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
                 useful_flops(objective, n, d), note)
 
 
-# --------------------------------------------------------------------------- end to end
 
-def bert_config(size: str):
-    """A BERT-shaped encoder config with random weights (nothing is downloaded)."""
-    from transformers import BertConfig
-
-    shapes = {"small": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
-                            intermediate_size=1536),
-              "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=512),
-              "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                           intermediate_size=3072)}
-    return BertConfig(vocab_size=30522, max_position_embeddings=512, **shapes[size])
+def from_spec(spec: dict, device: str) -> Case:
+    """:func:`build` for a spec of ``run.py``'s plan (``kind`` "case")."""
+    return build(spec["objective"], spec["impl"], spec["n"], spec["d"], spec["dtype"], device,
+                 seed=spec.get("seed", 0), compile_dynamic=spec.get("compile_dynamic"),
+                 chunk_size=spec.get("chunk_size"), input_checks=spec.get("input_checks", True))

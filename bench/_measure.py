@@ -1,6 +1,6 @@
 """How the benchmarks measure: fresh-process peak RSS and wall time on CPU, CUDA timing
-and allocator peaks on GPU, and the matmul limit. Shared by ``cpu_memory.py``,
-``run.py`` and the pytest-benchmark suite.
+and allocator peaks on GPU, and the matmul limit. Shared by ``run.py`` (its runner,
+``_runner.py``), ``ab.py`` and ``profile_step.py``.
 
 CPU memory (one fresh Python process per case, see :func:`measure_cpu`):
 
@@ -18,7 +18,7 @@ not a count of tensor bytes; what the warm-up left resident is reported on its o
 (``retained_after_warmup_mib``). If the counter cannot be reset, the very first call of
 the process is the memory run (the row says so in ``memory_method``).
 
-GPU (in one process, see ``run.measure_in_process``): the median of
+GPU (in one process, see ``_runner.measure_in_process``): the median of
 ``triton.testing.do_bench`` (:func:`cuda_time`: CUDA events around each call, L2 flushed
 between calls; plain CUDA events if Triton is missing) and ``torch.cuda.max_memory_allocated``
 after ``reset_peak_memory_stats``, minus the allocation before the call (inputs only, their
@@ -229,6 +229,14 @@ def answer_as_worker(spec_json: str, worker) -> int:
 
 # --------------------------------------------------------------------------- GPU
 
+def sync(device) -> None:
+    """Wait for the device's queued work (CUDA); nothing to wait for on CPU."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def cuda_time(fn, leaves=(), warmup_ms: float = 25, rep_ms: float = 100) -> dict:
     """Median (and 20/80 % quantiles) of ``fn`` in seconds on the current CUDA device."""
     import torch
@@ -283,6 +291,15 @@ def cuda_peak(step, leaves=()) -> tuple[float, object]:
 
 
 # --------------------------------------------------------------------------- matmul limit
+
+def add_throughput(row: dict, mm: dict) -> None:
+    """Useful TFLOP/s of a measured row and, when the matmul limit ``mm`` of its shape was
+    measured, that as a percentage of the ``torch.mm`` throughput."""
+    row["tflops"] = row["flops"] / row["median_s"] / 1e12
+    if mm.get("ok"):
+        row["matmul_tflops"] = mm["tflops"]
+        row["pct_of_matmul"] = 100.0 * row["tflops"] / mm["tflops"]
+
 
 def matmul_limit(n: int, m: int, d: int, dtype, device, calls: int = 1, repeats: int = 3,
                  max_block_elems: int = 2**28) -> dict:

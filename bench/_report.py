@@ -1,12 +1,16 @@
-"""Tables, CSV and plots of benchmark rows (see ``run.py`` for what a row holds)."""
+"""The outputs of a benchmark run: tables, the headline, the legend, JSON, CSV and plots
+(see ``run.py`` for what a row holds)."""
 
 from __future__ import annotations
 
 import csv
+import json
 import math
+import sys
 from pathlib import Path
 
 from _cases import OBJECTIVES
+from _plan import DTYPES
 
 IMPL_STYLE = {  # colour and marker per implementation, the same in every figure
     "fastcl": ("tab:blue", "o"),
@@ -62,20 +66,29 @@ def case_cells(r) -> tuple[list[str], str | None]:
              str(r["d"]), r["dtype"]]
     if not r.get("ok"):
         return cells, ("SKIPPED: " if r.get("skipped") else "ERROR: ") + str(r.get("error", "?"))
-    cells += [f"{r['median_s'] * 1e3:.2f}", _fmt(r.get("first_call_s"), ".2f"),
-              _fmt(r.get("peak_beyond_inputs_mib"), ".1f"), _fmt(r.get("tflops"), ".3g"),
+    peak, nm = r.get("peak_beyond_inputs_mib"), r.get("nm_matrix_mib")
+    cells += [f"{r['median_s'] * 1e3:.2f}", _fmt(r.get("first_call_s"), ".2f"), _fmt(peak, ".1f"),
+              _fmt(peak / nm if peak is not None and nm else None, ".2f"),
+              _fmt(r.get("retained_after_warmup_mib"), ".1f"), _fmt(r.get("tflops"), ".3g"),
               _fmt(r.get("pct_of_matmul"), ".1f"), _fmt(r.get("speedup_vs_reference"), ".2f"),
               _fmt(r.get("memory_ratio_vs_reference"), ".1f"), _fmt(r.get("loss"), ".5g")]
     return cells, None
 
 
 CASE_HEAD = ("objective", "impl", "ran", "N", "M", "d", "dtype", "median ms", "1st call s",
-             "peak MiB", "TFLOP/s", "% mm", "x faster", "x less mem", "loss")
+             "peak MiB", "x N·M", "warm-up MiB", "TFLOP/s", "% mm", "x faster", "x less mem", "loss")
+CASE_TEXT = {0, 1, 2, 6}  # left-aligned columns; the rest are numbers
 
 
 def case_table(rows: list[dict]) -> str:
+    """One line per case row; a figure column that no row fills (for example the warm-up
+    memory, measured only in fresh CPU processes) is left out."""
     body = [case_cells(r) for r in rows if r.get("kind") == "case"]
-    return _render(CASE_HEAD, body, right=set(range(3, len(CASE_HEAD))) - {6})
+    keep = [i for i in range(len(CASE_HEAD))
+            if i < 7 or any(i < len(c) and c[i] for c, err in body if err is None)]
+    body = [([c[i] for i in keep if i < len(c)], err) for c, err in body]
+    return _render([CASE_HEAD[i] for i in keep], body,
+                   right={k for k, i in enumerate(keep) if i not in CASE_TEXT})
 
 
 E2E_HEAD = ("encoder", "loss impl", "ran", "batch N", "seq", "enc fwd ms", "loss ms", "enc bwd ms",
@@ -112,6 +125,119 @@ def write_csv(rows: list[dict], path: Path) -> None:
         for r in rows:
             w.writerow({k: (";".join(f"{x:.6g}" for x in v) if isinstance(v, list) else v)
                         for k, v in r.items()})
+
+
+# --------------------------------------------------------------------------- run outputs
+
+def headline(rows) -> list[dict]:
+    """Per objective: at the largest N where both ran, fastcl vs the eager reference."""
+    out = []
+    for objective in OBJECTIVES:
+        for dtype in DTYPES:
+            both = [r for r in rows if r.get("kind") == "case" and r["objective"] == objective
+                    and r["impl"] == "fastcl" and r["dtype"] == dtype and r.get("ok")
+                    and r.get("speedup_vs_reference") is not None]
+            if not both:
+                continue
+            d_main = max({r["d"] for r in both}, key=lambda d: sum(r["d"] == d for r in both))
+            r = max((r for r in both if r["d"] == d_main), key=lambda r: r["n"])
+            fast = [x for x in rows if x.get("kind") == "case" and x["objective"] == objective
+                    and x["impl"] == "fastcl" and x["dtype"] == dtype and x.get("ok")]
+            largest = max(fast, key=lambda x: x["n"])
+            out.append({"objective": objective, "dtype": dtype, "d": r["d"], "n": r["n"],
+                        "backend": r.get("backend"),
+                        "speedup_vs_reference": r["speedup_vs_reference"],
+                        "memory_ratio_vs_reference": r.get("memory_ratio_vs_reference"),
+                        "pct_of_matmul": r.get("pct_of_matmul"),
+                        "best_pct_of_matmul": max((x.get("pct_of_matmul") or 0) for x in fast),
+                        "largest_n_fastcl": largest["n"]})
+    return out
+
+
+def headline_text(items) -> str:
+    lines = []
+    for h in items:
+        mem = h.get("memory_ratio_vs_reference")
+        lines.append(f"  {h['objective']:<12} {h['dtype']:<8} d={h['d']} N={h['n']} ({h['backend']}): "
+                     f"{h['speedup_vs_reference']:.2f}x the eager reference's speed"
+                     + (f", {mem:.1f}x less memory" if mem else "")
+                     + (f", {h['pct_of_matmul']:.1f}% of matmul" if h.get("pct_of_matmul") else "")
+                     + f"; best {h['best_pct_of_matmul']:.1f}% of matmul; ran up to N={h['largest_n_fastcl']}")
+    return "\n".join(lines)
+
+
+def write_outputs(report: dict, rows: list[dict], stem: Path, plots: bool) -> list[Path]:
+    add_ratios(rows)
+    report["results"] = rows
+    report["headline"] = headline(rows)
+    report["matmul"] = list(report.get("matmul_cache", {}).values())
+    written = []
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    js = Path(f"{stem}.json")
+    tmp = Path(f"{stem}.json.tmp")
+    tmp.write_text(json.dumps({k: v for k, v in report.items() if k != "matmul_cache"}, indent=1,
+                              default=str) + "\n")
+    tmp.replace(js)
+    written.append(js)
+    if rows:
+        csv_path = Path(f"{stem}.csv")
+        write_csv(rows, csv_path)
+        written.append(csv_path)
+    if plots and any(r.get("kind") == "case" and r.get("ok") for r in rows):
+        env = report["environment"]
+        label = (env.get("gpu_model") if report["device"] == "cuda"
+                 else f"{env.get('cpu_model')}, threads={env.get('cpu_threads')}")
+        mem_label = ("torch.cuda.max_memory_allocated delta" if report["device"] == "cuda"
+                     else "peak RSS of a fresh process per case")
+        if report.get("in_process") and report["device"] != "cuda":
+            mem_label = "not measured (in-process)"
+        for metric in ("time", "memory", "pct"):
+            if metric == "memory" and report.get("in_process") and report["device"] != "cuda":
+                continue
+            path = Path(f"{stem}-{metric}.png")
+            try:
+                if plot(rows, path, metric, label, mem_label):
+                    written.append(path)
+            except Exception as exc:  # a plot must never lose the measurements
+                print(f"plot {metric} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return written
+
+
+def print_tables(rows):
+    add_ratios(rows)
+    print()
+    print(case_table(rows))
+    e2e = e2e_table(rows)
+    if e2e:
+        print("\nEnd to end: one training step (encoder forward, loss forward+backward, encoder backward)")
+        print(e2e)
+
+
+def legend(device: str, in_process: bool, rows: list[dict], malloc_env: dict | None) -> str:
+    fresh = device != "cuda" and not in_process
+    in_units = "x N·M = that in units of one N×M float32 matrix"
+    if device == "cuda":
+        mem = ("peak MiB = torch.cuda.max_memory_allocated during one call minus the allocation "
+               f"before it (inputs); {in_units}")
+    elif in_process:
+        mem = "peak MiB = not measured (in-process)"
+    else:
+        mem = (f"peak MiB = peak RSS of a fresh process beyond its RSS once the inputs exist; {in_units};"
+               "\nwarm-up MiB = part of it already resident before the measured call (left by the "
+               "warm-up: libraries, thread pools)")
+    text = ("median ms = median forward+backward time; 1st call s = the first call of the case "
+            "(compilation, autotuning, lazy init);\n" + mem + ";\nTFLOP/s = useful FLOPs "
+            "(6·N·M·d per loss; DCLR adds the mask and the noise update) / median time; % mm = that / "
+            "torch.mm throughput on (N×d)@(d×M) in the same dtype, measured in this run;\n"
+            "x faster, x less mem = the eager reference's time and memory over this row's; "
+            "loss = the value of the last call")
+    if fresh:
+        methods = sorted({r["memory_method"] for r in rows
+                          if r.get("kind") == "case" and r.get("memory_method")})
+        text += ("\nmemory method: " + "; ".join(methods or ["none (no case succeeded)"])
+                 + " | malloc: " + (" ".join(f"{k}={v}" for k, v in (malloc_env or {}).items())
+                                    or "glibc defaults"))
+    return text
 
 
 # --------------------------------------------------------------------------- plots

@@ -38,9 +38,10 @@ from pathlib import Path
 
 import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
 import _report
-from _cases import NOISE_STEPS, num_candidates
-from _measure import default_threads, matmul_limit, select_device
-from run import _sync, _build, device_slug, environment, measure_in_process
+from _cases import NOISE_STEPS, from_spec, num_candidates
+from _env import device_slug, environment
+from _measure import add_throughput, default_threads, matmul_limit, select_device, sync
+from _runner import measure_in_process
 
 HERE = Path(__file__).resolve().parent
 try:                    # the switches this fastcl offers, else the first four it had
@@ -95,9 +96,9 @@ def chosen_configs():
 
 def noise_result(spec: dict, device: str):
     """The noise the update returns for this spec (one more call, for the comparison)."""
-    case = _build(spec, device)
+    case = from_spec(spec, device)
     z = case.step().detach().float()
-    _sync(device)
+    sync(device)
     return z
 
 
@@ -126,10 +127,7 @@ def measure_variant(spec, variant, device, args, mm) -> tuple[dict, object]:
     row.update(measure_in_process(spec, device, args.warmup_ms, args.rep_ms))
     z = None
     if row.get("ok"):
-        row["tflops"] = row["flops"] / row["median_s"] / 1e12
-        if mm.get("ok"):
-            row["matmul_tflops"] = mm["tflops"]
-            row["pct_of_matmul"] = 100.0 * row["tflops"] / mm["tflops"]
+        add_throughput(row, mm)
         if spec["objective"] == "noise":
             try:
                 z = noise_result(spec, device)

@@ -38,9 +38,9 @@ from pathlib import Path
 import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
 import _report
 from _cases import build
-from _measure import default_threads, select_device
+from _env import device_slug, environment
+from _measure import default_threads, select_device, sync
 from ab import chosen_configs, legacy_switches, set_legacy
-from run import _sync, device_slug, environment
 
 HERE = Path(__file__).resolve().parent
 DESIGNS = {"new": "", "legacy all": "all"}
@@ -139,17 +139,17 @@ def profile_design(variant: str, n: int, d: int, dtype: str, device: str) -> dic
     out = {"fastcl_legacy": variant, "backend": case.backend}
     t0 = time.perf_counter()
     case.step()                                          # warm-up: autotuning, compilation
-    _sync(device)
+    sync(device)
     out["first_call_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     case.step()
-    _sync(device)
+    sync(device)
     out["wall_unprofiled_ms"] = (time.perf_counter() - t0) * 1e3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with recorded_chunks() as seen, profile(activities=activities) as prof:
         t0 = time.perf_counter()
         loss = case.step()
-        _sync(device)
+        sync(device)
         out["wall_ms"] = (time.perf_counter() - t0) * 1e3
     out["loss"] = float(loss.detach())
     out.update(breakdown(prof, gpu))

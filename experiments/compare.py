@@ -131,6 +131,8 @@ def train_command(args, method: str, seed: int, data: Path, out: Path, resume: b
            "--eval-batch-size", str(args.eval_batch_size)]
     if args.device:
         cmd += ["--device", args.device]
+    if args.keep_checkpoints:
+        cmd += ["--keep-checkpoint"]
     if method == "dclr":
         cmd += ["--complementary", str(Path(args.work_dir) / "runs" / f"simcse-seed{seed}"),
                 "--complementary-pooler", EXPORT_POOLER]
@@ -209,8 +211,6 @@ def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict) 
     else:
         timing = out / "compare_timing.json"
         train_s = json.loads(timing.read_text())["train_s"] if timing.is_file() else None
-    if not args.keep_checkpoints and (out / "checkpoint.pt").is_file():
-        (out / "checkpoint.pt").unlink()
     print(f"[{name}] evaluating {out}", flush=True)
     tic = time.perf_counter()
     result = score(str(out), args, cache)

@@ -40,7 +40,7 @@ for folder in (REPO, HERE):
 from compare import default_model  # noqa: E402
 from fastcl import reference  # noqa: E402
 from fastcl.encoders import load_encoder, tokenize  # noqa: E402
-from fastcl.training import read_sentences  # noqa: E402
+from fastcl.data import read_sentences  # noqa: E402
 
 SHARED_WIKI = REPO.parent / "shared" / "data" / "wiki" / "wiki1m_for_simcse.random10k.txt"
 

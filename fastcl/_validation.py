@@ -85,6 +85,13 @@ def non_negative_int(name: str, value) -> int:
     return value
 
 
+def flag(name: str, value) -> bool:
+    """A switch: True or False (a tensor or a string here is a mistake, not a truth value)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def choice(name: str, value, options) -> str:
     if value not in options:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")

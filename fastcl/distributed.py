@@ -1,29 +1,30 @@
-"""Global negatives across processes (``torch.distributed``).
+"""Data parallelism with global negatives across processes (``torch.distributed``).
 
-Each process embeds its equal share of the global batch. The candidates of every anchor
-(positives, hard negatives, DCLR's complementary embeddings) are gathered from all processes
-*with gradient*; each process computes the loss of its own anchors against all candidates
-(fastcl's ``anchor_offset``), the mean over its anchors. Gradients are then averaged over the
-processes (:func:`average_gradients`). The gather's backward sums every process's gradient
-contributions to a shard, so with equal shares the averaged gradient is exactly the gradient of
-the global mean loss over the concatenated batch, as in single-process training.
+Each process embeds its equal share of the global batch. :func:`global_views` gathers the
+candidates of every anchor (positives, hard negatives, DCLR's complementary c⁺) from all
+processes *with gradient*; each process then computes the loss of its own anchors against
+all candidates (fastcl's ``anchor_offset``), the mean over its anchors, with the one
+objective dispatch (:func:`fastcl.objectives.objective_loss`). Gradients are then averaged
+over the processes (:func:`average_gradients`). The gather's backward sums every process's
+gradient contributions to a shard, so with equal shares the averaged gradient is exactly the
+gradient of the global mean loss over the concatenated batch, as in single-process training.
 
-DCLR's noise is drawn once per step from the gathered (detached) anchors and positives with a
-generator seeded identically on every process, so every process uses the same noise, the one
-single-process training on the concatenated batch would draw.
+A method whose entry asks for ``global_anchors`` (DCLR, for its noise) also receives every
+process's anchors, detached: the noise is then drawn and improved from them with a
+generator seeded identically on every process, the noise single-process training on the
+concatenated batch would use.
+
+Process plumbing for the trainer is here too: joining the group ``torchrun`` describes
+(:func:`init_from_environment`), rank and world size, per-process dropout seeds, and
+agreeing on a stop signal.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
-
-import fastcl
-from fastcl import reference
-
-
-def is_active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -65,45 +66,25 @@ def gather(x: torch.Tensor, group=None) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def global_loss(obj, views: dict, group=None) -> torch.Tensor:
-    """This process's share of the method's loss (mean over its own anchors) against the
-    candidates of all processes; ``obj`` is a :class:`fastcl.training.Objective`, ``views``
-    the local views of :func:`fastcl.training.embed_views`. Every process must hold the
-    same number of examples."""
-    h, h_pos = views["anchors"], views["positives"]
-    n = h.shape[0]
-    sizes = [None] * dist.get_world_size(group)
-    dist.all_gather_object(sizes, n, group=group)
+def global_views(obj, views: dict, group=None) -> tuple[dict, int]:
+    """The views this process's loss needs against the candidates of all processes, and the
+    offset of its anchors among them. ``obj`` is a :class:`fastcl.objectives.Objective`,
+    ``views`` the local views of :func:`fastcl.training.embed_views`. Every process must
+    hold the same number of examples."""
+    n = views["anchors"].shape[0]
+    sizes = gather_objects(n, group)
     if len(set(sizes)) != 1:
         raise ValueError(f"every process needs the same number of examples, got {sizes}")
-    offset = dist.get_rank(group) * n
-    positives = gather(h_pos, group)
-    t = obj.temperature
-    if obj.method == "simcse":
-        return fastcl.infonce(h, positives, temperature=t, anchor_offset=offset)
-    if obj.method == "simcse-sup":
-        neg = views.get("negatives")
-        negatives = None if neg is None else gather(neg, group)
-        return fastcl.infonce(h, positives, negatives, temperature=t, anchor_offset=offset,
-                              hard_negative_weight=obj.hard_negative_weight if neg is not None else 0.0)
-    if obj.method == "focal":
-        return fastcl.focal_infonce(h, positives, temperature=t, m=obj.m, anchor_offset=offset)
-    if obj.method == "escl":
-        return fastcl.escl_loss(h, positives, views["sensitive"], temperature=t,
-                                weight=obj.rd_weight, rd=obj.rd, anchor_offset=offset)
-    # dclr: the noise of single-process training on the concatenated batch, on every process
-    anchors = gather(h.detach(), group)
-    num = reference.noise_count(obj.noise_ratio, anchors.shape[0], obj.formulation)
-    noise = fastcl.dclr_noise(anchors, positives.detach(), num, steps=obj.noise_steps,
-                              lr=obj.noise_lr, std=obj.noise_std, temperature=t,
-                              generator=obj.generator, formulation=obj.formulation)
-    comp = views.get("complementary")
-    if comp is not None:
-        c, c_pos = (x.to(h.dtype) for x in comp)
-        comp = (c, gather(c_pos.detach(), group))
-    return fastcl.dclr_loss(h, positives, complementary=comp, phi=obj.phi, noise=noise,
-                            noise_steps=0, temperature=t, formulation=obj.formulation,
-                            anchor_offset=offset)
+    out = dict(views)
+    out["positives"] = gather(views["positives"], group)
+    if views.get("negatives") is not None:
+        out["negatives"] = gather(views["negatives"], group)
+    if views.get("complementary") is not None:
+        c, c_pos = views["complementary"]
+        out["complementary"] = (c, gather(c_pos.detach(), group))
+    if obj.spec.global_anchors:
+        out["all_anchors"] = gather(views["anchors"].detach(), group)
+    return out, dist.get_rank(group) * n
 
 
 def average_gradients(params, group=None) -> None:
@@ -136,3 +117,55 @@ def broadcast_parameters(module: torch.nn.Module, group=None) -> None:
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(t.data, src=0, group=group)
+
+
+def gather_objects(obj, group=None) -> list:
+    """``obj`` of every process, in rank order."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Process plumbing (torchrun)
+
+def world_and_rank() -> tuple[int, int]:
+    """(number of processes, this process's rank); (1, 0) outside ``torch.distributed``."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def launched() -> bool:
+    """Whether a launcher (``torchrun``) started several processes (WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def default_device() -> str:
+    """cuda (this process's LOCAL_RANK GPU under a launcher) when there is one, else cpu."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if launched() else "cuda"
+
+
+def init_from_environment(device: str | None = None) -> None:
+    """Join the process group that ``torchrun`` describes (WORLD_SIZE > 1 in the
+    environment): NCCL on GPUs, gloo on CPU. Nothing to do for a single process."""
+    if not launched() or dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+
+
+def seed_dropout(seed: int, rank: int) -> None:
+    """Give each process its own dropout masks (the same seed on all would repeat them)."""
+    torch.manual_seed(seed * 1_000_003 + rank)
+
+
+def agreed_signal(signum: int | None, device) -> int | None:
+    """The stop signal any process received (all stop after the same step), or None."""
+    t = torch.tensor([signum or 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t) or None

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -139,11 +140,12 @@ def tokenize(tokenizer, sentences, max_length: int, device=None) -> dict:
 
 @torch.no_grad()
 def encode(encoder: SentenceEncoder, tokenizer, sentences, *, batch_size: int = 64,
-           max_length: int | None = None) -> torch.Tensor:
+           max_length: int | None = None, on_batch=None) -> torch.Tensor:
     """Embed ``sentences`` in eval mode (no dropout); returns a float32 CPU tensor (N×d).
 
     Sentences are batched in order of length (less padding) and returned in input order.
     Longer inputs are truncated to ``max_length`` tokens (default: the model's limit).
+    ``on_batch(n)`` is called after each batch of n sentences (a progress bar's update).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -163,6 +165,8 @@ def encode(encoder: SentenceEncoder, tokenizer, sentences, *, batch_size: int = 
             emb = encoder(**feats).float().cpu()
             for row, i in enumerate(idx):
                 out[i] = emb[row]
+            if on_batch is not None:
+                on_batch(len(idx))
     finally:
         encoder.train(was_training)
     return torch.stack(out)
@@ -330,6 +334,182 @@ def _sentence_transformers_modules(stage: Path, pooler: str, dim: int, num_layer
     return modules
 
 
+def sentence_transformers_config() -> dict:
+    """``config_sentence_transformers.json`` as sentence-transformers writes it: the versions
+    the export was written with, no prompts, cosine similarity."""
+    from importlib import metadata
+
+    versions = {}
+    for key, package in (("sentence_transformers", "sentence-transformers"),
+                         ("transformers", "transformers"), ("pytorch", "torch")):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[key] = torch.__version__ if package == "torch" else metadata.version(package)
+    return {"model_type": "SentenceTransformer", "__version__": versions, "prompts": {},
+            "default_prompt_name": None, "similarity_fn_name": "cosine"}
+
+
+# ---------------------------------------------------------------------------------------
+# Model card
+
+# How the embedding is read off ``AutoModel``'s output ``out`` for each pooler.
+_MASKED_MEAN = ('mask = batch["attention_mask"].unsqueeze(-1).float()\n'
+                'embeddings = (states * mask).sum(1) / mask.sum(1)')
+_TRANSFORMERS_POOLING = {
+    "cls_before_pooler": "embeddings = out.last_hidden_state[:, 0]  # the raw CLS state",
+    "avg": "states = out.last_hidden_state\n" + _MASKED_MEAN,
+    "avg_first_last": "states = (out.hidden_states[1] + out.hidden_states[-1]) / 2\n" + _MASKED_MEAN,
+    "avg_top2": "states = (out.hidden_states[-2] + out.hidden_states[-1]) / 2\n" + _MASKED_MEAN,
+}
+_CLS_POOLER_OUTPUT = "embeddings = out.pooler_output  # the CLS state through the trained MLP (Linear + Tanh)"
+_CLS_DENSE = ('from safetensors.torch import load_file\n'
+              f'head = load_file(f"{{path}}/{HEAD_DIR}/model.safetensors")  # the trained MLP\n'
+              'embeddings = torch.tanh(out.last_hidden_state[:, 0] @ head["linear.weight"].T\n'
+              '                        + head["linear.bias"])')
+
+
+def _number(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, float):
+        return str(value)
+    return "n/a" if value != value else format(value, "g")
+
+
+@dataclass
+class ModelCard:
+    """What a model card (the export's ``README.md``) says beyond what the export itself
+    knows; every field is optional and a section without its facts is left out.
+
+    ``method`` is a key of :data:`fastcl.citations.METHODS` (its paper is cited);
+    ``hyperparameters`` the objective's and ``training`` the run's settings (name → value);
+    ``data`` the training data (a path or a dataset name) and ``examples`` how many examples
+    it gave; ``step`` the exported step of ``total_steps``, chosen as ``selection`` says;
+    ``dev_scores`` / ``test_scores`` Spearman ×100 per task, ``dev_metrics`` other dev
+    numbers (alignment, uniformity); ``citations`` more BibTeX entries to cite.
+    """
+
+    base_model: str | None = None
+    method: str | None = None
+    hyperparameters: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+    data: str | None = None
+    examples: int | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    selection: str | None = None
+    dev_scores: dict = field(default_factory=dict)
+    dev_metrics: dict = field(default_factory=dict)
+    test_scores: dict = field(default_factory=dict)
+    citations: tuple = ()
+
+    def hub_base_model(self) -> str | None:
+        """The base model as a Hugging Face hub name; None for a local folder."""
+        name = self.base_model
+        if not name or Path(name).expanduser().exists() or _looks_like_path(name):
+            return None
+        return name
+
+    def render(self, path, pooler: str, dim: int, max_seq_length: int, *,
+               pooler_output: bool = False) -> str:
+        """The card of the export in ``path`` (its pooler, width and input limit);
+        ``pooler_output``: the model's own pooler holds the ``cls`` MLP head."""
+        from .citations import METHODS
+
+        path = str(path)
+        name, paper, bibtex = METHODS[self.method] if self.method else (None, None, None)
+        tags = ["sentence-transformers", "sentence-similarity", "feature-extraction", "fastcl"]
+        tags += [self.method] if self.method else []
+        front = ["---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
+                 "tags:", *(f"- {t}" for t in tags)]
+        if self.hub_base_model():
+            front.append(f"base_model: {json.dumps(self.hub_base_model())}")
+        lines = [*front, "---", ""]
+        base = Path(self.base_model).name if self.base_model else None
+        lines.append(f"# {name or 'Sentence'} encoder" + (f" from {base}" if base else ""))
+        lines += ["", "A sentence encoder trained with fastcl"
+                      + (f" with the {name} objective ({paper})" if name else "")
+                      + f". It maps a sentence to a {dim}-dimensional vector (pooler `{pooler}`, "
+                      f"inputs up to {max_seq_length} tokens); compare vectors by cosine similarity.",
+                  ""]
+        lines += self._training(pooler) + self._evaluation(path)
+        lines += self._usage(path, pooler, pooler_output)
+        cited = ([bibtex] if bibtex else []) + list(self.citations)
+        if cited:
+            lines += ["## Citation", "", "```bibtex", "\n\n".join(c.strip() for c in cited), "```", ""]
+        return "\n".join(lines).rstrip("\n") + "\n"
+
+    def _training(self, pooler: str) -> list:
+        facts = []
+        if self.base_model:
+            facts.append(f"- **Base model:** `{self.base_model}`")
+        if self.method:
+            facts.append(f"- **Method:** `{self.method}`")
+        if self.data:
+            facts.append(f"- **Data:** `{self.data}`"
+                         + (f", {self.examples} examples" if self.examples is not None else ""))
+        if self.step is not None:
+            facts.append(f"- **Steps:** the model of step {self.step}"
+                         + (f" of {self.total_steps}" if self.total_steps else "")
+                         + (f", {self.selection}" if self.selection else ""))
+        facts.append(f"- **Pooler:** `{pooler}`")
+        lines = ["## Training", "", *facts, ""]
+        for title, table in (("Hyper-parameters of the method", self.hyperparameters),
+                             ("Training settings", self.training)):
+            if table:
+                lines += [f"### {title}", "", "| name | value |", "| --- | --- |",
+                          *(f"| `{k}` | {_number(v)} |" for k, v in table.items()), ""]
+        return lines
+
+    def _evaluation(self, path: str) -> list:
+        lines = ["## Evaluation", ""]
+        for title, scores, extra in (("Dev", self.dev_scores, self.dev_metrics),
+                                     ("Test", self.test_scores, {})):
+            lines += [f"### {title}", ""]
+            if scores:
+                lines += ["Spearman correlation ×100 of cosine similarities (SentEval's protocol)"
+                          + (f", at step {self.step}" if title == "Dev" and self.step else "") + ":",
+                          "", "| task | Spearman ×100 |", "| --- | --- |",
+                          *(f"| {k} | {_number(v)} |" for k, v in scores.items()), ""]
+                if extra:
+                    lines += [", ".join(f"{k}: {_number(v)}" for k, v in extra.items())
+                              + " (on STS-B dev; lower is better).", ""]
+            elif title == "Dev":
+                lines += ["No dev evaluation was run (the trainer's `--sts-dir` scores STS-B "
+                          "dev during training).", ""]
+            else:
+                lines += ["Not computed during training. The seven STS tasks (STS12-16, STS-B, "
+                          "SICK-R), with the data in DIR:", "", "```bash",
+                          f"python -m fastcl.evaluate {path} --sts-dir DIR", "```", ""]
+        return lines
+
+    @staticmethod
+    def _usage(path: str, pooler: str, pooler_output: bool) -> list:
+        if pooler == "cls":
+            pooling = _CLS_POOLER_OUTPUT if pooler_output else _CLS_DENSE
+        else:
+            pooling = _TRANSFORMERS_POOLING[pooler]
+        hidden = ", output_hidden_states=True" if pooler in ("avg_first_last", "avg_top2") else ""
+        sentences = '["A man is playing a guitar.", "Someone plays an instrument."]'
+        return [
+            "## Usage", "", "### Sentence Transformers", "", "```python",
+            "from sentence_transformers import SentenceTransformer", "",
+            f'model = SentenceTransformer("{path}")',
+            f"embeddings = model.encode({sentences})",
+            "print(model.similarity(embeddings, embeddings))", "```", "",
+            "### Transformers", "", "```python", "import torch",
+            "from transformers import AutoModel, AutoTokenizer", "",
+            f'path = "{path}"',
+            "tokenizer = AutoTokenizer.from_pretrained(path)",
+            "model = AutoModel.from_pretrained(path).eval()",
+            f"batch = tokenizer({sentences}, padding=True, truncation=True, return_tensors=\"pt\")",
+            "with torch.no_grad():",
+            f"    out = model(**batch{hidden})",
+            pooling,
+            "print(torch.nn.functional.cosine_similarity(embeddings[0], embeddings[1], dim=0))",
+            "```", "", "### fastcl", "", "```python",
+            "from fastcl.encoders import encode, load_encoder", "",
+            f'encoder, tokenizer = load_encoder("{path}", "{pooler}")',
+            f"embeddings = encode(encoder, tokenizer, {sentences})", "```", ""]
+
+
 # Exports live in versions under VERSIONS_DIR; ``VERSIONS_DIR/current`` is a symbolic link to
 # the complete one, and every top-level entry of the export (config.json, model.safetensors,
 # 2_Dense, ...) is a link through it. Switching ``current`` with one rename switches them all.
@@ -449,14 +629,17 @@ def _publish(stage: Path, out_dir: Path) -> None:
 
 
 def save_sentence_encoder(out_dir, backbone, tokenizer, pooler: str, head: MLPHead | None = None,
-                          *, max_seq_length: int | None = None) -> Path:
+                          *, max_seq_length: int | None = None, card: ModelCard | None = None) -> Path:
     """Write ``backbone`` + ``tokenizer`` (``save_pretrained``) and sentence-transformers config.
 
     Modules: Transformer → [WeightedLayerPooling for avg_first_last / avg_top2] → Pooling
     (CLS token or masked mean) → [Dense(d, d, Tanh) holding ``head`` for ``cls``]. For ``cls``
     the head is also written into the model's own Linear + Tanh pooler when it has one, so
     ``AutoModel(...)(...).pooler_output`` is the embedding too (SimCSE's convention).
-    The whole export is staged in ``OUT_DIR/.model/`` and published at once (see
+    ``config_sentence_transformers.json`` holds sentence-transformers' model settings
+    (cosine similarity, no prompts) and ``README.md`` the model card: ``card`` (a
+    :class:`ModelCard`, as the trainer fills it) or, without it, a card with what the export
+    itself knows (pooler, width, how to load it). The whole export is staged in ``OUT_DIR/.model/`` and published at once (see
     :func:`_publish`): the top-level entries are links into the current version, so a reader
     (or a crash) never sees files of two exports side by side.
     """
@@ -486,5 +669,9 @@ def save_sentence_encoder(out_dir, backbone, tokenizer, pooler: str, head: MLPHe
         st_config["config_args"] = {"output_hidden_states": True}
     _write_json(stage / "sentence_bert_config.json", st_config)
     _write_json(stage / "fastcl_pooler.json", {"pooler": pooler})
+    _write_json(stage / "config_sentence_transformers.json", sentence_transformers_config())
+    (stage / "README.md").write_text((card or ModelCard()).render(
+        out_dir, pooler, config.hidden_size, st_config["max_seq_length"],
+        pooler_output=pooler == "cls" and model_pooler_head(backbone) is not None), encoding="utf-8")
     _publish(stage, out_dir)
     return out_dir

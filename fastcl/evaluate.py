@@ -21,14 +21,26 @@ Data layout under ``sts_dir`` (SentEval's own ``downstream/`` names are also acc
 Command line::
 
     python -m fastcl.evaluate MODEL [--pooler cls_before_pooler] --sts-dir DIR [--tasks ...] [--json OUT]
+
+Without ``--pooler`` the pooler is the one a fastcl export records (``fastcl_pooler.json``),
+else the one of a sentence-transformers folder's Pooling module (CLS token: ``cls_before_pooler``;
+mean of tokens: ``avg``). A progress bar per task goes to stderr (``--quiet``: none). The exit
+status is non-zero, with the reason, when no task file exists or a score is undefined (NaN).
+
+:func:`evaluate_embeddings` scores the embeddings of any embedding function under this
+protocol; :func:`evaluate` (a Hugging Face encoder) and
+:class:`fastcl.integrations.sentence_transformers_evaluation.SentEvalSTSEvaluator` (a
+``SentenceTransformer``, inside ``SentenceTransformerTrainer``) both use it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +48,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
+from tqdm import tqdm
 
+from .data import text_lines
 from .encoders import POOLERS, SentenceEncoder, check_pooler, encode, load_encoder
 from .metrics import alignment, uniformity
 
@@ -64,19 +78,6 @@ class STSPairs:
 
     def __len__(self) -> int:
         return len(self.scores)
-
-
-def _lines(path: Path) -> list:
-    """Lines of a UTF-8 file split on LF only, with a trailing CR removed (CRLF files)."""
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            lines = f.read().split("\n")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}: "
-                         f"{err.object[err.start:err.start + 4]!r})") from None
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 def _norm(sentence: str) -> str:
@@ -118,7 +119,7 @@ def load_sts_year(folder, task: str = "sts") -> STSPairs:
         gold_path = folder / f"STS.gs.{subset}.txt"
         if not gold_path.is_file():
             raise FileNotFoundError(f"{path} has no gold file {gold_path.name}")
-        pairs, gold = _lines(path), _lines(gold_path)
+        pairs, gold = text_lines(path), text_lines(gold_path)
         if len(pairs) != len(gold):
             raise ValueError(f"{path} has {len(pairs)} lines but {gold_path.name} has {len(gold)}")
         for lineno, (pair, g) in enumerate(zip(pairs, gold), 1):
@@ -141,7 +142,7 @@ def load_stsb(path, task: str = "stsb") -> STSPairs:
     """
     path = Path(path)
     s1, s2, scores = [], [], []
-    for lineno, line in enumerate(_lines(path), 1):
+    for lineno, line in enumerate(text_lines(path), 1):
         fields = line.split("\t")
         if len(fields) < 7:
             raise ValueError(f"{path}:{lineno}: expected at least 7 tab-separated fields, "
@@ -155,7 +156,7 @@ def load_stsb(path, task: str = "stsb") -> STSPairs:
 def load_sick(path, task: str = "sickr") -> STSPairs:
     """A SICK file: tab-separated with a header; columns sentence_A, sentence_B, relatedness_score."""
     path = Path(path)
-    lines = _lines(path)
+    lines = text_lines(path)
     if not lines:
         raise ValueError(f"{path}: empty file")
     header = lines[0].lstrip("\ufeff").split("\t")
@@ -226,9 +227,64 @@ def rounded_average(scores: dict):
     return float(np.mean([round(s, 2) for s in scores.values()]))
 
 
+def undefined_reason(emb1: torch.Tensor, emb2: torch.Tensor) -> str:
+    """Why the cosines of these embeddings have no rank correlation with the gold scores."""
+    if not (torch.isfinite(emb1).all() and torch.isfinite(emb2).all()):
+        return "the embeddings contain NaN or Inf"
+    return "the model gives every pair the same cosine (constant embeddings?)"
+
+
+def evaluate_embeddings(embed, sts_dir, tasks=SEVEN, *, metrics: bool = False,
+                        data: dict | None = None) -> dict:
+    """Score an embedding function on STS tasks under SentEval's protocol.
+
+    Args:
+        embed: ``embed(task, sentences) -> N×d`` embeddings (a tensor or an array), row ``i``
+            for ``sentences[i]``. Called once per task with both sides of every pair
+            (``sentences1 + sentences2``).
+        sts_dir: the data folder (layout in the module docstring).
+        tasks: names from ``sts12 sts13 sts14 sts15 sts16 stsb sickr stsb-dev sickr-dev``.
+        metrics: also give alignment and uniformity per task.
+        data: optional cache ``task -> STSPairs`` (filled as tasks are read).
+
+    Returns ``{"scores": {task: spearman×100}, "pairs": {task: n}, "missing": {task: why},
+    "avg": mean of rounded scores or None, "metrics": {task: {"alignment", "uniformity"}},
+    "undefined": {task: why}}``. Missing task files are reported in ``missing`` and skipped;
+    a score that is NaN (constant or non-finite embeddings) is kept in ``scores`` and its
+    reason given in ``undefined``.
+    """
+    tasks = check_tasks(tasks)
+    result = {"scores": {}, "pairs": {}, "missing": {}, "avg": None, "metrics": {}, "undefined": {}}
+    data = {} if data is None else data
+    for task in tasks:
+        if task not in data:
+            try:
+                data[task] = load_task(sts_dir, task)
+            except FileNotFoundError as err:
+                result["missing"][task] = str(err)
+                continue
+        pairs = data[task]
+        emb = torch.as_tensor(embed(task, pairs.sentences1 + pairs.sentences2))
+        if emb.ndim != 2 or emb.shape[0] != 2 * len(pairs):
+            raise ValueError(f"{task}: embed gave shape {tuple(emb.shape)} for "
+                             f"{2 * len(pairs)} sentences; expected ({2 * len(pairs)}, d)")
+        emb1, emb2 = emb[:len(pairs)], emb[len(pairs):]
+        with warnings.catch_warnings():  # constant cosines: the reason goes in "undefined"
+            warnings.filterwarnings("ignore", message="An input array is constant")
+            score = cosine_spearman(emb1, emb2, pairs.scores)
+        result["scores"][task] = score
+        result["pairs"][task] = len(pairs)
+        if not math.isfinite(score):
+            result["undefined"][task] = undefined_reason(emb1, emb2)
+        if metrics:
+            result["metrics"][task] = alignment_uniformity(emb1, emb2, pairs.scores)
+    result["avg"] = rounded_average(result["scores"])
+    return result
+
+
 def evaluate(model, tokenizer, pooler: str, sts_dir, tasks=SEVEN, *, head=None,
              batch_size: int = 64, max_length: int | None = None, metrics: bool = False,
-             data: dict | None = None) -> dict:
+             data: dict | None = None, progress: bool = False) -> dict:
     """Score a Hugging Face encoder on STS tasks.
 
     Args:
@@ -240,39 +296,31 @@ def evaluate(model, tokenizer, pooler: str, sts_dir, tasks=SEVEN, *, head=None,
         tasks: names from ``sts12 sts13 sts14 sts15 sts16 stsb sickr stsb-dev sickr-dev``.
         metrics: also give alignment and uniformity per task.
         data: optional cache ``task -> STSPairs`` (filled as tasks are read).
+        progress: show a progress bar per task on stderr (the command line does; off by
+            default so that callers such as the trainer's dev evaluation stay quiet).
 
-    Returns ``{"scores": {task: spearman×100}, "pairs": {task: n}, "missing": {task: why},
-    "avg": mean of rounded scores or None, "metrics": {task: {"alignment", "uniformity"}}}``.
-    Missing task files are reported in ``missing`` and skipped.
+    Returns the dict of :func:`evaluate_embeddings`.
     """
-    tasks = _check_tasks(tasks)
+    tasks = check_tasks(tasks)
     if isinstance(model, SentenceEncoder):
         encoder = model if pooler is None else SentenceEncoder(
             model.backbone, check_pooler(pooler), head if head is not None else model.head)
     else:
         encoder = SentenceEncoder(model, check_pooler(pooler), head)
-    result = {"scores": {}, "pairs": {}, "missing": {}, "avg": None, "metrics": {}}
-    data = {} if data is None else data
-    for task in tasks:
-        if task not in data:
-            try:
-                data[task] = load_task(sts_dir, task)
-            except FileNotFoundError as err:
-                result["missing"][task] = str(err)
-                continue
-        pairs = data[task]
-        emb = encode(encoder, tokenizer, pairs.sentences1 + pairs.sentences2,
-                     batch_size=batch_size, max_length=max_length)
-        emb1, emb2 = emb[:len(pairs)], emb[len(pairs):]
-        result["scores"][task] = cosine_spearman(emb1, emb2, pairs.scores)
-        result["pairs"][task] = len(pairs)
-        if metrics:
-            result["metrics"][task] = alignment_uniformity(emb1, emb2, pairs.scores)
-    result["avg"] = rounded_average(result["scores"])
-    return result
+
+    def embed(task, sentences):
+        if not progress:
+            return encode(encoder, tokenizer, sentences, batch_size=batch_size, max_length=max_length)
+        with tqdm(total=len(sentences), desc=task, unit="sent", file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            return encode(encoder, tokenizer, sentences, batch_size=batch_size,
+                          max_length=max_length, on_batch=bar.update)
+
+    return evaluate_embeddings(embed, sts_dir, tasks, metrics=metrics, data=data)
 
 
-def _check_tasks(tasks) -> tuple:
+def check_tasks(tasks) -> tuple:
+    """``tasks`` (a name or names) as a tuple; an empty or unknown one is a ValueError."""
     if isinstance(tasks, str):
         tasks = (tasks,)
     tasks = tuple(tasks)
@@ -309,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pooler", choices=POOLERS, default=None,
                    help="how token states become a sentence embedding; 'cls' uses the MLP head "
                         "saved with the model (2_Dense/) or the model's own pooler (default: the "
-                        "pooler a train.py export was saved with, from MODEL/fastcl_pooler.json)")
+                        "pooler a train.py export was saved with, from MODEL/fastcl_pooler.json, "
+                        "else the Pooling module of a sentence-transformers folder: CLS token -> "
+                        "cls_before_pooler, mean of tokens -> avg)")
     p.add_argument("--sts-dir", required=True, metavar="DIR", help="data folder holding STS12-en-test/ ... "
                    "STS16-en-test/, stsb/ and sick/")
     p.add_argument("--tasks", nargs="+", default=list(SEVEN), choices=TASKS, metavar="TASK",
@@ -319,19 +369,125 @@ def build_parser() -> argparse.ArgumentParser:
                    help="truncate inputs to this many tokens (default: the model's limit)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--json", dest="json_out", default=None, metavar="FILE", help="also write the results here")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars or notes on stderr (the table is still printed)")
     return p
 
 
-def saved_pooler(model) -> str:
-    """The pooler recorded next to a train.py export (``fastcl_pooler.json``)."""
-    path = Path(model) / "fastcl_pooler.json"
+# sentence-transformers' Pooling modes fastcl reproduces, by the mode names of its config
+# (``pooling_mode``: sentence-transformers >= 6; ``pooling_mode_<x>`` booleans before).
+_ST_POOLING = {"cls": "cls_before_pooler", "mean": "avg"}
+_ST_LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                    "pooling_mode_mean_tokens": "mean",
+                    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                    "pooling_mode_weightedmean_tokens": "weightedmean",
+                    "pooling_mode_lasttoken": "lasttoken"}
+_ST_UNSUPPORTED = ("; pass --pooler explicitly, or score the SentenceTransformer model itself "
+                   "(fastcl.integrations.sentence_transformers_evaluation.SentEvalSTSEvaluator)")
+
+
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: cannot read {what} ({err})") from None
+
+
+def _st_pooling_modes(config: dict) -> tuple:
+    """The pooling modes of a sentence-transformers Pooling config, as its loader reads them."""
+    if "pooling_mode" in config:
+        mode = config["pooling_mode"]
+        return (mode,) if isinstance(mode, str) else tuple(mode)
+    modes = tuple(m for key, m in _ST_LEGACY_MODES.items() if config.get(key))
+    return modes or ("mean",)  # sentence-transformers' default
+
+
+def sentence_transformers_pooler(folder) -> tuple | None:
+    """``(pooler, config path)`` that reproduces a sentence-transformers folder's embeddings
+    up to their length, or None when ``folder`` has no ``modules.json`` with a Pooling module.
+
+    The modules must be Transformer → Pooling (CLS token: ``cls_before_pooler``; mean of the
+    tokens: ``avg``) → optionally Normalize (it does not change a cosine). Anything else
+    (max, weighted-mean, last-token or concatenated pooling, a Dense or any other module, a
+    lower-casing Transformer) raises a ValueError saying what fastcl cannot reproduce.
+    """
+    folder = Path(folder)
+    path = folder / "modules.json"
     if not path.is_file():
-        raise SystemExit(f"--pooler is needed: {model} has no fastcl_pooler.json "
+        return None
+    modules = _read_json(path, "the sentence-transformers module list")
+    try:
+        kinds = [str(m["type"]).rpartition(".")[2] for m in modules]
+    except (TypeError, KeyError) as err:
+        raise ValueError(f"{path}: not a sentence-transformers module list ({err!r})") from None
+    if "Pooling" not in kinds:
+        return None
+    pooling = kinds.index("Pooling")
+    if kinds[:pooling] != ["Transformer"]:
+        raise ValueError(f"{path}: modules {' -> '.join(kinds)}: fastcl reproduces Transformer -> "
+                         f"Pooling [-> Normalize] only" + _ST_UNSUPPORTED)
+    extra = [k for k in kinds[pooling + 1:] if k != "Normalize"]
+    if extra:
+        raise ValueError(f"{path}: {', '.join(extra)} after Pooling changes the embeddings and "
+                         f"fastcl has no such pooler" + _ST_UNSUPPORTED)
+    config_path = folder / modules[pooling].get("path", "") / "config.json"
+    modes = _st_pooling_modes(_read_json(config_path, "the Pooling config"))
+    if len(modes) != 1 or modes[0] not in _ST_POOLING:
+        raise ValueError(f"{config_path}: pooling {' + '.join(map(str, modes))} has no fastcl pooler "
+                         f"(fastcl reproduces cls -> cls_before_pooler and mean -> avg)"
+                         + _ST_UNSUPPORTED)
+    st_config = folder / modules[0].get("path", "") / "sentence_bert_config.json"
+    if st_config.is_file() and _read_json(st_config, "the Transformer config").get("do_lower_case"):
+        raise ValueError(f"{st_config}: the model lower-cases its input (do_lower_case), which "
+                         f"fastcl's encoder does not" + _ST_UNSUPPORTED)
+    return _ST_POOLING[modes[0]], config_path
+
+
+def pooler_of(model) -> tuple:
+    """``(pooler, where it was read)`` for a model folder given without ``--pooler``:
+    ``fastcl_pooler.json`` of a fastcl export, else the Pooling config of a
+    sentence-transformers folder. Raises SystemExit when there is neither or it cannot be
+    reproduced."""
+    path = Path(model) / "fastcl_pooler.json"
+    if path.is_file():
+        return check_pooler(json.loads(path.read_text())["pooler"], name=str(path)), path
+    found = None
+    if Path(model).is_dir():
+        try:
+            found = sentence_transformers_pooler(model)
+        except ValueError as err:
+            raise SystemExit(f"python -m fastcl.evaluate: error: {err}") from None
+    if found is None:
+        raise SystemExit(f"--pooler is needed: {model} has no fastcl_pooler.json and no "
+                         f"sentence-transformers Pooling module (modules.json) "
                          f"(choose from {', '.join(POOLERS)})")
-    return check_pooler(json.loads(path.read_text())["pooler"], name=str(path))
+    return found
+
+
+def saved_pooler(model) -> str:
+    """The pooler recorded with a model folder (see :func:`pooler_of`)."""
+    return pooler_of(model)[0]
+
+
+@contextlib.contextmanager
+def _quiet_loading(quiet: bool):
+    """Without transformers' own progress bars (loading the weights) when ``quiet``."""
+    from transformers.utils import logging as hf_logging
+    was = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet and was:
+            hf_logging.enable_progress_bar()
 
 
 def main(argv=None) -> dict:
+    """The command line. Exits non-zero with the reason when an argument or a data file is
+    wrong, when no task file exists under ``--sts-dir``, when the model cannot be loaded, and
+    when a score is undefined (NaN: constant or non-finite embeddings; the table is printed
+    first)."""
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -339,7 +495,12 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--max-length must be >= 2, got {args.max_length}")
     if not Path(args.sts_dir).is_dir():
         raise SystemExit(f"--sts-dir: no such folder: {args.sts_dir}")
-    pooler = args.pooler or saved_pooler(args.model)
+    if args.pooler:
+        pooler = args.pooler
+    else:
+        pooler, source = pooler_of(args.model)
+        if not args.quiet:
+            print(f"pooler {pooler} (from {source})", file=sys.stderr)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Read every task before loading the model: a malformed file is an error naming it.
     data, missing = {}, {}
@@ -351,19 +512,19 @@ def main(argv=None) -> dict:
         except ValueError as err:
             raise SystemExit(f"python -m fastcl.evaluate: error: {task}: {err}") from None
     if not data:
-        raise SystemExit(f"python -m fastcl.evaluate: error: no task file found under "
-                         f"{args.sts_dir}:\n" + "\n".join(f"  {why}" for why in missing.values()))
+        raise SystemExit(f"python -m fastcl.evaluate: error: nothing to score: no task file found "
+                         f"under {args.sts_dir}:\n" + "\n".join(f"  {why}" for why in missing.values()))
     try:
-        encoder, tokenizer = load_encoder(args.model, pooler, arg="model", device=device)
+        with _quiet_loading(args.quiet):
+            encoder, tokenizer = load_encoder(args.model, pooler, arg="model", device=device)
     except (ValueError, OSError) as err:
         raise SystemExit(f"python -m fastcl.evaluate: error: {err}") from err
-    result = evaluate(encoder, tokenizer, None, args.sts_dir, args.tasks,
-                      batch_size=args.batch_size, max_length=args.max_length, data=data)
+    result = evaluate(encoder, tokenizer, None, args.sts_dir, args.tasks, batch_size=args.batch_size,
+                      max_length=args.max_length, data=data, progress=not args.quiet)
     print(format_table(result))
-    undefined = [t for t, v in result["scores"].items() if not math.isfinite(v)]
-    if undefined:
-        raise SystemExit(f"python -m fastcl.evaluate: error: no correlation for "
-                         f"{', '.join(undefined)}: the model gives every pair the same cosine")
+    if result["undefined"]:
+        raise SystemExit("python -m fastcl.evaluate: error: no correlation for " + "; ".join(
+            f"{task}: {why}" for task, why in result["undefined"].items()))
     if args.json_out:
         out = {"model": args.model, "pooler": pooler, "sts_dir": str(args.sts_dir), **result}
         Path(args.json_out).write_text(json.dumps(out, indent=2) + "\n")

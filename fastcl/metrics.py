@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from . import _validation as check
-from .reference import EPS, wide
+from .common import EPS, wide
 
 
-def alignment(x, y, alpha=2):
+def alignment(x: torch.Tensor, y: torch.Tensor, alpha: float = 2) -> torch.Tensor:
     r"""``ℓ_align = mean_i ‖x̂_i − ŷ_i‖^α`` over positive pairs (rows of x and y). Lower is better."""
     x = check.embeddings("x", x)
     y = check.embeddings("y", y, rows=x.shape[0], width=x.shape[1], like=x)
@@ -19,7 +19,7 @@ def alignment(x, y, alpha=2):
     return diff.norm(dim=1).pow(alpha).mean()
 
 
-def uniformity(x, t=2):
+def uniformity(x: torch.Tensor, t: float = 2) -> torch.Tensor:
     r"""``ℓ_uniform = log mean_{i<j} exp(−t ‖x̂_i − x̂_j‖²)`` over all distinct pairs. Lower is better."""
     x = check.embeddings("x", x)
     t = check.positive("t", t)

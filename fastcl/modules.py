@@ -4,9 +4,11 @@ functional form in :mod:`fastcl.functional`."""
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from . import common as c
 from . import functional as fn
+from .functional import Backend, Formulation
 
 
 class _Loss(nn.Module):
@@ -24,13 +26,13 @@ class InfoNCE(_Loss):
 
     _fields = ("temperature", "hard_negative_weight", "symmetric", "backend", "chunk_size")
 
-    def __init__(self, temperature=0.05, hard_negative_weight=0.0, symmetric=False,
-                 backend="auto", chunk_size=None):
+    def __init__(self, temperature: float = c.TEMPERATURE, hard_negative_weight: float = 0.0,
+                 symmetric: bool = False, backend: Backend = "auto", chunk_size: int | None = None):
         super().__init__()
         self.temperature, self.hard_negative_weight, self.symmetric = temperature, hard_negative_weight, symmetric
         self.backend, self.chunk_size = backend, chunk_size
 
-    def forward(self, anchors, positives, negatives=None):
+    def forward(self, anchors: Tensor, positives: Tensor, negatives: Tensor | None = None) -> Tensor:
         return fn.infonce(anchors, positives, negatives, temperature=self.temperature,
                           hard_negative_weight=self.hard_negative_weight, symmetric=self.symmetric,
                           backend=self.backend, chunk_size=self.chunk_size)
@@ -41,11 +43,12 @@ class FocalInfoNCE(_Loss):
 
     _fields = ("temperature", "m", "backend", "chunk_size")
 
-    def __init__(self, temperature=0.05, m=0.3, backend="auto", chunk_size=None):
+    def __init__(self, temperature: float = c.TEMPERATURE, m: float = c.FOCAL_M,
+                 backend: Backend = "auto", chunk_size: int | None = None):
         super().__init__()
         self.temperature, self.m, self.backend, self.chunk_size = temperature, m, backend, chunk_size
 
-    def forward(self, anchors, positives, negatives=None):
+    def forward(self, anchors: Tensor, positives: Tensor, negatives: Tensor | None = None) -> Tensor:
         return fn.focal_infonce(anchors, positives, negatives, temperature=self.temperature,
                                 m=self.m, backend=self.backend, chunk_size=self.chunk_size)
 
@@ -60,16 +63,20 @@ class DCLRLoss(_Loss):
     _fields = ("phi", "noise_ratio", "noise_steps", "noise_lr", "noise_std", "noise_temperature",
                "temperature", "formulation", "backend", "chunk_size")
 
-    def __init__(self, phi=0.9, noise_ratio=1.0, noise_steps=4, noise_lr=1e-3, noise_std=1.0,
-                 noise_temperature=None, temperature=0.05, formulation="paper",
-                 generator: torch.Generator | None = None, backend="auto", chunk_size=None):
+    def __init__(self, phi: float = c.PHI, noise_ratio: float = c.NOISE_RATIO,
+                 noise_steps: int = c.NOISE_STEPS, noise_lr: float = c.NOISE_LR,
+                 noise_std: float = c.NOISE_STD, noise_temperature: float | None = None,
+                 temperature: float = c.TEMPERATURE, formulation: Formulation = "paper",
+                 generator: torch.Generator | None = None, backend: Backend = "auto",
+                 chunk_size: int | None = None):
         super().__init__()
         self.phi, self.noise_ratio, self.noise_steps = phi, noise_ratio, noise_steps
         self.noise_lr, self.noise_std, self.noise_temperature = noise_lr, noise_std, noise_temperature
         self.temperature, self.formulation, self.generator = temperature, formulation, generator
         self.backend, self.chunk_size = backend, chunk_size
 
-    def forward(self, anchors, positives, complementary=None, noise=None):
+    def forward(self, anchors: Tensor, positives: Tensor,
+                complementary: tuple[Tensor, Tensor] | None = None, noise: Tensor | None = None) -> Tensor:
         return fn.dclr_loss(anchors, positives, complementary=complementary, phi=self.phi,
                             noise=noise, noise_ratio=self.noise_ratio, noise_steps=self.noise_steps,
                             noise_lr=self.noise_lr, noise_std=self.noise_std,
@@ -83,13 +90,14 @@ class ESCLLoss(_Loss):
 
     _fields = ("temperature", "weight", "rd", "margins", "backend", "chunk_size")
 
-    def __init__(self, temperature=0.05, weight=2.5e-3, rd="softplus", margins=(0.1, 0.3),
-                 backend="auto", chunk_size=None):
+    def __init__(self, temperature: float = c.TEMPERATURE, weight: float = c.ESCL_WEIGHT,
+                 rd: str = c.ESCL_RD, margins: tuple[float, float] = c.ESCL_MARGINS,
+                 backend: Backend = "auto", chunk_size: int | None = None):
         super().__init__()
         self.temperature, self.weight, self.rd, self.margins = temperature, weight, rd, margins
         self.backend, self.chunk_size = backend, chunk_size
 
-    def forward(self, anchors, positives, sensitive):
+    def forward(self, anchors: Tensor, positives: Tensor, sensitive: Tensor) -> Tensor:
         return fn.escl_loss(anchors, positives, sensitive, temperature=self.temperature,
                             weight=self.weight, rd=self.rd, margins=self.margins,
                             backend=self.backend, chunk_size=self.chunk_size)

@@ -4,6 +4,9 @@ This module is the oracle that every fast path is tested against and benchmarked
 with. It favours being obviously right over being fast or lean: each function
 builds the whole similarity matrix and lets autograd differentiate it. Inputs are
 not checked here; the public functions in :mod:`fastcl` check them and dispatch.
+It imports only torch and :mod:`fastcl.common` (the numerics, noise draw and ESCL
+relative difference every path shares), and only the tests, the benchmarks and
+``backend="reference"`` import it.
 
 Notation (``shared/methods.md``): anchors ``h`` (N×d), candidates ``k`` (M×d),
 ``s_ij = cos(h_i, k_j)``, temperature ``τ``, the positive of anchor i in column i.
@@ -14,32 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-EPS = 1e-12  # ĥ = h / max(‖h‖, EPS), as F.normalize
-
-
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Losses are computed in float64 for float64 inputs and in float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def wide(x: torch.Tensor) -> torch.Tensor:
-    return x.to(accumulate_dtype(x.dtype))
+from .common import (EPS, accumulate_dtype, draw_noise, noise_count, relative_difference,  # noqa: F401
+                     row_cosine, wide)
+from .common import (ESCL_MARGINS, ESCL_RD, ESCL_WEIGHT, FOCAL_M, NOISE_LR, NOISE_RATIO, NOISE_STD,
+                     NOISE_STEPS, PHI, TEMPERATURE)
 
 
 def cosine_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``s_ij = x̂_i · ŷ_j`` (N×M), float32 or wider."""
     return wide(F.normalize(x, dim=-1, eps=EPS) @ F.normalize(y, dim=-1, eps=EPS).T)
-
-
-def row_cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``cos(x_i, y_i)`` for each row, with each norm clamped at EPS, in float32 or wider
-    (16-bit norms and dots lose small differences, and overflow in fp16 at norms ≈ 256).
-    Autograd keeps only x, y and per-row scalars (no normalized N×d copies, unlike
-    F.cosine_similarity)."""
-    x, y = wide(x), wide(y)
-    norms = (torch.linalg.vector_norm(x, dim=-1).clamp_min(EPS)
-             * torch.linalg.vector_norm(y, dim=-1).clamp_min(EPS))
-    return wide(torch.einsum("nd,nd->n", x, y) / norms)
 
 
 def _labels(n: int, device, offset: int = 0) -> torch.Tensor:
@@ -54,11 +40,77 @@ def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
     return out
 
 
-def _candidates(positives, negatives):
-    return positives if negatives is None else torch.cat([positives, negatives.to(positives.dtype)])
+def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negative_weight,
+               keep, formulation, anchor_offset):
+    """One direction of :func:`contrastive`: the logits of ``anchors`` against ``candidates``
+    (positive of anchor i in column ``anchor_offset + i``), then the loss."""
+    n = anchors.shape[0]
+    sim = cosine_matrix(anchors, candidates)
+    is_positive = _at(n, sim.shape[1], anchor_offset, sim.device)
+    if focal_m is None:
+        logits = sim / temperature
+    else:
+        logits = torch.where(is_positive, sim * sim, sim * (sim + focal_m)) / temperature
+    if hard_negative_weight:
+        # the mask in the logits' dtype: a bool tensor times a float is float32, which would
+        # round w (by ~1e-8) in a float64 loss
+        own_negative = _at(n, sim.shape[1], n_pos + anchor_offset, sim.device).to(logits.dtype)
+        logits = logits + hard_negative_weight * own_negative
+    labels = _labels(n, sim.device, anchor_offset)
+    if formulation == "released":
+        probs = torch.softmax(logits if keep is None else logits * keep, dim=1)
+        return F.binary_cross_entropy(probs, F.one_hot(labels, logits.shape[1]).to(probs.dtype))
+    if keep is not None:
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return F.cross_entropy(logits, labels)
 
 
-def infonce(anchors, positives, negatives=None, *, temperature=0.05,
+def contrastive(anchors, positives, negatives=None, *, temperature=TEMPERATURE, focal_m=None,
+                hard_negative_weight=0.0, complementary=None, phi=PHI, noise=None,
+                noise_ratio=0.0, noise_steps=NOISE_STEPS, noise_lr=NOISE_LR, noise_std=NOISE_STD,
+                noise_temperature=None, generator=None, formulation="paper", symmetric=False,
+                anchor_offset=0):
+    """Every feature at once (:func:`fastcl.contrastive` states the math).
+
+    Candidates ``k = [h⁺ (N_pos rows); negatives (K rows); Z (K_z rows)]``, logits
+    ``l_ij = s_ij/τ`` or, with ``focal_m``, ``s_ii²/τ`` on the positive and ``s_ij(s_ij+m)/τ``
+    elsewhere; ``+ w`` at column ``N_pos + i``; α from ``complementary`` on the in-batch
+    block; cross-entropy over the kept columns (``"released"``: the authors' BCE).
+    ``symmetric`` averages with the positives scored against the anchors (focal and the
+    transposed mask apply there; negatives, w and Z do not).
+    """
+    n_pos = positives.shape[0]
+    blocks = [positives] + ([] if negatives is None else [negatives.to(positives.dtype)])
+    num = (noise.shape[0] if noise is not None
+           else noise_count(noise_ratio, n_pos, formulation))
+    if noise is not None or num:
+        z = dclr_noise(anchors, positives, num, steps=noise_steps, lr=noise_lr, std=noise_std,
+                       temperature=temperature if noise_temperature is None else noise_temperature,
+                       noise=noise, generator=generator, formulation=formulation,
+                       anchor_offset=anchor_offset)
+        blocks.append(z.to(positives.dtype))
+    candidates = torch.cat(blocks)
+    keep = None
+    if complementary is not None:
+        keep = dclr_weights(*complementary, candidates.shape[0] - n_pos, phi=phi,
+                            temperature=temperature, formulation=formulation,
+                            anchor_offset=anchor_offset)
+    loss = _direction(anchors, candidates, n_pos, temperature=temperature, focal_m=focal_m,
+                      hard_negative_weight=hard_negative_weight, keep=keep,
+                      formulation=formulation, anchor_offset=anchor_offset)
+    if symmetric:
+        keep_rev = None
+        if complementary is not None:
+            keep_rev = dclr_weights(complementary[1], complementary[0], 0, phi=phi,
+                                    temperature=temperature, formulation=formulation)
+        reverse = _direction(positives, anchors, anchors.shape[0], temperature=temperature,
+                             focal_m=focal_m, hard_negative_weight=0.0, keep=keep_rev,
+                             formulation=formulation, anchor_offset=0)
+        loss = 0.5 * (loss + reverse)
+    return loss
+
+
+def infonce(anchors, positives, negatives=None, *, temperature=TEMPERATURE,
             hard_negative_weight=0.0, symmetric=False, anchor_offset=0):
     """SimCSE InfoNCE: ``mean_i[−l_ii + log Σ_j exp(l_ij)]``, ``l = s/τ``, ``k = [h⁺; h⁻]``.
 
@@ -67,39 +119,20 @@ def infonce(anchors, positives, negatives=None, *, temperature=0.05,
     anchors against the anchors as candidates. With ``anchor_offset`` the anchors are rows
     ``[offset, offset+n)`` of the batch that ``positives`` (and ``negatives``) cover.
     """
-    n, n_pos = anchors.shape[0], positives.shape[0]
-    logits = cosine_matrix(anchors, _candidates(positives, negatives)) / temperature
-    if hard_negative_weight:
-        own_negative = _at(n, logits.shape[1], n_pos + anchor_offset, logits.device)
-        logits = logits + hard_negative_weight * own_negative
-    loss = F.cross_entropy(logits, _labels(n, logits.device, anchor_offset))
-    if symmetric:
-        reverse = cosine_matrix(positives, anchors) / temperature
-        loss = 0.5 * (loss + F.cross_entropy(reverse, _labels(n, logits.device)))
-    return loss
+    return contrastive(anchors, positives, negatives, temperature=temperature,
+                       hard_negative_weight=hard_negative_weight, symmetric=symmetric,
+                       anchor_offset=anchor_offset)
 
 
-def focal_infonce(anchors, positives, negatives=None, *, temperature=0.05, m=0.3,
+def focal_infonce(anchors, positives, negatives=None, *, temperature=TEMPERATURE, m=FOCAL_M,
                   anchor_offset=0):
     """Focal-InfoNCE: positive logit ``s²/τ``, negative logits ``s(s+m)/τ``, then cross-entropy."""
-    n = anchors.shape[0]
-    sim = cosine_matrix(anchors, _candidates(positives, negatives))
-    is_positive = _at(n, sim.shape[1], anchor_offset, sim.device)
-    logits = torch.where(is_positive, sim * sim, sim * (sim + m)) / temperature
-    return F.cross_entropy(logits, _labels(n, sim.device, anchor_offset))
+    return contrastive(anchors, positives, negatives, temperature=temperature, focal_m=m,
+                       anchor_offset=anchor_offset)
 
 
-def draw_noise(num, dim, *, std=1.0, generator=None, device=None) -> torch.Tensor:
-    """DCLR's initial noise negatives: ``Z ∈ R^{num×dim}``, entries ``N(0, std²)``, drawn in float32."""
-    return torch.randn(num, dim, generator=generator, device=device, dtype=torch.float32) * std
-
-
-def noise_count(noise_ratio, n, formulation="paper") -> int:
-    """``K = round(noise_ratio · N)``; the released code truncates: ``int(N · noise_ratio)``."""
-    return int(n * noise_ratio) if formulation == "released" else int(round(noise_ratio * n))
-
-
-def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperature=0.05,
+def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=NOISE_STD,
+               temperature=TEMPERATURE,
                noise=None, generator=None, formulation="paper", anchor_offset=0):
     """DCLR's noise negatives, improved by ``steps`` normalized gradient-ascent steps.
 
@@ -134,11 +167,12 @@ def dclr_noise(anchors, positives, num, *, steps=4, lr=1e-3, std=1.0, temperatur
 
 def dclr_weights(c_anchors, c_positives, num_noise, *, phi, temperature, formulation="paper",
                  anchor_offset=0):
-    """DCLR's instance weights α (N×(N+K)), 0 for dropped in-batch negatives.
+    """DCLR's instance weights α (N×(N_pos+K)), 0 for dropped in-batch negatives.
 
     Paper: ``α_ij = 1[cos(c_i, c⁺_j) < φ]`` on in-batch columns, 1 on the positive and on
-    noise columns. Released code: the test written ``cos/τ ≤ 20·φ``, and noise columns get a
-    complementary cosine of 0, so φ < 0 drops every one of them.
+    the K columns after them (noise, or any extra negatives). Released code: the test
+    written ``cos/τ ≤ 20·φ``, and noise columns get a complementary cosine of 0, so φ < 0
+    drops every one of them.
     """
     cos = cosine_matrix(c_anchors, c_positives)
     keep = (cos / temperature <= 20 * phi) if formulation == "released" else (cos < phi)
@@ -148,53 +182,24 @@ def dclr_weights(c_anchors, c_positives, num_noise, *, phi, temperature, formula
     return torch.cat([keep, noise_cols], dim=1)
 
 
-def dclr_loss(anchors, positives, *, complementary=None, phi=0.9, noise=None, noise_ratio=1.0,
-              noise_steps=4, noise_lr=1e-3, noise_std=1.0, noise_temperature=None,
-              temperature=0.05, generator=None, formulation="paper", anchor_offset=0):
+def dclr_loss(anchors, positives, *, complementary=None, phi=PHI, noise=None, noise_ratio=NOISE_RATIO,
+              noise_steps=NOISE_STEPS, noise_lr=NOISE_LR, noise_std=NOISE_STD,
+              noise_temperature=None, temperature=TEMPERATURE, generator=None, formulation="paper", anchor_offset=0):
     """DCLR: InfoNCE against ``[h⁺; Z]`` where dropped in-batch negatives leave the denominator.
 
     ``L = mean_i[−l_ii + log Σ_j α_ij exp(l_ij)]``. ``formulation="released"`` instead
     multiplies logits by α and applies binary cross-entropy to the row softmax, averaged
     over all N·(N+K) entries, as the authors' released code does.
     """
-    n = anchors.shape[0]
-    num = (noise.shape[0] if noise is not None
-           else noise_count(noise_ratio, positives.shape[0], formulation))
-    z = dclr_noise(anchors, positives, num, steps=noise_steps, lr=noise_lr, std=noise_std,
-                   temperature=temperature if noise_temperature is None else noise_temperature,
-                   noise=noise, generator=generator, formulation=formulation,
-                   anchor_offset=anchor_offset)
-    logits = cosine_matrix(anchors, torch.cat([positives, z.to(positives.dtype)])) / temperature
-    labels = _labels(n, logits.device, anchor_offset)
-    if complementary is None:
-        keep = torch.ones_like(logits, dtype=torch.bool)
-    else:
-        keep = dclr_weights(*complementary, num, phi=phi, temperature=temperature,
-                            formulation=formulation, anchor_offset=anchor_offset)
-    if formulation == "released":
-        probs = torch.softmax(logits * keep, dim=1)
-        return F.binary_cross_entropy(probs, F.one_hot(labels, logits.shape[1]).to(probs.dtype))
-    return F.cross_entropy(logits.masked_fill(~keep, float("-inf")), labels)
+    return contrastive(anchors, positives, complementary=complementary, phi=phi, noise=noise,
+                       noise_ratio=noise_ratio, noise_steps=noise_steps, noise_lr=noise_lr,
+                       noise_std=noise_std, noise_temperature=noise_temperature,
+                       temperature=temperature, generator=generator, formulation=formulation,
+                       anchor_offset=anchor_offset)
 
 
-def relative_difference(anchors, positives, sensitive, *, temperature=0.05, rd="softplus",
-                        margins=(0.1, 0.3)):
-    """ESCL's relative-difference term (a reconstruction; see ``escl_loss``)."""
-    cos_pos = row_cosine(anchors, positives)
-    terms = []
-    for view in (anchors, positives):
-        cos_neg = row_cosine(view, sensitive)
-        if rd == "softplus":
-            # Dist_pos − Dist_neg = (1 − cos_pos) − (1 − cos_neg)
-            terms.append(F.softplus((cos_neg - cos_pos) / temperature))
-        else:
-            delta = cos_neg - cos_pos
-            terms.append(F.relu(delta + margins[0]) + F.relu(-delta - margins[1]))
-    return torch.stack(terms).mean()
-
-
-def escl_loss(anchors, positives, sensitive, *, temperature=0.05, weight=2.5e-3, rd="softplus",
-              margins=(0.1, 0.3), anchor_offset=0):
+def escl_loss(anchors, positives, sensitive, *, temperature=TEMPERATURE, weight=ESCL_WEIGHT,
+              rd=ESCL_RD, margins=ESCL_MARGINS, anchor_offset=0):
     """ESCL: ``InfoNCE(h, h⁺) + λ · L_RD(h, h⁺, h⁻)``, ``h⁻`` the high-dropout view."""
     own_positives = positives[anchor_offset:anchor_offset + anchors.shape[0]]
     return (infonce(anchors, positives, temperature=temperature, anchor_offset=anchor_offset)

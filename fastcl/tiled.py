@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ._switches import legacy
-from .reference import EPS, accumulate_dtype
+from .common import EPS, accumulate_dtype
 
 #: Default bytes for the per-chunk R×M work buffers (all of them together), and the most
 #: rows a chunk takes. On a GPU a chunk must be large for the GEMMs and to keep each chunk's

@@ -426,6 +426,13 @@ SIM_CONFIGS = {
 }
 #: Where an older target needs another list (sm_80: the 64×64 K step spills for focal).
 SIM_CONFIGS_BY_ARCH = {80: {("16bit", False): [(128, 32, 8, 4), (64, 32, 8, 3)]}}
+#: Where one flag set (a name in VARIANTS) needs its own list on one target, by (arch, input
+#: kind, variant): focal with the hard-negative weight spills in the 128-row 16-bit tile on
+#: sm_90, focal with the mask in the 32×64 16-bit tile on sm_80.
+SIM_CONFIGS_BY_VARIANT = {
+    (90, "16bit", "focal-hard"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (80, "16bit", "focal-mask"): [(64, 32, 8, 3), (64, 16, 8, 4)],
+}
 #: The first design's list, spills included (``FASTCL_LEGACY=configs``).
 LEGACY_SIM_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
 
@@ -441,10 +448,17 @@ VARIANTS = {
     "infonce-hard": dict(FOCAL=False, HARD=True, MASK=False, RELEASED=False, POSITIVES=True),
     "focal": dict(FOCAL=True, HARD=False, MASK=False, RELEASED=False, POSITIVES=True),
     "dclr-mask": dict(FOCAL=False, HARD=False, MASK=True, RELEASED=False, POSITIVES=True),
+    # fastcl.contrastive's combinations (noise columns and the symmetric reverse add no flag)
+    "focal-hard": dict(FOCAL=True, HARD=True, MASK=False, RELEASED=False, POSITIVES=True),
+    "focal-mask": dict(FOCAL=True, HARD=False, MASK=True, RELEASED=False, POSITIVES=True),
+    "hard-mask": dict(FOCAL=False, HARD=True, MASK=True, RELEASED=False, POSITIVES=True),
+    "focal-hard-mask": dict(FOCAL=True, HARD=True, MASK=True, RELEASED=False, POSITIVES=True),
     "dclr-released": dict(FOCAL=False, HARD=False, MASK=False, RELEASED=True, POSITIVES=True),
     "dclr-released-mask": dict(FOCAL=False, HARD=False, MASK=True, RELEASED=True, POSITIVES=True),
     "noise": dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=False),
 }
+#: The constexpr flags that make a variant.
+FLAGS = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES")
 
 
 def flags(ep) -> dict:
@@ -452,6 +466,12 @@ def flags(ep) -> dict:
     return dict(FOCAL=ep.focal_m is not None, HARD=bool(ep.hard_negative_weight),
                 MASK=ep.complementary is not None, RELEASED=ep.formulation == "released",
                 POSITIVES=ep.positives)
+
+
+def variant_name(f: dict) -> str | None:
+    """The name in ``VARIANTS`` of these flags (None for a flag set no objective launches)."""
+    f = {k: bool(f[k]) for k in FLAGS}
+    return next((name for name, v in VARIANTS.items() if v == f), None)
 
 
 def stores_exp(f: dict) -> bool:
@@ -467,7 +487,11 @@ def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False) -> li
     if legacy_list:
         return LEGACY_SIM_CONFIGS
     key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit", bool(f["MASK"]))
-    return SIM_CONFIGS_BY_ARCH.get(80 if arch < 90 else 90, {}).get(key, SIM_CONFIGS[key])
+    arch = 80 if arch < 90 else 90
+    own = SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
+    if own:
+        return own
+    return SIM_CONFIGS_BY_ARCH.get(arch, {}).get(key, SIM_CONFIGS[key])
 
 
 @functools.lru_cache(maxsize=None)

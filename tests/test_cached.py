@@ -8,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from fastcl import training
+from fastcl import checkpoint, objectives, training
 from fastcl.encoders import MLPHead, SentenceEncoder, load_backbone, load_encoder
 from test_evaluate import make_tiny_model, random_sentence
 
@@ -39,15 +39,15 @@ def encoder_and_tokenizer(models):
 
 def objective(method, models):
     if method == "simcse-sup":
-        return training.Objective("simcse-sup", hard_negative_weight=0.7)
+        return objectives.Objective("simcse-sup", hard_negative_weight=0.7)
     if method == "dclr":
         comp, comp_tok = load_encoder(models / "roberta", "avg")
-        return training.Objective("dclr", phi=0.3, noise_steps=2, complementary=comp.requires_grad_(False),
+        return objectives.Objective("dclr", phi=0.3, noise_steps=2, complementary=comp.requires_grad_(False),
                                   complementary_tokenizer=comp_tok,
                                   generator=torch.Generator().manual_seed(3))
     if method == "escl":
-        return training.Objective("escl", rd_weight=0.5)  # a large weight: the third view matters
-    return training.Objective(method)
+        return objectives.Objective("escl", rd_weight=0.5)  # a large weight: the third view matters
+    return objectives.Objective(method)
 
 
 def batch_for(method):
@@ -71,7 +71,7 @@ def reset(encoder, obj):
 def plain_step(obj, encoder, tokenizer, batch):
     """The ordinary step: one graph through the unchunked forwards."""
     reset(encoder, obj)
-    loss = training.objective_loss(obj, training.embed_views(obj, encoder, tokenizer, batch, 16))
+    loss = objectives.objective_loss(obj, training.embed_views(obj, encoder, tokenizer, batch, 16))
     loss.backward()
     return loss.detach(), grads_of(encoder), torch.get_rng_state()
 
@@ -92,14 +92,14 @@ def one_graph_chunked(obj, encoder, tokenizer, batch, chunk):
     views = training.assemble_views(obj, outputs, len(batch))
     if obj.complementary is not None:
         views["complementary"] = training.complementary_views(obj, batch, 16)
-    loss = training.objective_loss(obj, views)
+    loss = objectives.objective_loss(obj, views)
     loss.backward()
     return loss.detach(), grads_of(encoder), torch.get_rng_state()
 
 
 def cached_step(obj, encoder, tokenizer, batch, chunk):
     reset(encoder, obj)
-    loss = training.cached_backward(obj, encoder, tokenizer, batch, max_length=16, chunk_size=chunk)
+    loss = training.cached_backward(obj, encoder, tokenizer, batch, max_length=16, mini_batch_size=chunk)
     return loss, grads_of(encoder), torch.get_rng_state()
 
 
@@ -166,41 +166,54 @@ def test_dclr_complementary_runs_once(models):
     assert calls == [(4, False), (2, False)]
 
 
-def test_chunk_size_must_be_positive(models):
+def test_mini_batch_size_must_be_positive(models):
     encoder, tokenizer = encoder_and_tokenizer(models)
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
-            training.cached_backward(training.Objective("simcse"), encoder, tokenizer, batch_for("simcse"),
-                                     max_length=16, chunk_size=bad)
+        with pytest.raises(ValueError, match="mini_batch_size must be a positive integer"):
+            training.cached_backward(objectives.Objective("simcse"), encoder, tokenizer, batch_for("simcse"),
+                                     max_length=16, mini_batch_size=bad)
 
 
 # ---------------------------------------------------------------------------------------
-# train.py --chunk-size
+# the trainer's --mini-batch-size (and its deprecated alias --chunk-size)
 
 from test_train import base_args, step_records, train  # noqa: E402
 from test_train import tiny  # noqa: E402,F401  (a fixture)
 
 
 def test_train_with_one_chunk_repeats_the_ordinary_run_and_resumes(tiny, tmp_path):
-    # batch 4, simcse: the duplicated batch is 8 inputs, so --chunk-size 8 makes the same forwards
+    # batch 4, escl: the duplicated batch is 8 inputs, so --mini-batch-size 8 makes the same forwards
     plain, chunked = tmp_path / "plain", tmp_path / "chunked"
     assert train.main(base_args(tiny, plain, "escl", steps=3)) == 0
-    assert train.main(base_args(tiny, chunked, "escl", steps=3, chunk_size=8)) == 0
+    assert train.main(base_args(tiny, chunked, "escl", steps=3, mini_batch_size=8)) == 0
     a, b = step_records(plain), step_records(chunked)
     assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
-    # small chunks train and resume; the chunk size defines the run
+    # small mini-batches train and resume; the mini-batch size defines the run
     small = tmp_path / "small"
-    assert train.main(base_args(tiny, small, "simcse-sup", steps=2, chunk_size=3)) == 0
+    assert train.main(base_args(tiny, small, "simcse-sup", steps=2, mini_batch_size=3,
+                                keep_checkpoint=True)) == 0
     assert all(r["loss"] > 0 for r in step_records(small))
-    with pytest.raises(SystemExit, match="--chunk-size 5 .*checkpoint: 3"):
-        train.main(base_args(tiny, small, "simcse-sup", steps=2, chunk_size=5, resume=True))
+    with pytest.raises(SystemExit, match="--mini-batch-size 5 .*checkpoint: 3"):
+        train.main(base_args(tiny, small, "simcse-sup", steps=2, mini_batch_size=5, resume=True))
+    # the deprecated --chunk-size still names the same setting, with a warning
     assert train.main(base_args(tiny, small, "simcse-sup", steps=2, chunk_size=3, resume=True)) == 0
     assert [r["step"] for r in step_records(small)] == [1, 2]
 
 
 @pytest.mark.parametrize("value", ["0", "-4"])
-def test_bad_chunk_size_names_the_option(tiny, tmp_path, capsys, value):
+def test_bad_mini_batch_size_names_the_option(tiny, tmp_path, capsys, value):
     with pytest.raises(SystemExit) as err:
-        train.main(base_args(tiny, tmp_path / "o", chunk_size=value))
+        train.main(base_args(tiny, tmp_path / "o", mini_batch_size=value))
     assert err.value.code == 2
-    assert f"--chunk-size must be >= 1, got {value}" in capsys.readouterr().err
+    assert f"--mini-batch-size must be >= 1, got {value}" in capsys.readouterr().err
+
+
+def test_chunk_size_is_a_deprecated_alias_that_warns(tiny, tmp_path, capsys):
+    parser = train.build_parser()
+    args = train.resolve_args(parser, parser.parse_args(base_args(tiny, tmp_path / "o", chunk_size=6)))
+    assert args.mini_batch_size == 6 and not hasattr(args, "chunk_size")
+    assert "--chunk-size is deprecated, use --mini-batch-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        train.resolve_args(parser, parser.parse_args(
+            base_args(tiny, tmp_path / "o", chunk_size=6, mini_batch_size=4)))
+    assert err.value.code == 2 and "disagree" in capsys.readouterr().err

@@ -123,7 +123,12 @@ def test_engine_flags_are_known_variants():
     eps = [Epilogue(0.05), Epilogue(0.05, hard_negative_weight=1.0), Epilogue(0.05, focal_m=0.3),
            Epilogue(0.05, phi=0.9, complementary=c), Epilogue(0.05, formulation="released"),
            Epilogue(0.05, phi=0.9, complementary=c, formulation="released"),
-           Epilogue(0.05, positives=False)]
+           Epilogue(0.05, positives=False),
+           # fastcl.contrastive's combinations
+           Epilogue(0.05, focal_m=0.3, hard_negative_weight=1.0),
+           Epilogue(0.05, focal_m=0.3, phi=0.9, complementary=c),
+           Epilogue(0.05, hard_negative_weight=1.0, phi=0.9, complementary=c),
+           Epilogue(0.05, focal_m=0.3, hard_negative_weight=1.0, phi=0.9, complementary=c)]
     assert sorted(map(str, (flags(ep) for ep in eps))) == sorted(map(str, VARIANTS.values()))
 
 

@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from fastcl import training
+from fastcl import checkpoint, objectives, training
 from fastcl.encoders import VERSIONS_DIR, load_encoder, save_sentence_encoder
 from test_train import ROOT, base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
 
@@ -109,7 +109,7 @@ def test_kill_at_a_write_point_then_resume(tiny, tmp_path, reference, point, exp
     # What a reader finds after the kill: the whole export of one step, its files agreeing.
     _, exports = reference
     assert same_state(exported_state(out), exports[exported_step - 1])
-    ckpt = training.load_checkpoint(out / train.CHECKPOINT)  # the last complete one verifies
+    ckpt = checkpoint.read_checkpoint(out / train.CHECKPOINT)  # the last complete one verifies
     assert ckpt["state"]["step"] == 1
     if point.startswith("checkpoint-write"):
         assert list(out.glob(".checkpoint.pt.tmp-*")), "the kill should leave a partial write"
@@ -155,7 +155,7 @@ def damage(path, how):
                                          ("random", "is not a fastcl checkpoint")])
 def test_a_damaged_checkpoint_is_refused_and_the_export_kept(tiny, tmp_path, how, message):
     out = tmp_path / "out"
-    args = base_args(tiny, out, "simcse", steps=2)  # no --sts-dir: the end of the run exports
+    args = base_args(tiny, out, "simcse", steps=2, keep_checkpoint=True)  # no --sts-dir: the end exports
     assert train.main(args) == 0
     export = (out / "model.safetensors").read_bytes()
     damage(out / train.CHECKPOINT, how)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastcl import distributed, training
+from fastcl import checkpoint, distributed, objectives, training
 from fastcl.encoders import MLPHead, SentenceEncoder, dropout_rate, load_backbone
 from test_evaluate import make_tiny_model, random_sentence
 
@@ -38,11 +38,11 @@ def join(rank, port):
 
 def objective(method):
     gen = torch.Generator().manual_seed(5)
-    return {"simcse": training.Objective("simcse"),
-            "simcse-sup": training.Objective("simcse-sup", hard_negative_weight=0.7),
-            "focal": training.Objective("focal", m=0.4),
-            "dclr": training.Objective("dclr", phi=0.4, noise_ratio=1.5, noise_steps=2, generator=gen),
-            "escl": training.Objective("escl", rd_weight=0.5)}[method]
+    return {"simcse": objectives.Objective("simcse"),
+            "simcse-sup": objectives.Objective("simcse-sup", hard_negative_weight=0.7),
+            "focal": objectives.Objective("focal", m=0.4),
+            "dclr": objectives.Objective("dclr", phi=0.4, noise_ratio=1.5, noise_steps=2, generator=gen),
+            "escl": objectives.Objective("escl", rd_weight=0.5)}[method]
 
 
 def global_inputs():
@@ -72,7 +72,7 @@ def single_process(method):
     for v in views.values():
         if torch.is_tensor(v):
             v.retain_grad()
-    loss = training.objective_loss(objective(method), views)
+    loss = objectives.objective_loss(objective(method), views)
     loss.backward()
     grads = {k: v.grad for k, v in views.items() if torch.is_tensor(v)}
     return loss.detach(), grads, weight.grad
@@ -88,7 +88,8 @@ def _functional_worker(rank, port, out):
         views = views_of(method, x, weight, comp, rows)
         leaves = {k: v.detach().requires_grad_(True) for k, v in views.items() if torch.is_tensor(v)}
         local = dict(views, **leaves)
-        loss = distributed.global_loss(objective(method), local)
+        obj = objective(method)
+        loss = objectives.objective_loss(obj, *distributed.global_views(obj, local))
         loss.backward()
         # the parameter: back-propagate the leaves' gradients, then average over processes
         torch.autograd.backward([views[k] for k in leaves], [leaves[k].grad for k in leaves])
@@ -134,7 +135,7 @@ def step_inputs(method):
     return [random_sentence(rng) for _ in range(N)]
 
 
-def one_step(model, method, batch, chunk_size, distributed_step):
+def one_step(model, method, batch, mini_batch_size, distributed_step):
     torch.manual_seed(0)
     backbone, tokenizer = load_backbone(model)
     encoder = SentenceEncoder(backbone, "cls", MLPHead(32)).train()
@@ -146,7 +147,8 @@ def one_step(model, method, batch, chunk_size, distributed_step):
     # process by design), so the step must give the parameters of one process.
     with dropout_rate(encoder, 0.0):
         out = training.train_step(obj, encoder, tokenizer, batch, opt, sched, max_length=16,
-                                  max_grad_norm=1e9, chunk_size=chunk_size, distributed=distributed_step)
+                                  max_grad_norm=1e9, mini_batch_size=mini_batch_size,
+                                  distributed=distributed_step)
     return out["loss"], {k: v.detach() for k, v in encoder.state_dict().items()}
 
 
@@ -194,20 +196,20 @@ def test_torchrun_trains_checkpoints_and_resumes(tmp_path, tiny_bert):
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                str(root / "train.py"), "--method", "dclr", "--model", str(tiny_bert), "--data", str(data),
                "--output-dir", str(out), "--batch-size", "8", "--max-steps", str(steps),
-               "--max-seq-len", "16", "--device", "cpu", "--chunk-size", "5", *extra]
+               "--max-seq-len", "16", "--device", "cpu", "--mini-batch-size", "5", *extra]
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
-    done = run(2)
+    done = run(2, "--keep-checkpoint")  # read below, and resumed
     assert done.returncode == 0, done.stderr[-3000:]
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert log[0]["processes"] == WORLD
     assert [r["step"] for r in log if r["type"] == "step"] == [1, 2]  # rank 0 alone writes
-    ckpt = training.load_checkpoint(out / "checkpoint.pt")
+    ckpt = checkpoint.read_checkpoint(out / "checkpoint.pt")
     assert ckpt["world_size"] == WORLD and len(ckpt["rng_ranks"]) == WORLD
     assert not torch.equal(ckpt["rng_ranks"][0]["torch"], ckpt["rng_ranks"][1]["torch"])
     assert (out / "model.safetensors").is_file()
-    done = run(2, "--resume")  # every process reads its own random state back
+    done = run(2, "--resume", "--keep-checkpoint")  # every process reads its own random state back
     assert done.returncode == 0, done.stderr[-3000:]
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if r["type"] == "step"] == [1, 2]

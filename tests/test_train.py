@@ -2,7 +2,6 @@
 interrupt and resume; integration with the packaged MiniLM on the shared wiki data."""
 
 import csv
-import importlib.util
 import json
 import os
 import signal
@@ -16,15 +15,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingfac
 import pytest
 import torch
 
-from fastcl import training
+from fastcl import checkpoint, objectives, training
+from fastcl import data as data_io
+from fastcl.trainer import loop as train  # the trainer: main, its log, export, set-up
 from fastcl.encoders import MLPHead, SentenceEncoder, encode, load_backbone, load_encoder
 from fastcl.evaluate import evaluate
 from test_evaluate import DATA, make_tiny_model, minilm_path, needs_data, random_sentence, write_sts_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("train", ROOT / "train.py")
-train = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,7 +76,7 @@ def step_records(out):
 def test_read_sentences_skips_and_counts_blank_lines(tmp_path):
     path = tmp_path / "t.txt"
     path.write_bytes("first line\r\n\r\n   \nsecond\u2028same\rline\n\t\nlast, no newline".encode())
-    data = training.read_sentences(path)
+    data = data_io.read_sentences(path)
     assert data.dataset["text"] == ["first line", "second\u2028same\rline", "last, no newline"]
     assert data.skipped == 3 and data.kind == "sentences"
 
@@ -86,16 +84,16 @@ def test_read_sentences_skips_and_counts_blank_lines(tmp_path):
 def test_read_csv_with_quoting_and_optional_hard_negatives(tmp_path):
     path = tmp_path / "nli.csv"
     path.write_text('sent0,sent1,hard_neg\n"a, b","say ""hi""\nthere",c\nd,,f\ng,h,i\n')
-    data = training.read_csv_triplets(path)
+    data = data_io.read_csv_triplets(path)
     assert data.kind == "triplets" and data.skipped == 1
     assert data.dataset["sent0"] == ["a, b", "g"]
     assert data.dataset["sent1"] == ['say "hi"\nthere', "h"]
     assert data.dataset["hard_neg"] == ["c", "i"]
     path.write_text("sent0,sent1\nx,y\n")
-    assert training.read_csv_triplets(path).kind == "pairs"
+    assert data_io.read_csv_triplets(path).kind == "pairs"
     path.write_text("premise,hypothesis\nx,y\n")
     with pytest.raises(ValueError, match="--data: .*needs columns sent0,sent1.*lacks sent0, sent1"):
-        training.read_csv_triplets(path)
+        data_io.read_csv_triplets(path)
 
 
 def test_read_snli_makes_premise_entailment_contradiction_triplets(tmp_path):
@@ -106,31 +104,31 @@ def test_read_snli_makes_premise_entailment_contradiction_triplets(tmp_path):
         (tmp_path / f"s1.{split}").write_text("".join(f"{p} \n" for p, _, _ in part))
         (tmp_path / f"s2.{split}").write_text("".join(f"{h} \n" for _, h, _ in part))
         (tmp_path / f"labels.{split}").write_text("".join(f"{lab}\n" for _, _, lab in part))
-    data = training.read_snli(tmp_path)
+    data = data_io.read_snli(tmp_path)
     assert list(zip(data.dataset["sent0"], data.dataset["sent1"], data.dataset["hard_neg"])) == [
         ("p1 .", "e1", "c1"), ("p3", "e3", "c3")]
     assert data.skipped == 1
-    assert len(training.read_snli(tmp_path, ["test"])) == 1
+    assert len(data_io.read_snli(tmp_path, ["test"])) == 1
     with pytest.raises(ValueError, match="--snli-splits: .*lacks split.*train"):
-        training.read_snli(tmp_path, ["train"])
+        data_io.read_snli(tmp_path, ["train"])
     (tmp_path / "labels.dev").write_text("entailment\n")
     with pytest.raises(ValueError, match="s1/s2/labels have 5/5/1 lines"):
-        training.read_snli(tmp_path, ["dev"])
+        data_io.read_snli(tmp_path, ["dev"])
 
 
 def test_data_format_must_fit_the_method(tiny, tmp_path):
     with pytest.raises(FileNotFoundError, match="--data: no such file"):
-        training.read_training_data(tmp_path / "none.txt", "simcse")
+        data_io.read_training_data(tmp_path / "none.txt", "simcse")
     with pytest.raises(ValueError, match="--data: method dclr trains on a text file.*csv"):
-        training.read_training_data(tiny / "sup.csv", "dclr")
+        data_io.read_training_data(tiny / "sup.csv", "dclr")
     with pytest.raises(ValueError, match="--data: simcse-sup needs a csv"):
-        training.read_training_data(tiny / "train.txt", "simcse-sup")
+        data_io.read_training_data(tiny / "train.txt", "simcse-sup")
     with pytest.raises(ValueError, match="--data: method focal trains on a text file.*not a folder"):
-        training.read_training_data(tiny / "snli", "focal")
+        data_io.read_training_data(tiny / "snli", "focal")
     (tmp_path / "blank.txt").write_text("\n \n")
     with pytest.raises(ValueError, match="holds no usable examples"):
-        training.read_training_data(tmp_path / "blank.txt", "simcse")
-    assert len(training.read_training_data(tiny / "snli", "simcse-sup")) == 12
+        data_io.read_training_data(tmp_path / "blank.txt", "simcse")
+    assert len(data_io.read_training_data(tiny / "snli", "simcse-sup")) == 12
 
 
 # ---------------------------------------------------------------------------------------
@@ -147,11 +145,11 @@ SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "the man plays g
 
 def test_duplicated_batch_gives_two_dropout_views(tiny):
     encoder, tokenizer = tiny_encoder(tiny)
-    views = training.embed_views(training.Objective("simcse"), encoder, tokenizer, SENTENCES, 16)
+    views = training.embed_views(objectives.Objective("simcse"), encoder, tokenizer, SENTENCES, 16)
     assert views["anchors"].shape == views["positives"].shape == (4, 32)
     assert not torch.allclose(views["anchors"], views["positives"])  # different dropout masks
     with training.dropout_rate(encoder, 0.0):
-        views = training.embed_views(training.Objective("simcse"), encoder, tokenizer, SENTENCES, 16)
+        views = training.embed_views(objectives.Objective("simcse"), encoder, tokenizer, SENTENCES, 16)
     torch.testing.assert_close(views["anchors"], views["positives"])
     assert views["anchors"].requires_grad
 
@@ -163,7 +161,7 @@ def test_escl_sensitive_view_alone_uses_the_high_dropout(tiny):
     attention = encoder.backbone.encoder.layer[0].attention.self
     emb_dropout.register_forward_pre_hook(lambda m, args: seen.append([args[0].shape[0], m.p]))
     attention.register_forward_pre_hook(lambda m, args: seen[-1].append(m.dropout.p))
-    obj = training.Objective("escl", sensitive_dropout=0.45)
+    obj = objectives.Objective("escl", sensitive_dropout=0.45)
     opt = torch.optim.SGD(encoder.parameters(), lr=0.0)
     sched = training.linear_schedule(opt, 10)
     out = training.train_step(obj, encoder, tokenizer, SENTENCES, opt, sched, max_length=16)
@@ -180,26 +178,26 @@ def test_dclr_complementary_is_frozen_in_eval_mode(tiny):
     comp.backbone.register_forward_pre_hook(
         lambda m, args, kwargs: calls.append((m.training, torch.is_grad_enabled())), with_kwargs=True)
     before = {k: v.clone() for k, v in comp.state_dict().items()}
-    obj = training.Objective("dclr", phi=0.5, complementary=comp.requires_grad_(False),
+    obj = objectives.Objective("dclr", phi=0.5, complementary=comp.requires_grad_(False),
                              complementary_tokenizer=comp_tok, generator=torch.Generator().manual_seed(0))
     views = training.embed_views(obj, encoder, tokenizer, SENTENCES, 16)
     c, c_pos = views["complementary"]
     assert c is c_pos and not c.requires_grad and c.dtype == torch.float32
     assert calls == [(False, False)]
-    loss = training.objective_loss(obj, views)
+    loss = objectives.objective_loss(obj, views)
     loss.backward()
     assert all(p.grad is None for p in comp.parameters())
     assert all(torch.equal(before[k], v) for k, v in comp.state_dict().items())
     # with phi = 1 the complementary model can drop nothing: the unweighted loss
-    obj_none = training.Objective("dclr", phi=1.0, complementary=comp, complementary_tokenizer=comp_tok,
+    obj_none = objectives.Objective("dclr", phi=1.0, complementary=comp, complementary_tokenizer=comp_tok,
                                   generator=torch.Generator().manual_seed(0))
-    obj_off = training.Objective("dclr", generator=torch.Generator().manual_seed(0))
+    obj_off = objectives.Objective("dclr", generator=torch.Generator().manual_seed(0))
     views = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in views.items()}
     unweighted = {k: v for k, v in views.items() if k != "complementary"}
-    torch.testing.assert_close(training.objective_loss(obj_none, views),
-                               training.objective_loss(obj_off, unweighted))
-    obj_half = training.Objective("dclr", phi=-1.0, generator=torch.Generator().manual_seed(0))
-    assert training.objective_loss(obj_half, views) < training.objective_loss(obj_off, unweighted)
+    torch.testing.assert_close(objectives.objective_loss(obj_none, views),
+                               objectives.objective_loss(obj_off, unweighted))
+    obj_half = objectives.Objective("dclr", phi=-1.0, generator=torch.Generator().manual_seed(0))
+    assert objectives.objective_loss(obj_half, views) < objectives.objective_loss(obj_off, unweighted)
 
 
 def test_dclr_complementary_released_mode(tiny):
@@ -211,7 +209,7 @@ def test_dclr_complementary_released_mode(tiny):
     comp.backbone.register_forward_pre_hook(
         lambda m, args, kwargs: calls.append((m.training, torch.is_grad_enabled(),
                                               kwargs["input_ids"].shape[0])), with_kwargs=True)
-    obj = training.Objective("dclr", phi=0.5, complementary=comp.requires_grad_(False),
+    obj = objectives.Objective("dclr", phi=0.5, complementary=comp.requires_grad_(False),
                              complementary_tokenizer=comp_tok, complementary_mode="released",
                              generator=torch.Generator().manual_seed(0))
     c, c_pos = training.embed_views(obj, encoder, tokenizer, SENTENCES, 16)["complementary"]
@@ -222,7 +220,7 @@ def test_dclr_complementary_released_mode(tiny):
 
 def test_supervised_views_from_triplets_and_pairs(tiny):
     encoder, tokenizer = tiny_encoder(tiny)
-    obj = training.Objective("simcse-sup")
+    obj = objectives.Objective("simcse-sup")
     triplets = [("the cat", "a cat", "the dog"), ("red apple", "an apple", "blue house")]
     views = training.embed_views(obj, encoder, tokenizer, triplets, 16)
     assert set(views) == {"anchors", "positives", "negatives"}
@@ -271,8 +269,9 @@ def test_each_method_trains_and_exports(tiny, tmp_path, method, family):
     assert {"stsb-dev", "alignment", "uniformity", "metric"} <= set(evals[0])
     assert ("sickr-dev" in evals[0]) == (method == "dclr")  # DCLR selects on the mean of both
     for name in ("dev_curve.png", "align_uniform.png", "config.json", "model.safetensors",
-                 "modules.json", "1_Pooling/config.json", "train_results.json", "checkpoint.pt"):
+                 "modules.json", "1_Pooling/config.json", "train_results.json"):
         assert (out / name).is_file(), name
+    assert not (out / "checkpoint.pt").exists()  # a finished run removes it
     pooler = "cls" if method == "simcse-sup" else "cls_before_pooler"
     assert (out / "2_Dense").is_dir() == (pooler == "cls")
     assert json.loads((out / "train_results.json").read_text())["eval_pooler"] == pooler
@@ -307,11 +306,11 @@ def test_the_best_model_is_kept(tiny, tmp_path):
 
 def test_without_sts_dir_the_last_model_is_saved(tiny, tmp_path, capsys):
     out = tmp_path / "out"
-    assert train.main(base_args(tiny, out, "focal", steps=3)) == 0
+    assert train.main(base_args(tiny, out, "focal", steps=3, keep_checkpoint=True)) == 0
     printed = capsys.readouterr().out
     assert printed.count("no --sts-dir: no dev evaluation") == 1
     assert not [r for r in train.read_log(out) if r["type"] == "eval"]
-    last = training.load_checkpoint(out / "checkpoint.pt")["model"]
+    last = checkpoint.read_checkpoint(out / "checkpoint.pt")["model"]
     saved, _ = load_backbone(out)
     for name, value in saved.state_dict().items():
         torch.testing.assert_close(value, last[f"backbone.{name}"], rtol=0, atol=0)
@@ -341,14 +340,14 @@ def assert_same_run(reference, resumed):
         assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"]), a["step"]
     evals = lambda out: [(r["step"], r["stsb-dev"]) for r in train.read_log(out) if r["type"] == "eval"]
     assert evals(reference) == evals(resumed)
-    a = training.load_checkpoint(reference / "checkpoint.pt")["model"]
-    b = training.load_checkpoint(resumed / "checkpoint.pt")["model"]
+    a = checkpoint.read_checkpoint(reference / "checkpoint.pt")["model"]
+    b = checkpoint.read_checkpoint(resumed / "checkpoint.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_after_sigterm_gives_the_same_losses(tiny, tmp_path, monkeypatch):
     extra = dict(sts_dir=tiny / "sts", eval_steps=3, select="stsb", complementary=tiny / "bert",
-                 noise_steps=2)
+                 noise_steps=2, keep_checkpoint=True)  # assert_same_run reads the checkpoints
     ref, cut = tmp_path / "reference", tmp_path / "interrupted"
     handler = signal.getsignal(signal.SIGTERM)
     assert train.main(base_args(tiny, ref, "dclr", steps=8, **extra)) == 0
@@ -356,7 +355,7 @@ def test_resume_after_sigterm_gives_the_same_losses(tiny, tmp_path, monkeypatch)
         interrupt_at(m, 5, lambda: os.kill(os.getpid(), signal.SIGTERM))
         assert train.main(base_args(tiny, cut, "dclr", steps=8, **extra)) == 128 + signal.SIGTERM
     assert [r["step"] for r in step_records(cut)] == [1, 2, 3, 4, 5]
-    assert training.load_checkpoint(cut / "checkpoint.pt")["state"]["step"] == 5
+    assert checkpoint.read_checkpoint(cut / "checkpoint.pt")["state"]["step"] == 5
     assert signal.getsignal(signal.SIGTERM) is handler  # handlers restored
     assert train.main(base_args(tiny, cut, "dclr", steps=8, resume=True, **extra)) == 0
     assert_same_run(ref, cut)
@@ -365,7 +364,8 @@ def test_resume_after_sigterm_gives_the_same_losses(tiny, tmp_path, monkeypatch)
 def test_resume_from_a_periodic_checkpoint_after_a_crash(tiny, tmp_path, monkeypatch):
     # 64 sentences in batches of 4: 16 steps an epoch, so the run crosses into a second epoch
     args = lambda out, **more: base_args(tiny, out, "escl", steps=20, checkpoint_steps=7,
-                                         eval_steps=10, sts_dir=tiny / "sts", **more)
+                                         eval_steps=10, sts_dir=tiny / "sts", keep_checkpoint=True,
+                                         **more)
     ref, cut = tmp_path / "reference", tmp_path / "crashed"
     assert train.main(args(ref)) == 0
 
@@ -375,7 +375,7 @@ def test_resume_from_a_periodic_checkpoint_after_a_crash(tiny, tmp_path, monkeyp
         interrupt_at(m, 17, crash)
         with pytest.raises(RuntimeError, match="power cut"):
             train.main(args(cut))
-    assert training.load_checkpoint(cut / "checkpoint.pt")["state"]["step"] == 14
+    assert checkpoint.read_checkpoint(cut / "checkpoint.pt")["state"]["step"] == 14
     assert train.main(args(cut, resume=True)) == 0
     assert [r["step"] for r in step_records(cut)] == list(range(1, 21))
     assert step_records(cut)[-1]["epoch"] == 1
@@ -386,7 +386,7 @@ def test_resume_checks_its_inputs(tiny, tmp_path, capsys):
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match="--resume: no checkpoint at"):
         train.main(base_args(tiny, out, resume=True))
-    assert train.main(base_args(tiny, out, steps=2)) == 0
+    assert train.main(base_args(tiny, out, steps=2, keep_checkpoint=True)) == 0
     with pytest.raises(SystemExit):
         train.main(base_args(tiny, out, steps=2))
     assert "holds a checkpoint: pass --resume" in capsys.readouterr().err
@@ -415,7 +415,7 @@ def test_sigterm_to_a_training_process_writes_a_checkpoint(tiny, tmp_path):
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, output
     assert "continue with --resume" in output
-    ckpt = training.load_checkpoint(out / "checkpoint.pt")
+    ckpt = checkpoint.read_checkpoint(out / "checkpoint.pt")
     assert ckpt["state"]["step"] == step_records(out)[-1]["step"] >= 3
     assert not [p for p in out.iterdir() if ".tmp" in p.name]
 
@@ -516,7 +516,7 @@ def test_minilm_few_steps_then_stsb_dev(method, tmp_path):
 
 def loop_args(tiny, out, **more):
     return base_args(tiny, out, "simcse", steps=6, sts_dir=tiny / "sts", eval_steps=2,
-                     checkpoint_steps=100, pooler="avg", **more)
+                     checkpoint_steps=100, pooler="avg", keep_checkpoint=True, **more)
 
 
 @pytest.fixture(scope="module")
@@ -554,7 +554,7 @@ def test_disk_full_in_evaluation_writes_an_emergency_checkpoint(tiny, tmp_path, 
         with pytest.raises(SystemExit, match="No space left on device"):
             train.main(loop_args(tiny, out))
     step = 2 * n  # evaluations at steps 2, 4, 6; the first one exports
-    assert training.load_checkpoint(out / "checkpoint.pt")["state"]["step"] == step
+    assert checkpoint.read_checkpoint(out / "checkpoint.pt")["state"]["step"] == step
     assert f"emergency checkpoint written to {out / 'checkpoint.pt'} at step {step}" in capsys.readouterr().err
     assert train.main(loop_args(tiny, out, resume=True)) == 0
     assert_same_run(loop_reference, out)
@@ -574,7 +574,7 @@ def test_an_error_before_the_update_checkpoints_the_start_of_the_step(tiny, tmp_
         with pytest.raises(RuntimeError, match="out of memory"):
             train.main(loop_args(tiny, out))
     # step 5 had drawn its batch and dropout masks, not changed the model: it is redone
-    assert training.load_checkpoint(out / "checkpoint.pt")["state"]["step"] == 4
+    assert checkpoint.read_checkpoint(out / "checkpoint.pt")["state"]["step"] == 4
     assert train.main(loop_args(tiny, out, resume=True)) == 0
     assert_same_run(loop_reference, out)
 
@@ -592,7 +592,7 @@ def test_an_error_writing_a_step_record_keeps_it_for_the_resume(tiny, tmp_path, 
         m.setattr(train, "append_log", append)
         with pytest.raises(SystemExit):
             train.main(loop_args(tiny, out))
-    assert training.load_checkpoint(out / "checkpoint.pt")["state"]["step"] == 3
+    assert checkpoint.read_checkpoint(out / "checkpoint.pt")["state"]["step"] == 3
     assert [r["step"] for r in step_records(out)] == [1, 2]
     assert train.main(loop_args(tiny, out, resume=True)) == 0
     assert_same_run(loop_reference, out)
@@ -603,7 +603,7 @@ def test_a_malformed_dev_file_is_an_error_before_step_1(tiny, tmp_path):
     bad = sts / "stsb" / "sts-dev.csv"
     bad.write_text(bad.read_text() + "main-news\tf\t2012\t99\tnot-a-score\ta b\tc d\n")
     out = tmp_path / "out"
-    with pytest.raises(SystemExit, match=f"train.py: error: {bad}:41: score 'not-a-score' is not a number"):
+    with pytest.raises(SystemExit, match=f"fastcl-train: error: {bad}:41: score 'not-a-score' is not a number"):
         train.main(base_args(tiny, out, sts_dir=sts))
     assert not step_records(out) and not (out / "checkpoint.pt").exists()
 
@@ -635,7 +635,7 @@ def test_a_nan_dev_metric_is_never_the_best(tiny, tmp_path, monkeypatch):
 
 def test_resume_with_another_sts_dir_is_refused(tiny, tmp_path):
     out = tmp_path / "out"
-    assert train.main(base_args(tiny, out, steps=2, sts_dir=tiny / "sts")) == 0
+    assert train.main(base_args(tiny, out, steps=2, sts_dir=tiny / "sts", keep_checkpoint=True)) == 0
     other = write_sts_dir(tmp_path / "other", seed=1)
     with pytest.raises(SystemExit, match="--resume needs the options.*--sts-dir"):
         train.main(base_args(tiny, out, steps=2, sts_dir=other, resume=True))
@@ -645,10 +645,10 @@ def test_a_csv_with_an_unbalanced_quote_is_an_error(tmp_path):
     path = tmp_path / "nli.csv"
     path.write_text('sent0,sent1,hard_neg\na,"b, he said,c\nd,e,f\ng,h,i\n')
     with pytest.raises(ValueError, match=f"--data: {path}:2: malformed csv.*unbalanced quote"):
-        training.read_csv_triplets(path)
+        data_io.read_csv_triplets(path)
     path.write_text('sent0,sent1,hard_neg\na,"b, c\nd,e",f,g\nh,i,j\n')
     with pytest.raises(ValueError, match=f"--data: {path}:2-3: the row has more fields"):
-        training.read_csv_triplets(path)
+        data_io.read_csv_triplets(path)
 
 
 def test_non_utf8_data_names_the_file(tmp_path):
@@ -656,4 +656,4 @@ def test_non_utf8_data_names_the_file(tmp_path):
         (tmp_path / name).write_bytes(text)
         method = "simcse-sup" if name.endswith(".csv") else "simcse"
         with pytest.raises(ValueError, match=f"--data: {tmp_path / name} is not UTF-8 text"):
-            training.read_training_data(tmp_path / name, method)
+            data_io.read_training_data(tmp_path / name, method)

@@ -73,9 +73,9 @@ CASES = [
 @pytest.mark.parametrize("backend", ["reference", "tiled"])
 def test_bad_input(call, exc, words, backend, monkeypatch):
     import fastcl.functional as fn
-    real = fn._backend
+    real = fn.resolve_backend
     # run each case under both backends: checks happen before dispatch, whatever backend
-    monkeypatch.setattr(fn, "_backend", lambda b, x: real(backend if b == "auto" else b, x))
+    monkeypatch.setattr(fn, "resolve_backend", lambda b, x: real(backend if b == "auto" else b, x))
     with pytest.raises(exc) as info:
         call()
     assert words in str(info.value)

@@ -1,0 +1,478 @@
+"""The trainer's command line: options, the papers' recipes, and their checks.
+
+Method defaults live once: the hyper-parameters in :mod:`fastcl.common` (through
+:class:`fastcl.objectives.Objective`), the training recipes and which options a method reads
+in :data:`fastcl.objectives.METHODS`. This module only turns them into flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+from .. import common
+from ..data import parse_columns
+from ..encoders import POOLERS
+from ..objectives import METHODS, Objective
+from .report import CHOICES as REPORT_TO
+
+DESCRIPTION = "Train a sentence encoder with one of fastcl's contrastive objectives."
+CHECKPOINT = "checkpoint.pt"
+CONFIG_FILE = "fastcl_config.yaml"   # the run's options, written into --output-dir
+RECIPE = "recipe:"                   # --config recipe:NAME: a recipe shipped with fastcl
+# Options naming local files or folders: saved as absolute paths when they exist.
+PATH_OPTIONS = ("model", "data", "output_dir", "sts_dir", "complementary")
+
+# Method options whose flag is not the Objective field's name, and flags that go with a field.
+_FLAG_OF_FIELD = {"formulation": "dclr_formulation"}
+_COMPANION_FLAGS = {"complementary_pooler": "complementary"}
+# Defaults that depend on the model family: resolved once the backbone is loaded.
+FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),
+                   "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
+
+
+def method_flags() -> dict:
+    """Each method-specific option (its ``args`` name) → (its method, its default)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Objective)}
+    flags = {}
+    for method, spec in METHODS.items():
+        for field in spec.options:
+            default = None if field in FAMILY_DEFAULTS else defaults[field]
+            flags[_FLAG_OF_FIELD.get(field, field)] = (method, default)
+    for flag, field in _COMPANION_FLAGS.items():
+        flags[flag] = (flags[field][0], None)
+    return flags
+
+
+METHOD_FLAGS = method_flags()
+# Options whose value must be the same when resuming (they define the run's steps).
+RUN_DEFINING = ("method", "model", "data", "snli_splits", "text_column", "columns", "data_split",
+                "sts_dir", "batch_size", "lr", "epochs",
+                "max_steps", "max_seq_len", "mini_batch_size", "pooler", "mlp_only_train", "seed",
+                "temperature", "warmup_steps", "weight_decay", "max_grad_norm", "precision", "select",
+                *METHOD_FLAGS)
+
+
+def epilog() -> str:
+    """The --help text after the options: every method's recipe and defaults."""
+    rows = []
+    for method, spec in METHODS.items():
+        r = spec.recipe
+        pooler = ("cls + MLP -> cls_before_pooler" if r["mlp_only_train"]
+                  else "cls + MLP -> cls (MLP kept)")
+        rows.append(f"  {method:<11}{r['batch_size']:>5}   {r['lr']:<6g} {r['epochs']:>3}     "
+                    f"{pooler:<34}{r['select']}")
+    return "\n".join([
+        "defaults per method (BERT-base recipes of the papers):",
+        "  method      batch  lr     epochs  pooler (train -> eval/export)     select",
+        *rows,
+        f"  all: temperature {common.TEMPERATURE}, max length 32, AdamW without weight decay, "
+        "linear decay, clip 1.0.",
+        f"  dclr: phi {common.PHI} (BERT) / {common.PHI_ROBERTA} (RoBERTa), noise ratio "
+        f"{common.NOISE_RATIO:g} (BERT) / {common.NOISE_RATIO_ROBERTA:g} (RoBERTa), "
+        f"{common.NOISE_STEPS} noise",
+        f"  steps of lr {common.NOISE_LR:g} from N(0, {common.NOISE_STD:g}). focal: m "
+        f"{common.FOCAL_M}. escl: rd weight {common.ESCL_WEIGHT:g}, sensitive dropout "
+        f"{common.SENSITIVE_DROPOUT}.",
+        "",
+        "data formats (--data):",
+        "  .txt: UTF-8, one sentence a line (blank lines are skipped); unsupervised methods.",
+        "  .csv, .tsv (a header row, standard quoting), .json, .jsonl, .parquet: unsupervised methods",
+        "  read --text-column (default: text or sentence, else the only text column); simcse-sup",
+        "  reads --columns anchor,positive[,hard_negative] (default sent0,sent1[,hard_neg]).",
+        "  a folder of such files (one format), or a dataset name for datasets.load_dataset",
+        "  (--data-split; offline it loads from the local cache). simcse-sup also reads a folder in",
+        "  SentEval's SNLI layout (s1.<split>, s2.<split>, labels.<split>) made into (premise,",
+        "  entailment, contradiction) triplets. Rows with an empty field are skipped and counted.",
+        "",
+        "configuration files (--config FILE, YAML or JSON): keys are the options above (batch_size",
+        "  or batch-size), flags on the command line override them, and every run saves its",
+        f"  options as OUTPUT_DIR/{CONFIG_FILE}. The papers' recipes: --config recipe:NAME, NAME:",
+        textwrap.fill(", ".join(recipe_names()) or "(none installed)", 94,
+                      initial_indent="  ", subsequent_indent="  "),
+        "",
+        "large batches: --mini-batch-size for cached encoding; torchrun --nproc_per_node W for",
+        "global negatives over W processes.",
+    ])
+
+
+def build_parser(prog: str = "fastcl-train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=epilog(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("run")
+    g.add_argument("--method", required=True, choices=tuple(METHODS), help="training objective")
+    g.add_argument("--model", required=True, metavar="NAME_OR_PATH",
+                   help="any Hugging Face AutoModel encoder: a local folder, or a hub name when online")
+    g.add_argument("--data", required=True, metavar="PATH",
+                   help="training data (formats below)")
+    g.add_argument("--snli-splits", nargs="+", default=None, metavar="SPLIT",
+                   help="with an SNLI folder: the splits to use (default: every split found)")
+    g.add_argument("--text-column", default=None, metavar="NAME",
+                   help="unsupervised methods, with a table (csv, tsv, json, parquet, dataset): the "
+                        "sentence column (default: text or sentence, else the only text column)")
+    g.add_argument("--columns", default=None, metavar="A,P[,N]",
+                   help="simcse-sup, with a table: the anchor, positive and optional hard-negative "
+                        "columns (default: sent0,sent1[,hard_neg])")
+    g.add_argument("--data-split", default="train", metavar="SPLIT",
+                   help="with a dataset name: the split to train on (default train)")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML or JSON file of options (keys: the option names); flags given on the "
+                        "command line override it. recipe:NAME is a shipped recipe (see below)")
+    g.add_argument("--output-dir", required=True, metavar="DIR", help="where the model, log, plots and checkpoint go")
+    g.add_argument("--overwrite-output-dir", action="store_true",
+                   help="train into an --output-dir that holds a finished run (its model and log "
+                        "are replaced); without it such a folder is refused")
+    g.add_argument("--resume", action="store_true",
+                   help=f"continue from OUTPUT_DIR/{CHECKPOINT} (same options as the first run)")
+    g.add_argument("--seed", type=int, default=42, help="seed of dropout, data order, head and noise (default 42)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="auto: bf16 autocast on a GPU that supports it, fp32 otherwise")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--batch-size", type=int, default=None, help="examples per step (default: per method)")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: per method)")
+    g.add_argument("--epochs", type=int, default=None, help="passes over the data (default: per method)")
+    g.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many steps; overrides --epochs")
+    g.add_argument("--max-seq-len", type=int, default=32, help="truncate training inputs to this many tokens (default 32)")
+    g.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps before the decay (default 0)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay, not on biases and norms (default 0)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient-norm clipping (default 1.0)")
+    g.add_argument("--mini-batch-size", type=int, default=None, metavar="B",
+                   help="cached two-pass encoding: run the encoder on at most B inputs at a time "
+                        "(unsupervised methods encode 2 inputs per example, escl 3, simcse-sup 2 or "
+                        "3) with the same gradients and dropout masks replayed exactly; activation "
+                        "memory then follows B instead of the batch (default: one pass)")
+    g.add_argument("--chunk-size", type=int, default=None, metavar="B",
+                   help="deprecated alias of --mini-batch-size (warns)")
+
+    g = p.add_argument_group("pooling")
+    g.add_argument("--pooler", choices=POOLERS, default="cls",
+                   help="cls: CLS through an MLP head (Linear+Tanh); cls_before_pooler: raw CLS; "
+                        "avg: mean of the last layer; avg_first_last, avg_top2 (default cls)")
+    g.add_argument("--mlp-only-train", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --pooler cls: train with the MLP but evaluate and export "
+                        "cls_before_pooler (default: on for unsupervised methods, off for simcse-sup)")
+
+    g = p.add_argument_group("evaluation and checkpoints")
+    g.add_argument("--sts-dir", default=None, metavar="DIR",
+                   help="STS data folder (stsb/sts-dev.csv, sick/SICK_trial.txt); without it there "
+                        "is no dev evaluation and the last model is saved")
+    g.add_argument("--eval-steps", type=int, default=125, help="evaluate every N steps (default 125)")
+    g.add_argument("--select", choices=("stsb", "avg"), default=None,
+                   help="keep the best model by STS-B dev Spearman, or by the mean of STS-B dev and "
+                        "SICK-R dev (default: avg for dclr, stsb otherwise)")
+    g.add_argument("--eval-batch-size", type=int, default=64, help="sentences per evaluation forward (default 64)")
+    g.add_argument("--checkpoint-steps", type=int, default=250,
+                   help="write the resumable checkpoint every N steps (default 250; also on SIGINT/SIGTERM)")
+    g.add_argument("--keep-checkpoint", action="store_true",
+                   help=f"keep {CHECKPOINT} after the run finishes (default: removed once the model "
+                        "and train_results.json are written; a stopped or failed run keeps it)")
+
+    g = p.add_argument_group("tracking")
+    g.add_argument("--report-to", nargs="+", choices=REPORT_TO, default=["none"], metavar="TRACKER",
+                   help="also send every record of train_log.jsonl to: tensorboard (event files in "
+                        "OUTPUT_DIR/runs), wandb (a Weights & Biases run; WANDB_PROJECT names the "
+                        "project, default fastcl), or both; none (default)")
+
+    g = p.add_argument_group("objective")
+    g.add_argument("--temperature", type=float, default=common.TEMPERATURE,
+                   help=f"softmax temperature (default {common.TEMPERATURE})")
+    g.add_argument("--hard-negative-weight", type=float, default=None,
+                   help="simcse-sup: log-weight added to each anchor's hard-negative logit (default 0)")
+    g.add_argument("--phi", type=float, default=None,
+                   help="dclr: drop in-batch negatives whose complementary cosine is >= phi "
+                        f"(default {common.PHI}, RoBERTa {common.PHI_ROBERTA})")
+    g.add_argument("--noise-ratio", type=float, default=None,
+                   help=f"dclr: noise negatives per anchor (default {common.NOISE_RATIO:g}, "
+                        f"RoBERTa {common.NOISE_RATIO_ROBERTA:g})")
+    g.add_argument("--noise-steps", type=int, default=None, help=f"dclr: gradient-ascent steps on the noise (default {common.NOISE_STEPS})")
+    g.add_argument("--noise-lr", type=float, default=None, help=f"dclr: noise step size beta (default {common.NOISE_LR:g})")
+    g.add_argument("--noise-std", type=float, default=None, help=f"dclr: initial noise std sigma (default {common.NOISE_STD:g})")
+    g.add_argument("--dclr-formulation", choices=("paper", "released"), default=None,
+                   help="dclr: the paper's loss or the authors' released code (default paper)")
+    g.add_argument("--complementary", default=None, metavar="PATH",
+                   help="dclr: frozen complementary encoder (e.g. a trained SimCSE) for instance "
+                        "weighting; without it no negative is dropped")
+    g.add_argument("--complementary-pooler", choices=POOLERS, default=None,
+                   help="dclr: pooler of the complementary encoder (default cls_before_pooler; "
+                        "cls, the checkpoint's own pooler output, with --complementary-mode released)")
+    g.add_argument("--complementary-mode", choices=("frozen", "released"), default=None,
+                   help="dclr: 'frozen' (default) embeds the batch once in eval mode, c = c+; "
+                        "'released' does as the authors' code: dropout on, the duplicated batch "
+                        "(c and c+ are two dropout views), still without gradients")
+    g.add_argument("--m", type=float, default=None, help=f"focal: margin m of the negative logits s(s+m)/t (default {common.FOCAL_M})")
+    g.add_argument("--rd-weight", type=float, default=None, help=f"escl: weight of the relative-difference term (default {common.ESCL_WEIGHT:g})")
+    g.add_argument("--rd", choices=("softplus", "margin"), default=None,
+                   help=f"escl: relative-difference form (default {common.ESCL_RD})")
+    g.add_argument("--sensitive-dropout", type=float, default=None,
+                   help=f"escl: dropout rate of the third, sensitive view (default {common.SENSITIVE_DROPOUT})")
+    return p
+
+
+def _require(parser, ok: bool, message: str) -> None:
+    if not ok:
+        parser.error(message)
+
+
+def resolve_args(parser, args) -> argparse.Namespace:
+    """Fill method defaults and check every value; errors name the option."""
+    for name, (method, default) in METHOD_FLAGS.items():
+        given = getattr(args, name)
+        _require(parser, given is None or args.method == method,
+                 f"--{name.replace('_', '-')} applies to --method {method} only")
+        if given is None:
+            setattr(args, name, default)
+    supervised = METHODS[args.method].supervised
+    _require(parser, args.text_column is None or not supervised,
+             f"--text-column applies to unsupervised methods; {args.method} reads --columns")
+    _require(parser, args.columns is None or supervised,
+             f"--columns applies to --method simcse-sup; {args.method} reads --text-column")
+    if args.columns is not None:
+        try:
+            parse_columns(args.columns)
+        except ValueError as err:
+            parser.error(str(err))
+    if args.chunk_size is not None:
+        print(f"{parser.prog}: warning: --chunk-size is deprecated, use --mini-batch-size "
+              "(chunk_size is the loss's anchor rows per chunk)", file=sys.stderr)
+        _require(parser, args.mini_batch_size in (None, args.chunk_size),
+                 "--chunk-size (deprecated) and --mini-batch-size disagree; give --mini-batch-size only")
+        args.mini_batch_size = args.chunk_size
+    del args.chunk_size
+    recipe = METHODS[args.method].recipe
+    _require(parser, args.mlp_only_train is None or args.pooler == "cls",
+             "--mlp-only-train/--no-mlp-only-train apply to --pooler cls only")
+    for name, value in recipe.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value if name != "mlp_only_train" or args.pooler == "cls" else False)
+    checks = [
+        (args.batch_size >= 2, f"--batch-size must be >= 2 (in-batch negatives), got {args.batch_size}"),
+        (args.lr > 0 and math.isfinite(args.lr), f"--lr must be > 0, got {args.lr}"),
+        (args.epochs >= 1, f"--epochs must be >= 1, got {args.epochs}"),
+        (args.max_steps is None or args.max_steps >= 1, f"--max-steps must be >= 1, got {args.max_steps}"),
+        (args.max_seq_len >= 2, f"--max-seq-len must be >= 2, got {args.max_seq_len}"),
+        (args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}"),
+        (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
+        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
+        (args.mini_batch_size is None or args.mini_batch_size >= 1,
+         f"--mini-batch-size must be >= 1, got {args.mini_batch_size}"),
+        (args.eval_steps >= 1, f"--eval-steps must be >= 1, got {args.eval_steps}"),
+        (args.eval_batch_size >= 1, f"--eval-batch-size must be >= 1, got {args.eval_batch_size}"),
+        (args.checkpoint_steps >= 1, f"--checkpoint-steps must be >= 1, got {args.checkpoint_steps}"),
+        ("none" not in args.report_to or set(args.report_to) == {"none"},
+         f"--report-to none cannot be combined with a tracker, got {' '.join(args.report_to)}"),
+        (args.temperature > 0 and math.isfinite(args.temperature), f"--temperature must be > 0, got {args.temperature}"),
+        (args.phi is None or -1 <= args.phi <= 1, f"--phi must be in [-1, 1], got {args.phi}"),
+        (args.noise_ratio is None or args.noise_ratio >= 0, f"--noise-ratio must be >= 0, got {args.noise_ratio}"),
+        (args.noise_steps >= 0, f"--noise-steps must be >= 0, got {args.noise_steps}"),
+        (args.noise_std > 0, f"--noise-std must be > 0, got {args.noise_std}"),
+        (0 <= args.sensitive_dropout < 1, f"--sensitive-dropout must be in [0, 1), got {args.sensitive_dropout}"),
+        (args.sts_dir is None or Path(args.sts_dir).is_dir(), f"--sts-dir: no such folder: {args.sts_dir}"),
+    ]
+    for ok, message in checks:
+        _require(parser, ok, message)
+    return args
+
+
+def export_pooler(args) -> str:
+    """The pooler of evaluation and export: the MLP goes away with --mlp-only-train."""
+    return "cls_before_pooler" if args.pooler == "cls" and args.mlp_only_train else args.pooler
+
+
+def objective_options(args) -> dict:
+    """The :class:`fastcl.objectives.Objective` fields ``args`` sets (model-free ones)."""
+    fields = {f.name for f in dataclasses.fields(Objective)}
+    flags = {_FLAG_OF_FIELD.get(f, f): f for f in fields}
+    options = {field: getattr(args, flag) for flag, field in flags.items()
+               if field not in ("method", "complementary", "complementary_tokenizer", "generator")
+               and hasattr(args, flag)}
+    return {k: v for k, v in options.items() if v is not None}
+
+
+# ---------------------------------------------------------------------------------------
+# Configuration files: --config FILE (YAML or JSON), the shipped recipes, the saved config
+
+def recipe_names() -> list:
+    """The recipes shipped with fastcl (``fastcl/trainer/recipes/NAME.yaml``)."""
+    folder = Path(__file__).resolve().parent / "recipes"
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def recipe_path(name: str) -> Path:
+    """The file of the shipped recipe ``name``."""
+    if name not in recipe_names():
+        raise ValueError(f"--config: no recipe {name!r}; the recipes are "
+                         f"{', '.join(recipe_names()) or '(none installed)'}")
+    return Path(__file__).resolve().parent / "recipes" / f"{name}.yaml"
+
+
+def load_config(spec: str) -> dict:
+    """The mapping of options in the config file ``spec`` (``.yaml``, ``.yml`` or ``.json``;
+    ``recipe:NAME``: a shipped recipe). An empty file is an empty mapping."""
+    path = recipe_path(spec[len(RECIPE):]) if spec.startswith(RECIPE) else Path(spec)
+    suffix = path.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise ValueError(f"--config: {spec}: a config file is YAML (.yaml, .yml) or JSON (.json)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"--config: no such file: {spec}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--config: {spec} is not UTF-8 text") from None
+    if suffix == ".json":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--config: {spec} is not valid JSON ({err})") from None
+    else:
+        import yaml
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"--config: {spec} is not valid YAML ({err})") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config: {spec} must hold a mapping of option names to values, "
+                         f"not a {type(values).__name__}")
+    return values
+
+
+def _config_actions(parser) -> dict:
+    """Config key → the parser's action: its dest (``batch_size``) or its flag without the
+    dashes (``batch-size``, made ``batch_size``)."""
+    actions = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "config"):
+            continue
+        actions[action.dest] = action
+        actions[action.option_strings[0].lstrip("-").replace("-", "_")] = action
+    return actions
+
+
+def config_tokens(parser, values: dict, spec: str) -> list:
+    """The command-line tokens that set the options of the config ``values`` (from ``spec``).
+    A null value leaves the option at its default."""
+    actions = _config_actions(parser)
+    tokens, seen = [], {}
+
+    def bad(message):
+        raise ValueError(f"--config {spec}: {message}")
+
+    def scalar(key, value):
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            bad(f"{key}: expected a number or a string, got {value!r}")
+        return str(value)
+
+    for key, value in values.items():
+        action = actions.get(str(key).replace("-", "_"))
+        if action is None:
+            bad(f"unknown key {key!r}: not an option of {parser.prog} (see {parser.prog} --help)")
+        if action.dest in seen:
+            bad(f"{key!r} and {seen[action.dest]!r} set the same option")
+        seen[action.dest] = key
+        if value is None:
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # store_true / store_false / --x/--no-x
+            if not isinstance(value, bool):
+                bad(f"{key}: expected true or false, got {value!r}")
+            if isinstance(action, argparse.BooleanOptionalAction):
+                tokens.append(flag if value else "--no-" + flag[2:])
+            elif value == action.const:
+                tokens.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            items = value if isinstance(value, list) else [value]
+            tokens += [f"{flag}={scalar(key, v)}" for v in items]
+        elif action.nargs in ("+", "*") or isinstance(action.nargs, int):
+            items = value if isinstance(value, list) else [value]
+            tokens += [flag, *(scalar(key, v) for v in items)]
+        else:
+            tokens.append(f"{flag}={scalar(key, value)}")
+    return tokens
+
+
+class _ParseError(Exception):
+    pass
+
+
+def _parse_leniently(parser, argv: list) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with no option required; errors raise :class:`_ParseError`
+    instead of exiting."""
+    required = [a for a in parser._actions if a.required]
+
+    def fail(message):
+        raise _ParseError(message)
+
+    for action in required:
+        action.required = False
+    parser.error = fail  # shadows the method for this call
+    try:
+        return parser.parse_args(argv)
+    finally:
+        del parser.error
+        for action in required:
+            action.required = True
+
+
+def parse_args(parser, argv=None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``) with the options of its ``--config`` file
+    placed before it: the file may give required options, flags on the command line override
+    it. Errors in the file name the file and the key."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        spec = _parse_leniently(parser, argv).config
+    except _ParseError:
+        spec = None  # the parse below reports the error
+    tokens = []
+    if spec:
+        try:
+            tokens = config_tokens(parser, load_config(spec), spec)
+            _parse_leniently(parser, tokens)  # values checked by the options' own types
+        except ValueError as err:
+            parser.error(str(err))
+        except _ParseError as err:
+            parser.error(f"--config {spec}: {err}")
+    return parser.parse_args(tokens + argv)
+
+
+def effective_config(args) -> dict:
+    """The options of a run as a config file holds them, so that ``--config`` of it repeats the
+    run: every option that has a value (local paths made absolute), except ``--resume``, and
+    the method options of other methods."""
+    options = {a.dest for a in build_parser()._actions if a.option_strings}
+    config = {}
+    for key, value in vars(args).items():
+        if key not in options or key in ("help", "config", "resume") or value is None:
+            continue
+        if key in METHOD_FLAGS and METHOD_FLAGS[key][0] != args.method:
+            continue
+        if key == "mlp_only_train" and args.pooler != "cls":
+            continue
+        if key in PATH_OPTIONS and Path(value).exists():
+            value = str(Path(value).resolve())
+        config[key] = list(value) if isinstance(value, tuple) else value
+    return config
+
+
+def write_config(out, args) -> Path:
+    """Write :func:`effective_config` as YAML to ``out/CONFIG_FILE`` (through a temporary file
+    and a rename: a crash leaves the previous one whole)."""
+    import yaml
+    out = Path(out)
+    text = (f"# The options of this fastcl-train run. Repeat it with: fastcl-train --config "
+            f"{out.resolve() / CONFIG_FILE}\n# (flags given on the command line override these "
+            "values)\n"
+            + yaml.safe_dump(effective_config(args), sort_keys=False, allow_unicode=True))
+    tmp = out / f".{CONFIG_FILE}.tmp"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out / CONFIG_FILE)
+    return out / CONFIG_FILE

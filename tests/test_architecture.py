@@ -1,0 +1,112 @@
+"""The layers of fastcl and which may import which (README, "Architecture").
+
+Read from the source with ``ast`` (imports inside functions count too), so a change that
+breaks a rule fails here, not in a review.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lower layers never import higher ones. Within a layer, imports are allowed (no cycles).
+LAYERS = [
+    ("fastcl.common", "fastcl.citations", "fastcl._switches", "fastcl._validation"),  # leaves
+    ("fastcl.kernels", "fastcl.reference"),                                  # kernels; the oracle
+    ("fastcl.tiled",),                                                       # the tiled driver
+    ("fastcl.functional",),                                                  # the public losses
+    ("fastcl", "fastcl.metrics", "fastcl.modules", "fastcl.objectives", "fastcl.encoders",
+     "fastcl.distributed", "fastcl.data", "fastcl.checkpoint"),             # built on the losses
+    ("fastcl.training", "fastcl.evaluate", "fastcl.integrations"),         # steps, eval, adapters
+    ("fastcl.trainer",),                                                     # the trainer
+]
+
+
+def _modules():
+    """{module name: set of fastcl modules it imports}."""
+    out = {}
+    for folder, package in ((ROOT / "fastcl", "fastcl"), (ROOT / "kernels", "fastcl.kernels")):
+        for path in sorted(folder.rglob("*.py")):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            name = ".".join([package, *parts])
+            here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            deps = set()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom):
+                    if node.level:
+                        base = here.split(".")[:len(here.split(".")) - node.level + 1]
+                        module = ".".join(base + ([node.module] if node.module else []))
+                    else:
+                        module = node.module or ""
+                    if module.startswith("fastcl"):
+                        if node.module:  # "from . import x" imports x, not the package
+                            deps.add(module)
+                        deps.update(f"{module}.{a.name}" for a in node.names)
+                elif isinstance(node, ast.Import):
+                    deps.update(a.name for a in node.names if a.name.startswith("fastcl"))
+            out[name] = deps
+    return {name: {d for d in deps if d in out and d != name} for name, deps in out.items()}
+
+
+MODULES = _modules()
+
+
+def layer(name):
+    best = None
+    for i, members in enumerate(LAYERS):
+        for m in members:
+            if (name == m or name.startswith(m + ".") and m != "fastcl") and (
+                    best is None or len(m) > best[1]):
+                best = (i, len(m))
+    assert best is not None, f"{name} belongs to no layer: add it to LAYERS and the README"
+    return best[0]
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_imports_a_higher_layer(name):
+    for dep in MODULES[name]:
+        if dep.startswith(name + "."):
+            continue  # a package importing its own modules
+        assert layer(dep) <= layer(name), f"{name} (layer {layer(name)}) imports {dep} (layer {layer(dep)})"
+
+
+def test_the_reference_is_a_leaf_only_functional_uses():
+    assert MODULES["fastcl.reference"] == {"fastcl.common"}
+    assert MODULES["fastcl.common"] == set()
+    users = sorted(n for n, deps in MODULES.items() if "fastcl.reference" in deps)
+    assert users == ["fastcl.functional"]
+
+
+def test_kernels_know_nothing_of_the_rest():
+    for name, deps in MODULES.items():
+        if name.startswith("fastcl.kernels"):
+            assert deps <= {"fastcl._switches", "fastcl.kernels.contrastive"}, (name, deps)
+
+
+def test_no_import_cycles():
+    state = {}
+
+    def visit(name, path):
+        state[name] = "open"
+        for dep in MODULES[name]:
+            if dep.startswith(name + "."):
+                continue
+            assert state.get(dep) != "open", "import cycle: " + " -> ".join(path + [dep])
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[name] = "done"
+
+    for name in MODULES:
+        if name not in state:
+            visit(name, [name])
+
+
+def test_one_dispatch_serves_every_step_driver():
+    """The method → loss choice is made in fastcl.objectives alone."""
+    for name in ("fastcl.training", "fastcl.distributed", "fastcl.trainer.loop"):
+        path = ROOT / (name.replace(".", "/") + ".py")
+        source = path.read_text(encoding="utf-8")
+        for loss in ("infonce(", "focal_infonce(", "dclr_loss(", "escl_loss("):
+            assert f"fastcl.{loss}" not in source and f" {loss}" not in source, (name, loss)

@@ -1,0 +1,63 @@
+"""fastcl as a user installs it: a wheel holds the trainer and its ``fastcl-train`` command."""
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
+                           "--no-build-isolation", "-q", "-w", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and "No module named" in done.stderr and "setuptools" in done.stderr:
+        pytest.skip("building a wheel needs setuptools in this environment")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (path,) = out.glob("fastcl-*.whl")
+    return path
+
+
+def test_the_wheel_holds_every_package_and_the_console_script(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in ("fastcl/common.py", "fastcl/objectives.py", "fastcl/trainer/loop.py",
+                   "fastcl/trainer/__main__.py", "fastcl/kernels/contrastive.py",
+                   "fastcl/integrations/sentence_transformers.py", "fastcl/py.typed",
+                   "fastcl/trainer/recipes/simcse-bert.yaml", "fastcl/trainer/recipes/dclr-roberta.yaml"):
+        assert module in names, module
+    (entry,) = [n for n in names if n.endswith("entry_points.txt")]
+    assert "fastcl-train = fastcl.trainer:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_the_version_is_written_once(wheel):
+    import fastcl
+    assert wheel.name.startswith(f"fastcl-{fastcl.__version__}-")
+    assert "version =" not in (ROOT / "pyproject.toml").read_text().split("[project]")[1].split("[")[0]
+
+
+def test_the_package_is_typed(wheel):
+    assert "fastcl/py.typed" in zipfile.ZipFile(wheel).namelist()
+
+
+def test_fastcl_train_help_works_from_a_wheel_install(wheel, tmp_path):
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                           str(site), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the installed copy, not the checkout, is what runs (cwd and path away from the repository)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    where = subprocess.run([sys.executable, "-c", "import fastcl; print(fastcl.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert Path(where.stdout.strip()).is_relative_to(site), where.stdout + where.stderr
+    for cmd in ([str(site / "bin" / "fastcl-train"), "--help"],
+                [sys.executable, "-m", "fastcl.trainer", "--help"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        for text in ("--method", "--mini-batch-size", "defaults per method", "dclr"):
+            assert text in done.stdout, (cmd, text)

@@ -1,0 +1,398 @@
+"""fastcl-train's inputs: training data in every format (through ``datasets``), ``--config``
+files, the configuration a run saves beside its model, and the shipped recipes."""
+
+import csv
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub load
+
+import pytest
+import yaml
+
+from fastcl import data as data_io
+from fastcl.trainer import cli
+from test_evaluate import random_sentence
+from test_train import ROOT, base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def offline_datasets(tmp_path, monkeypatch):
+    """datasets caches under tmp_path and never reaches the network."""
+    import datasets
+    import huggingface_hub.constants
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hf-datasets"
+
+
+def write_table(path, rows):
+    """``rows`` (dicts, None for a missing value) as a file in the format of ``path``'s suffix."""
+    path = Path(path)
+    fmt = path.suffix
+    names = list(rows[0])
+    if fmt in (".csv", ".tsv"):
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, names, delimiter="\t" if fmt == ".tsv" else ",")
+            w.writeheader()
+            w.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+    elif fmt == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    elif fmt == ".json":
+        path.write_text(json.dumps(rows), encoding="utf-8")
+    elif fmt == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({k: [r[k] for r in rows] for k in names}), path)
+    else:
+        raise AssertionError(fmt)
+    return path
+
+
+TABLES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
+SENTENCES = ["the cat sat, on the mat", 'a "quoted" dog ran', None, "   ", "red apple"]
+
+
+# ---------------------------------------------------------------------------------------
+# Data formats
+
+@pytest.mark.parametrize("suffix", TABLES)
+def test_each_table_format_gives_its_sentence_column(tmp_path, suffix):
+    rows = [{"source": f"s{i}", "sentence": s} for i, s in enumerate(SENTENCES)]
+    path = write_table(tmp_path / f"wiki{suffix}", rows)
+    data = data_io.read_training_data(path, "simcse")
+    assert data.kind == "sentences" and data.skipped == 2  # the None and the blank one
+    texts = [t.strip() for t in data.dataset["text"]]
+    assert texts == ["the cat sat, on the mat", 'a "quoted" dog ran', "red apple"]
+    # --text-column picks another column
+    picked = data_io.read_training_data(path, "simcse", text_column="source")
+    assert list(picked.dataset["text"]) == [f"s{i}" for i in range(5)] and picked.skipped == 0
+
+
+@pytest.mark.parametrize("suffix", TABLES)
+def test_each_table_format_gives_supervised_triplets_and_pairs(tmp_path, suffix):
+    rows = [{"premise": "p1", "entailment": "e1", "contradiction": "c1"},
+            {"premise": "p2", "entailment": None, "contradiction": "c2"},
+            {"premise": "p3", "entailment": "e3", "contradiction": "c3"}]
+    path = write_table(tmp_path / f"nli{suffix}", rows)
+    data = data_io.read_training_data(path, "simcse-sup", columns="premise,entailment,contradiction")
+    assert data.kind == "triplets" and data.skipped == 1
+    assert list(zip(data.dataset["sent0"], data.dataset["sent1"], data.dataset["hard_neg"])) == [
+        ("p1", "e1", "c1"), ("p3", "e3", "c3")]
+    pairs = data_io.read_training_data(path, "simcse-sup", columns="entailment,premise")
+    assert pairs.kind == "pairs" and list(pairs.dataset["sent0"]) == ["e1", "e3"]
+    assert list(pairs.dataset["sent1"]) == ["p1", "p3"]
+    # SimCSE's names need no --columns; without them the error says which are missing
+    with pytest.raises(ValueError, match=r"--data: .*needs columns sent0,sent1.*lacks sent0, sent1"):
+        data_io.read_training_data(path, "simcse-sup")
+    with pytest.raises(ValueError, match=r"--columns: .*has no column hypothesis"):
+        data_io.read_training_data(path, "simcse-sup", columns="premise,hypothesis")
+    named = write_table(tmp_path / f"simcse{suffix}",
+                        [{"sent0": "a", "sent1": "b", "hard_neg": "c"}, {"sent0": "d", "sent1": "e", "hard_neg": "f"}])
+    assert len(data_io.read_training_data(named, "simcse-sup")) == 2
+
+
+def test_which_text_column_by_default(tmp_path):
+    one = write_table(tmp_path / "one.jsonl", [{"id": 1, "body": "a b"}, {"id": 2, "body": "c"}])
+    assert list(data_io.read_training_data(one, "focal").dataset["text"]) == ["a b", "c"]
+    two = write_table(tmp_path / "two.parquet", [{"title": "t", "body": "a b"}])
+    with pytest.raises(ValueError, match=r"--data: method focal trains on .*\['title', 'body'\].*--text-column"):
+        data_io.read_training_data(two, "focal")
+    with pytest.raises(ValueError, match=r"--text-column: .*two.parquet has no column 'text'.*\['title', 'body'\]"):
+        data_io.read_training_data(two, "focal", text_column="text")
+    with pytest.raises(ValueError, match=r"column 'id' holds .*int64.*not text"):
+        data_io.read_training_data(one, "focal", text_column="id")
+    with pytest.raises(ValueError, match="--columns applies to simcse-sup"):
+        data_io.read_training_data(one, "focal", columns="id,body")
+    with pytest.raises(ValueError, match="--text-column applies to unsupervised"):
+        data_io.read_training_data(one, "simcse-sup", text_column="body")
+    with pytest.raises(ValueError, match="--columns takes 2 or 3 distinct"):
+        data_io.read_training_data(one, "simcse-sup", columns="body")
+    with pytest.raises(ValueError, match="--data-split applies to a dataset name; .*one.jsonl is a local file"):
+        data_io.read_training_data(one, "focal", split="test")
+
+
+def test_a_folder_of_files_of_one_format(tmp_path):
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    write_table(folder / "b.jsonl", [{"text": "third"}])
+    write_table(folder / "a.jsonl", [{"text": "first"}, {"text": ""}, {"text": "second"}])
+    (folder / "README.md").write_text("# not data\n")
+    (folder / ".hidden.jsonl").write_text("not json\n")
+    data = data_io.read_training_data(folder, "simcse")
+    assert list(data.dataset["text"]) == ["first", "second", "third"] and data.skipped == 1
+    # text files and csv files are read by fastcl's own readers, then joined
+    lines = tmp_path / "lines"
+    lines.mkdir()
+    (lines / "1.txt").write_text("one\n\ntwo\n")
+    (lines / "2.txt").write_text("three\n")
+    data = data_io.read_training_data(lines, "escl")
+    assert list(data.dataset["text"]) == ["one", "two", "three"] and data.skipped == 1
+    write_table(lines / "3.csv", [{"text": "x"}])
+    with pytest.raises(ValueError, match="mixes formats"):
+        data_io.read_training_data(lines, "escl")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.md").write_text("x\n")
+    with pytest.raises(ValueError, match="holds no training files .*not a SentEval SNLI folder"):
+        data_io.read_training_data(empty, "simcse-sup")
+    sup = tmp_path / "sup"
+    sup.mkdir()
+    write_table(sup / "x.csv", [{"sent0": "a", "sent1": "b", "hard_neg": "c"}])
+    write_table(sup / "y.csv", [{"sent0": "d", "sent1": "e"}])
+    with pytest.raises(ValueError, match="disagree: x.csv has triplets, y.csv has pairs"):
+        data_io.read_training_data(sup, "simcse-sup")
+
+
+def test_unknown_formats_and_unreadable_files_are_clear_errors(tmp_path):
+    (tmp_path / "data.xml").write_text("<s>a</s>\n")
+    with pytest.raises(ValueError, match=r"--data: data.xml: unknown format '.xml'; .*\.jsonl.*\.parquet"):
+        data_io.read_training_data(tmp_path / "data.xml", "simcse")
+    (tmp_path / "wiki").write_text("a line\n")
+    with pytest.raises(ValueError, match=r"unknown format '\(no suffix\)'"):
+        data_io.read_training_data(tmp_path / "wiki", "simcse")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(ValueError, match="--data: bad.parquet cannot be read as parquet: ArrowInvalid"):
+        data_io.read_training_data(tmp_path / "bad.parquet", "simcse")
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    with pytest.raises(ValueError, match="--data: bad.jsonl cannot be read as json"):
+        data_io.read_training_data(tmp_path / "bad.jsonl", "simcse")
+    write_table(tmp_path / "blank.jsonl", [{"text": " "}, {"text": None}])
+    with pytest.raises(ValueError, match="holds no usable examples"):
+        data_io.read_training_data(tmp_path / "blank.jsonl", "simcse")
+    # the csv reader's strict quoting applies to .tsv too
+    (tmp_path / "bad.tsv").write_text('text\n"unclosed\tx\n')
+    with pytest.raises(ValueError, match=r"bad.tsv:2: malformed csv.*unbalanced quote"):
+        data_io.read_training_data(tmp_path / "bad.tsv", "simcse")
+
+
+def cache_dataset(cache: Path, tmp_path, name: str, rows: list) -> None:
+    """Put ``rows`` in the datasets cache as the ``train`` split of the dataset ``name``, as
+    an earlier online ``load_dataset(name)`` leaves it."""
+    import datasets
+    source = write_table(tmp_path / "source.jsonl", rows)
+    built = tmp_path / "built"
+    datasets.load_dataset("json", data_files=[str(source)], split="train", cache_dir=str(built))
+    (info,) = built.glob("json/*/0.0.0/*/dataset_info.json")
+    owner, _, short = name.partition("/")
+    target = cache / f"{owner}___{short}" / "default" / "0.0.0" / info.parent.name
+    target.mkdir(parents=True)
+    shutil.copy(info, target / "dataset_info.json")
+    shutil.copy(info.parent / "json-train.arrow", target / f"{short}-train.arrow")
+
+
+def test_a_dataset_name_loads_offline_from_the_cache(tmp_path, offline_datasets):
+    rows = [{"text": "first sentence", "label": "x"}, {"text": "", "label": "y"},
+            {"text": "second one", "label": "z"}]
+    cache_dataset(offline_datasets, tmp_path, "someone/tiny-wiki", rows)
+    data = data_io.read_training_data("someone/tiny-wiki", "simcse")
+    assert list(data.dataset["text"]) == ["first sentence", "second one"] and data.skipped == 1
+    assert data.source == "someone/tiny-wiki (split train)"
+    assert list(data_io.read_training_data("someone/tiny-wiki", "simcse", text_column="label")
+                .dataset["text"]) == ["x", "y", "z"]
+    with pytest.raises(FileNotFoundError, match=r"--data: no such file or folder: someone/tiny-wiki, "
+                       r"and load_dataset\('someone/tiny-wiki', split='test'\) failed: .*test"):
+        data_io.read_training_data("someone/tiny-wiki", "simcse", split="test")
+
+
+def test_a_missing_dataset_name_says_both_what_was_tried(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        data_io.read_training_data("nobody/no-such-dataset", "simcse")
+    message = str(err.value)
+    assert message.startswith("--data: no such file or folder: nobody/no-such-dataset, and "
+                              "load_dataset('nobody/no-such-dataset', split='train') failed: ")
+    assert "ConnectionError" in message or "NotFound" in message, message
+    # a name that can only be a path is not looked up as a dataset
+    with pytest.raises(FileNotFoundError, match=r"^--data: no such file or folder: [^,]*missing.jsonl$"):
+        data_io.read_training_data(tmp_path / "missing.jsonl", "simcse")
+
+
+# ---------------------------------------------------------------------------------------
+# Training on the new formats
+
+def test_training_on_jsonl_and_parquet_and_resume_checks_the_columns(tiny, tmp_path):
+    rng = random.Random(3)
+    rows = [{"id": i, "body": random_sentence(rng)} for i in range(20)] + [{"id": 20, "body": None}]
+    data = write_table(tmp_path / "wiki.jsonl", rows)
+    out = tmp_path / "out"
+    args = base_args(tiny, out, steps=2, keep_checkpoint=True)
+    args[args.index("--data") + 1] = str(data)
+    assert train.main(args) == 0
+    (start,) = [r for r in train.read_log(out) if r["type"] == "start"]
+    assert start["examples"] == 20 and start["skipped"] == 1
+    assert [r["step"] for r in step_records(out)] == [1, 2]
+    assert all(r["loss"] > 0 for r in step_records(out))
+    # the data's columns define the run: a resume that reads another column is refused
+    with pytest.raises(SystemExit, match=r"--text-column 'body' \(checkpoint: None\)"):
+        train.main(args + ["--resume", "--text-column", "body"])
+    # a checkpoint from before these options existed resumes: they had their defaults then
+    from fastcl import checkpoint
+    ckpt = checkpoint.read_checkpoint(out / "checkpoint.pt")
+    for key in ("text_column", "columns", "data_split"):
+        del ckpt["args"][key]
+    checkpoint.write_checkpoint(out / "checkpoint.pt", ckpt)
+    assert train.main(args + ["--resume"]) == 0
+    with pytest.raises(SystemExit, match=r"--data-split applies to a dataset name"):
+        train.main(args + ["--resume", "--data-split", "test"])
+    # supervised pairs from parquet with --columns
+    sup = write_table(tmp_path / "nli.parquet", [{"q": random_sentence(rng), "a": random_sentence(rng)}
+                                                  for _ in range(12)])
+    args = base_args(tiny, tmp_path / "sup", "simcse-sup", steps=2, columns="q,a")
+    args[args.index("--data") + 1] = str(sup)
+    assert train.main(args) == 0
+    assert len(step_records(tmp_path / "sup")) == 2
+
+
+def test_column_options_are_checked_before_training(tiny, tmp_path, capsys):
+    for method, extra, message in (("simcse", {"columns": "a,b"}, "--columns applies to --method simcse-sup"),
+                                   ("simcse-sup", {"text_column": "x"}, "--text-column applies to unsupervised"),
+                                   ("simcse-sup", {"columns": "a"}, "--columns takes 2 or 3")):
+        with pytest.raises(SystemExit) as err:
+            train.main(base_args(tiny, tmp_path / "o", method, **extra))
+        assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# --config
+
+def parse(argv):
+    parser = cli.build_parser()
+    return cli.resolve_args(parser, cli.parse_args(parser, argv))
+
+
+def options(args):
+    return {k: v for k, v in vars(args).items() if k != "config"}
+
+
+def test_config_round_trip_repeats_the_run(tiny, tmp_path):
+    rng = random.Random(4)
+    data = write_table(tmp_path / "wiki.jsonl", [{"text": random_sentence(rng)} for _ in range(16)])
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""# a run as a config file
+method: simcse
+model: {tiny / 'bert'}
+data: {data}
+output-dir: {tmp_path / 'first'}   # the flag's spelling works too
+batch_size: 4
+max_steps: 2
+max_seq_len: 16
+lr: 1e-3            # YAML reads this as a string: the option's own type converts it
+pooler: cls
+mlp_only_train: false
+device: null        # null: the default
+""")
+    assert train.main(["--config", str(config), "--seed", "7"]) == 0  # flags override the file
+    first = tmp_path / "first"
+    (start,) = [r for r in train.read_log(first) if r["type"] == "start"]
+    assert start["args"]["seed"] == 7 and start["args"]["batch_size"] == 4
+    assert start["args"]["lr"] == 1e-3 and start["args"]["mlp_only_train"] is False
+    saved = yaml.safe_load((first / cli.CONFIG_FILE).read_text())
+    assert saved["seed"] == 7 and saved["data"] == str(data.resolve()) and "resume" not in saved
+    assert saved["output_dir"] == str(first.resolve()) and "phi" not in saved  # dclr's only
+    # the saved file repeats the run: same options, same losses
+    second = tmp_path / "second"
+    assert train.main(["--config", str(first / cli.CONFIG_FILE), "--output-dir", str(second)]) == 0
+    (again,) = [r for r in train.read_log(second) if r["type"] == "start"]
+    drop = ("output_dir", "config")
+    assert {k: v for k, v in again["args"].items() if k not in drop} == \
+        {k: v for k, v in start["args"].items() if k not in drop}
+    assert [r["loss"] for r in step_records(second)] == [r["loss"] for r in step_records(first)]
+    # JSON holds the same options
+    as_json = tmp_path / "run.json"
+    as_json.write_text(json.dumps(saved))
+    assert options(parse(["--config", str(as_json)])) == \
+        options(parse(["--config", str(first / cli.CONFIG_FILE)]))
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("simcse", []), ("simcse-sup", ["--pooler", "avg", "--snli-splits", "dev", "test"]),
+    ("dclr", ["--phi", "0.5", "--complementary", "x", "--no-mlp-only-train"]),
+    ("escl", ["--rd", "margin", "--mini-batch-size", "3"]), ("focal", ["--pooler", "avg_top2"]),
+])
+def test_the_saved_config_parses_back_to_the_same_options(tmp_path, method, extra):
+    argv = ["--method", method, "--model", "m", "--data", "d", "--output-dir", str(tmp_path), *extra]
+    args = parse(argv)
+    if method == "dclr":
+        args.noise_ratio = 1.0  # resolved from the model family at set-up
+    path = cli.write_config(tmp_path, args)
+    again = parse(["--config", str(path)])
+    assert options(again) == {**options(args), "output_dir": str(tmp_path.resolve())}
+
+
+@pytest.mark.parametrize("text,message", [
+    ("method: simcse\nbatch_sise: 4\n", r"run.yaml: unknown key 'batch_sise'"),
+    ("batch_size: many\n", r"run.yaml: argument --batch-size: invalid int value: 'many'"),
+    ("mlp_only_train: 1\n", r"run.yaml: mlp_only_train: expected true or false"),
+    ("batch_size: true\n", r"run.yaml: batch_size: expected a number or a string"),
+    ("pooler: max\n", r"run.yaml: argument --pooler: invalid choice: 'max'"),
+    ("batch_size: 4\nbatch-size: 8\n", r"'batch-size' and 'batch_size' set the same option|"
+                                       r"'batch_size' and 'batch-size' set the same option"),
+    ("- method\n- simcse\n", r"run.yaml must hold a mapping of option names to values, not a list"),
+    ("method: [unclosed\n", r"run.yaml is not valid YAML"),
+    ("config: other.yaml\n", r"unknown key 'config'"),
+])
+def test_config_errors_name_the_file_and_key(tmp_path, capsys, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as err:
+        parse(["--config", str(path), "--method", "simcse", "--model", "m", "--data", "d",
+               "--output-dir", "o"])
+    assert err.value.code == 2
+    assert __import__("re").search(message, capsys.readouterr().err)
+
+
+def test_config_files_and_recipes_that_do_not_exist(tmp_path, capsys):
+    for spec, message in ((str(tmp_path / "none.yaml"), "--config: no such file"),
+                          (str(tmp_path / "run.toml"), "a config file is YAML (.yaml, .yml) or JSON"),
+                          ("recipe:simcse-large", "no recipe 'simcse-large'; the recipes are dclr-bert")):
+        with pytest.raises(SystemExit):
+            parse(["--config", spec])
+        assert message in capsys.readouterr().err
+    # required options may come from the file; what neither gives is still required
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"method": "simcse", "model": "m", "data": "d"}))
+    with pytest.raises(SystemExit):
+        parse(["--config", str(path)])
+    assert "the following arguments are required: --output-dir" in capsys.readouterr().err
+    assert parse(["--config", str(path), "--output-dir", "o"]).method == "simcse"
+
+
+RECIPES = ["dclr-bert", "dclr-roberta", "escl-bert", "escl-roberta", "focal-bert", "focal-roberta",
+           "simcse-bert", "simcse-roberta", "simcse-sup-bert"]
+
+
+def test_the_papers_recipes_ship_and_resolve(capsys):
+    assert cli.recipe_names() == RECIPES
+    args = {name: parse(["--config", f"recipe:{name}"]) for name in RECIPES}
+    for name, a in args.items():
+        assert a.method == name.rsplit("-", 1)[0] and a.temperature == 0.05 and a.max_seq_len == 32
+        assert a.model == {"bert": "bert-base-uncased", "roberta": "roberta-base"}[name.rsplit("-", 1)[1]]
+        assert a.eval_steps == 125 and a.pooler == "cls" and a.sts_dir is None
+    assert (args["simcse-bert"].batch_size, args["simcse-bert"].lr, args["simcse-bert"].epochs) == (64, 3e-5, 1)
+    assert args["simcse-bert"].mlp_only_train and args["simcse-bert"].select == "stsb"
+    sup = args["simcse-sup-bert"]
+    assert (sup.batch_size, sup.lr, sup.epochs, sup.mlp_only_train) == (512, 5e-5, 3, False)
+    assert (args["dclr-bert"].phi, args["dclr-bert"].noise_ratio, args["dclr-bert"].batch_size) == (0.9, 1.0, 128)
+    assert (args["dclr-roberta"].phi, args["dclr-roberta"].noise_ratio) == (0.85, 2.5)
+    assert args["dclr-roberta"].complementary == "runs/simcse-roberta-base" and args["dclr-bert"].select == "avg"
+    assert args["focal-bert"].m == 0.3
+    assert (args["escl-bert"].rd_weight, args["escl-bert"].sensitive_dropout) == (2.5e-3, 0.45)
+    # the command line overrides a recipe
+    assert parse(["--config", "recipe:simcse-bert", "--batch-size", "32"]).batch_size == 32
+    # --help lists them
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    assert "recipe:NAME" in capsys.readouterr().out
+
+
+def test_the_recipes_are_package_data():
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "fastcl.trainer.recipes" in setuptools["packages"]
+    assert setuptools["package-data"]["fastcl.trainer.recipes"] == ["*.yaml"]
