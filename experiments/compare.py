@@ -51,7 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "on the STS tasks (resumable).")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
                    help="objectives to train (dclr needs simcse: its complementary model)")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (default 0 1 2)")
+    add_shared_options(p, seeds=[0, 1, 2], results_dir=REPO / "experiments" / "results")
+    return p
+
+
+def add_shared_options(p: argparse.ArgumentParser, *, seeds: list, results_dir: Path) -> None:
+    """The options compare.py shares with the scripts built on it (experiments/sweep.py):
+    start, data, budget, evaluation and folders, with compare.py's defaults."""
+    p.add_argument("--seeds", nargs="+", type=int, default=seeds,
+                   help=f"seeds (default {' '.join(map(str, seeds))})")
     p.add_argument("--steps", type=int, default=120,
                    help="training steps per run (default 120: 3 seeds x 4 methods fit in 90 minutes "
                         "on a 2-core CPU, see experiments/README.md)")
@@ -72,13 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sts-dir", default=str(SHARED), help="STS data folder (stsb/, sick/, STS1x-en-test/)")
     p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "fastcl-experiments"),
                    help="models, checkpoints, logs and the merged data (default ~/.cache/fastcl-experiments)")
-    p.add_argument("--results-dir", default=str(REPO / "experiments" / "results"),
-                   help="JSON, markdown and PNG results (default experiments/results)")
+    p.add_argument("--results-dir", default=str(results_dir),
+                   help=f"JSON, markdown and PNG results (default {Path(results_dir).relative_to(REPO)})")
     p.add_argument("--device", default=None, help="passed to train.py and used for evaluation")
     p.add_argument("--eval-batch-size", type=int, default=64, help="sentences per evaluation forward")
     p.add_argument("--keep-checkpoints", action="store_true",
                    help="keep each finished run's checkpoint.pt (deleted by default: only the model is needed)")
-    return p
 
 
 # ---------------------------------------------------------------------------------------
@@ -121,7 +128,9 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def train_command(args, method: str, seed: int, data: Path, out: Path, resume: bool) -> list:
+def train_command(args, method: str, seed: int, data: Path, out: Path, resume: bool,
+                  extra=()) -> list:
+    """The train.py command of one run; ``extra``: its own flags (e.g. ``--phi 0.6``)."""
     cmd = [sys.executable, str(REPO / "train.py"), "--method", method, "--model", args.model,
            "--data", str(data), "--output-dir", str(out), "--seed", str(seed),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--max-steps", str(args.steps),
@@ -136,6 +145,7 @@ def train_command(args, method: str, seed: int, data: Path, out: Path, resume: b
     if method == "dclr":
         cmd += ["--complementary", str(Path(args.work_dir) / "runs" / f"simcse-seed{seed}"),
                 "--complementary-pooler", EXPORT_POOLER]
+    cmd += list(extra)
     if resume:
         cmd.append("--resume")
     return cmd
@@ -183,8 +193,11 @@ def check_config(path: Path, config: dict) -> None:
                          f"--results-dir and --work-dir, or delete it to redo the run")
 
 
-def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict) -> dict:
-    name = f"{method}-seed{seed}"
+def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict, *,
+           name: str | None = None, extra=()) -> dict:
+    """Train (or resume) and score one run, unless its model and result JSON exist. ``name``
+    (default ``METHOD-seedS``) names its folder and JSON; ``extra``: its own train.py flags."""
+    name = name or f"{method}-seed{seed}"
     out = Path(args.work_dir) / "runs" / name
     result_path = Path(args.results_dir) / "runs" / f"{name}.json"
     done = out / "train_results.json"
@@ -197,7 +210,7 @@ def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict) 
         resume = (out / "checkpoint.pt").is_file()
         if not resume and out.exists():
             shutil.rmtree(out)  # died before its first checkpoint: start over
-        cmd = train_command(args, method, seed, data, out, resume)
+        cmd = train_command(args, method, seed, data, out, resume, extra)
         print(f"[{name}] {'resuming' if resume else 'training'}: {shlex.join(cmd)}", flush=True)
         tic = time.perf_counter()
         rc = subprocess.run(cmd, cwd=REPO).returncode
@@ -216,7 +229,7 @@ def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict) 
     result = score(str(out), args, cache)
     trained = json.loads(done.read_text())
     result.update(name=name, method=method, seed=seed, model_dir=str(out), config=config,
-                  train_command=shlex.join(train_command(args, method, seed, data, out, False)),
+                  train_command=shlex.join(train_command(args, method, seed, data, out, False, extra)),
                   train_s=train_s, eval_s=time.perf_counter() - tic, train_results=trained,
                   dev_curve=dev_curve(out))
     write_json(result_path, result)
@@ -368,26 +381,32 @@ def plot(summary: dict, results: dict, results_dir: Path) -> list:
     return written
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    tic = time.perf_counter()
+def prepare(parser, args) -> tuple:
+    """Check the shared options, fill their defaults, merge the data: ``(work_dir,
+    results_dir, data_info, config)``."""
     args.model = args.model or default_model()
     if args.steps < 1 or args.batch_size < 2:
         parser.error("--steps must be >= 1 and --batch-size >= 2")
     args.eval_steps = args.eval_steps or max(1, args.steps // 5)
-    if "dclr" in args.methods and "simcse" not in args.methods:
-        parser.error("dclr needs simcse in --methods: its complementary model is the SimCSE run of the same seed")
     if not (Path(args.sts_dir) / "stsb" / "sts-dev.csv").is_file():
         parser.error(f"--sts-dir {args.sts_dir}: no stsb/sts-dev.csv (dev evaluation and STS-B test need it)")
-    methods = [m for m in METHODS if m in args.methods]  # simcse before dclr
     work, results_dir = Path(args.work_dir).resolve(), Path(args.results_dir).resolve()
     args.work_dir, args.results_dir = str(work), str(results_dir)
     if results_dir == work or work in results_dir.parents or results_dir in work.parents:
         parser.error("--work-dir (models) and --results-dir (committed files) must not overlap")
     data_info = merge_sentences(Path(args.data_dir), args.data_files, work / "data" / "train.txt")
     print(f"data: {data_info['sentences']} sentences -> {data_info['path']}", flush=True)
-    config = run_config(args, data_info)
+    return work, results_dir, data_info, run_config(args, data_info)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tic = time.perf_counter()
+    if "dclr" in args.methods and "simcse" not in args.methods:
+        parser.error("dclr needs simcse in --methods: its complementary model is the SimCSE run of the same seed")
+    methods = [m for m in METHODS if m in args.methods]  # simcse before dclr
+    work, results_dir, data_info, config = prepare(parser, args)
     cache: dict = {}
     results = {"start": [do_start(args, config, cache)]}
     for seed in args.seeds:  # per seed: simcse first (dclr's complementary model), then the others
@@ -401,16 +420,28 @@ def main(argv=None) -> int:
                "sts_dir": args.sts_dir, "work_dir": args.work_dir,
                "missing_tasks": results["start"][0]["missing"],
                "methods": summarize(results, order),
-               "runs": {m: [r["name"] for r in results[m]] for m in order},
-               "runs_s": sum((r.get("train_s") or 0.0) + (r.get("eval_s") or 0.0)
-                             for rs in results.values() for r in rs),
-               "torch_threads": __import__("torch").get_num_threads()}
-    summary["wall_s"] = time.perf_counter() - tic
+               "runs": {m: [r["name"] for r in results[m]] for m in order}, **run_totals(results)}
     summary["plots"] = plot(summary, results, results_dir)
+    return publish(summary, tic, results_dir / "summary.json", results_dir / "results.md",
+                   write_markdown)
+
+
+def run_totals(results: dict) -> dict:
+    """Training and scoring seconds summed over every run (resumed invocations included),
+    and the torch threads this invocation used."""
+    import torch
+    return {"runs_s": sum((r.get("train_s") or 0.0) + (r.get("eval_s") or 0.0)
+                          for rs in results.values() for r in rs),
+            "torch_threads": torch.get_num_threads()}
+
+
+def publish(summary: dict, tic: float, json_path: Path, md_path: Path, write_markdown) -> int:
+    """Stamp the wall time of this invocation, write the JSON and the markdown table, print
+    the table; returns the exit status."""
     summary["wall_s"] = time.perf_counter() - tic
-    write_json(results_dir / "summary.json", summary)
-    write_markdown(results_dir / "results.md", summary)
-    print((results_dir / "results.md").read_text())
+    write_json(json_path, summary)
+    write_markdown(md_path, summary)
+    print(md_path.read_text())
     return 0
 
 

@@ -89,3 +89,10 @@ ESCL_WEIGHT = 2.5e-3        # ESCL's λ
 ESCL_RD = "softplus"        # ESCL's relative-difference form
 ESCL_MARGINS = (0.1, 0.3)   # ESCL's margins (a, b) for rd="margin"
 SENSITIVE_DROPOUT = 0.45    # ESCL: dropout of the high-dropout "sensitive" view
+
+# --- positive-view augmentations (fastcl.augment, --augment NAME[:rate]) -----------------
+
+# The rate of each augmentation when --augment gives none: the share of a sentence's content
+# tokens changed (cutoffs, deletion, the share shuffled) or of the embedding dimensions cut.
+AUGMENT_RATES = {"token_cutoff": 0.1, "span_cutoff": 0.1, "feature_cutoff": 0.1,
+                 "word_shuffle": 1.0, "word_deletion": 0.1}

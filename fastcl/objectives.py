@@ -11,6 +11,11 @@ Views (the dict a loss receives): ``anchors`` h and ``positives`` h⁺ always; b
 ``negatives`` (supervised hard negatives), ``sensitive`` (ESCL's high-dropout view),
 ``complementary`` (DCLR's frozen ``(c, c⁺)``); with global negatives also ``all_anchors``
 (every process's anchors, detached) when the entry asks for them.
+
+The InfoNCE family (simcse, simcse-sup, focal, dclr) computes :func:`fastcl.contrastive`
+with the features its objective carries, so they compose: ``focal_m`` adds Focal-InfoNCE's
+modulation to simcse, simcse-sup and dclr (focal itself reads ``m``), on top of the hard
+negatives of simcse-sup and DCLR's mask and noise negatives.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from . import common
-from .functional import dclr_loss, dclr_noise, escl_loss, focal_infonce, infonce
+from . import augment, common
+from .functional import contrastive, dclr_noise, escl_loss
 
 
 @dataclass
@@ -38,6 +43,7 @@ class Objective:
     noise_std: float = common.NOISE_STD
     formulation: str = "paper"
     m: float = common.FOCAL_M                   # focal
+    focal_m: float | None = None                # simcse, simcse-sup, dclr: focal modulation (None: off)
     rd_weight: float = common.ESCL_WEIGHT       # escl
     rd: str = common.ESCL_RD
     sensitive_dropout: float = common.SENSITIVE_DROPOUT
@@ -45,10 +51,23 @@ class Objective:
     complementary_tokenizer: object = None
     complementary_mode: str = "frozen"          # or "released": dropout on, two views
     generator: torch.Generator | None = None
+    augment: str | None = None                  # unsupervised: the positive view's "NAME[:rate]"
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.focal_m is not None and "focal_m" not in self.spec.options:
+            hint = " (its margin is m)" if self.method == "focal" else ""
+            raise ValueError(f"focal_m applies to {', '.join(_takes('focal_m'))}, not to "
+                             f"{self.method}{hint}")
+        if self.focal_m is not None and self.formulation == "released":
+            raise ValueError("focal_m combines with DCLR's paper formulation only, not with "
+                             "formulation='released' (the authors' code)")
+        if self.augment is not None:
+            if self.spec.supervised:
+                raise ValueError(f"augment applies to the unsupervised methods (the second copy of "
+                                 f"each sentence); {self.method} has its positives in the data")
+            augment.parse(self.augment)  # a clear error for a bad NAME[:rate] now
 
     @property
     def spec(self) -> "Method":
@@ -75,16 +94,22 @@ class Method:
     recipe: dict = field(default_factory=dict)
 
 
-def _infonce(obj: Objective, views: dict, anchor_offset):
+def _features(obj: Objective, views: dict, anchor_offset) -> dict:
+    """The :func:`fastcl.contrastive` options every InfoNCE-family method shares: τ, the
+    supervised hard negatives and their weight, and the focal modulation ``focal_m``."""
     negatives = views.get("negatives")
-    return infonce(views["anchors"], views["positives"], negatives, temperature=obj.temperature,
-                   hard_negative_weight=obj.hard_negative_weight if negatives is not None else 0.0,
-                   anchor_offset=anchor_offset)
+    return dict(negatives=negatives, temperature=obj.temperature, focal_m=obj.focal_m,
+                hard_negative_weight=obj.hard_negative_weight if negatives is not None else 0.0,
+                anchor_offset=anchor_offset)
+
+
+def _infonce(obj: Objective, views: dict, anchor_offset):
+    return contrastive(views["anchors"], views["positives"], **_features(obj, views, anchor_offset))
 
 
 def _focal(obj: Objective, views: dict, anchor_offset):
-    return focal_infonce(views["anchors"], views["positives"], temperature=obj.temperature, m=obj.m,
-                         anchor_offset=anchor_offset)
+    return contrastive(views["anchors"], views["positives"],
+                       **dict(_features(obj, views, anchor_offset), focal_m=obj.m))
 
 
 def _escl(obj: Objective, views: dict, anchor_offset):
@@ -109,25 +134,30 @@ def _dclr(obj: Objective, views: dict, anchor_offset):
                        std=obj.noise_std, temperature=obj.temperature, generator=obj.generator,
                        formulation=obj.formulation)
         noise = dict(noise=z, noise_steps=0)
-    return dclr_loss(h, h_pos, complementary=comp, phi=obj.phi, temperature=obj.temperature,
-                     formulation=obj.formulation, anchor_offset=anchor_offset, **noise)
+    return contrastive(h, h_pos, complementary=comp, phi=obj.phi, formulation=obj.formulation,
+                       **_features(obj, views, anchor_offset), **noise)
 
 
 _UNSUPERVISED = dict(batch_size=64, lr=3e-5, epochs=1, mlp_only_train=True, select="stsb")
 
 METHODS: dict[str, Method] = {
-    "simcse": Method(_infonce, recipe=_UNSUPERVISED),
-    "simcse-sup": Method(_infonce, supervised=True, options=("hard_negative_weight",),
+    "simcse": Method(_infonce, options=("focal_m",), recipe=_UNSUPERVISED),
+    "simcse-sup": Method(_infonce, supervised=True, options=("hard_negative_weight", "focal_m"),
                          recipe=dict(batch_size=512, lr=5e-5, epochs=3, mlp_only_train=False,
                                      select="stsb")),
     "dclr": Method(_dclr, complementary=True, global_anchors=True,
                    options=("phi", "noise_ratio", "noise_steps", "noise_lr", "noise_std",
-                            "formulation", "complementary", "complementary_mode"),
+                            "formulation", "complementary", "complementary_mode", "focal_m"),
                    recipe=dict(_UNSUPERVISED, batch_size=128, epochs=3, select="avg")),
     "focal": Method(_focal, options=("m",), recipe=_UNSUPERVISED),
     "escl": Method(_escl, sensitive_view=True, options=("rd_weight", "rd", "sensitive_dropout"),
                    recipe=_UNSUPERVISED),
 }
+
+
+def _takes(option: str) -> list:
+    """The methods whose entry reads the :class:`Objective` field ``option``."""
+    return [name for name, spec in METHODS.items() if option in spec.options]
 
 
 def objective_loss(obj: Objective, views: dict, anchor_offset: int | None = None) -> torch.Tensor:

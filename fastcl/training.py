@@ -20,6 +20,11 @@ Views per method (the SimCSE conventions the papers share; what a method needs i
   weights are ``α_ij = 1[cos(c_i, c_j) < φ]``.
 - supervised (simcse-sup): one forward of ``[p1, e1, c1, p2, e2, c2, …]`` (premise,
   entailment, contradiction) gives ``h``, ``h⁺`` and hard negatives ``h⁻``.
+- an augmentation (``obj.augment``, unsupervised methods, :mod:`fastcl.augment`): the second
+  copy of each sentence in the duplicated batch is also augmented, dropout still on. Token-level
+  ones change its input ids once per step in :func:`view_inputs` (drawn from the CPU's global
+  random state); embedding-level ones act inside the forward (:func:`forward`) with masks drawn
+  from the device's global random state, which the cached encoding replays per mini-batch.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import random
 import numpy as np
 import torch
 
+from . import augment
 from .encoders import SentenceEncoder, dropout_rate, tokenize
 from .objectives import Objective, objective_loss
 
@@ -38,7 +44,10 @@ def view_inputs(obj: Objective, tokenizer, batch: list, max_length: int, device)
     """The encoder forwards :func:`embed_views` makes for ``batch``, in order, as
     ``(name, features)`` pairs: ``grouped`` (simcse-sup: ``[p1, e1, c1, p2, …]``), ``doubled``
     (unsupervised: ``[x1, x1, x2, x2, …]``) and, for a sensitive view (ESCL), ``sensitive`` (``[x1, x2, …]`` at
-    ``obj.sensitive_dropout``). The batch is tokenized once, padded to its longest input."""
+    ``obj.sensitive_dropout``). The batch is tokenized once, padded to its longest input.
+    With ``obj.augment`` the second copies of ``doubled`` are augmented: a token-level
+    augmentation is drawn here, an embedding-level one adds the tokens it may change
+    (:data:`fastcl.augment.KEY`), which :func:`forward` hands to its hook."""
     if obj.spec.supervised:
         if not batch or isinstance(batch[0], str):
             raise ValueError(f"{obj.method} takes (sent0, sent1[, hard_neg]) examples")
@@ -47,7 +56,12 @@ def view_inputs(obj: Objective, tokenizer, batch: list, max_length: int, device)
     if not batch or not isinstance(batch[0], str):
         raise ValueError(f"{obj.method} takes a batch of sentences")
     feats = tokenize(tokenizer, batch, max_length, device)
-    calls = [("doubled", {k: v.repeat_interleave(2, dim=0) for k, v in feats.items()})]
+    doubled = {k: v.repeat_interleave(2, dim=0) for k, v in feats.items()}
+    aug = augment.parse(obj.augment)
+    if aug is not None:
+        second = torch.arange(2 * len(batch)) % 2 == 1  # the positive copy of each pair
+        doubled = augment.augment_features(aug, doubled, second, tokenizer)
+    calls = [("doubled", doubled)]
     if obj.spec.sensitive_view:
         calls.append(("sensitive", feats))
     return calls
@@ -58,6 +72,17 @@ def forward_mode(obj: Objective, encoder: SentenceEncoder, name: str):
     if name == "sensitive":
         return dropout_rate(encoder, obj.sensitive_dropout)
     return contextlib.nullcontext()
+
+
+def forward(obj: Objective, encoder: SentenceEncoder, name: str, features: dict) -> torch.Tensor:
+    """The encoder's forward ``name`` of :func:`view_inputs` on ``features`` (all its rows
+    or a slice of them): in its :func:`forward_mode`, with the objective's embedding-level
+    augmentation on the tokens the features mark."""
+    features = dict(features)
+    where = features.pop(augment.KEY, None)
+    with forward_mode(obj, encoder, name), \
+            augment.on_embeddings(augment.parse(obj.augment), encoder.backbone, where):
+        return encoder(**features)
 
 
 def assemble_views(obj: Objective, outputs: dict, n: int) -> dict:
@@ -87,8 +112,7 @@ def embed_views(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: list
     device = next(encoder.parameters()).device
     outputs = {}
     for name, feats in view_inputs(obj, tokenizer, batch, max_length, device):
-        with forward_mode(obj, encoder, name):
-            outputs[name] = encoder(**feats)
+        outputs[name] = forward(obj, encoder, name, feats)
     out = assemble_views(obj, outputs, len(batch))
     if obj.spec.complementary and obj.complementary is not None:
         out["complementary"] = complementary_views(obj, batch, max_length)
@@ -187,8 +211,8 @@ def cached_backward(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: 
     Pass 1 makes every forward of :func:`view_inputs` in mini-batches of ``mini_batch_size``
     rows without a graph, saving the random state before each mini-batch. The embeddings
     become leaf tensors; the loss and its gradient with respect to them come from fastcl.
-    Pass 2 restores each mini-batch's random state, so its dropout masks are those of pass 1,
-    re-encodes the mini-batch with a graph and back-propagates its cached embedding gradient.
+    Pass 2 restores each mini-batch's random state, so its dropout masks (and an
+    embedding-level augmentation's masks) are those of pass 1, re-encodes the mini-batch with a graph and back-propagates its cached embedding gradient.
     Afterwards the random state is the one pass 1 left, so the following steps draw as after
     an ordinary step. DCLR's complementary encoder runs once, in pass 1.
 
@@ -209,8 +233,8 @@ def cached_backward(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: 
             for start in range(0, rows, mini_batch_size):
                 part = {k: v[start:start + mini_batch_size] for k, v in feats.items()}
                 minis.append((name, start, part, _rng_snapshot(device)))
-                with amp(), forward_mode(obj, encoder, name):
-                    parts.append(encoder(**part))
+                with amp():
+                    parts.append(forward(obj, encoder, name, part))
             cached[name] = torch.cat(parts).requires_grad_(True)
     after = _rng_snapshot(device)
     views = assemble_views(obj, cached, len(batch))
@@ -223,8 +247,8 @@ def cached_backward(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: 
     del views, cached
     for name, start, part, state in minis:
         _rng_restore(state, device)
-        with amp(), forward_mode(obj, encoder, name):
-            z = encoder(**part)
+        with amp():
+            z = forward(obj, encoder, name, part)
         if grads[name] is None:  # the loss does not depend on this view
             continue
         torch.autograd.backward(z, grads[name][start:start + z.shape[0]].to(z.dtype))

@@ -18,7 +18,7 @@ LAYERS = [
     ("fastcl.tiled",),                                                       # the tiled driver
     ("fastcl.functional",),                                                  # the public losses
     ("fastcl", "fastcl.metrics", "fastcl.modules", "fastcl.objectives", "fastcl.encoders",
-     "fastcl.distributed", "fastcl.data", "fastcl.checkpoint"),             # built on the losses
+     "fastcl.augment", "fastcl.distributed", "fastcl.data", "fastcl.checkpoint"),  # on the losses
     ("fastcl.training", "fastcl.evaluate", "fastcl.integrations"),         # steps, eval, adapters
     ("fastcl.trainer",),                                                     # the trainer
 ]

@@ -98,3 +98,64 @@ def test_other_settings_are_refused(setup):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0 and "other settings" in proc.stderr + proc.stdout
+
+
+# ---------------------------------------------------------------------------------------
+# experiments/sweep.py: compare.py's functions, runs and work dir
+
+SWEEP = REPO / "experiments" / "sweep.py"
+
+
+def sweep(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(SWEEP), *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def sweep_args(root, results):
+    # the same start, data, budget and work dir as the compare.py test: its SimCSE run is reused
+    return ["--seeds", "0", "--steps", "2", "--batch-size", "4", "--eval-steps", "1",
+            "--model", root / "model", "--data-dir", root / "wiki", "--data-files", "a.txt", "b.txt",
+            "--sts-dir", root / "sts", "--work-dir", root / "work", "--results-dir", results,
+            "--phis", "0.5", "0.7", "--ms", "0.1", "--augments", "token_cutoff:0.2", "--diag-batches", "1"]
+
+
+def test_sweep_dry_run_prints_the_plan_and_the_estimate():
+    out = sweep("--dry-run")
+    for name in ("simcse-seed0", "dclr-phi0.5-seed1", "dclr-phi0.7-seed0", "focal-m0.1-seed0",
+                 "focal-m0.5-seed1", "simcse-aug-feature_cutoff-seed0"):
+        assert f"[{name}]" in out
+    assert "--phi 0.6" in out and "--m 0.5" in out and "--augment feature_cutoff:0.1" in out
+    assert "estimate: total:" in out
+
+
+def test_sweep_end_to_end_and_resumable(setup):
+    root = setup[0]
+    results = root / "sweep-results"
+    out = sweep(*sweep_args(root, results))
+    assert "[simcse-seed0] evaluating" in out and "[simcse-seed0] training" not in out  # reused
+    summary = json.loads((results / "sweep.json").read_text())
+    labels = [r["label"] for r in summary["rows"]]
+    assert labels[:4] == ["SimCSE (dropout only)", "DCLR φ=0.5", "DCLR φ=0.7", "Focal m=0.1"]
+    assert labels[4] == "SimCSE + token_cutoff:0.2"
+    assert summary["best_phi"] in (0.5, 0.7)
+    assert labels[5] == f"DCLR φ={summary['best_phi']:g} + Focal m=0.3"
+    combo = json.loads((results / "runs" / f"dclr-phi{summary['best_phi']:g}-focal0.3-seed0.json").read_text())
+    assert "--focal-m 0.3" in combo["train_command"] and "--complementary" in combo["train_command"]
+    aug = json.loads((results / "runs" / "simcse-aug-token_cutoff-seed0.json").read_text())
+    assert "--augment token_cutoff:0.2" in aug["train_command"]
+    for r in summary["rows"]:
+        assert r["avg"]["mean"] is not None and set(r["diff_to_simcse"]) == {"0"}
+        if r["group"] == "phi":
+            assert 0.0 <= r["masked"] <= 1.0
+    assert summary["rows"][0]["diff_to_simcse"] == {"0": 0.0}
+    assert set(summary["plots"]) == {"phi.png", "m.png"}
+    table = (results / "sweep.md").read_text()
+    assert "| DCLR φ=0.5 | 1 |" in table and summary["command"] in table
+    assert all(p.suffix in {".json", ".md", ".png"} for p in results.rglob("*") if p.is_file())
+    again = sweep(*sweep_args(root, results))
+    log = again[:again.index("# Sensitivity sweep")]  # the progress lines, before the table
+    assert "] training" not in log and "] evaluating" not in log and "[masked-seed0]" not in log, log
+    assert log.count("done, skipped") == 7, log  # the start and six runs

@@ -195,7 +195,8 @@ def test_arguments_and_config(model, guide):
     loss = CachedFastInfoNCELoss(model, 20.0, st.util.cos_sim, 8)  # CMNRL's positional order
     assert loss.mini_batch_size == 8 and loss.scale == 20.0
     assert loss.get_config_dict() == {"scale": 20.0, "symmetric": False, "hard_negative_weight": 0.0,
-                                      "gather_across_devices": False, "backend": "auto", "mini_batch_size": 8}
+                                      "focal_m": None, "gather_across_devices": False, "backend": "auto",
+                                      "mini_batch_size": 8}
     assert "gao2021scaling" in loss.citation and "gao2021simcse" in loss.citation
     assert loss.uses_gradient_cache is True  # backward runs from a hook (what wrapper losses check)
     with pytest.raises(ValueError, match="mini_batch_size"):

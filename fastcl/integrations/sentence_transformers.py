@@ -160,15 +160,19 @@ class FastInfoNCELoss(_FastLoss):
     similarity is supported. ``symmetric=True`` matches MNRL's
     ``directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"``.
     ``hard_negative_weight`` (a log-weight on each anchor's own hard negative, supervised
-    SimCSE) needs exactly one negative column. ``gather_across_devices``: see the module
-    docstring (the candidates of every process, as MNRL's option of that name).
+    SimCSE) needs exactly one negative column. ``focal_m`` adds Focal-InfoNCE's modulation
+    (positive logit ``s²·scale``, every other ``s(s+m)·scale``; None: off), as
+    :func:`fastcl.contrastive`. ``gather_across_devices``: see the module docstring (the
+    candidates of every process, as MNRL's option of that name).
     """
 
-    _config = ("scale", "symmetric", "hard_negative_weight", "gather_across_devices", "backend")
+    _config = ("scale", "symmetric", "hard_negative_weight", "focal_m", "gather_across_devices",
+               "backend")
 
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
                  similarity_fct=cos_sim, symmetric: bool = False, hard_negative_weight: float = 0.0,
-                 backend: str = "auto", chunk_size: int | None = None, gather_across_devices: bool = False):
+                 backend: str = "auto", chunk_size: int | None = None, gather_across_devices: bool = False,
+                 focal_m: float | None = None):
         super().__init__(model)
         if similarity_fct is not cos_sim:
             raise ValueError("FastInfoNCELoss computes cosine similarity: similarity_fct must be "
@@ -177,26 +181,28 @@ class FastInfoNCELoss(_FastLoss):
             raise ValueError(f"scale must be > 0, got {scale}")
         self.scale, self.similarity_fct, self.symmetric = scale, similarity_fct, symmetric
         self.hard_negative_weight, self.backend, self.chunk_size = hard_negative_weight, backend, chunk_size
-        self.gather_across_devices = gather_across_devices
+        self.gather_across_devices, self.focal_m = gather_across_devices, focal_m
 
     def compute_loss_from_embeddings(self, embeddings, labels=None):
         anchors, positives, *negatives = self._columns(embeddings, "FastInfoNCELoss")
         if self.hard_negative_weight and len(negatives) != 1:
             raise ValueError("hard_negative_weight needs exactly one negative column, "
                              f"got {len(negatives)}")
-        kw = dict(temperature=1.0 / self.scale, backend=self.backend, chunk_size=self.chunk_size)
+        kw = dict(temperature=1.0 / self.scale, focal_m=self.focal_m, backend=self.backend,
+                  chunk_size=self.chunk_size)
         if not self._gathering():
-            return fastcl.infonce(anchors, positives, torch.cat(negatives) if negatives else None,
-                                  symmetric=self.symmetric,
-                                  hard_negative_weight=self.hard_negative_weight, **kw)
+            return fastcl.contrastive(anchors, positives, torch.cat(negatives) if negatives else None,
+                                      symmetric=self.symmetric,
+                                      hard_negative_weight=self.hard_negative_weight, **kw)
         # each negative column gathered on its own, so row offset + i stays anchor i's own
         offset, (all_positives, *gathered) = _gather_rows(
             positives, *negatives, *([anchors] if self.symmetric else []))
         all_anchors = gathered.pop() if self.symmetric else None
-        loss = fastcl.infonce(anchors, all_positives, torch.cat(gathered) if gathered else None,
-                              hard_negative_weight=self.hard_negative_weight, anchor_offset=offset, **kw)
+        loss = fastcl.contrastive(anchors, all_positives, torch.cat(gathered) if gathered else None,
+                                  hard_negative_weight=self.hard_negative_weight, anchor_offset=offset,
+                                  **kw)
         if self.symmetric:  # positives → anchors: each process scores its own positives
-            loss = 0.5 * (loss + fastcl.infonce(positives, all_anchors, anchor_offset=offset, **kw))
+            loss = 0.5 * (loss + fastcl.contrastive(positives, all_anchors, anchor_offset=offset, **kw))
         return loss
 
     @property
@@ -208,25 +214,32 @@ class FastFocalInfoNCELoss(_FastLoss):
     r"""Focal-InfoNCE (Hou & Li, 2023): positive logit ``s²/τ``, negative logits ``s(s+m)/τ``.
 
     Columns: (anchor, positive[, negative...]); see :func:`fastcl.focal_infonce`.
+    ``hard_negative_weight`` (a log-weight on each anchor's own hard negative) needs exactly
+    one negative column, as in :class:`FastInfoNCELoss`; the loss is :func:`fastcl.contrastive`
+    with ``focal_m=m``.
     """
 
-    _config = ("temperature", "m", "gather_across_devices", "backend")
+    _config = ("temperature", "m", "hard_negative_weight", "gather_across_devices", "backend")
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  m: float = common.FOCAL_M, backend: str = "auto", chunk_size: int | None = None,
-                 gather_across_devices: bool = False):
+                 gather_across_devices: bool = False, hard_negative_weight: float = 0.0):
         super().__init__(model)
         self.temperature, self.m, self.backend, self.chunk_size = temperature, m, backend, chunk_size
-        self.gather_across_devices = gather_across_devices
+        self.gather_across_devices, self.hard_negative_weight = gather_across_devices, hard_negative_weight
 
     def compute_loss_from_embeddings(self, embeddings, labels=None):
         anchors, positives, *negatives = self._columns(embeddings, "FastFocalInfoNCELoss")
-        kw = dict(temperature=self.temperature, m=self.m, backend=self.backend, chunk_size=self.chunk_size)
+        if self.hard_negative_weight and len(negatives) != 1:
+            raise ValueError("hard_negative_weight needs exactly one negative column, "
+                             f"got {len(negatives)}")
+        kw = dict(temperature=self.temperature, focal_m=self.m, backend=self.backend,
+                  chunk_size=self.chunk_size, hard_negative_weight=self.hard_negative_weight)
         if not self._gathering():
-            return fastcl.focal_infonce(anchors, positives, torch.cat(negatives) if negatives else None, **kw)
+            return fastcl.contrastive(anchors, positives, torch.cat(negatives) if negatives else None, **kw)
         offset, (positives, *negatives) = _gather_rows(positives, *negatives)
-        return fastcl.focal_infonce(anchors, positives, torch.cat(negatives) if negatives else None,
-                                    anchor_offset=offset, **kw)
+        return fastcl.contrastive(anchors, positives, torch.cat(negatives) if negatives else None,
+                                  anchor_offset=offset, **kw)
 
     @property
     def citation(self) -> str:
@@ -241,21 +254,23 @@ class FastDCLRLoss(_FastLoss):
     denominator. Noise negatives (``noise_ratio``·N of them) are improved by ``noise_steps``
     normalized gradient-ascent steps. Columns: (anchor, positive). If the guide's tokenizer
     differs from the model's, the text is decoded and tokenized again for the guide.
-    See :func:`fastcl.dclr_loss`. With ``gather_across_devices`` N is the global batch and
-    the noise is the same on every process (see the module docstring).
+    See :func:`fastcl.dclr_loss`. ``focal_m`` adds Focal-InfoNCE's modulation on top (None:
+    off; paper formulation only), as :func:`fastcl.contrastive`. With ``gather_across_devices``
+    N is the global batch and the noise is the same on every process (see the module docstring).
     """
 
     _config = ("phi", "noise_ratio", "noise_steps", "noise_lr", "noise_std", "temperature",
-               "formulation", "gather_across_devices", "backend")
+               "formulation", "focal_m", "gather_across_devices", "backend")
 
     def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, phi: float = common.PHI,
                  noise_ratio: float = common.NOISE_RATIO, noise_steps: int = common.NOISE_STEPS,
                  noise_lr: float = common.NOISE_LR, noise_std: float = common.NOISE_STD,
                  temperature: float = common.TEMPERATURE, formulation: str = "paper",
                  generator: torch.Generator | None = None, backend: str = "auto",
-                 chunk_size: int | None = None, gather_across_devices: bool = False):
+                 chunk_size: int | None = None, gather_across_devices: bool = False,
+                 focal_m: float | None = None):
         super().__init__(model)
-        self.guide = guide
+        self.guide, self.focal_m = guide, focal_m
         self.phi, self.noise_ratio, self.noise_steps = phi, noise_ratio, noise_steps
         self.noise_lr, self.noise_std, self.temperature = noise_lr, noise_std, temperature
         self.formulation, self.generator = formulation, generator
@@ -306,12 +321,12 @@ class FastDCLRLoss(_FastLoss):
     def compute_loss_from_embeddings(self, embeddings, labels=None, complementary=None):
         anchors, positives = self._columns(embeddings, "FastDCLRLoss", 2, 2)
         kw = dict(phi=self.phi, temperature=self.temperature, formulation=self.formulation,
-                  backend=self.backend, chunk_size=self.chunk_size)
+                  focal_m=self.focal_m, backend=self.backend, chunk_size=self.chunk_size)
         if not self._gathering():
-            return fastcl.dclr_loss(anchors, positives, complementary=complementary,
-                                    noise_ratio=self.noise_ratio, noise_steps=self.noise_steps,
-                                    noise_lr=self.noise_lr, noise_std=self.noise_std,
-                                    generator=self.generator, **kw)
+            return fastcl.contrastive(anchors, positives, complementary=complementary,
+                                      noise_ratio=self.noise_ratio, noise_steps=self.noise_steps,
+                                      noise_lr=self.noise_lr, noise_std=self.noise_std,
+                                      generator=self.generator, **kw)
         guide_pos = [complementary[1].detach()] if complementary is not None else []
         offset, (positives, all_anchors, *guide_pos) = _gather_rows(positives, anchors.detach(), *guide_pos)
         # the noise of one process on the whole batch; rank 0's copy for every process
@@ -323,8 +338,8 @@ class FastDCLRLoss(_FastLoss):
         dist.broadcast(noise, src=0)
         if complementary is not None:
             complementary = (complementary[0], guide_pos[0])
-        return fastcl.dclr_loss(anchors, positives, complementary=complementary, noise=noise,
-                                noise_steps=0, anchor_offset=offset, **kw)
+        return fastcl.contrastive(anchors, positives, complementary=complementary, noise=noise,
+                                  noise_steps=0, anchor_offset=offset, **kw)
 
     @property
     def citation(self) -> str:
@@ -450,10 +465,12 @@ class CachedFastInfoNCELoss(_Cached, FastInfoNCELoss):
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
                  similarity_fct=cos_sim, mini_batch_size: int = 32, *, show_progress_bar: bool = False,
                  gather_across_devices: bool = False, symmetric: bool = False,
-                 hard_negative_weight: float = 0.0, backend: str = "auto", chunk_size: int | None = None):
+                 hard_negative_weight: float = 0.0, backend: str = "auto", chunk_size: int | None = None,
+                 focal_m: float | None = None):
         FastInfoNCELoss.__init__(self, model, scale, similarity_fct, symmetric=symmetric,
                                  hard_negative_weight=hard_negative_weight, backend=backend,
-                                 chunk_size=chunk_size, gather_across_devices=gather_across_devices)
+                                 chunk_size=chunk_size, gather_across_devices=gather_across_devices,
+                                 focal_m=focal_m)
         self._init_cache(mini_batch_size, show_progress_bar)
 
 
@@ -464,9 +481,11 @@ class CachedFastFocalInfoNCELoss(_Cached, FastFocalInfoNCELoss):
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  m: float = common.FOCAL_M, *, mini_batch_size: int = 32, show_progress_bar: bool = False,
-                 gather_across_devices: bool = False, backend: str = "auto", chunk_size: int | None = None):
+                 gather_across_devices: bool = False, backend: str = "auto", chunk_size: int | None = None,
+                 hard_negative_weight: float = 0.0):
         FastFocalInfoNCELoss.__init__(self, model, temperature, m, backend=backend, chunk_size=chunk_size,
-                                      gather_across_devices=gather_across_devices)
+                                      gather_across_devices=gather_across_devices,
+                                      hard_negative_weight=hard_negative_weight)
         self._init_cache(mini_batch_size, show_progress_bar)
 
 
@@ -485,10 +504,10 @@ class CachedFastDCLRLoss(_Cached, FastDCLRLoss):
                  temperature: float = common.TEMPERATURE, formulation: str = "paper",
                  generator: torch.Generator | None = None, *, mini_batch_size: int = 32,
                  show_progress_bar: bool = False, gather_across_devices: bool = False,
-                 backend: str = "auto", chunk_size: int | None = None):
+                 backend: str = "auto", chunk_size: int | None = None, focal_m: float | None = None):
         FastDCLRLoss.__init__(self, model, guide, phi, noise_ratio, noise_steps, noise_lr, noise_std,
                               temperature, formulation, generator, backend=backend, chunk_size=chunk_size,
-                              gather_across_devices=gather_across_devices)
+                              gather_across_devices=gather_across_devices, focal_m=focal_m)
         self._init_cache(mini_batch_size, show_progress_bar)
 
     def _pass_one_inputs(self, sentence_features):

@@ -16,7 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .. import common
+from .. import augment, common
 from ..data import parse_columns
 from ..encoders import POOLERS
 from ..objectives import METHODS, Objective
@@ -38,16 +38,21 @@ FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),
 
 
 def method_flags() -> dict:
-    """Each method-specific option (its ``args`` name) → (its method, its default)."""
+    """Each method-specific option (its ``args`` name) → (the methods that read it, its default)."""
     defaults = {f.name: f.default for f in dataclasses.fields(Objective)}
     flags = {}
     for method, spec in METHODS.items():
         for field in spec.options:
             default = None if field in FAMILY_DEFAULTS else defaults[field]
-            flags[_FLAG_OF_FIELD.get(field, field)] = (method, default)
+            flag = _FLAG_OF_FIELD.get(field, field)
+            flags[flag] = (flags.get(flag, ((), None))[0] + (method,), default)
     for flag, field in _COMPANION_FLAGS.items():
         flags[flag] = (flags[field][0], None)
     return flags
+
+
+def _methods_phrase(methods) -> str:
+    return methods[0] if len(methods) == 1 else f"{', '.join(methods[:-1])} or {methods[-1]}"
 
 
 METHOD_FLAGS = method_flags()
@@ -56,7 +61,7 @@ RUN_DEFINING = ("method", "model", "data", "snli_splits", "text_column", "column
                 "sts_dir", "batch_size", "lr", "epochs",
                 "max_steps", "max_seq_len", "mini_batch_size", "pooler", "mlp_only_train", "seed",
                 "temperature", "warmup_steps", "weight_decay", "max_grad_norm", "precision", "select",
-                *METHOD_FLAGS)
+                "augment", *METHOD_FLAGS)
 
 
 def epilog() -> str:
@@ -209,11 +214,22 @@ def build_parser(prog: str = "fastcl-train") -> argparse.ArgumentParser:
                         "'released' does as the authors' code: dropout on, the duplicated batch "
                         "(c and c+ are two dropout views), still without gradients")
     g.add_argument("--m", type=float, default=None, help=f"focal: margin m of the negative logits s(s+m)/t (default {common.FOCAL_M})")
+    g.add_argument("--focal-m", type=float, default=None, metavar="M",
+                   help="simcse, simcse-sup, dclr: add Focal-InfoNCE's modulation with margin M "
+                        "(positive logit s^2/t, every negative s(s+M)/t, hard and noise negatives "
+                        "included); default off. --method focal takes its margin as --m")
     g.add_argument("--rd-weight", type=float, default=None, help=f"escl: weight of the relative-difference term (default {common.ESCL_WEIGHT:g})")
     g.add_argument("--rd", choices=("softplus", "margin"), default=None,
                    help=f"escl: relative-difference form (default {common.ESCL_RD})")
     g.add_argument("--sensitive-dropout", type=float, default=None,
                    help=f"escl: dropout rate of the third, sensitive view (default {common.SENSITIVE_DROPOUT})")
+    rates = ", ".join(f"{name.replace('_', '-')} {rate:g}" for name, rate in common.AUGMENT_RATES.items())
+    g.add_argument("--augment", default=None, metavar="NAME[:RATE]",
+                   help="unsupervised methods: also augment the positive (second) copy of each "
+                        "sentence, dropout still on: token-cutoff, span-cutoff, feature-cutoff (on "
+                        "the embedding layer's output), word-shuffle, word-deletion; RATE is the "
+                        f"share of content tokens (of dimensions for feature-cutoff) changed, default "
+                        f"{rates}; special tokens and padding are never touched (default: none)")
     return p
 
 
@@ -224,12 +240,24 @@ def _require(parser, ok: bool, message: str) -> None:
 
 def resolve_args(parser, args) -> argparse.Namespace:
     """Fill method defaults and check every value; errors name the option."""
-    for name, (method, default) in METHOD_FLAGS.items():
+    for name, (methods, default) in METHOD_FLAGS.items():
         given = getattr(args, name)
-        _require(parser, given is None or args.method == method,
-                 f"--{name.replace('_', '-')} applies to --method {method} only")
+        hint = "; --method focal takes its margin as --m" if name == "focal_m" else ""
+        _require(parser, given is None or args.method in methods,
+                 f"--{name.replace('_', '-')} applies to --method {_methods_phrase(methods)} only{hint}")
         if given is None:
             setattr(args, name, default)
+    if args.augment is not None:
+        _require(parser, not METHODS[args.method].supervised,
+                 f"--augment applies to the unsupervised methods (it augments the second copy of "
+                 f"each sentence); {args.method} takes its positives from the data")
+        try:
+            args.augment = augment.parse(args.augment).spec  # canonical: NAME:rate
+        except ValueError as err:
+            parser.error(f"--{err}")
+    _require(parser, getattr(args, "focal_m", None) is None or args.dclr_formulation != "released",
+             "--focal-m combines with --dclr-formulation paper only (the released code's loss has "
+             "no focal modulation)")
     supervised = METHODS[args.method].supervised
     _require(parser, args.text_column is None or not supervised,
              f"--text-column applies to unsupervised methods; {args.method} reads --columns")
@@ -453,7 +481,7 @@ def effective_config(args) -> dict:
     for key, value in vars(args).items():
         if key not in options or key in ("help", "config", "resume") or value is None:
             continue
-        if key in METHOD_FLAGS and METHOD_FLAGS[key][0] != args.method:
+        if key in METHOD_FLAGS and args.method not in METHOD_FLAGS[key][0]:
             continue
         if key == "mlp_only_train" and args.pooler != "cls":
             continue

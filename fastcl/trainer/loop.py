@@ -242,7 +242,7 @@ def export(run: Run) -> None:
 # Run settings the model card lists besides the objective's.
 _CARD_SETTINGS = ("batch_size", "lr", "epochs", "max_steps", "max_seq_len", "warmup_steps",
                   "weight_decay", "max_grad_norm", "pooler", "mlp_only_train", "mini_batch_size",
-                  "precision", "seed")
+                  "precision", "seed", "augment")
 
 
 def model_card(run: Run, evaluation: dict | None) -> ModelCard:
@@ -253,7 +253,7 @@ def model_card(run: Run, evaluation: dict | None) -> ModelCard:
     method_options = {"temperature": obj.temperature}
     for name in obj.spec.options:
         value = args.complementary if name == "complementary" else getattr(obj, name)
-        if name == "complementary_mode" and not args.complementary:
+        if name == "complementary_mode" and not args.complementary or name == "focal_m" and value is None:
             continue
         method_options[name] = value
     training = {k: getattr(args, k) for k in _CARD_SETTINGS if getattr(args, k, None) is not None}
