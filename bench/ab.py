@@ -7,7 +7,10 @@
 fastcl reads ``FASTCL_LEGACY`` (a comma list of earlier behaviours, see
 ``fastcl/_switches.py``) at every call, so one process measures, on the same inputs, the
 current design (``FASTCL_LEGACY=""``), each switch alone (one earlier behaviour back) and
-``all`` (the earlier design). Per case and variant: the median forward+backward time
+``all`` (the earlier design); a variant ``NAME=VALUE`` sets ``FASTCL_NAME=VALUE`` instead, a
+candidate design not yet the default (``sim=descriptor``: the similarity kernel through tensor
+descriptors, grouped tile order and its Hopper tiles), measured right after the current one.
+Per case and variant: the median forward+backward time
 (``triton.testing.do_bench`` on GPU), the first call (autotuning and compilation), the peak
 memory beyond the inputs (GPU), useful TFLOP/s as a percentage of the ``torch.mm``
 throughput measured once per shape, what autotuning chose, and the result against the
@@ -72,8 +75,26 @@ def legacy_switches() -> dict:
             "used_in_source": {s: f'"{s}"' in text or f"'{s}'" in text for s in known}}
 
 
+#: The switches of candidate designs (``NAME=VALUE`` variants), each unset for the others.
+OPT_IN = ("FASTCL_SIM",)
+try:                    # the candidate designs this fastcl offers
+    from fastcl._switches import SIM as _SIM
+    CANDIDATES = tuple(f"sim={v}" for v in _SIM)
+except ImportError:
+    CANDIDATES = ()
+
+
 def set_legacy(variant: str) -> None:
-    os.environ["FASTCL_LEGACY"] = variant
+    """``variant``: "" (the current design), a FASTCL_LEGACY value, or NAME=VALUE for the
+    candidate design FASTCL_NAME=VALUE (with FASTCL_LEGACY empty)."""
+    for name in OPT_IN:
+        os.environ.pop(name, None)
+    if "=" in variant:
+        name, value = (part.strip() for part in variant.split("=", 1))
+        os.environ["FASTCL_LEGACY"] = ""
+        os.environ[f"FASTCL_{name.upper()}"] = value
+    else:
+        os.environ["FASTCL_LEGACY"] = variant
 
 
 def chosen_configs():
@@ -123,7 +144,9 @@ def compare(row: dict, base: dict | None, z, z_base, spec: dict) -> None:
 
 def measure_variant(spec, variant, device, args, mm) -> tuple[dict, object]:
     set_legacy(variant)
-    row = {**spec, "variant": variant or "new", "fastcl_legacy": variant}
+    row = {**spec, "variant": variant or "new",
+           "fastcl_legacy": os.environ.get("FASTCL_LEGACY", ""),
+           **{name.lower(): os.environ[name] for name in OPT_IN if name in os.environ}}
     row.update(measure_in_process(spec, device, args.warmup_ms, args.rep_ms))
     z = None
     if row.get("ok"):
@@ -198,8 +221,9 @@ def main(argv=None) -> int:
                    "16384; '' for none)")
     p.add_argument("--d", type=int, default=768)
     p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--variants", default=",".join(("new",) + SWITCHES + ("all",)),
-                   help="comma list: new (FASTCL_LEGACY=''), a switch, or all")
+    p.add_argument("--variants", default=",".join(("new",) + CANDIDATES + SWITCHES + ("all",)),
+                   help="comma list: new (FASTCL_LEGACY=''), a candidate design NAME=VALUE "
+                        "(FASTCL_NAME=VALUE), a switch, or all")
     p.add_argument("--warmup-ms", type=float, default=10, help="do_bench warm-up (GPU)")
     p.add_argument("--rep-ms", type=float, default=50, help="do_bench measuring time (GPU)")
     p.add_argument("--threads", type=int, default=default_threads(), help="torch threads on CPU")
@@ -220,7 +244,7 @@ def main(argv=None) -> int:
     stem = Path(args.out_stem) if args.out_stem else (
         HERE / "results" / f"{device_slug(device)}-{datetime.date.today().isoformat()}-ab")
 
-    saved = os.environ.get("FASTCL_LEGACY")
+    saved = {name: os.environ.get(name) for name in ("FASTCL_LEGACY",) + OPT_IN}
     report = {"benchmark": "fastcl A/B: the current design against each FASTCL_LEGACY switch",
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join([sys.executable, *sys.argv]), "device": device,
@@ -263,10 +287,11 @@ def main(argv=None) -> int:
                 if gpu:
                     torch.cuda.empty_cache()
     finally:
-        if saved is None:
-            os.environ.pop("FASTCL_LEGACY", None)
-        else:
-            os.environ["FASTCL_LEGACY"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     print("\n" + table(report["rows"]))
     bad = [r for r in report["rows"] if r.get("same") is False]
     print(f"\nx new = time over the new design's; rel diff = against the new design "

@@ -6,9 +6,11 @@
 #
 #   env          bench/run.py --env         versions, GPU, whether 16-bit GEMMs write fp32
 #   targets      bench/run.py --targets     the acceptance targets, PASS/FAIL with numbers
-#   ab           bench/ab.py                the current design vs each FASTCL_LEGACY switch
+#   ab           bench/ab.py                the current design vs FASTCL_SIM=descriptor (the
+#                                           candidate similarity kernel) and each FASTCL_LEGACY switch
 #   profile      bench/profile_step.py      kernel families and launches, current vs legacy
-#   tests-gpu    pytest tests/test_triton.py -k gpu        (the GPU-only tests)
+#   tests-gpu    pytest tests/test_triton.py -k gpu        (the GPU-only tests, the
+#                                                           descriptor design's among them)
 #   tests-small  pytest tests/test_triton.py -k "not gpu"  (both with FASTCL_AUTOTUNE=0:
 #                                                           bounded compile time)
 #   sweep        bench/run.py --quick       with whatever time is left (none under 30 s)
@@ -61,7 +63,7 @@ if [ -z "$PY" ]; then echo "no python with torch found" >&2; exit 2; fi
 export PYTHONPATH="$ROOT/bench:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-unset FASTCL_LEGACY FASTCL_AUTOTUNE     # ab.py and profile_step.py set the switches themselves
+unset FASTCL_LEGACY FASTCL_AUTOTUNE FASTCL_SIM   # ab.py and profile_step.py set the switches
 
 DATE=$(date +%F)
 if [ $DRY -eq 1 ]; then
@@ -133,7 +135,8 @@ if [ $DRY -eq 1 ]; then         # tiny sizes, one thread
     AB_ARGS=("${CPU[@]}" --n 256 --noise-n 128 --d 64)
     PROFILE_ARGS=("${CPU[@]}" --n 256 --d 64)
     SWEEP_ARGS=("${CPU[@]}" --objective infonce,noise --impl fastcl,reference --n 256,512 --d 64)
-    SMALL_TESTS="not gpu and not matches_reference"   # the interpreter is slow: a few tests
+    SMALL_TESTS="not gpu and not matches_reference and not descriptor"   # the interpreter
+                                                      # is slow: a few tests
     XDIST=()
 else
     ENV_ARGS=()
@@ -141,7 +144,7 @@ else
     AB_ARGS=()
     PROFILE_ARGS=()
     SWEEP_ARGS=(--quick --compile-reserve 60)
-    SMALL_TESTS="not gpu"
+    SMALL_TESTS="not gpu and not descriptor"   # the descriptor design: in tests-gpu
     XDIST=()
     if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 6); fi
 fi
@@ -154,7 +157,7 @@ T=$(limit 125)
 stage targets "$T" 30 "$PY" bench/run.py --targets "${FAST[@]}" --time-budget $((T - 15)) \
     --out-stem "$STEM-targets" ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
 
-T=$(limit 55)
+T=$(limit 70)
 stage ab "$T" 24 "$PY" bench/ab.py --time-budget $((T - 15)) --out-stem "$STEM-ab" \
     ${AB_ARGS[@]+"${AB_ARGS[@]}"}
 
@@ -166,7 +169,7 @@ stage profile "$T" 30 "$PY" bench/profile_step.py --out-stem "$STEM-profile" \
 # Triton's interpreter). Workers compile into Triton's cache, shared by the next stage.
 PYTEST=(env FASTCL_AUTOTUNE=0 "$PY" -m pytest tests/test_triton.py -v --tb=short -rfEs
         -p _checkout -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"})
-T=$(limit 45)
+T=$(limit 55)
 stage tests-gpu "$T" 15 "${PYTEST[@]}" -k "gpu"
 T=$(limit 40)
 stage tests-small "$T" 15 "${PYTEST[@]}" -k "$SMALL_TESTS"
@@ -251,7 +254,7 @@ for t in out["targets"] or []:
 new = {r["case"]: r for r in out["ab"]["rows"] if r["variant"] == "new" and r.get("ok")}
 for r in out["ab"]["rows"]:
     base = new.get(r["case"])
-    print(f"== ab {r['case']:<14} {r['variant']:<9} " + (
+    print(f"== ab {r['case']:<14} {r['variant']:<14} " + (
         f"{r['median_s'] * 1e3:8.2f} ms" + (f"  {r['median_s'] / base['median_s']:.3f}x new" if base else "")
         + (f"  {r['pct_of_matmul']:.1f}% mm" if r.get("pct_of_matmul") is not None else "")
         + ("" if r.get("same") is not False else "  RESULT DIFFERS")

@@ -23,6 +23,19 @@ import, and change speed and memory only: every design computes the same loss.
 
 ``FASTCL_AUTOTUNE=0`` pins autotuning to the first config of each list (bounded compile
 time in tests); it changes speed only.
+
+``FASTCL_SIM`` picks a candidate design of the similarity kernel ahead of its measurement
+(off by default; unset, the kernel is the one above, unchanged):
+
+``descriptor`` Triton only: the tile loads of both operands (and of the DCLR mask's) and the
+              store of the R×128 result through tensor descriptors (``tl.make_tensor_descriptor``:
+              TMA on sm_90, the edges read as zeros and clipped on store by the descriptor's
+              bounds) instead of per-element pointer tensors; a 1-D grid whose program ids go
+              in groups of ``GROUP_R`` row blocks (each group sweeps every column tile, for
+              L2 reuse); its own autotune list with the larger Hopper tiles (128 rows × 128
+              columns × 64 of d, 8 warps, 3–4 stages). Inputs a descriptor cannot address
+              (a row stride or base not 16-byte aligned, a strided column) take the default
+              path for that call; the stored chunk's rows are padded to 16 bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +43,8 @@ from __future__ import annotations
 import os
 
 LEGACY = ("dk", "chunks", "epilogue", "configs", "tangent")
+#: The values ``FASTCL_SIM`` takes ("" is the default design).
+SIM = ("descriptor",)
 
 
 def legacy(name: str) -> bool:
@@ -50,3 +65,11 @@ def legacy(name: str) -> bool:
 def autotune_pinned() -> bool:
     """``FASTCL_AUTOTUNE=0``: use each kernel's first config instead of autotuning."""
     return os.environ.get("FASTCL_AUTOTUNE", "1") == "0"
+
+
+def sim_design() -> str:
+    """``FASTCL_SIM``: the similarity kernel's candidate design ("" for the default one)."""
+    raw = os.environ.get("FASTCL_SIM", "").strip()
+    if raw and raw not in SIM:
+        raise ValueError(f"FASTCL_SIM={raw!r} is unknown; known: {', '.join(SIM)} (or unset)")
+    return raw

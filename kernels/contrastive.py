@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastcl._switches import autotune_pinned, legacy
+from fastcl._switches import autotune_pinned, legacy, sim_design
 
 #: A cosine never exceeds 1: this value in the stored s marks a dropped in-batch negative.
 #: A constexpr: a plain module global cannot be read inside a jitted function.
@@ -81,9 +81,29 @@ def _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL
 @triton.jit
 def _tile(R, M, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
     """This program's tile of the R×M chunk: row and column indices and their bounds."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return _tile_at(tl.program_id(0), tl.program_id(1), R, M, BLOCK_R, BLOCK_M)
+
+
+@triton.jit
+def _tile_at(pid_r, pid_m, R, M, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tile (pid_r, pid_m) of the R×M chunk: row and column indices and their bounds."""
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     return rows, cols, rows < R, cols < M
+
+
+@triton.jit
+def _grouped_tile(R, M, GROUP_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(row block, column tile) of this program in a 1-D grid, in groups of GROUP_R row
+    blocks: consecutive programs take the group's row blocks on one column tile, then the
+    next column tile (the matmul tutorial's L2 swizzle); the last group may be shorter."""
+    pid = tl.program_id(0)
+    n_r = tl.cdiv(R, BLOCK_R)
+    per_group = GROUP_R * tl.cdiv(M, BLOCK_M)
+    first_r = (pid // per_group) * GROUP_R
+    size = tl.minimum(n_r - first_r, GROUP_R)
+    in_group = pid % per_group
+    return first_r + in_group % size, in_group // size
 
 
 @triton.jit
@@ -108,6 +128,24 @@ def _tile_dot(a_ptr, b_ptr, a_start, b_start, a_rows, b_rows, K, stride_a, strid
                     mask=a_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr + rb[:, None] * stride_b + (k0 + kk)[None, :],
                     mask=b_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _tile_dot_desc(a_ptr, b_ptr, a_start, b_start, a_rows, b_rows, K, stride_a, stride_b,
+                   PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """``_tile_dot`` through tensor descriptors (``FASTCL_SIM=descriptor``): the same
+    product, the edges (rows past ``a_rows`` / ``b_rows``, columns past K) read as zeros by
+    the descriptor's bounds (TMA on sm_90). Its shape and strides are int64; the caller
+    checks what TMA needs: 16-byte aligned bases and row strides, unit column stride."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, [a_rows, K], [stride_a, 1], [BLOCK_R, BLOCK_D])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [b_rows, K], [stride_b, 1], [BLOCK_M, BLOCK_D])
+    acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_D):
+        a = a_desc.load([a_start, k0])
+        b = b_desc.load([b_start, k0])
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
     return acc
 
@@ -140,15 +178,26 @@ def _similarity_kernel(
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
     POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    DESC: tl.constexpr, GROUP_R: tl.constexpr,
 ):
-    pid_m = tl.program_id(1)
-    rows, cols, row_ok, col_ok = _tile(R, M, BLOCK_R, BLOCK_M)
+    # DESC (FASTCL_SIM=descriptor): a 1-D grid in groups of GROUP_R row blocks, the
+    # operands and the stored tile through tensor descriptors; else a (row, column) grid
+    if DESC:
+        pid_r, pid_m = _grouped_tile(R, M, GROUP_R, BLOCK_R, BLOCK_M)
+    else:
+        pid_m = tl.program_id(1)
+        pid_r = tl.program_id(0)
+    rows, cols, row_ok, col_ok = _tile_at(pid_r, pid_m, R, M, BLOCK_R, BLOCK_M)
     rows_g = first_pos + rows              # global anchor index = its positive's column
 
-    row0 = tl.program_id(0) * BLOCK_R
+    row0 = pid_r * BLOCK_R
     col0 = pid_m * BLOCK_M
-    acc = _tile_dot(q_ptr, k_ptr, row0, col0, R, M, D, stride_q, stride_k,
-                    PREC, BLOCK_R, BLOCK_M, BLOCK_D)
+    if DESC:
+        acc = _tile_dot_desc(q_ptr, k_ptr, row0, col0, R, M, D, stride_q, stride_k,
+                             PREC, BLOCK_R, BLOCK_M, BLOCK_D)
+    else:
+        acc = _tile_dot(q_ptr, k_ptr, row0, col0, R, M, D, stride_q, stride_k,
+                        PREC, BLOCK_R, BLOCK_M, BLOCK_D)
     inv_q = tl.load(inv_q_ptr + rows, mask=row_ok, other=0.0)
     inv_k = tl.load(inv_k_ptr + cols, mask=col_ok, other=0.0)
     s = acc * inv_q[:, None] * inv_k[None, :]
@@ -159,8 +208,12 @@ def _similarity_kernel(
     if MASK:
         # the complementary model's cosine, in the same tile: no N×M mask ever exists
         in_batch = cols < n_pos
-        cacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_pos, DC, stride_cq, stride_ck,
-                         PREC, BLOCK_R, BLOCK_M, BLOCK_D)
+        if DESC:
+            cacc = _tile_dot_desc(cq_ptr, ck_ptr, row0, col0, R, n_pos, DC, stride_cq,
+                                  stride_ck, PREC, BLOCK_R, BLOCK_M, BLOCK_D)
+        else:
+            cacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_pos, DC, stride_cq, stride_ck,
+                             PREC, BLOCK_R, BLOCK_M, BLOCK_D)
         if RELEASED:
             too_close = cacc * inv_t > 20.0 * phi      # the released code's test
         else:
@@ -180,12 +233,20 @@ def _similarity_kernel(
     tile_max = tl.max(l, axis=1)
     safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
     e = tl.exp(l - safe_max[:, None])
-    ok = row_ok[:, None] & col_ok[None, :]
-    t_ptrs = _tile_ptrs(t_ptr, stride_t, BLOCK_R, BLOCK_M)
-    if STORE_EXP:
-        tl.store(t_ptrs, e.to(t_ptr.dtype.element_ty), mask=ok)
+    if DESC:
+        # the store clips at the buffer's bounds: no mask
+        t_desc = tl.make_tensor_descriptor(t_ptr, [R, M], [stride_t, 1], [BLOCK_R, BLOCK_M])
+        if STORE_EXP:
+            t_desc.store([row0, col0], e.to(t_ptr.dtype.element_ty))
+        else:
+            t_desc.store([row0, col0], s)
     else:
-        tl.store(t_ptrs, s, mask=ok)
+        ok = row_ok[:, None] & col_ok[None, :]
+        t_ptrs = _tile_ptrs(t_ptr, stride_t, BLOCK_R, BLOCK_M)
+        if STORE_EXP:
+            tl.store(t_ptrs, e.to(t_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(t_ptrs, s, mask=ok)
     tl.store(part_max_ptr + rows * stride_part + pid_m, tile_max, mask=row_ok)
     tl.store(part_sum_ptr + rows * stride_part + pid_m, tl.sum(e, axis=1), mask=row_ok)
     if POSITIVES:
@@ -436,7 +497,41 @@ SIM_CONFIGS_BY_VARIANT = {
 #: The first design's list, spills included (``FASTCL_LEGACY=configs``).
 LEGACY_SIM_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
 
+#: ``FASTCL_SIM=descriptor``: what the compile check tries, (BLOCK_R, BLOCK_D, num_warps,
+#: num_stages, GROUP_R) with BLOCK_M = 128 (``--sim-candidates`` reports each one). The
+#: column tile stays 128 wide (the partials are laid out by it), so the 128×256 tile is tried
+#: as 256 rows × 128 columns.
+DESC_CANDIDATES = {
+    "16bit": [(128, 64, 8, 3, 8), (128, 64, 8, 4, 8), (256, 64, 8, 3, 8), (128, 32, 8, 4, 8),
+              (64, 64, 8, 3, 8), (64, 64, 8, 4, 8), (64, 32, 8, 3, 8)],
+    "fp32": [(64, 32, 8, 3, 8), (64, 16, 8, 3, 8), (32, 32, 8, 3, 8), (32, 16, 8, 3, 8),
+             (128, 16, 8, 3, 8)],
+}
+#: Its kept lists, by (arch, input kind, mask): the candidates that compile without spills for
+#: the flag sets that hold the most registers (focal-hard, focal-hard-mask, released DCLR
+#: with the mask), checked for every flag set by the compile check. Dropped, with ptxas's
+#: spill bytes (stores + loads): on sm_90 in 16 bits, 256×128×64 (200 B for InfoNCE, 2236 B
+#: focal-hard, 4248 B focal-hard-mask) and, with the mask, the 128-row tiles (released DCLR
+#: 64–88 B; 255 registers without spills for focal-hard-mask); on sm_80 in 16 bits every
+#: 128-row tile (InfoNCE 716 B at 128×128×64, 756 B at ×32) and 64×128×64 with the mask
+#: (392–416 B); in fp32 (exact products, no tensor cores) 64×128×32 (16–64 B on sm_80,
+#: 856–2420 B on sm_90), 128×128×16 (256–4092 B), and with the mask 32×128×32 (24–48 B) and
+#: on sm_90 64×128×16 (8 B focal-hard-mask).
+DESC_SIM_CONFIGS = {
+    (90, "16bit", False): [(128, 64, 8, 3, 8), (128, 64, 8, 4, 8), (64, 64, 8, 3, 8)],
+    (90, "16bit", True): [(64, 64, 8, 3, 8), (64, 32, 8, 3, 8)],
+    (90, "fp32", False): [(64, 16, 8, 3, 8), (32, 32, 8, 3, 8)],
+    (90, "fp32", True): [(32, 16, 8, 3, 8)],
+    (80, "16bit", False): [(64, 32, 8, 3, 8)],
+    (80, "16bit", True): [(64, 32, 8, 3, 8)],
+    (80, "fp32", False): [(32, 32, 8, 3, 8), (32, 16, 8, 3, 8)],
+    (80, "fp32", True): [(32, 16, 8, 3, 8)],
+}
+#: Where one flag set needs its own descriptor list on one target (none so far).
+DESC_SIM_CONFIGS_BY_VARIANT = {}
+
 SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
+DESC_FIXED = {**SIM_FIXED, "GROUP_R": 2}                  # groups shorter than the row blocks
 GRAD_BLOCK = ({"BLOCK_R": 16, "BLOCK_M": 16} if INTERPRET  # the legacy elementwise tiles
               else {"BLOCK_R": 32, "BLOCK_M": 128})
 ROW_BLOCK = ({"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET
@@ -481,13 +576,19 @@ def stores_exp(f: dict) -> bool:
     return not (f["FOCAL"] or f["RELEASED"])
 
 
-def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False) -> list[tuple]:
+def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False,
+                design: str = "") -> list[tuple]:
     """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
-    its name) and compute capability (90 for sm_90; an sm_80-class GPU uses 80)."""
-    if legacy_list:
-        return LEGACY_SIM_CONFIGS
+    its name) and compute capability (90 for sm_90; an sm_80-class GPU uses 80). The
+    ``descriptor`` design (``FASTCL_SIM``) has its own list, 5-tuples ending in GROUP_R,
+    whatever ``legacy_list`` says."""
     key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit", bool(f["MASK"]))
     arch = 80 if arch < 90 else 90
+    if design == "descriptor":
+        own = DESC_SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
+        return own or DESC_SIM_CONFIGS[(arch,) + key]
+    if legacy_list:
+        return LEGACY_SIM_CONFIGS
     own = SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
     if own:
         return own
@@ -504,22 +605,49 @@ _TUNED = {}
 _AUTOTUNE_KEY = ["M", "D", "DC", "FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "STORE_EXP"]
 
 
-def _similarity(f: dict, dtype: torch.dtype, device):
+def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
     """The similarity kernel for these flags: autotuned on GPU (the flags are in the key, so
     each objective gets its own choice), the bare kernel under the interpreter."""
     if INTERPRET:
         return _similarity_kernel
     index = device.index if device.index is not None else torch.cuda.current_device()
-    configs = sim_configs(f, dtype, _arch(index), legacy("configs"))
+    configs = sim_configs(f, dtype, _arch(index), legacy("configs"), design)
     if autotune_pinned():
         configs = configs[:1]
     key = tuple(configs)                   # one autotuner per config list
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(
-            configs=[triton.Config({"BLOCK_R": br, "BLOCK_D": bd}, num_warps=w, num_stages=st)
-                     for br, bd, w, st in configs],
+            configs=[triton.Config({"BLOCK_R": c[0], "BLOCK_D": c[1],
+                                    **({"GROUP_R": c[4]} if len(c) > 4 else {})},
+                                   num_warps=c[2], num_stages=c[3])
+                     for c in configs],
             key=_AUTOTUNE_KEY)(_similarity_kernel)
     return _TUNED[key]
+
+
+def descriptor_ready(*tensors) -> bool:
+    """Whether these 2-D inputs meet what a tensor descriptor (TMA) needs: unit column
+    stride, 16-byte aligned base and row stride. Else ``FASTCL_SIM=descriptor`` takes the
+    default path for the call (a narrow fp32 width such as d = 130, a strided view)."""
+    for x in tensors:
+        size = x.element_size()
+        if (x.shape[1] > 1 and x.stride(1) != 1) or x.data_ptr() % 16 or (x.stride(0) * size) % 16:
+            return False
+    return True
+
+
+def _allocate_descriptors(device) -> None:
+    """Kernels that build tensor descriptors need Triton's launch-time allocator (a scratch
+    buffer for the TMA descriptors on sm_90); set one (a torch buffer) unless the caller has.
+    A context variable: checked at every launch (autograd may launch from its own thread)."""
+    try:
+        from triton.runtime import _allocation
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):
+        pass
+    triton.set_allocator(lambda size, alignment, stream:
+                         torch.empty(size, dtype=torch.int8, device=device))
 
 
 def chosen_configs() -> dict:
@@ -548,14 +676,29 @@ def _launch_similarity(ep, c, f, store_exp):
         dc = cq.shape[1]
     else:
         cq, ck, dc = c.q, c.keys, 0        # never read
-    t = torch.empty(R, M, dtype=c.q.dtype if store_exp else torch.float32, device=dev)
+    t_dtype = c.q.dtype if store_exp else torch.float32
+    design = sim_design()
+    if design == "descriptor" and not descriptor_ready(c.q, c.keys, cq, ck):
+        design = ""
+    if design == "descriptor":
+        # rows padded to 16 bytes (≤ 7 columns) for the descriptor of the stored tile
+        per = 16 // (torch.finfo(t_dtype).bits // 8)
+        t = torch.empty(R, triton.cdiv(M, per) * per, dtype=t_dtype, device=dev)[:, :M]
+        if not INTERPRET:
+            _allocate_descriptors(dev)
+    else:
+        t = torch.empty(R, M, dtype=t_dtype, device=dev)
     tiles = triton.cdiv(M, SIM_BLOCK_M)
     part_max = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     pos = torch.empty(R, dtype=torch.float32, device=dev)   # every row's positive is written
-    grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
-    extra = SIM_FIXED if INTERPRET else {}
-    _similarity(f, c.q.dtype, c.q.device)[grid](
+    if design == "descriptor":            # 1-D, in groups of GROUP_R row blocks
+        grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]) * tiles,)
+        extra = dict(DESC=True, **(DESC_FIXED if INTERPRET else {}))
+    else:
+        grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
+        extra = dict(DESC=False, GROUP_R=1, **(SIM_FIXED if INTERPRET else {}))
+    _similarity(f, c.q.dtype, c.q.device, design)[grid](
         c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos,
         R, M, d, dc, c.first_pos, c.n_pos,
         c.q.stride(0), c.keys.stride(0), cq.stride(0), ck.stride(0), t.stride(0), tiles,

@@ -7,8 +7,10 @@ compiles every specialization fastcl can launch for sm_80 and sm_90 (``triton.co
 GPU needed) and reads ptxas's
 report; these tests run it in a separate process (the kernels must be the jitted ones, and
 this process may have ``TRITON_INTERPRET=1``) and fail on any compile error or register
-spill. The default run covers every kernel and flag set (bf16 on sm_90, fp32 on sm_80); the
-``slow`` run every dtype on both targets and the first design's configs.
+spill. The default run covers every kernel and flag set (bf16 on sm_90, fp32 on sm_80), the
+similarity kernel's descriptor design (``FASTCL_SIM=descriptor``) included; the ``slow`` run
+every dtype on both targets, the first design's configs and the descriptor design in the first
+design's epilogue mode.
 """
 
 import json
@@ -73,6 +75,16 @@ def test_every_variant_and_kernel_is_covered(subset):
             assert (kernel, variant, "float32", 80) in seen
     for width in (384, 768, 1536, 4096):
         assert ("_tangent_kernel", f"d={width}", "bfloat16", 90) in seen
+    # the descriptor design: every flag set, each config of its list
+    from fastcl.kernels.contrastive import sim_configs
+    desc = {(r["spec"]["variant"], r["spec"]["dtype"], r["spec"]["arch"],
+             tuple(r["spec"]["constexprs"][k] for k in ("BLOCK_R", "BLOCK_D"))
+             + (r["spec"]["num_warps"], r["spec"]["num_stages"], r["spec"]["constexprs"]["GROUP_R"]))
+            for r in results if r["spec"]["constexprs"].get("DESC")}
+    for variant, f in VARIANTS.items():
+        for arch, dtype in ((90, "bfloat16"), (80, "float32")):
+            for config in sim_configs(f, dtype, arch, design="descriptor"):
+                assert (variant, dtype, arch, tuple(config)) in desc, (variant, dtype, arch, config)
 
 
 def test_resources_are_read(subset):
@@ -88,7 +100,7 @@ def test_large_buffers_are_addressed_in_int64(subset):
     _, results = subset
     for r in results:
         kernel, c = r["spec"]["kernel"], r["spec"]["constexprs"]
-        if kernel == "_similarity_kernel":
+        if kernel == "_similarity_kernel":    # (the descriptor design's too: int64 strides)
             need = {"q_ptr", "k_ptr", "t_ptr"} | ({"ck_ptr"} if c["MASK"] else set())
         elif kernel == "_row_kernel":          # without a gradient only the BCE reads the row
             need = ({"t_ptr", "g_ptr"} if c["WANT_GRAD"] else

@@ -175,6 +175,23 @@ def test_triton_matches_reference_more_shapes(combo, shape):
 
 
 @needs_triton
+@pytest.mark.parametrize("combo", COMBOS, ids=IDS)
+def test_triton_descriptor_design(combo, monkeypatch):
+    """FASTCL_SIM=descriptor (the similarity kernel through tensor descriptors): every
+    combination at N = 17, d = 24 (96-byte rows) in chunks of 7; the mask's complementary
+    embeddings here are 6 wide (24-byte rows), which a descriptor cannot address: those
+    calls take the default path (tests/test_triton.py covers the mask with 8)."""
+    from fastcl.kernels import contrastive as kc
+    monkeypatch.setenv("FASTCL_SIM", "descriptor")
+    taken = []
+    original = kc._similarity
+    monkeypatch.setattr(kc, "_similarity", lambda f, dtype, device, design="":
+                        taken.append(design) or original(f, dtype, device, design))
+    compare(Batch(17, 24, device=TRITON_DEVICE), combo, "triton", TRITON_TOL, chunk_size=7)
+    assert set(taken) == ({""} if "mask" in combo else {"descriptor"})
+
+
+@needs_triton
 @pytest.mark.parametrize("chunk", [1, 7])
 def test_triton_chunks_every_feature(chunk):
     compare(Batch(17, 24, device=TRITON_DEVICE), FEATURES, "triton", TRITON_TOL, chunk_size=chunk)

@@ -61,6 +61,96 @@ def test_triton_matches_reference(name, shape):
     _compare(name, *shape)
 
 
+# FASTCL_SIM=descriptor (fastcl/_switches.py): the similarity kernel through tensor
+# descriptors in a grouped 1-D grid. Its own shapes add widths a descriptor takes that are not
+# a power of two (fp32 rows of 80 and 144 bytes) and more row blocks than a group (N = 33);
+# d = 130 (rows of 520 bytes) is not 16-byte aligned: the default path, as
+# for the DCLR objectives here, whose complementary embeddings are 6 wide (24-byte rows);
+# test_descriptor_design_mask gives them 8.
+DESC_SHAPES = [(1, 0, 24), (1, 3, 130), (17, 16, 24), (5, 28, 20), (33, 7, 36)]
+
+
+@pytest.fixture
+def descriptor(monkeypatch):
+    """Switch the descriptor design on; yields the design each similarity launch took."""
+    from fastcl.kernels import contrastive as kc
+    monkeypatch.setenv("FASTCL_SIM", "descriptor")
+    taken = []
+    original = kc._similarity
+
+    def spy(f, dtype, device, design=""):
+        taken.append(design)
+        return original(f, dtype, device, design)
+    monkeypatch.setattr(kc, "_similarity", spy)
+    yield taken
+
+
+def _aligned(d, dtype=torch.float32):
+    return d * torch.finfo(dtype).bits // 8 % 16 == 0
+
+
+@pytest.mark.parametrize("shape", DESC_SHAPES, ids=[f"N{n}K{k}d{d}" for n, k, d in DESC_SHAPES])
+@pytest.mark.parametrize("name", NAMES)
+def test_descriptor_design_matches_reference(name, shape, descriptor):
+    _compare(name, *shape)
+    takes = _aligned(shape[2]) and name not in ("dclr-weighted", "dclr-released")
+    assert descriptor and set(descriptor) == {"descriptor" if takes else ""}
+
+
+@pytest.mark.parametrize("formulation", ["paper", "released"])
+@pytest.mark.parametrize("n,k,d", [(1, 3, 24), (17, 5, 24), (40, 9, 20)])
+def test_descriptor_design_mask(n, k, d, formulation, descriptor):
+    """DCLR's mask through descriptors: complementary embeddings 8 wide (32-byte rows) in 4
+    clusters, φ = 0.2 (no pair near it), noise columns; values and gradients."""
+    a = make(n, d, seed=n + d).to(DEVICE)
+    p = correlated(a, 0.7)
+    c = torch.nn.functional.one_hot(torch.arange(n) % 4, 8).double()
+    c = (c + 0.01 * torch.randn(n, 8, generator=torch.Generator().manual_seed(2),
+                                dtype=torch.float64)).float().to(DEVICE)
+    comp = (c, correlated(c, 0.01, seed=3).detach())
+    z = make(k, d, seed=4, grad=False).to(DEVICE)
+    kw = dict(complementary=comp, phi=0.2, noise=z, noise_steps=0, formulation=formulation)
+    ref, ref_g = loss_and_grads(lambda: fastcl.dclr_loss(a, p, backend="reference", **kw), [a, p])
+    got, got_g = loss_and_grads(lambda: fastcl.dclr_loss(a, p, backend="triton", **kw), [a, p])
+    torch.testing.assert_close(got, ref, **FP32)
+    for g, rg in zip(got_g, ref_g):
+        torch.testing.assert_close(g, rg, **FP32)
+    assert set(descriptor) == {"descriptor"}
+
+
+@pytest.mark.parametrize("name", ["infonce", "focal-negatives", "infonce-symmetric", "dclr"])
+def test_descriptor_design_chunks_and_bf16(name, descriptor):
+    _compare(name, 17, 16, 24, chunk=7)
+    _compare(name, 17, 16, 24, dtype=torch.bfloat16, tol=BF16)
+    assert set(descriptor) == {"descriptor"}
+
+
+def test_descriptor_design_non_contiguous_inputs(descriptor):
+    base = make(17, 64).to(DEVICE)
+    a, p = base[:, ::2], base.flip(0)[:, 1::2]
+    torch.testing.assert_close(fastcl.infonce(a, p, backend="triton"),
+                               fastcl.infonce(a, p, backend="reference"), **FP32)
+    assert set(descriptor) == {"descriptor"}
+
+
+def test_descriptor_ready_checks_what_a_descriptor_needs():
+    from fastcl.kernels.contrastive import descriptor_ready
+    x = torch.zeros(8, 24)
+    assert descriptor_ready(x, x[2:])                         # 96-byte rows, aligned bases
+    assert not descriptor_ready(torch.zeros(8, 130))          # 520-byte rows
+    assert not descriptor_ready(torch.zeros(8, 48)[:, ::2])   # a strided column
+    assert not descriptor_ready(torch.zeros(8 * 24 + 1)[1:].view(8, 24))  # a base 4 bytes off
+    assert descriptor_ready(torch.zeros(8, 24, dtype=torch.bfloat16))
+    assert not descriptor_ready(torch.zeros(8, 12, dtype=torch.bfloat16))
+
+
+def test_unknown_sim_design_is_refused(monkeypatch):
+    monkeypatch.setenv("FASTCL_SIM", "blockpointers")
+    a = make(4, 8).to(DEVICE)
+    with pytest.raises(ValueError, match="FASTCL_SIM"):
+        fastcl.infonce(a, correlated(a), backend="triton")
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_triton_chunks(chunk):
     _compare("dclr-weighted", 17, 16, 24, chunk=chunk)
@@ -128,6 +218,14 @@ def test_gpu_fp32(name, shape):
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_bf16(name, shape):
     _compare(name, *shape, dtype=torch.bfloat16, tol=BF16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[1:3], ids=[f"N{n}K{k}d{d}" for n, k, d in GPU_SHAPES[1:3]])
+@pytest.mark.parametrize("name", ["infonce", "dclr-weighted"])
+def test_gpu_descriptor_bf16(name, shape, descriptor):
+    _compare(name, *shape, dtype=torch.bfloat16, tol=BF16)
+    assert set(descriptor) == {"descriptor"}
 
 
 @needs_gpu
