@@ -10,7 +10,7 @@ Runs, per seed (each one ``train.py`` subprocess through compare.py's ``do_run``
    training data with that seed's SimCSE as the complementary model.
 3. ``focal-m{m}`` for each ``--ms`` (default 0.1 0.5; compare.py's m = 0.3 run, ``focal-seedS``,
    is added to the m plot when its model is in the work dir).
-4. ``simcse-aug-{NAME}`` — SimCSE with ``--augment`` (default ``feature_cutoff:0.1``, fixed up
+4. ``simcse-aug-{NAME}`` — SimCSE with ``--augment`` (default ``feature_cutoff:0.2``, fixed up
    front); with several ``--augments``, a screening on the first seed at ``--screen-steps``
    picks the best by STS-B dev first.
 5. ``dclr-phi{φ*}-focal{m}`` — DCLR + Focal (``--focal-m``, default 0.3) at the φ with the best
@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ms", nargs="+", type=float, default=[0.1, 0.5], help="Focal-InfoNCE m values")
     g.add_argument("--combo-focal-m", type=float, default=0.3,
                    help="--focal-m of DCLR + Focal, at the best phi (default 0.3, Focal-InfoNCE's m)")
-    g.add_argument("--augments", nargs="+", default=["feature_cutoff:0.1"], metavar="NAME[:RATE]",
-                   help="augmentation(s) against dropout alone (default feature_cutoff:0.1, fixed); "
+    g.add_argument("--augments", nargs="+", default=["feature_cutoff:0.2"], metavar="NAME[:RATE]",
+                   help="augmentation(s) against dropout alone (default feature_cutoff:0.2, fixed); "
                         "with several, a screening on the first seed picks one by STS-B dev")
     g.add_argument("--screen-steps", type=int, default=40,
                    help="steps of each screening run when --augments has several (default 40)")

@@ -94,5 +94,8 @@ SENSITIVE_DROPOUT = 0.45    # ESCL: dropout of the high-dropout "sensitive" view
 
 # The rate of each augmentation when --augment gives none: the share of a sentence's content
 # tokens changed (cutoffs, deletion, the share shuffled) or of the embedding dimensions cut.
-AUGMENT_RATES = {"token_cutoff": 0.1, "span_cutoff": 0.1, "feature_cutoff": 0.1,
+# feature_cutoff 0.2 and a full word_shuffle are the rates of ConSERT's released unsupervised
+# recipe (feature cutoff 0.2 on one view, shuffle on the other); the other rates are fastcl's
+# choice (0.1, SimCSE's smallest word-deletion rate).
+AUGMENT_RATES = {"token_cutoff": 0.1, "span_cutoff": 0.1, "feature_cutoff": 0.2,
                  "word_shuffle": 1.0, "word_deletion": 0.1}

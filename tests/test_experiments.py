@@ -127,7 +127,7 @@ def test_sweep_dry_run_prints_the_plan_and_the_estimate():
     for name in ("simcse-seed0", "dclr-phi0.5-seed1", "dclr-phi0.7-seed0", "focal-m0.1-seed0",
                  "focal-m0.5-seed1", "simcse-aug-feature_cutoff-seed0"):
         assert f"[{name}]" in out
-    assert "--phi 0.6" in out and "--m 0.5" in out and "--augment feature_cutoff:0.1" in out
+    assert "--phi 0.6" in out and "--m 0.5" in out and "--augment feature_cutoff:0.2" in out
     assert "estimate: total:" in out
 
 
