@@ -39,6 +39,7 @@ for folder in (HERE.parent, HERE):
 import compare  # noqa: E402
 from compare import do_run, mean_std, publish, run_totals, write_json  # noqa: E402
 from fastcl.augment import parse as parse_augment  # noqa: E402
+from fastcl.common import FOCAL_M  # noqa: E402
 
 # Seconds per step measured for compare.py (2-core CPU, MiniLM, batch 64, max length 32) and the
 # per-run overhead (start, 5 dev evaluations and checkpoints, scoring), from its README.
@@ -57,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("sweep")
     g.add_argument("--phis", nargs="+", type=float, default=[0.5, 0.6, 0.7], help="DCLR phi values")
     g.add_argument("--ms", nargs="+", type=float, default=[0.1, 0.5], help="Focal-InfoNCE m values")
-    g.add_argument("--combo-focal-m", type=float, default=0.3,
-                   help="--focal-m of DCLR + Focal, at the best phi (default 0.3, Focal-InfoNCE's m)")
+    g.add_argument("--combo-focal-m", type=float, default=FOCAL_M,
+                   help=f"--focal-m of DCLR + Focal, at the best phi (default {FOCAL_M:g}, Focal-InfoNCE's m)")
     g.add_argument("--augments", nargs="+", default=["feature_cutoff:0.2"], metavar="NAME[:RATE]",
                    help="augmentation(s) against dropout alone (default feature_cutoff:0.2, fixed); "
                         "with several, a screening on the first seed picks one by STS-B dev")
@@ -174,8 +175,7 @@ def row(label, group, runs, baseline, extra=None) -> dict:
     """Mean ± std over seeds and the paired difference to SimCSE of the same seed."""
     by_seed = {r["seed"]: r for r in runs}
     out = {"label": label, "group": group, "runs": [r["name"] for r in runs], "seeds": sorted(by_seed)}
-    for key in ("avg",):
-        out[key] = dict(zip(("mean", "std"), mean_std([r[key] for r in runs])))
+    out["avg"] = dict(zip(("mean", "std"), mean_std([r["avg"] for r in runs])))
     for task in ("stsb", "sickr"):
         out[task] = dict(zip(("mean", "std"), mean_std([r["scores"].get(task) for r in runs])))
     out["stsb_dev"] = dict(zip(("mean", "std"), mean_std([best_dev(r) for r in runs])))
@@ -295,10 +295,11 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         results.setdefault(combo[3], []).append(
             do_run(args, combo[2], seed, data, config, cache, name=f"{combo[3]}-seed{seed}", extra=combo[4]))
-    # compare.py's focal m = 0.3 runs, where their models are in the work dir: one more m point
-    if 0.3 not in args.ms and all((work / "runs" / f"focal-seed{s}" / "train_results.json").is_file()
+    # compare.py's focal runs (train.py's default m), where their models are in the work dir:
+    # one more m point
+    if FOCAL_M not in args.ms and all((work / "runs" / f"focal-seed{s}" / "train_results.json").is_file()
                                   for s in args.seeds):
-        runs.append(("m", "Focal m=0.3 (compare.py's runs)", "focal", "focal", []))
+        runs.append(("m", f"Focal m={slug(FOCAL_M)} (compare.py's runs)", "focal", "focal", []))
         results["focal"] = [do_run(args, "focal", s, data, config, cache) for s in args.seeds]
     baseline = {r["seed"]: r for r in results["simcse"]}
     rows = []
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
             phi = float(extra[1])
             info = {"phi": phi, "masked": mean_std([masked[s]["masked"][slug(phi)] for s in args.seeds])[0]}
         elif group == "m":
-            info = {"m": float(extra[1]) if extra else 0.3}
+            info = {"m": float(extra[1]) if extra else FOCAL_M}
         elif group == "combo":
             info = {"phi": best_phi, "focal_m": args.combo_focal_m}
         rows.append(row(label, group, results[name], baseline, info))

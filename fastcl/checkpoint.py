@@ -9,7 +9,6 @@ business (:mod:`fastcl.trainer`).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .encoders import crash_point
+from .encoders import crash_point, fsync_dir
 
 
 MAGIC = b"FASTCL-CKPT\x00v2\n"
@@ -56,12 +55,7 @@ def write_checkpoint(path, state: dict) -> None:
         del payload
         if tmp.exists():
             tmp.unlink()
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_dir(path.parent)
 
 
 def clean_checkpoint_temps(folder, name: str = "checkpoint.pt") -> list:

@@ -540,10 +540,12 @@ def _fsync_tree(folder: Path) -> None:
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(Path(root))
+        fsync_dir(Path(root))
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new file in ``folder`` durable (best effort: not every file system
+    lets a folder be opened)."""
     with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
         try:
@@ -612,20 +614,20 @@ def _publish(stage: Path, out_dir: Path) -> None:
     version = versions / f"v{max(numbers, default=0) + 1}"
     _fsync_tree(stage)
     os.rename(stage, version)
-    _fsync_dir(versions)
+    fsync_dir(versions)
     crash_point("export-publish")
     names = sorted(p.name for p in version.iterdir())
     for name in names:
         _link(out_dir / name, f"{VERSIONS_DIR}/{CURRENT}/{name}")
     crash_point("export-links")
     _link(versions / CURRENT, version.name)  # the switch
-    _fsync_dir(versions)
+    fsync_dir(versions)
     prefix = f"{VERSIONS_DIR}/{CURRENT}/"
     for entry in out_dir.iterdir():
         if entry.is_symlink() and os.readlink(entry).startswith(prefix) and entry.name not in names:
             entry.unlink()
     clean_export_leftovers(out_dir)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
 
 
 def save_sentence_encoder(out_dir, backbone, tokenizer, pooler: str, head: MLPHead | None = None,

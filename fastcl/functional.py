@@ -461,24 +461,11 @@ def dclr_loss(anchors: Tensor, positives: Tensor, *,
     Reference: Zhou et al., "Debiased Contrastive Learning of Unsupervised Sentence
     Representations", ACL 2022.
     """
-    anchors, positives, anchor_offset = _anchors_and_positives(anchors, positives, anchor_offset)
-    n = anchors.shape[0]
-    complementary = check.complementary(complementary, n, positives.shape[0], anchors.device)
-    phi = check.phi(phi)
-    temperature = check.positive("temperature", temperature)
-    noise_ratio = _noise_ratio(noise_ratio)
-    noise_temperature = temperature if noise_temperature is None else noise_temperature
-    formulation = check.choice("formulation", formulation, ("paper", "released"))
-    num = (None if noise is not None
-           else common.noise_count(noise_ratio, positives.shape[0], formulation))
-    steps, lr, std, noise_temperature, noise = _noise_args(
-        anchors, num, noise_steps, noise_lr, noise_std, noise_temperature, noise)
-    chunk_size = check.chunk_size(chunk_size)
-    return _contrastive(anchors, positives, temperature=temperature, complementary=complementary,
-                        phi=phi, noise=noise, noise_ratio=noise_ratio, noise_steps=steps,
-                        noise_lr=lr, noise_std=std, noise_temperature=noise_temperature,
-                        generator=generator, formulation=formulation, anchor_offset=anchor_offset,
-                        backend=resolve_backend(backend, anchors), chunk_size=chunk_size)
+    return contrastive(anchors, positives, temperature=temperature, complementary=complementary,
+                       phi=phi, noise=noise, noise_ratio=noise_ratio, noise_steps=noise_steps,
+                       noise_lr=noise_lr, noise_std=noise_std, noise_temperature=noise_temperature,
+                       generator=generator, formulation=formulation, anchor_offset=anchor_offset,
+                       backend=backend, chunk_size=chunk_size)
 
 
 def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,

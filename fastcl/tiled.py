@@ -416,8 +416,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
                          torch.empty(m, d, dtype=out_dtype, device=device))
         else:
             dk = _tangent_(dk.mul_(col_scale), keys, norm_k, rows).to(out_dtype)
-        grads += [dk[s:s + c.shape[0]] if want else None
-                  for s, c, want in zip(_offsets(sizes), candidates, need[1:])]
+        grads += [part if want else None for part, want in zip(dk.split(sizes), need[1:])]
     else:
         grads += [None] * len(candidates)
     return loss, grads
@@ -431,14 +430,6 @@ def _fp16_gain(ep: Epilogue, dtype: torch.dtype) -> float:
         return 1.0
     slope = (2.0 + abs(ep.focal_m)) / ep.temperature if ep.focal_m is not None else 1.0 / ep.temperature
     return 2.0 ** max(0, math.floor(math.log2(2**14 / slope)))
-
-
-def _offsets(sizes):
-    out, s = [], 0
-    for size in sizes:
-        out.append(s)
-        s += size
-    return out
 
 
 def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):

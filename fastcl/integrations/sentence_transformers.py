@@ -63,7 +63,7 @@ from torch import Tensor, nn
 import fastcl
 from fastcl import citations, common, distributed
 from fastcl.encoders import dropout_rate
-from fastcl.integrations._gradcache import batch_rows, minibatch
+from fastcl.integrations._gradcache import batch_rows, minibatch, minibatch_ranges
 
 try:
     from sentence_transformers import SentenceTransformer
@@ -207,7 +207,7 @@ class FastInfoNCELoss(_FastLoss):
 
     @property
     def citation(self) -> str:
-        return _SIMCSE
+        return citations.SIMCSE
 
 
 class FastFocalInfoNCELoss(_FastLoss):
@@ -299,14 +299,12 @@ class FastDCLRLoss(_FastLoss):
             with torch.no_grad():
                 columns = []
                 for features in sentence_features:
-                    n = batch_rows(features)
-                    step = mini_batch_size or n
-                    if step >= n:
+                    ranges = minibatch_ranges(features, mini_batch_size or batch_rows(features))
+                    if len(ranges) == 1:
                         columns.append(self._guide_forward(features))
                     else:
-                        columns.append(torch.cat([
-                            self._guide_forward(minibatch(features, begin, min(begin + step, n)))
-                            for begin in range(0, n, step)]))
+                        columns.append(torch.cat([self._guide_forward(minibatch(features, begin, end))
+                                                  for begin, end in ranges]))
                 return [e.detach() for e in columns]
         finally:
             self.guide.train(was_training)
@@ -448,7 +446,7 @@ class _Cached(_GradCacheBase):
 
     @property
     def citation(self) -> str:
-        return super().citation + _GRADCACHE
+        return super().citation + citations.GRADCACHE
 
 
 class CachedFastInfoNCELoss(_Cached, FastInfoNCELoss):
@@ -540,7 +538,3 @@ class CachedFastESCLLoss(_Cached, FastESCLLoss):
         self._columns(sentence_features, type(self).__name__, 2, 2)
         return [*sentence_features, _SensitiveView(sentence_features[0])]
 
-
-_SIMCSE = citations.SIMCSE
-
-_GRADCACHE = citations.GRADCACHE

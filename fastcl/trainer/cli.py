@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import textwrap
 from pathlib import Path
@@ -20,6 +19,7 @@ from .. import augment, common
 from ..data import parse_columns
 from ..encoders import POOLERS
 from ..objectives import METHODS, Objective
+from .logs import replace_text
 from .report import CHOICES as REPORT_TO
 
 DESCRIPTION = "Train a sentence encoder with one of fastcl's contrastive objectives."
@@ -500,7 +500,5 @@ def write_config(out, args) -> Path:
             f"{out.resolve() / CONFIG_FILE}\n# (flags given on the command line override these "
             "values)\n"
             + yaml.safe_dump(effective_config(args), sort_keys=False, allow_unicode=True))
-    tmp = out / f".{CONFIG_FILE}.tmp"
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out / CONFIG_FILE)
+    replace_text(out / CONFIG_FILE, text)
     return out / CONFIG_FILE

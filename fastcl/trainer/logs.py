@@ -47,12 +47,20 @@ def read_log(out: Path) -> list:
     return records
 
 
-def truncate_log(out: Path, step: int) -> None:
-    """Drop records of steps after ``step`` (they are redone after a resume), atomically."""
+def replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through ``.<name>.tmp`` and ``os.replace`` (a crash leaves
+    the previous version whole)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def truncate_log(out: Path, step: int) -> list:
+    """Drop records of steps after ``step`` (they are redone after a resume), atomically.
+    Returns the records kept."""
     kept = [r for r in read_log(out) if r.get("step", 0) <= step]
-    tmp = out / f".{LOG}.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, out / LOG)
+    replace_text(out / LOG, "".join(json.dumps(r) + "\n" for r in kept))
+    return kept
 
 
 def moving_average(values: list, window: int) -> list:

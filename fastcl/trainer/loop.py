@@ -37,11 +37,11 @@ from ..encoders import (MLPHead, ModelCard, SentenceEncoder, clean_export_leftov
                         load_encoder, save_sentence_encoder)
 from ..evaluate import evaluate, load_task
 from ..objectives import Objective
-from .cli import CHECKPOINT, FAMILY_DEFAULTS, RUN_DEFINING, build_parser, export_pooler, \
-    objective_options, resolve_args
-from .logs import LOG, TEMPORARY, append_log, json_safe, read_log, truncate_log, write_plots
 from . import report
-from .cli import CONFIG_FILE, parse_args, write_config
+from .cli import (CHECKPOINT, CONFIG_FILE, FAMILY_DEFAULTS, RUN_DEFINING, build_parser,
+                  export_pooler, objective_options, parse_args, resolve_args, write_config)
+from .logs import (LOG, TEMPORARY, append_log, json_safe, read_log, replace_text, truncate_log,
+                   write_plots)
 
 PROG = "fastcl-train"
 RESULTS = "train_results.json"  # written when a run has finished
@@ -189,7 +189,7 @@ def clean_leftovers(out: Path) -> list:
     """Remove the temporary files of writes a crash interrupted (checkpoint, export, log,
     plots). Run at start, before anything is written."""
     removed = clean_checkpoint_temps(out, CHECKPOINT) + clean_export_leftovers(out)
-    for name in (*TEMPORARY, f".{CONFIG_FILE}.tmp"):
+    for name in (*TEMPORARY, f".{CONFIG_FILE}.tmp", f".{RESULTS}.tmp"):
         if (out / name).is_file():
             (out / name).unlink()
             removed.append(out / name)
@@ -227,8 +227,8 @@ def resume(run: Run) -> None:
     run.checkpoint_step = run.state["step"]
     pending = run.state.pop("log_record", None)  # an emergency checkpoint's unwritten record
     if run.rank == 0:
-        truncate_log(run.out, run.state["step"])
-        done = any(r.get("type") == "step" and r["step"] == run.state["step"] for r in read_log(run.out))
+        kept = truncate_log(run.out, run.state["step"])
+        done = any(r.get("type") == "step" and r["step"] == run.state["step"] for r in kept)
         if pending is not None and not done:
             append_log(run.out, pending)
 
@@ -283,7 +283,6 @@ def log(run: Run, record: dict) -> None:
         run.reporter.write(record)
 
 
-
 # ---------------------------------------------------------------------------------------
 # Evaluation
 
@@ -294,7 +293,6 @@ def dev_evaluation(run: Run) -> dict:
                    batch_size=run.args.eval_batch_size, metrics=True, data=run.dev_cache)
     metric = sum(res["scores"][t] for t in tasks) / len(tasks)
     return {**res["scores"], **res["metrics"]["stsb-dev"], "metric": metric}
-
 
 
 # ---------------------------------------------------------------------------------------
@@ -476,8 +474,8 @@ def finish(run: Run) -> None:
     summary = {"method": run.args.method, "steps": run.state["step"], "eval_pooler": run.eval_pooler,
                "select": run.args.select if run.args.sts_dir else None,
                "best_step": run.state["best_step"], "best_metric": run.state["best_metric"]}
-    (run.out / RESULTS).write_text(
-        json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
+    # atomically: its presence marks a finished run (resume and --overwrite-output-dir read it)
+    replace_text(run.out / RESULTS, json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
     write_plots(run.out, read_log(run.out))
     print(f"model saved to {run.out} ({'best' if run.args.sts_dir else 'last'} step "
           f"{run.state['best_step'] or run.state['step']}, pooler {run.eval_pooler})")
