@@ -25,6 +25,7 @@ Chunk rows (the CUDA budgets of fastcl.tiled unless ``memory_budget_mib`` says o
   old  R = floor(128 MiB / (M·(4+b)) / 16)·16      (fp32 s plus G′ in the GEMM dtype per entry)
   new  R = floor(min(256 MiB / (M·b), 3072) / 128)·128   (one R×M buffer in the GEMM dtype,
                                                    at most 3072 rows; at least 128 unless N < 128)
+(the budgets and the 3072-row cap are read from fastcl.tiled, so the model follows them).
 Both are capped at N.
 
 Old design, per chunk:
@@ -59,9 +60,11 @@ import json
 import math
 import sys
 
+from fastcl.tiled import DEFAULT_MEMORY_BUDGET, LEGACY_MEMORY_BUDGET, MAX_CHUNK_ROWS
+
 BLOCK_M = 128                      # column tile of the Triton kernels
 MIB = 1 << 20
-MAX_ROWS_NEW = 3072                # fastcl.tiled.MAX_CHUNK_ROWS["cuda"]
+MAX_ROWS_NEW = MAX_CHUNK_ROWS["cuda"]
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 # Practical ceilings, not datasheet peaks (TFLOP/s, TB/s). fp32 is the non-tensor-core rate:
@@ -104,7 +107,7 @@ def rows_old(n, m, b, budget):
 
 
 def rows_new(n, m, b, budget):
-    """v2: the budget pays for one R×M buffer in the GEMM dtype, at most 3072 rows; rows in
+    """v2: the budget pays for one R×M buffer in the GEMM dtype, at most MAX_ROWS_NEW rows; rows in
     128-row tiles."""
     r = min(budget // (m * b), MAX_ROWS_NEW) // BLOCK_M * BLOCK_M
     return min(max(r, BLOCK_M), n)
@@ -182,8 +185,9 @@ CALL_ROWS = [("norms", "norms of Q, K"), ("dk_zero", "dk zero"), ("weights", "ro
 
 # name: (label, rows, chunk stages, per-call stages, chunk buffer bytes, default budget MiB)
 _DESIGNS = {"old": ("v1, FASTCL_LEGACY=all", rows_old, chunk_old, per_call_old,
-                    lambda r, m, b: r * m * (4 + b), 128),
-            "new": ("v2, default", rows_new, chunk_new, per_call_new, lambda r, m, b: r * m * b, 256)}
+                    lambda r, m, b: r * m * (4 + b), LEGACY_MEMORY_BUDGET["cuda"] // MIB),
+            "new": ("v2, default", rows_new, chunk_new, per_call_new, lambda r, m, b: r * m * b,
+                    DEFAULT_MEMORY_BUDGET["cuda"] // MIB)}
 
 
 def _device(device, dtype, peak_tflops, bandwidth_tbs, launch_us):

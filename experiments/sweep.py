@@ -171,6 +171,21 @@ def screen(args, data, config, cache) -> str:
     return best
 
 
+def verdict(diffs: list, spread: float) -> str:
+    """"better" / "worse" than SimCSE beyond the seed spread: every seed's paired difference
+    has the same sign and their mean exceeds ``spread`` (the larger std over seeds of the two
+    runs' averages); "within" otherwise, or with fewer than two seeds."""
+    diffs = [d for d in diffs if d is not None]
+    if len(diffs) < 2:
+        return "within"
+    mean = sum(diffs) / len(diffs)
+    if all(d > 0 for d in diffs) and mean > spread:
+        return "better"
+    if all(d < 0 for d in diffs) and mean < -spread:
+        return "worse"
+    return "within"
+
+
 def row(label, group, runs, baseline, extra=None) -> dict:
     """Mean ± std over seeds and the paired difference to SimCSE of the same seed."""
     by_seed = {r["seed"]: r for r in runs}
@@ -181,6 +196,11 @@ def row(label, group, runs, baseline, extra=None) -> dict:
     out["stsb_dev"] = dict(zip(("mean", "std"), mean_std([best_dev(r) for r in runs])))
     out["diff_to_simcse"] = {str(s): (by_seed[s]["avg"] - baseline[s]["avg"])
                              if s in baseline and by_seed[s]["avg"] is not None else None for s in sorted(by_seed)}
+    diffs = [d for d in out["diff_to_simcse"].values() if d is not None]
+    out["mean_diff"] = sum(diffs) / len(diffs) if diffs else None
+    out["spread"] = max(out["avg"]["std"] or 0.0,
+                        mean_std([r["avg"] for r in baseline.values()])[1] or 0.0)
+    out["vs_simcse"] = verdict(diffs, out["spread"])
     out.update(extra or {})
     return out
 
@@ -200,18 +220,27 @@ def write_markdown(path: Path, summary: dict) -> None:
              f"of the same seed. Best φ (by mean STS-B dev): {slug(summary['best_phi'])}. Augmentation: "
              f"{summary['augment']}{' (screened)' if summary.get('screening') else ' (fixed up front)'}.", "",
              "Test Spearman ×100, mean ± std over seeds; `avg − SimCSE` is per seed, against the "
-             "SimCSE run of the same seed (same data order and dropout). Masked: the share of "
-             "in-batch negatives DCLR's mask drops at that φ (dclr_diagnostics.py, mean over seeds).", "",
-             "| run | seeds | STS-B | SICK-R | avg | STS-B dev | avg − SimCSE, per seed | masked |",
-             "|---|---|---|---|---|---|---|---|"]
+             "SimCSE run of the same seed (same data order and dropout). vs SimCSE: **better** or "
+             "**worse** when every seed's difference has one sign and their mean exceeds the seed "
+             "spread (the larger std over seeds of the two runs' avg), else within. Masked: the "
+             "share of in-batch negatives DCLR's mask drops at that φ (dclr_diagnostics.py, mean "
+             "over seeds).", "",
+             "| run | seeds | STS-B | SICK-R | avg | STS-B dev | avg − SimCSE, per seed | vs SimCSE | masked |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         diffs = ", ".join("n/a" if v is None else f"{v:+.2f}" for v in r["diff_to_simcse"].values())
         masked = f"{100 * r['masked']:.3f}%" if r.get("masked") is not None else ""
+        baseline = r["group"] == "baseline"
+        versus = "" if baseline else (f"**{r['vs_simcse']}**" if r["vs_simcse"] != "within" else "within")
+        if not baseline and r["mean_diff"] is not None:
+            versus += f" ({r['mean_diff']:+.2f} vs ±{r['spread']:.2f})"
         lines.append(f"| {r['label']} | {len(r['seeds'])} | {cell(r['stsb'])} | {cell(r['sickr'])} | "
-                     f"{cell(r['avg'])} | {cell(r['stsb_dev'])} | {diffs if r['group'] != 'baseline' else ''} | "
-                     f"{masked} |")
+                     f"{cell(r['avg'])} | {cell(r['stsb_dev'])} | {diffs if not baseline else ''} | "
+                     f"{versus} | {masked} |")
     lines += ["", f"Command: `{summary['command']}`", "",
-              f"Wall time of this invocation: {summary['wall_s'] / 60:.1f} min; estimate for the plan: "
+              f"Wall time of this invocation: {summary['wall_s'] / 60:.1f} min; training and scoring "
+              f"summed over the runs (those of earlier, resumed invocations included): "
+              f"{summary['runs_s'] / 60:.1f} min; estimate for the plan: "
               f"{summary['estimate_s']['total'] / 60:.0f} min.", "",
               "![score vs phi](phi.png)", "", "![score vs m](m.png)", ""]
     path.write_text("\n".join(lines))

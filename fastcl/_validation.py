@@ -117,4 +117,7 @@ def complementary(value, n: int, n_positives: int, device) -> tuple[torch.Tensor
     for i, c in enumerate((c_anchors, c_positives)):
         if c.device != device:
             raise ValueError(f"complementary[{i}] is on {c.device} but anchors are on {device}")
+    if c_positives.dtype != c_anchors.dtype:
+        raise TypeError(f"complementary[1] is {c_positives.dtype} but complementary[0] is "
+                        f"{c_anchors.dtype}: the complementary model's two views share one dtype")
     return c_anchors.detach(), c_positives.detach()

@@ -514,6 +514,7 @@ class ModelCard:
 # the complete one, and every top-level entry of the export (config.json, model.safetensors,
 # 2_Dense, ...) is a link through it. Switching ``current`` with one rename switches them all.
 VERSIONS_DIR = ".model"
+SELECTION_FILE = "fastcl_selection.json"   # the trainer's {"step", "metric"} of an export
 CURRENT = "current"
 
 
@@ -585,6 +586,22 @@ def clean_export_leftovers(out_dir) -> list:
     return removed
 
 
+def remove_export(out_dir) -> bool:
+    """Remove the export :func:`save_sentence_encoder` published in ``out_dir`` (its links and
+    versions; other files stay). Returns whether there was one."""
+    out_dir = Path(out_dir)
+    versions = out_dir / VERSIONS_DIR
+    if not versions.is_dir():
+        return False
+    prefix = f"{VERSIONS_DIR}/"
+    for entry in out_dir.iterdir():
+        if entry.is_symlink() and os.readlink(entry).startswith(prefix):
+            entry.unlink()
+    shutil.rmtree(versions)
+    fsync_dir(out_dir)
+    return True
+
+
 def _link(path: Path, target: str) -> None:
     """Make ``path`` a symbolic link to ``target`` with one rename (replacing what is there)."""
     if path.is_symlink() and os.readlink(path) == target:
@@ -631,7 +648,8 @@ def _publish(stage: Path, out_dir: Path) -> None:
 
 
 def save_sentence_encoder(out_dir, backbone, tokenizer, pooler: str, head: MLPHead | None = None,
-                          *, max_seq_length: int | None = None, card: ModelCard | None = None) -> Path:
+                          *, max_seq_length: int | None = None, card: ModelCard | None = None,
+                          selection: dict | None = None) -> Path:
     """Write ``backbone`` + ``tokenizer`` (``save_pretrained``) and sentence-transformers config.
 
     Modules: Transformer → [WeightedLayerPooling for avg_first_last / avg_top2] → Pooling
@@ -641,7 +659,9 @@ def save_sentence_encoder(out_dir, backbone, tokenizer, pooler: str, head: MLPHe
     ``config_sentence_transformers.json`` holds sentence-transformers' model settings
     (cosine similarity, no prompts) and ``README.md`` the model card: ``card`` (a
     :class:`ModelCard`, as the trainer fills it) or, without it, a card with what the export
-    itself knows (pooler, width, how to load it). The whole export is staged in ``OUT_DIR/.model/`` and published at once (see
+    itself knows (pooler, width, how to load it). ``selection`` (the trainer's step and dev
+    metric of this model) goes to ``SELECTION_FILE``, published with the model so the two never
+    disagree. The whole export is staged in ``OUT_DIR/.model/`` and published at once (see
     :func:`_publish`): the top-level entries are links into the current version, so a reader
     (or a crash) never sees files of two exports side by side.
     """
@@ -671,6 +691,8 @@ def save_sentence_encoder(out_dir, backbone, tokenizer, pooler: str, head: MLPHe
         st_config["config_args"] = {"output_hidden_states": True}
     _write_json(stage / "sentence_bert_config.json", st_config)
     _write_json(stage / "fastcl_pooler.json", {"pooler": pooler})
+    if selection is not None:
+        _write_json(stage / SELECTION_FILE, selection)
     _write_json(stage / "config_sentence_transformers.json", sentence_transformers_config())
     (stage / "README.md").write_text((card or ModelCard()).render(
         out_dir, pooler, config.hidden_size, st_config["max_seq_length"],

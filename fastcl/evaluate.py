@@ -213,7 +213,10 @@ def cosine_spearman(emb1: torch.Tensor, emb2: torch.Tensor, gold) -> float:
 
 def alignment_uniformity(emb1, emb2, gold, threshold: float = 4.0) -> dict:
     """Wang & Isola on STS pairs: alignment over pairs with gold ≥ ``threshold``,
-    uniformity over every sentence of both sides."""
+    uniformity over every sentence of both sides; NaN for both when an embedding is not
+    finite (the score is NaN then too, and its reason is reported with it)."""
+    if not (torch.isfinite(emb1).all() and torch.isfinite(emb2).all()):
+        return {"uniformity": math.nan, "alignment": math.nan}
     keep = torch.as_tensor(np.asarray(gold) >= threshold)
     out = {"uniformity": float(uniformity(torch.cat([emb1, emb2]).double()))}
     out["alignment"] = float(alignment(emb1[keep].double(), emb2[keep].double())) if keep.any() else None

@@ -312,6 +312,7 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
     temperature = check.positive("temperature", temperature)
     hard_negative_weight = check.finite("hard_negative_weight", hard_negative_weight)
     _check_hard_negatives(hard_negative_weight, negatives, positives.shape[0])
+    symmetric = check.flag("symmetric", symmetric)
     _check_symmetric(symmetric, anchors.shape[0], positives.shape[0])
     chunk_size = check.chunk_size(chunk_size)
     return _contrastive(anchors, positives, negatives, temperature=temperature,

@@ -23,9 +23,16 @@ from .common import (ESCL_MARGINS, ESCL_RD, ESCL_WEIGHT, FOCAL_M, NOISE_LR, NOIS
                      NOISE_STEPS, PHI, TEMPERATURE)
 
 
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x̂ = x / max(‖x‖, EPS)`` formed in float32 or wider (in float16 EPS itself rounds to
+    0, and a zero row would be 0/0), then returned in x's dtype for the product."""
+    return F.normalize(wide(x), dim=-1, eps=EPS).to(x.dtype)
+
+
 def cosine_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``s_ij = x̂_i · ŷ_j`` (N×M), float32 or wider."""
-    return wide(F.normalize(x, dim=-1, eps=EPS) @ F.normalize(y, dim=-1, eps=EPS).T)
+    """``s_ij = x̂_i · ŷ_j`` (N×M): the product in the inputs' dtype, as a plain PyTorch loss
+    computes it, returned in float32 or wider."""
+    return wide(unit_rows(x) @ unit_rows(y).T)
 
 
 def _labels(n: int, device, offset: int = 0) -> torch.Tensor:
@@ -154,7 +161,9 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
                 logits = cosine_matrix(h, torch.cat([h_pos, z])) / temperature
                 loss = F.cross_entropy(logits, _labels(h.shape[0], h.device, anchor_offset))
             else:
-                positive = row_cosine(h, h_pos) / temperature
+                # constant in Z: it sets the printed loss, not the step
+                own = h_pos[anchor_offset:anchor_offset + h.shape[0]]
+                positive = row_cosine(h, own) / temperature
                 loss = (-positive + torch.logsumexp(cosine_matrix(h, z) / temperature, dim=1)).mean()
             (grad,) = torch.autograd.grad(loss, z)
         norm = grad.norm(dim=1, keepdim=True)

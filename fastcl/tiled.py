@@ -207,7 +207,7 @@ class Chunk:
     keys: torch.Tensor          # (M×d) raw candidates, matmul dtype
     inv_q: torch.Tensor         # (R,) 1/max(‖q_i‖, eps), accumulate dtype
     inv_k: torch.Tensor         # (M,)
-    ginv_k: torch.Tensor        # (M,) γ·c·inv_k, c = min_j ‖k_j‖: the column factor of H (≤ γ)
+    ginv_k: torch.Tensor        # (M,) γ·c·inv_k (c: the smallest unclamped ‖k_j‖), H's column factor
     loss_out: torch.Tensor | None = None  # (R,) where the engine writes the row losses
     comp_q: torch.Tensor | None = None   # (R×d_c) complementary anchors, normalized, matmul dtype
     comp_k: torch.Tensor | None = None   # (N×d_c) complementary positives, likewise
@@ -276,9 +276,13 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
 
     grad = probs                                       # becomes ∂L/∂s in place
     if released:
-        # v_ij = p/(1−p) off the positive, −1 on it; ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ
-        v = torch.rsub(probs, 1.0).reciprocal_().mul_(probs)    # one extra slice, not three
-        v[ar, diag] = -1.0
+        # v_ij = p·∂BCE/∂p = p(p − y)/max(p(1 − p), 1e-12), the clamp of torch's BCE backward:
+        # p/(1−p) off the positive, −1 on it, finite where p rounds to 1;
+        # ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ
+        p_pos = probs[ar, diag]
+        v = torch.rsub(probs, 1.0).mul_(probs).clamp_min_(1e-12).reciprocal_()  # one extra slice
+        v.mul_(probs).mul_(probs)
+        v[ar, diag] = p_pos * (p_pos - 1.0) / (p_pos * (1.0 - p_pos)).clamp_min(1e-12)
         grad.mul_(-v.sum(dim=1, keepdim=True)).add_(v)
         del v
         if drop is not None:
@@ -328,6 +332,18 @@ def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
     return u
 
 
+def _smallest_unclamped(norm: torch.Tensor) -> torch.Tensor:
+    """The smallest norm above EPS (a 0-dim tensor, no host sync); 1 if every row was clamped."""
+    smallest = torch.where(norm > EPS, norm, torch.inf).amin()
+    return torch.where(torch.isfinite(smallest), smallest, torch.ones_like(smallest))
+
+
+def _unit(x: torch.Tensor, inv_norm: torch.Tensor) -> torch.Tensor:
+    """x̂ = x · inv_norm in the accumulate dtype: 1/EPS is inf in float16, and 0·inf = NaN
+    for a zero row."""
+    return x.to(inv_norm.dtype) * inv_norm[:, None]
+
+
 def _norms(x: torch.Tensor, acc: torch.dtype):
     return torch.linalg.vector_norm(x, dim=1, dtype=acc).clamp_min_(EPS)
 
@@ -352,10 +368,16 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype).contiguous()
     norm_k, norm_q = _norms(keys, acc), _norms(anchors, acc)
     inv_k, inv_q = 1.0 / norm_k, 1.0 / norm_q
-    # H's column factor γ·c·inv_k_j ≤ γ (c = min_j ‖k_j‖) keeps H in a 16-bit range whatever
-    # the norms (no host sync: c stays on the device); γ lifts fp16 entries off its subnormals.
-    h_scale = norm_k.min() * _fp16_gain(ep, dtype)
-    ginv_k = inv_k * h_scale
+    # H's column factor γ·c·inv_k_j ≤ γ (c = the smallest norm of a row that was not clamped)
+    # keeps H in a 16-bit range whatever the norms (no host sync: c stays on the device); γ
+    # lifts fp16 entries off its subnormals. A zero row's c/EPS would overflow float16 (and a
+    # c of EPS would flush every other column): there its factor is capped at γ and its dk
+    # row gets the excess back; its terms in dq are 0 either way.
+    c_min, gain = _smallest_unclamped(norm_k), _fp16_gain(ep, dtype)
+    h_scale = c_min * gain
+    ratio = inv_k * c_min
+    excess = ratio.clamp_min(1.0) if dtype == torch.float16 else None
+    ginv_k = (ratio.clamp_max(1.0) if excess is not None else ratio) * gain
     dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
     # dq rows are final once their chunk is done: stored in the input dtype straight away
     # fp16 keeps them in the accumulate dtype until backward has applied the incoming scale:
@@ -392,7 +414,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
             if need_q:
                 tangent(_mm(g, keys, acc), q, inv_q[r0:r1], w[r0:r1], dq[r0:r1], x_hat=q_hat)
             elif need_k:
-                torch.mul(q, inv_q[r0:r1, None].to(dtype), out=q_hat)
+                q_hat.copy_(_unit(q, inv_q[r0:r1]))
             if need_k:
                 _accumulate_mm(dk, g.T, q_hat)
             continue
@@ -402,7 +424,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
                 u.mul_(w[r0:r1, None])
             dq[r0:r1] = _tangent_(u, q, norm_q[r0:r1], rows)
         if need_k:
-            q_in = (q * inv_q[r0:r1, None].to(dtype)) if factored else q
+            q_in = _unit(q, inv_q[r0:r1]).to(dtype) if factored else q
             _accumulate_mm(dk, g.T, q_in)
     del g                                  # the last chunk's buffer, before dk's own pass
 
@@ -411,11 +433,13 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     if need_k:
         out_dtype = acc if in_dtype == torch.float16 else in_dtype
         col_scale = (1.0 / (denom * h_scale)) if factored else torch.ones((), device=device)
+        if factored and excess is not None:
+            col_scale = col_scale * excess          # one entry per candidate row
+        col_scale = col_scale.reshape(-1).to(acc)
         if tangent is not None:
-            dk = tangent(dk, keys, inv_k, col_scale.reshape(1).to(acc),
-                         torch.empty(m, d, dtype=out_dtype, device=device))
+            dk = tangent(dk, keys, inv_k, col_scale, torch.empty(m, d, dtype=out_dtype, device=device))
         else:
-            dk = _tangent_(dk.mul_(col_scale), keys, norm_k, rows).to(out_dtype)
+            dk = _tangent_(dk.mul_(col_scale[:, None]), keys, norm_k, rows).to(out_dtype)
         grads += [part if want else None for part, want in zip(dk.split(sizes), need[1:])]
     else:
         grads += [None] * len(candidates)

@@ -236,10 +236,16 @@ def cached_backward(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: 
                 with amp():
                     parts.append(forward(obj, encoder, name, part))
             cached[name] = torch.cat(parts).requires_grad_(True)
+        # as in the ordinary step: after the views, under autocast, and before the state the
+        # next step starts from (the released mode's dropout draws from it)
+        complementary = None
+        if obj.spec.complementary and obj.complementary is not None:
+            with amp():
+                complementary = complementary_views(obj, batch, max_length, mini_batch_size)
     after = _rng_snapshot(device)
     views = assemble_views(obj, cached, len(batch))
-    if obj.spec.complementary and obj.complementary is not None:
-        views["complementary"] = complementary_views(obj, batch, max_length, mini_batch_size)
+    if complementary is not None:
+        views["complementary"] = complementary
     with amp():
         loss = step_loss(obj, views, distributed)
     loss.backward()

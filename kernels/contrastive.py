@@ -41,12 +41,28 @@ import triton
 import triton.language as tl
 
 from fastcl._switches import autotune_pinned, legacy, sim_design
+from fastcl.common import EPS
 
 #: A cosine never exceeds 1: this value in the stored s marks a dropped in-batch negative.
 #: A constexpr: a plain module global cannot be read inside a jitted function.
 DROPPED = tl.constexpr(4.0)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _bce_v(p, is_pos):
+    """v = p·∂BCE/∂p = p(p − y)/max(p(1 − p), 1e-12), the clamp torch's binary_cross_entropy
+    backward applies: p/(1−p) off the positive and −1 on it, finite where p rounds to 1."""
+    return tl.where(is_pos, p * (p - 1.0), p * p) / tl.maximum(p * (1.0 - p), 1e-12)
+
+
+@triton.jit
+def _bce_log_not(p):
+    """log(1 − p), accurate for small p, clamped at −100 as torch's BCE (p = 1 gives −100)."""
+    not_p = 1.0 - p
+    log_not = tl.where(p < 1e-4, -p - 0.5 * p * p, tl.log(tl.maximum(not_p, 1e-30)))
+    return tl.where(not_p > 0.0, tl.maximum(log_not, -100.0), -100.0)
 
 
 @triton.jit
@@ -336,10 +352,8 @@ def _row_kernel(
                 t_ptr, part_max_ptr, row, row64, c0, M, lse, first_pos, n_pos, stride_t,
                 stride_part, inv_t, focal_m, hard_w, FOCAL, HARD, MASK, RELEASED, POSITIVES,
                 STORE_EXP, TILE_M, BLOCK_N)
-            not_p = tl.maximum(1.0 - p, 1e-30)           # only p = 1 exactly is guarded
-            v_acc += tl.where(ok[None, :], tl.where(is_pos, -1.0, p / not_p), 0.0)
-            log_not = tl.where(p < 1e-4, -p - 0.5 * p * p, tl.log(not_p))
-            log_acc += tl.where(ok[None, :] & (~is_pos), tl.maximum(log_not, -100.0), 0.0)
+            v_acc += tl.where(ok[None, :], _bce_v(p, is_pos), 0.0)
+            log_acc += tl.where(ok[None, :] & (~is_pos), _bce_log_not(p), 0.0)
         vsum = tl.sum(tl.sum(v_acc, axis=1), axis=0)
         row_loss = -tl.sum(tl.sum(log_acc, axis=1), axis=0) - tl.maximum(pos - lse, -100.0)
     else:
@@ -354,9 +368,7 @@ def _row_kernel(
                 stride_part, inv_t, focal_m, hard_w, FOCAL, HARD, MASK, RELEASED, POSITIVES,
                 STORE_EXP, TILE_M, BLOCK_N)
             if RELEASED:
-                not_p = tl.maximum(1.0 - p, 1e-30)
-                v = tl.where(is_pos, -1.0, p / not_p)
-                g = (v - p * vsum) * inv_t
+                g = (_bce_v(p, is_pos) - p * vsum) * inv_t
                 g = tl.where(dropped, 0.0, g)            # a × 0 logit has no slope in s
             else:
                 g = tl.where(is_pos, p - 1.0, p)
@@ -394,12 +406,10 @@ def _gradient_kernel(
     p = tl.where(ok, tl.exp(l - lse[:, None]), 0.0)
 
     if RELEASED:
-        not_p = tl.maximum(1.0 - p, 1e-30)
-        v = tl.where(is_pos, -1.0, p / not_p)
+        v = _bce_v(p, is_pos)
         v = tl.where(ok, v, 0.0)
         if STAGE == 0:
-            log_not = tl.where(p < 1e-4, -p - 0.5 * p * p, tl.log(not_p))
-            log_not = tl.where(ok & (~is_pos), tl.maximum(log_not, -100.0), 0.0)
+            log_not = tl.where(ok & (~is_pos), _bce_log_not(p), 0.0)
             tl.store(part_v_ptr + rows * stride_part + pid_m, tl.sum(v, axis=1), mask=row_ok)
             tl.store(part_log_ptr + rows * stride_part + pid_m, tl.sum(log_not, axis=1), mask=row_ok)
         else:
@@ -452,17 +462,20 @@ def _tangent_kernel(u_ptr, x_ptr, inv_x_ptr, scale_ptr, out_ptr, x_hat_ptr,
         tl.store(x_hat_ptr + row * stride_x_hat + dd, x_hat.to(x_hat_ptr.dtype.element_ty), mask=ok)
 
 
-def triton_tangent(u, x, inv_x, scale, out, x_hat=None, eps=1e-8):
+def triton_tangent(u, x, inv_x, scale, out, x_hat=None):
     """``out = scale ⊙ (u − x̂(x̂·u))`` row by row (:func:`fastcl.tiled._tangent_` in one
-    launch); ``scale`` has one entry per row or one for all; writes x̂ into ``x_hat`` if given."""
+    launch); ``scale`` has one entry per row or one for all; writes x̂ into ``x_hat`` if given.
+    ``inv_x = 1/max(‖x‖, EPS)`` as the driver computes it: a row is clamped exactly when its
+    entry equals 1/EPS rounded in that dtype, the threshold the kernel compares with."""
     rows, d = u.shape
     if rows == 0:
         return out
+    inv_eps = (1.0 / torch.tensor(EPS, dtype=inv_x.dtype)).item()
     _tangent_kernel[(rows,)](
         u, x, inv_x, scale, out, x_hat if x_hat is not None else out,
         d, u.stride(0), x.stride(0), out.stride(0),
         (x_hat if x_hat is not None else out).stride(0), 0 if scale.numel() == 1 else 1,
-        1.0 / eps, WRITE_X_HAT=x_hat is not None, BLOCK_D=triton.next_power_of_2(d),
+        inv_eps, WRITE_X_HAT=x_hat is not None, BLOCK_D=triton.next_power_of_2(d),
         **({} if INTERPRET else {"num_warps": 4 if d <= 1024 else 8}))
     return out
 

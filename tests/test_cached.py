@@ -40,10 +40,12 @@ def encoder_and_tokenizer(models):
 def objective(method, models):
     if method == "simcse-sup":
         return objectives.Objective("simcse-sup", hard_negative_weight=0.7)
-    if method == "dclr":
+    if method in ("dclr", "dclr-released"):
+        # released: the authors' complementary mode, dropout on, which draws from the RNG
         comp, comp_tok = load_encoder(models / "roberta", "avg")
         return objectives.Objective("dclr", phi=0.3, noise_steps=2, complementary=comp.requires_grad_(False),
                                   complementary_tokenizer=comp_tok,
+                                  complementary_mode="released" if method == "dclr-released" else "frozen",
                                   generator=torch.Generator().manual_seed(3))
     if method == "escl":
         return objectives.Objective("escl", rd_weight=0.5)  # a large weight: the third view matters
@@ -91,7 +93,7 @@ def one_graph_chunked(obj, encoder, tokenizer, batch, chunk):
         outputs[name] = torch.cat(parts)
     views = training.assemble_views(obj, outputs, len(batch))
     if obj.complementary is not None:
-        views["complementary"] = training.complementary_views(obj, batch, 16)
+        views["complementary"] = training.complementary_views(obj, batch, 16, chunk)
     loss = objectives.objective_loss(obj, views)
     loss.backward()
     return loss.detach(), grads_of(encoder), torch.get_rng_state()
@@ -113,7 +115,7 @@ def assert_same(a, b):
     assert torch.equal(rng_a, rng_b)  # the next step draws as after an ordinary step
 
 
-METHODS = ["simcse", "simcse-sup", "dclr", "focal", "escl"]
+METHODS = ["simcse", "simcse-sup", "dclr", "dclr-released", "focal", "escl"]
 
 
 @pytest.mark.parametrize("method", METHODS)

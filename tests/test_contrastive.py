@@ -264,6 +264,46 @@ def test_released_formulation(combo, backend):
 
 
 @pytest.mark.parametrize("backend", ["tiled", pytest.param("triton", marks=needs_triton)])
+def test_released_formulation_with_a_saturated_negative(backend):
+    """A negative 20 logits above its positive: its softmax entry is 1.0 in float32, where
+    1/(1 − p) is infinite. torch's BCE clamps log(1 − p) at −100 and its backward's
+    denominator p(1 − p) at 1e-12; the fused paths do the same (finite, equal gradients)."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    a = torch.tensor([[1.0, 0, 0], [0, 1, 0]], device=device, requires_grad=True)
+    p = torch.tensor([[0.0, 0, 1], [1, 0, 0]], device=device, requires_grad=True)
+    ref, ref_g = loss_and_grads(lambda: fastcl.contrastive(a, p, formulation="released",
+                                                          backend="reference"), [a, p])
+    got, g = loss_and_grads(lambda: fastcl.contrastive(a, p, formulation="released",
+                                                      backend=backend), [a, p])
+    assert ref_g[0].abs().max() > 1e4  # the clamp is what sets this gradient
+    torch.testing.assert_close(got, ref, **TRITON_TOL)
+    for x, y in zip(g, ref_g):
+        torch.testing.assert_close(x, y, **TRITON_TOL)
+
+
+@pytest.mark.parametrize("formulation", ["paper", "released"])
+def test_noise_steps_with_anchor_offset(formulation):
+    """A slice of anchors against the whole batch, noise moved by the noise update: the
+    reference runs it (the update's positive term takes the slice's own positives)."""
+    a, p = make(8, 16, dtype=torch.float64), correlated(make(8, 16, dtype=torch.float64))
+    losses = [fastcl.contrastive(a[4:], p, anchor_offset=4, noise_ratio=1.0, noise_steps=2,
+                                 noise_lr=0.05, formulation=formulation, backend=backend,
+                                 generator=torch.Generator().manual_seed(4))
+              for backend in ("reference", "tiled")]
+    torch.testing.assert_close(losses[0], losses[1])
+
+
+def test_reference_float16_zero_row_is_finite():
+    """float16 rounds EPS to 0: the reference forms unit rows in float32 (a zero row is 0, not
+    0/0), as the fused paths do."""
+    a, p = make(6, 16), correlated(make(6, 16))
+    with torch.no_grad():
+        p[2] = 0.0
+    loss = fastcl.infonce(a.half(), p.half(), backend="reference")
+    torch.testing.assert_close(loss, fastcl.infonce(a.half(), p.half(), backend="tiled"),
+                               atol=2e-2, rtol=2e-2)
+
+@pytest.mark.parametrize("backend", ["tiled", pytest.param("triton", marks=needs_triton)])
 def test_noise_steps_every_feature(backend):
     """Noise drawn from a generator and moved by the noise update, every feature on: the
     backends update it on their own (the reference with autograd) and still agree."""

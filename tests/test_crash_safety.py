@@ -17,6 +17,7 @@ import torch
 
 from fastcl import checkpoint, objectives, training
 from fastcl.encoders import VERSIONS_DIR, load_encoder, save_sentence_encoder
+from fastcl.trainer.logs import read_log
 from test_train import ROOT, base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,7 +67,7 @@ def reference(tiny, tmp_path_factory):
             assert train.main(run_args(tiny, out)) == 0
     finally:
         torch.set_num_threads(threads)
-    best = [r["step"] for r in train.read_log(out) if r["type"] == "eval" and r["best"]]
+    best = [r["step"] for r in read_log(out) if r["type"] == "eval" and r["best"]]
     assert best[:2] == [1, 2], "the test needs exports at steps 1 and 2 (rising dev scores)"
     return out, exports
 
@@ -84,7 +85,7 @@ def assert_resumed_like(reference, out):
     a, b = step_records(ref), step_records(out)
     assert [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in a] == \
         [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in b]
-    evals = lambda o: [(r["step"], r["stsb-dev"], r["best"]) for r in train.read_log(o)
+    evals = lambda o: [(r["step"], r["stsb-dev"], r["best"]) for r in read_log(o)
                        if r["type"] == "eval"]
     assert evals(ref) == evals(out)
     assert same_state(exported_state(out), exports[-1])
@@ -117,6 +118,28 @@ def test_kill_at_a_write_point_then_resume(tiny, tmp_path, reference, point, exp
     assert not list(out.glob(".checkpoint.pt.tmp-*"))
     assert_resumed_like(reference, out)
 
+
+
+def test_a_best_export_after_the_checkpoint_stays_the_best_on_resume(tiny, tmp_path, monkeypatch):
+    """Killed after step 2's best export but before its checkpoint: the checkpoint names step
+    1 as the best. On a GPU the replayed evaluation of step 2 may score lower (here it does,
+    on purpose); the export on disk is step 2's, so the state must say so and the replay must
+    re-export step 2's model, not leave results and export disagreeing."""
+    out = tmp_path / "out"
+    run_until_killed(tiny, out, "checkpoint-write:2")
+    assert json.loads((out / "fastcl_selection.json").read_text())["step"] == 2
+    real = train.dev_evaluation
+
+    def lower_at_2(run):
+        res = real(run)
+        return {**res, "metric": res["metric"] - 50.0} if run.state["step"] == 2 else res
+    monkeypatch.setattr(train, "dev_evaluation", lower_at_2)
+    assert train.main(run_args(tiny, out, resume=True)) == 0
+    (replayed,) = [r for r in read_log(out) if r["type"] == "eval" and r["step"] == 2]
+    assert replayed["best"]
+    results = json.loads((out / "train_results.json").read_text())
+    selection = json.loads((out / "fastcl_selection.json").read_text())
+    assert selection == {"step": results["best_step"], "metric": results["best_metric"]}
 
 def test_sentence_transformers_loads_an_export_published_over_another(tiny, tmp_path):
     st = pytest.importorskip("sentence_transformers")

@@ -193,6 +193,17 @@ def test_an_undefined_score_exits_non_zero_with_the_reason(tiny, tmp_path, sts, 
     assert "no correlation for stsb: the embeddings contain NaN or Inf" in err.value.code
 
 
+
+def test_non_finite_embeddings_give_nan_metrics_not_an_error(sts):
+    """The trainer's dev evaluation asks for alignment and uniformity too: NaN embeddings give
+    a NaN score with its reason and NaN metrics, which the trainer never takes as the best."""
+    def embed(task, sentences):
+        return torch.full((len(sentences), 8), math.nan)
+    res = ev.evaluate_embeddings(embed, sts, ["stsb-dev"], metrics=True)
+    assert math.isnan(res["scores"]["stsb-dev"])
+    assert res["undefined"]["stsb-dev"] == "the embeddings contain NaN or Inf"
+    assert all(math.isnan(v) for v in res["metrics"]["stsb-dev"].values())
+
 def test_nothing_to_score_exits_non_zero(tiny, tmp_path):
     sts = write_sts_dir(tmp_path / "sts", tasks=("stsb",))
     # the process itself: status and message

@@ -1,6 +1,7 @@
 """experiments/compare.py end to end at a tiny budget (a tiny random encoder, synthetic STS data),
 and its resumability: a second invocation retrains and re-evaluates nothing."""
 
+import importlib
 import json
 import os
 import random
@@ -131,6 +132,20 @@ def test_sweep_dry_run_prints_the_plan_and_the_estimate():
     assert "estimate: total:" in out
 
 
+
+def test_sweep_verdict_needs_one_sign_and_more_than_the_spread():
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        verdict = importlib.import_module("sweep").verdict
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+    assert verdict([0.5, 0.7], 0.3) == "better"
+    assert verdict([-0.5, -0.7], 0.3) == "worse"
+    assert verdict([0.5, 0.7], 0.8) == "within"      # the mean is inside the spread
+    assert verdict([1.5, -0.1], 0.1) == "within"     # the sign changes across seeds
+    assert verdict([2.0], 0.0) == "within"           # one seed has no spread
+    assert verdict([0.4, None, 0.6], 0.2) == "better"  # a seed without a score is left out
+
 def test_sweep_end_to_end_and_resumable(setup):
     root = setup[0]
     results = root / "sweep-results"
@@ -151,6 +166,7 @@ def test_sweep_end_to_end_and_resumable(setup):
         if r["group"] == "phi":
             assert 0.0 <= r["masked"] <= 1.0
     assert summary["rows"][0]["diff_to_simcse"] == {"0": 0.0}
+    assert {r["vs_simcse"] for r in summary["rows"]} == {"within"}  # one seed: no spread to beat
     assert set(summary["plots"]) == {"phi.png", "m.png"}
     table = (results / "sweep.md").read_text()
     assert "| DCLR φ=0.5 | 1 |" in table and summary["command"] in table

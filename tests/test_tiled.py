@@ -175,3 +175,33 @@ def test_fp16_gradient_does_not_underflow():
     g_prime = probs / 0.05 / n / a.double().norm(dim=1)[:, None] / p.double().norm(dim=1)[None, :]
     flushed = (g_prime.half() == 0) & (g_prime != 0)
     assert flushed.double().mean() > 0.5
+
+
+@pytest.mark.parametrize("where", ["candidate", "anchor"])
+def test_fp16_buffer_with_a_zero_row(where):
+    """fp16 chunk buffers (as on a GPU, emulated by ``gemm_dtype``) with one zero row. A zero
+    candidate (an empty memory-bank slot, say) once set H's column factor c/‖k_j‖ to EPS-scale
+    for every column, and fp16 flushed every gradient to 0; a zero anchor's 1/EPS is inf in
+    fp16, and 0·inf made the candidates' gradient NaN (DCLR's noise update takes that path).
+    Both must match the float64 reference, the zero rows included."""
+    a = make(8, 16, dtype=torch.float64, grad=False)
+    p = correlated(a).detach()
+    queue = make(32, 16, dtype=torch.float64, seed=3, grad=False)
+    if where == "candidate":
+        queue[5] = 0.0
+    else:
+        a[2] = 0.0
+    a16, p16, q16 = a.half(), p.half(), queue.half()
+    refs = [t.double().requires_grad_() for t in (a16, p16, q16)]
+    fastcl.reference.infonce(refs[0], refs[1], refs[2]).backward()
+    for need in [(True, True, True), (False, True, True)]:
+        loss, grads = tiled.contrastive_forward(tiled.Epilogue(0.05), a16, (p16, q16), need=need,
+                                                gemm_dtype=torch.float16)
+        for got, ref, want in zip(grads, refs, need):
+            if not want:
+                assert got is None
+                continue
+            assert torch.isfinite(got).all()
+            # row by row: a zero row's gradient (u/EPS, ~1e11) would hide the others in one norm
+            rel = (got.double() - ref.grad).norm(dim=1) / ref.grad.norm(dim=1)
+            assert rel.max() < 1e-2, (where, need, rel)

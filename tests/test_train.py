@@ -18,6 +18,7 @@ import torch
 from fastcl import checkpoint, objectives, training
 from fastcl import data as data_io
 from fastcl.trainer import loop as train  # the trainer: main, its log, export, set-up
+from fastcl.trainer.logs import read_log
 from fastcl.encoders import MLPHead, SentenceEncoder, encode, load_backbone, load_encoder
 from fastcl.evaluate import evaluate
 from test_evaluate import DATA, make_tiny_model, minilm_path, needs_data, random_sentence, write_sts_dir
@@ -67,7 +68,7 @@ def base_args(tiny, out, method="simcse", steps=4, **extra):
 
 
 def step_records(out):
-    return [r for r in train.read_log(Path(out)) if r["type"] == "step"]
+    return [r for r in read_log(Path(out)) if r["type"] == "step"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -264,7 +265,7 @@ def test_each_method_trains_and_exports(tiny, tmp_path, method, family):
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in steps)
     assert steps[0]["lr"] == 1e-3 and steps[-1]["lr"] == pytest.approx(2.5e-4)  # linear decay
-    evals = [r for r in train.read_log(out) if r["type"] == "eval"]
+    evals = [r for r in read_log(out) if r["type"] == "eval"]
     assert [r["step"] for r in evals] == [2, 4]
     assert {"stsb-dev", "alignment", "uniformity", "metric"} <= set(evals[0])
     assert ("sickr-dev" in evals[0]) == (method == "dclr")  # DCLR selects on the mean of both
@@ -294,7 +295,7 @@ def test_the_best_model_is_kept(tiny, tmp_path):
     out = tmp_path / "out"
     assert train.main(base_args(tiny, out, "simcse", steps=6, sts_dir=tiny / "sts", eval_steps=1,
                                 pooler="avg")) == 0
-    evals = [r for r in train.read_log(out) if r["type"] == "eval"]
+    evals = [r for r in read_log(out) if r["type"] == "eval"]
     best = max(evals, key=lambda r: r["metric"])
     assert len({round(r["metric"], 6) for r in evals}) > 1, "scores should move at lr 1e-3"
     summary = json.loads((out / "train_results.json").read_text())
@@ -309,7 +310,7 @@ def test_without_sts_dir_the_last_model_is_saved(tiny, tmp_path, capsys):
     assert train.main(base_args(tiny, out, "focal", steps=3, keep_checkpoint=True)) == 0
     printed = capsys.readouterr().out
     assert printed.count("no --sts-dir: no dev evaluation") == 1
-    assert not [r for r in train.read_log(out) if r["type"] == "eval"]
+    assert not [r for r in read_log(out) if r["type"] == "eval"]
     last = checkpoint.read_checkpoint(out / "checkpoint.pt")["model"]
     saved, _ = load_backbone(out)
     for name, value in saved.state_dict().items():
@@ -338,7 +339,7 @@ def assert_same_run(reference, resumed):
     assert [r["step"] for r in res] == [r["step"] for r in ref]
     for a, b in zip(ref, res):  # exact: fp32 on CPU with the same seeds and states
         assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"]), a["step"]
-    evals = lambda out: [(r["step"], r["stsb-dev"]) for r in train.read_log(out) if r["type"] == "eval"]
+    evals = lambda out: [(r["step"], r["stsb-dev"]) for r in read_log(out) if r["type"] == "eval"]
     assert evals(reference) == evals(resumed)
     a = checkpoint.read_checkpoint(reference / "checkpoint.pt")["model"]
     b = checkpoint.read_checkpoint(resumed / "checkpoint.pt")["model"]
@@ -440,6 +441,26 @@ def test_bad_options_name_the_option(tiny, tmp_path, capsys, change, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"complementary_mode": "released"}, "--complementary-mode released needs --complementary"),
+    ({"complementary_pooler": "avg"}, "--complementary-pooler needs --complementary"),
+])
+def test_complementary_options_need_a_complementary_model(tiny, tmp_path, capsys, change, message):
+    with pytest.raises(SystemExit) as err:
+        train.main(base_args(tiny, tmp_path / "o", "dclr", **change))
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_hard_negative_weight_needs_a_hard_negative_column(tiny, tmp_path):
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("sent0,sent1\n" + "".join(f"a{i} b,c{i} d\n" for i in range(8)))
+    args = base_args(tiny, tmp_path / "o", "simcse-sup", hard_negative_weight=0.5)
+    args[args.index("--data") + 1] = str(pairs)
+    with pytest.raises(SystemExit, match="--hard-negative-weight 0.5 weighs each anchor's hard "
+                                         "negative, but --data .* has pairs"):
+        train.main(args)
+
 @pytest.mark.parametrize("flag,value,message", [
     ("--data", "missing.txt", "--data: no such file or folder"),
     ("--model", "no-such-org/no-such-model", "--model: cannot load 'no-such-org/no-such-model'.*local path"),
@@ -505,7 +526,7 @@ def test_minilm_few_steps_then_stsb_dev(method, tmp_path):
     assert train.main(args) == 0
     steps = step_records(out)
     assert len(steps) == 2 and all(0 < r["loss"] < 50 for r in steps)
-    (result,) = [r for r in train.read_log(out) if r["type"] == "eval"]
+    (result,) = [r for r in read_log(out) if r["type"] == "eval"]
     # all-MiniLM-L6-v2's CLS scores about 80 on STS-B dev; two small steps keep it there
     assert 70 < result["stsb-dev"] < 95
     assert result["alignment"] > 0 and result["uniformity"] < 0
@@ -563,7 +584,7 @@ def test_disk_full_in_evaluation_writes_an_emergency_checkpoint(tiny, tmp_path, 
 
 def read_records(out, kind):
     return [{k: v for k, v in r.items() if k != "examples_per_s"}
-            for r in train.read_log(out) if r["type"] == kind]
+            for r in read_log(out) if r["type"] == kind]
 
 
 def test_an_error_before_the_update_checkpoints_the_start_of_the_step(tiny, tmp_path, monkeypatch,
@@ -632,6 +653,23 @@ def test_a_nan_dev_metric_is_never_the_best(tiny, tmp_path, monkeypatch):
     assert evaluate(encoder, tok, None, tiny / "sts", ["stsb-dev"])["scores"]["stsb-dev"] == \
         pytest.approx(evals[1]["stsb-dev"], abs=1e-6)
 
+
+
+def test_no_finite_dev_score_exports_nothing_and_fails(tiny, tmp_path, monkeypatch, capsys):
+    """Every dev score NaN: no model to export. The run says so and exits 1; the model an
+    earlier run left in the folder (--overwrite-output-dir) is not passed off as this one."""
+    out = tmp_path / "out"
+    args = base_args(tiny, out, steps=2, sts_dir=tiny / "sts", eval_steps=1, pooler="avg")
+    assert train.main(args) == 0 and (out / "config.json").exists()
+    real = train.dev_evaluation
+    monkeypatch.setattr(train, "dev_evaluation",
+                        lambda run: {**real(run), "stsb-dev": float("nan"), "metric": float("nan")})
+    assert train.main(args + ["--overwrite-output-dir"]) == 1
+    captured = capsys.readouterr()
+    assert "removed the model an earlier run exported" in captured.out
+    assert "no dev evaluation gave a finite score" in captured.err and "no model exported" in captured.err
+    assert not (out / "config.json").exists() and not (out / "train_results.json").exists()
+    assert (out / "checkpoint.pt").exists()
 
 def test_resume_with_another_sts_dir_is_refused(tiny, tmp_path):
     out = tmp_path / "out"

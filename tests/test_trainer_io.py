@@ -15,6 +15,7 @@ import yaml
 
 from fastcl import data as data_io
 from fastcl.trainer import cli
+from fastcl.trainer.logs import read_log
 from test_evaluate import random_sentence
 from test_train import ROOT, base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
 
@@ -224,7 +225,7 @@ def test_training_on_jsonl_and_parquet_and_resume_checks_the_columns(tiny, tmp_p
     args = base_args(tiny, out, steps=2, keep_checkpoint=True)
     args[args.index("--data") + 1] = str(data)
     assert train.main(args) == 0
-    (start,) = [r for r in train.read_log(out) if r["type"] == "start"]
+    (start,) = [r for r in read_log(out) if r["type"] == "start"]
     assert start["examples"] == 20 and start["skipped"] == 1
     assert [r["step"] for r in step_records(out)] == [1, 2]
     assert all(r["loss"] > 0 for r in step_records(out))
@@ -289,7 +290,7 @@ device: null        # null: the default
 """)
     assert train.main(["--config", str(config), "--seed", "7"]) == 0  # flags override the file
     first = tmp_path / "first"
-    (start,) = [r for r in train.read_log(first) if r["type"] == "start"]
+    (start,) = [r for r in read_log(first) if r["type"] == "start"]
     assert start["args"]["seed"] == 7 and start["args"]["batch_size"] == 4
     assert start["args"]["lr"] == 1e-3 and start["args"]["mlp_only_train"] is False
     saved = yaml.safe_load((first / cli.CONFIG_FILE).read_text())
@@ -298,7 +299,7 @@ device: null        # null: the default
     # the saved file repeats the run: same options, same losses
     second = tmp_path / "second"
     assert train.main(["--config", str(first / cli.CONFIG_FILE), "--output-dir", str(second)]) == 0
-    (again,) = [r for r in train.read_log(second) if r["type"] == "start"]
+    (again,) = [r for r in read_log(second) if r["type"] == "start"]
     drop = ("output_dir", "config")
     assert {k: v for k, v in again["args"].items() if k not in drop} == \
         {k: v for k, v in start["args"].items() if k not in drop}

@@ -19,6 +19,7 @@ import torch
 from fastcl import citations
 from fastcl.encoders import ModelCard, encode, load_backbone, load_encoder, save_sentence_encoder
 from fastcl.trainer import logs, report
+from fastcl.trainer.logs import read_log
 from test_train import base_args, interrupt_at, step_records, tiny, train  # noqa: F401 (tiny: fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,7 +59,7 @@ def test_tensorboard_event_files_mirror_the_log(finished):
     assert list((out / "runs").glob("events.out.tfevents.*"))
     scalars = tensorboard_scalars(out)
     assert SCALARS <= set(scalars)
-    log = train.read_log(out)
+    log = read_log(out)
     for record in log:
         if record["type"] == "step":
             for key in ("loss", "grad_norm", "lr"):
@@ -85,7 +86,7 @@ def test_the_model_card(finished):
     assert "library_name: sentence-transformers" in front
     assert "- fastcl\n" in front and "- focal\n" in front and "- sentence-similarity\n" in front
     assert "base_model" not in front  # a local folder is not a hub name
-    log = train.read_log(out)
+    log = read_log(out)
     best = [r for r in log if r["type"] == "eval" and r["best"]][-1]
     results = json.loads((out / "train_results.json").read_text())
     assert best["step"] == results["best_step"]

@@ -191,6 +191,25 @@ def test_non_contiguous_inputs():
                                fastcl.infonce(a, p, backend="reference"), **FP32)
 
 
+
+def test_tiny_and_zero_norm_rows_match_the_reference():
+    """x̂ = x / max(‖x‖, EPS): the chain rule projects every row whose norm is above EPS, however
+    small (1e-10, 1e-6 here), and none of the zero rows. Gradients scale as 1/‖x‖. τ = 1 keeps
+    the softmax far from saturation, whose p − 1 would cost fp32 digits on every backend."""
+    a, p = make(9, 24), correlated(make(9, 24))
+    with torch.no_grad():
+        for x in (a, p):
+            x[1] *= 1e-10 / x[1].norm()
+            x[4] *= 1e-6 / x[4].norm()
+        a[6] = 0.0
+        p[2] = 0.0
+    a, p = _to(DEVICE, a, p)
+    ref, rg = loss_and_grads(lambda: fastcl.infonce(a, p, temperature=1.0, backend="reference"), [a, p])
+    got, g = loss_and_grads(lambda: fastcl.infonce(a, p, temperature=1.0, backend="triton"), [a, p])
+    torch.testing.assert_close(got, ref, **FP32)
+    for x, y in zip(g, rg):
+        torch.testing.assert_close(x, y, **FP32)
+
 # bf16 inputs: loss within 2e-2 relative of the fp32 reference on the same rounded inputs;
 # gradients within 3e-2 of the largest gradient entry (bf16 keeps 8 bits of mantissa).
 BF16 = dict(atol=0, rtol=2e-2, grad_frac=3e-2)

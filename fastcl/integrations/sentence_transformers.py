@@ -142,6 +142,31 @@ class _FastLoss(nn.Module):
         return (bool(self.gather_across_devices) and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size() > 1)
 
+    def _in_batch_loss(self, embeddings, name: str, *, temperature: float, focal_m: float | None,
+                       symmetric: bool = False) -> Tensor:
+        """:func:`fastcl.contrastive` over columns (anchor, positive[, negative...]) with this
+        loss's ``hard_negative_weight``, ``backend`` and ``chunk_size``; with
+        ``gather_across_devices``, every process's positives and negatives as candidates."""
+        anchors, positives, *negatives = self._columns(embeddings, name)
+        if self.hard_negative_weight and len(negatives) != 1:
+            raise ValueError("hard_negative_weight needs exactly one negative column, "
+                             f"got {len(negatives)}")
+        kw = dict(temperature=temperature, focal_m=focal_m, backend=self.backend,
+                  chunk_size=self.chunk_size)
+        hard = dict(hard_negative_weight=self.hard_negative_weight)
+        if not self._gathering():
+            return fastcl.contrastive(anchors, positives, torch.cat(negatives) if negatives else None,
+                                      symmetric=symmetric, **hard, **kw)
+        # each negative column gathered on its own, so row offset + i stays anchor i's own
+        offset, (all_positives, *gathered) = _gather_rows(
+            positives, *negatives, *([anchors] if symmetric else []))
+        all_anchors = gathered.pop() if symmetric else None
+        loss = fastcl.contrastive(anchors, all_positives, torch.cat(gathered) if gathered else None,
+                                  anchor_offset=offset, **hard, **kw)
+        if symmetric:  # positives → anchors: each process scores its own positives
+            loss = 0.5 * (loss + fastcl.contrastive(positives, all_anchors, anchor_offset=offset, **kw))
+        return loss
+
     @staticmethod
     def _columns(embeddings, name, at_least=2, at_most=None):
         if not at_least <= len(embeddings) <= (at_most or len(embeddings)):
@@ -184,26 +209,8 @@ class FastInfoNCELoss(_FastLoss):
         self.gather_across_devices, self.focal_m = gather_across_devices, focal_m
 
     def compute_loss_from_embeddings(self, embeddings, labels=None):
-        anchors, positives, *negatives = self._columns(embeddings, "FastInfoNCELoss")
-        if self.hard_negative_weight and len(negatives) != 1:
-            raise ValueError("hard_negative_weight needs exactly one negative column, "
-                             f"got {len(negatives)}")
-        kw = dict(temperature=1.0 / self.scale, focal_m=self.focal_m, backend=self.backend,
-                  chunk_size=self.chunk_size)
-        if not self._gathering():
-            return fastcl.contrastive(anchors, positives, torch.cat(negatives) if negatives else None,
-                                      symmetric=self.symmetric,
-                                      hard_negative_weight=self.hard_negative_weight, **kw)
-        # each negative column gathered on its own, so row offset + i stays anchor i's own
-        offset, (all_positives, *gathered) = _gather_rows(
-            positives, *negatives, *([anchors] if self.symmetric else []))
-        all_anchors = gathered.pop() if self.symmetric else None
-        loss = fastcl.contrastive(anchors, all_positives, torch.cat(gathered) if gathered else None,
-                                  hard_negative_weight=self.hard_negative_weight, anchor_offset=offset,
-                                  **kw)
-        if self.symmetric:  # positives → anchors: each process scores its own positives
-            loss = 0.5 * (loss + fastcl.contrastive(positives, all_anchors, anchor_offset=offset, **kw))
-        return loss
+        return self._in_batch_loss(embeddings, "FastInfoNCELoss", temperature=1.0 / self.scale,
+                                   focal_m=self.focal_m, symmetric=self.symmetric)
 
     @property
     def citation(self) -> str:
@@ -229,17 +236,8 @@ class FastFocalInfoNCELoss(_FastLoss):
         self.gather_across_devices, self.hard_negative_weight = gather_across_devices, hard_negative_weight
 
     def compute_loss_from_embeddings(self, embeddings, labels=None):
-        anchors, positives, *negatives = self._columns(embeddings, "FastFocalInfoNCELoss")
-        if self.hard_negative_weight and len(negatives) != 1:
-            raise ValueError("hard_negative_weight needs exactly one negative column, "
-                             f"got {len(negatives)}")
-        kw = dict(temperature=self.temperature, focal_m=self.m, backend=self.backend,
-                  chunk_size=self.chunk_size, hard_negative_weight=self.hard_negative_weight)
-        if not self._gathering():
-            return fastcl.contrastive(anchors, positives, torch.cat(negatives) if negatives else None, **kw)
-        offset, (positives, *negatives) = _gather_rows(positives, *negatives)
-        return fastcl.contrastive(anchors, positives, torch.cat(negatives) if negatives else None,
-                                  anchor_offset=offset, **kw)
+        return self._in_batch_loss(embeddings, "FastFocalInfoNCELoss", temperature=self.temperature,
+                                   focal_m=self.m)
 
     @property
     def citation(self) -> str:

@@ -255,6 +255,12 @@ def resolve_args(parser, args) -> argparse.Namespace:
             args.augment = augment.parse(args.augment).spec  # canonical: NAME:rate
         except ValueError as err:
             parser.error(f"--{err}")
+    # options of the complementary model do nothing without one: an error, not a silent no-op
+    if args.method == "dclr" and args.complementary is None:
+        _require(parser, args.complementary_pooler is None,
+                 "--complementary-pooler needs --complementary (the model it pools)")
+        _require(parser, args.complementary_mode != "released",
+                 "--complementary-mode released needs --complementary (the model it runs)")
     _require(parser, getattr(args, "focal_m", None) is None or args.dclr_formulation != "released",
              "--focal-m combines with --dclr-formulation paper only (the released code's loss has "
              "no focal modulation)")

@@ -9,6 +9,8 @@ import math
 import os
 from pathlib import Path
 
+from ..encoders import fsync_dir
+
 LOG = "train_log.jsonl"
 TEMPORARY = (f".{LOG}.tmp", ".dev_curve.tmp.png", ".align_uniform.tmp.png", ".loss_curve.tmp.png")
 
@@ -48,11 +50,16 @@ def read_log(out: Path) -> list:
 
 
 def replace_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through ``.<name>.tmp`` and ``os.replace`` (a crash leaves
-    the previous version whole)."""
+    """Write ``text`` to ``path`` through ``.<name>.tmp``, fsync and ``os.replace``, then fsync
+    the folder: a crash or a power loss leaves the previous version or this one, whole (the
+    finished run's results are written this way before its checkpoint is removed)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def truncate_log(out: Path, step: int) -> list:

@@ -33,14 +33,14 @@ import torch
 from .. import distributed, training
 from ..checkpoint import clean_checkpoint_temps, read_checkpoint, write_checkpoint
 from ..data import batch_examples, epoch_order, read_training_data
-from ..encoders import (MLPHead, ModelCard, SentenceEncoder, clean_export_leftovers, load_backbone,
-                        load_encoder, save_sentence_encoder)
+from ..encoders import (SELECTION_FILE, MLPHead, ModelCard, SentenceEncoder, clean_export_leftovers,
+                        load_backbone, load_encoder, remove_export, save_sentence_encoder)
 from ..evaluate import evaluate, load_task
 from ..objectives import Objective
 from . import report
 from .cli import (CHECKPOINT, CONFIG_FILE, FAMILY_DEFAULTS, RUN_DEFINING, build_parser,
                   export_pooler, objective_options, parse_args, resolve_args, write_config)
-from .logs import (LOG, TEMPORARY, append_log, json_safe, read_log, replace_text, truncate_log,
+from .logs import (LOG, TEMPORARY, append_log, json_safe, replace_text, truncate_log,
                    write_plots)
 
 PROG = "fastcl-train"
@@ -85,6 +85,7 @@ class Run:
     order: tuple | None = None        # (epoch, example order of that epoch)
     reporter: object = None           # the --report-to trackers (report.Reporters), rank 0
     exporting: dict | None = None     # the evaluation record of the model being exported
+    records: list = field(default_factory=list)  # the log's records (rank 0), for the plots
 
 
 def setup(args) -> Run:
@@ -96,6 +97,10 @@ def setup(args) -> Run:
                          f"processes ({world}): each takes an equal share of the batch")
     data = read_training_data(args.data, args.method, args.snli_splits, text_column=args.text_column,
                               columns=args.columns, split=args.data_split)
+    if args.method == "simcse-sup" and data.kind == "pairs" and args.hard_negative_weight:
+        raise ValueError(f"--hard-negative-weight {args.hard_negative_weight:g} weighs each "
+                         f"anchor's hard negative, but --data {args.data} has pairs (no hard "
+                         f"negative column)")
     steps_per_epoch = len(data) // args.batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"--data: {len(data)} examples, fewer than --batch-size {args.batch_size}")
@@ -225,18 +230,34 @@ def resume(run: Run) -> None:
                            run.objective.generator)
     run.state = dict(ckpt["state"])
     run.checkpoint_step = run.state["step"]
+    exported = exported_selection(run.out)
+    if exported is not None and exported["step"] > run.state["step"]:
+        # A best model exported after this checkpoint by the run that stopped: the state names
+        # it, as the export on disk does, and its evaluation is redone as the best when the
+        # replay reaches its step (best_step == step), re-exporting the model of this run.
+        run.state["best_step"], run.state["best_metric"] = exported["step"], exported["metric"]
     pending = run.state.pop("log_record", None)  # an emergency checkpoint's unwritten record
     if run.rank == 0:
-        kept = truncate_log(run.out, run.state["step"])
-        done = any(r.get("type") == "step" and r["step"] == run.state["step"] for r in kept)
+        run.records = truncate_log(run.out, run.state["step"])
+        done = any(r.get("type") == "step" and r["step"] == run.state["step"] for r in run.records)
         if pending is not None and not done:
             append_log(run.out, pending)
+            run.records.append(json_safe(pending))
 
 
 def export(run: Run) -> None:
     enc = run.eval_encoder
+    selection = None
+    if run.exporting is not None:  # a new best: its step and metric travel with the model
+        selection = {"step": run.state["step"], "metric": run.exporting["metric"]}
     save_sentence_encoder(run.out, enc.backbone, run.tokenizer, run.eval_pooler, enc.head,
-                          card=model_card(run, run.exporting))
+                          card=model_card(run, run.exporting), selection=selection)
+
+
+def exported_selection(out: Path) -> dict | None:
+    """The step and dev metric of the best model exported to ``out``, None if none is."""
+    path = out / SELECTION_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 # Run settings the model card lists besides the objective's.
@@ -279,6 +300,8 @@ def model_card(run: Run, evaluation: dict | None) -> ModelCard:
 def log(run: Run, record: dict) -> None:
     """Append ``record`` to the log (rank 0) and hand it to the --report-to trackers."""
     append_log(run.out, record, run.rank)
+    if run.rank == 0:
+        run.records.append(json_safe(record))  # as read back from the log
     if run.reporter is not None:
         run.reporter.write(record)
 
@@ -354,7 +377,7 @@ def maybe_evaluate(run: Run) -> None:
         run.state["best_metric"], run.state["best_step"] = record["metric"], step
     log(run, record)
     run.state["evaluated"] = step
-    write_plots(run.out, read_log(run.out))
+    write_plots(run.out, run.records)
     run.bar.write(f"step {step}: " + ", ".join(
         f"{k} {_num(record[k], '.2f')}" for k in ("stsb-dev", "sickr-dev") if k in record)
         + f", alignment {_num(record['alignment'])}, uniformity {_num(record['uniformity'])}"
@@ -366,7 +389,8 @@ def _num(value, spec: str = ".4g") -> str:
 
 
 def train(run: Run) -> int:
-    """The loop; returns 0 when done, 128 + signal number when stopped by a signal.
+    """The loop; returns 0 when done (1 when no dev evaluation scored), 128 + signal number
+    when stopped by a signal.
 
     Any exception inside it first writes an emergency checkpoint of the last consistent
     state when it can (:func:`emergency_checkpoint`), then propagates.
@@ -411,7 +435,7 @@ def train(run: Run) -> int:
                     save_run_checkpoint(run)
                 if stop.signum:
                     if run.rank == 0:
-                        write_plots(run.out, read_log(run.out))
+                        write_plots(run.out, run.records)
                         run.bar.write(f"stopped by signal {stop.signum} after step {st['step']}; "
                                       f"checkpoint written, continue with --resume")
                     return 128 + stop.signum
@@ -422,8 +446,7 @@ def train(run: Run) -> int:
             raise
         finally:
             hook.remove()
-    finish(run)
-    return 0
+    return finish(run)
 
 
 def emergency_checkpoint(run: Run, err: Exception) -> bool:
@@ -466,23 +489,31 @@ def emergency_checkpoint(run: Run, err: Exception) -> bool:
     return True
 
 
-def finish(run: Run) -> None:
+def finish(run: Run) -> int:
+    """Export (without --sts-dir), write the results, remove the checkpoint; the exit status."""
     if run.rank:
-        return
+        return 0
     if not run.args.sts_dir:
         export(run)
+    elif run.state["best_step"] is None:
+        # every dev score was NaN (non-finite or constant embeddings): nothing worth exporting;
+        # the checkpoint stays for a look at what went wrong
+        print(f"{run.prog}: error: no dev evaluation gave a finite score (see the eval records "
+              f"in {run.out / LOG}): no model exported", file=sys.stderr)
+        return 1
     summary = {"method": run.args.method, "steps": run.state["step"], "eval_pooler": run.eval_pooler,
                "select": run.args.select if run.args.sts_dir else None,
                "best_step": run.state["best_step"], "best_metric": run.state["best_metric"]}
     # atomically: its presence marks a finished run (resume and --overwrite-output-dir read it)
     replace_text(run.out / RESULTS, json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
-    write_plots(run.out, read_log(run.out))
+    write_plots(run.out, run.records)
     print(f"model saved to {run.out} ({'best' if run.args.sts_dir else 'last'} step "
           f"{run.state['best_step'] or run.state['step']}, pooler {run.eval_pooler})")
     if not run.args.keep_checkpoint and (run.out / CHECKPOINT).is_file():
         # the run is complete: the model, log and results are written; --resume has nothing left
         (run.out / CHECKPOINT).unlink()
         print(f"{CHECKPOINT} removed (--keep-checkpoint keeps it)")
+    return 0
 
 
 def main(argv=None, prog: str = PROG) -> int:
@@ -512,9 +543,11 @@ def main(argv=None, prog: str = PROG) -> int:
         run.prog = prog
         if args.resume:
             resume(run)
-        elif run.rank == 0:  # a fresh run: no record of an earlier one stays
+        elif run.rank == 0:  # a fresh run: no record or model of an earlier one stays
             for name in (LOG, RESULTS):
                 (out / name).unlink(missing_ok=True)
+            if remove_export(out):
+                print(f"removed the model an earlier run exported to {out}")
         if run.rank == 0:
             write_config(out, args)  # the run's options, phi / noise ratio resolved
     except (ValueError, OSError) as err:
@@ -530,7 +563,7 @@ def main(argv=None, prog: str = PROG) -> int:
     try:
         if trackers and run.rank == 0:
             run.reporter = report.Reporters(out, trackers, args)
-            run.reporter.replay(read_log(out))  # after --resume: the records kept in the log
+            run.reporter.replay(run.records)  # after --resume: the records kept in the log
         status = train(run)
         failed = False
         return status
