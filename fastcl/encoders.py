@@ -586,6 +586,12 @@ def clean_export_leftovers(out_dir) -> list:
     return removed
 
 
+def read_selection(out_dir) -> dict | None:
+    """The ``selection`` published with the export in ``out_dir``, None if it has none."""
+    path = Path(out_dir) / SELECTION_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
 def remove_export(out_dir) -> bool:
     """Remove the export :func:`save_sentence_encoder` published in ``out_dir`` (its links and
     versions; other files stay). Returns whether there was one."""

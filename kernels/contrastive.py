@@ -462,6 +462,12 @@ def _tangent_kernel(u_ptr, x_ptr, inv_x_ptr, scale_ptr, out_ptr, x_hat_ptr,
         tl.store(x_hat_ptr + row * stride_x_hat + dd, x_hat.to(x_hat_ptr.dtype.element_ty), mask=ok)
 
 
+@functools.cache
+def _clamped_inverse(dtype: torch.dtype) -> float:
+    """1/EPS rounded in ``dtype``: the inverse norm of a clamped row, as the driver has it."""
+    return (1.0 / torch.tensor(EPS, dtype=dtype)).item()
+
+
 def triton_tangent(u, x, inv_x, scale, out, x_hat=None):
     """``out = scale ⊙ (u − x̂(x̂·u))`` row by row (:func:`fastcl.tiled._tangent_` in one
     launch); ``scale`` has one entry per row or one for all; writes x̂ into ``x_hat`` if given.
@@ -470,12 +476,12 @@ def triton_tangent(u, x, inv_x, scale, out, x_hat=None):
     rows, d = u.shape
     if rows == 0:
         return out
-    inv_eps = (1.0 / torch.tensor(EPS, dtype=inv_x.dtype)).item()
     _tangent_kernel[(rows,)](
         u, x, inv_x, scale, out, x_hat if x_hat is not None else out,
         d, u.stride(0), x.stride(0), out.stride(0),
         (x_hat if x_hat is not None else out).stride(0), 0 if scale.numel() == 1 else 1,
-        inv_eps, WRITE_X_HAT=x_hat is not None, BLOCK_D=triton.next_power_of_2(d),
+        _clamped_inverse(inv_x.dtype), WRITE_X_HAT=x_hat is not None,
+        BLOCK_D=triton.next_power_of_2(d),
         **({} if INTERPRET else {"num_warps": 4 if d <= 1024 else 8}))
     return out
 
@@ -540,8 +546,6 @@ DESC_SIM_CONFIGS = {
     (80, "fp32", False): [(32, 32, 8, 3, 8), (32, 16, 8, 3, 8)],
     (80, "fp32", True): [(32, 16, 8, 3, 8)],
 }
-#: Where one flag set needs its own descriptor list on one target (none so far).
-DESC_SIM_CONFIGS_BY_VARIANT = {}
 
 SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
 DESC_FIXED = {**SIM_FIXED, "GROUP_R": 2}                  # groups shorter than the row blocks
@@ -598,8 +602,7 @@ def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False,
     key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit", bool(f["MASK"]))
     arch = 80 if arch < 90 else 90
     if design == "descriptor":
-        own = DESC_SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
-        return own or DESC_SIM_CONFIGS[(arch,) + key]
+        return DESC_SIM_CONFIGS[(arch,) + key]
     if legacy_list:
         return LEGACY_SIM_CONFIGS
     own = SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))

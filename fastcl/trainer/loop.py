@@ -33,8 +33,8 @@ import torch
 from .. import distributed, training
 from ..checkpoint import clean_checkpoint_temps, read_checkpoint, write_checkpoint
 from ..data import batch_examples, epoch_order, read_training_data
-from ..encoders import (SELECTION_FILE, MLPHead, ModelCard, SentenceEncoder, clean_export_leftovers,
-                        load_backbone, load_encoder, remove_export, save_sentence_encoder)
+from ..encoders import (MLPHead, ModelCard, SentenceEncoder, clean_export_leftovers, load_backbone,
+                        load_encoder, read_selection, remove_export, save_sentence_encoder)
 from ..evaluate import evaluate, load_task
 from ..objectives import Objective
 from . import report
@@ -230,7 +230,7 @@ def resume(run: Run) -> None:
                            run.objective.generator)
     run.state = dict(ckpt["state"])
     run.checkpoint_step = run.state["step"]
-    exported = exported_selection(run.out)
+    exported = read_selection(run.out)
     if exported is not None and exported["step"] > run.state["step"]:
         # A best model exported after this checkpoint by the run that stopped: the state names
         # it, as the export on disk does, and its evaluation is redone as the best when the
@@ -253,11 +253,6 @@ def export(run: Run) -> None:
     save_sentence_encoder(run.out, enc.backbone, run.tokenizer, run.eval_pooler, enc.head,
                           card=model_card(run, run.exporting), selection=selection)
 
-
-def exported_selection(out: Path) -> dict | None:
-    """The step and dev metric of the best model exported to ``out``, None if none is."""
-    path = out / SELECTION_FILE
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 # Run settings the model card lists besides the objective's.
