@@ -16,9 +16,13 @@ GEMM dtype (2 for bfloat16/float16, 4 for float32), R rows per chunk, C = ceil(N
 T = ceil(M/128) column tiles (BLOCK_M = 128). Useful FLOPs of forward+backward: 6·N·M·d
 (similarity 2NMd forward, two gradient GEMMs 2NMd each backward).
 
-Time of a stage = max(FLOPs / peak, bytes / bandwidth) + launches · launch_us. GEMM-like
-stages run at efficiency 1.0 of the preset peak (which is already a practical, measured-style
-ceiling); elementwise FLOPs are not counted, they are far below the memory time. A call =
+Time of a stage = max(FLOPs / (peak · eff), bytes / bandwidth) + launches · launch_us.
+GEMM-like stages run at efficiency eff = 1.0 of the preset peak (which is already a practical,
+measured-style ceiling) unless ``--sim-efficiency`` (the Triton similarity kernel) or
+``--gemm-efficiency`` (the cuBLAS gradient GEMMs) say otherwise; for a preset with a GPU
+profile on record (``MEASURED_EFFICIENCY``: H200) the text adds the prediction with the
+efficiencies that profile measured. Elementwise FLOPs are not counted, they are far below
+the memory time. A call =
 (C − 1) full chunks + the last chunk (its remaining rows) + the per-call stages.
 
 Chunk rows (the CUDA budgets of fastcl.tiled unless ``memory_budget_mib`` says otherwise):
@@ -81,6 +85,17 @@ DEVICES = {
 }
 GEMM_EFF = 1.0                     # GEMM-like stages reach the (already practical) preset peak
 
+#: Fractions of the preset peak that a GPU profile measured (kernel time of the similarity
+#: kernel and of the two cuBLAS gradient GEMMs over their FLOPs), for the calibrated line of
+#: the text. H200, N = M = 32768, d = 768, bf16, 16 chunks of 2048 rows, the similarity tile
+#: 64×128×64 chosen then: similarity 4.871 ms for 2·N·M·d = 1.649 TFLOP (338.6 TFLOP/s),
+#: GEMMs 2.672 + 2.196 ms for twice that (677.6 TFLOP/s);
+#: bench/results/nvidia-h200-2026-11-30-first-profile.log.
+MEASURED_EFFICIENCY = {
+    "h200": dict(sim=338.6 / 790.0, gemm=677.6 / 790.0,
+                 source="bench/results/nvidia-h200-2026-11-30-first-profile.log"),
+}
+
 MODEL_NOTE = "predicted from peak rates; bench/gpu_check.sh measures the real thing"
 
 
@@ -89,9 +104,16 @@ def _stage(key, name, launches, flops=0, read=0, written=0):
                 bytes_written=written)
 
 
-def _time(st, dev):
+def _efficiency(st, eff):
+    """The fraction of the peak a GEMM-like stage runs at: the similarity kernel's own, the
+    other GEMMs'."""
+    return eff["sim"] if st["key"] == "sim" else eff["gemm"]
+
+
+def _time(st, dev, eff=None):
     """Predicted seconds of one stage, and what bounds it."""
-    t_compute = st["flops"] / (dev["peak_tflops"] * 1e12 * GEMM_EFF)
+    eff = eff or dict(sim=GEMM_EFF, gemm=GEMM_EFF)
+    t_compute = st["flops"] / (dev["peak_tflops"] * 1e12 * _efficiency(st, eff))
     t_memory = (st["bytes_read"] + st["bytes_written"]) / (dev["bandwidth_tbs"] * 1e12)
     t_launch = st["launches"] * dev["launch_us"] * 1e-6
     bound = "compute" if t_compute >= t_memory else "memory"
@@ -208,10 +230,10 @@ def _device(device, dtype, peak_tflops, bandwidth_tbs, launch_us):
                 launch_us=float(launch_us if launch_us is not None else base["launch_us"]))
 
 
-def _timed(stages, dev):
+def _timed(stages, dev, eff=None):
     out = []
     for st in stages:
-        sec, bound = _time(st, dev)
+        sec, bound = _time(st, dev, eff)
         out.append(dict(st, us=sec * 1e6, bound=bound))
     return out
 
@@ -221,8 +243,15 @@ def _sum(stages, field):
 
 
 def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib=None,
-            design="both", peak_tflops=None, bandwidth_tbs=None, launch_us=None):
-    """The cost model as a JSON-serialisable dict (see the module docstring for the formulas)."""
+            design="both", peak_tflops=None, bandwidth_tbs=None, launch_us=None,
+            sim_efficiency=GEMM_EFF, gemm_efficiency=GEMM_EFF):
+    """The cost model as a JSON-serialisable dict (see the module docstring for the formulas).
+    ``sim_efficiency`` / ``gemm_efficiency``: the fractions of the peak the similarity kernel
+    and the gradient GEMMs run at (1.0: the preset peak)."""
+    for name, value in (("sim_efficiency", sim_efficiency), ("gemm_efficiency", gemm_efficiency)):
+        if not 0 < value <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {value}")
+    eff = dict(sim=sim_efficiency, gemm=gemm_efficiency)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}")
     if design not in ("both", "old", "new"):
@@ -237,11 +266,11 @@ def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib
         label, rows_fn, chunk_fn, call_fn, buf_fn, default_mib = _DESIGNS[name]
         budget_mib = default_mib if memory_budget_mib is None else memory_budget_mib
         r = rows_fn(n, m, b, int(budget_mib * MIB))
-        once = _timed(call_fn(n, m, d, b), dev)
+        once = _timed(call_fn(n, m, d, b), dev, eff)
         c = math.ceil(n / r)
         last = n - (c - 1) * r                      # rows of the last (maybe short) chunk
-        full = _timed(chunk_fn(r, m, d, b), dev)
-        tail = _timed(chunk_fn(last, m, d, b), dev)
+        full = _timed(chunk_fn(r, m, d, b), dev, eff)
+        tail = _timed(chunk_fn(last, m, d, b), dev, eff)
         total_us = (c - 1) * _sum(full, "us") + _sum(tail, "us") + _sum(once, "us")
         per_chunk = {f: _sum(full, f) for f in ("launches", "flops", "bytes_read", "bytes_written", "us")}
         designs[name] = dict(
@@ -257,7 +286,7 @@ def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib
             fraction_of_matmul=useful / (total_us * 1e-6) / (dev["peak_tflops"] * 1e12),
         )
     return dict(model=MODEL_NOTE, n=n, m=m, d=d, dtype=dtype, bytes_per_element=b,
-                memory_budget_mib=memory_budget_mib, block_m=BLOCK_M, gemm_efficiency=GEMM_EFF,
+                memory_budget_mib=memory_budget_mib, block_m=BLOCK_M, efficiency=eff,
                 device=dev, useful_flops=useful, designs=designs)
 
 
@@ -287,7 +316,9 @@ def explain_text(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budge
         lines.append(f"  {k.upper():3s} ({x['label']}): budget {x['memory_budget_mib']:g} MiB, "
                      f"R={x['rows']} rows/chunk, C={x['chunks']} chunks "
                      f"(last {x['last_rows']} rows), T={x['tiles']} column tiles")
-    lines.append("stage time = max(FLOPs/peak, bytes/bandwidth) + launches·launch_us; GEMM eff 1.0; "
+    eff = e["efficiency"]
+    lines.append("stage time = max(FLOPs/(peak·eff), bytes/bandwidth) + launches·launch_us; "
+                 f"eff {eff['sim']:.2f} similarity kernel, {eff['gemm']:.2f} GEMMs; "
                  "bound: compute | memory | launch (launch overhead above both)")
 
     widths = [6, 7, 8, 8, 8, 7]
@@ -324,6 +355,21 @@ def explain_text(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budge
         + versus("{:.3f}".format, lambda x: x["fraction_of_matmul"]),
         "  chunk buffers (MiB):       " + versus("{:.1f}".format, lambda x: x["chunk_buffer_mib"])
         + "   (old R·M·(4+b), new R·M·b; MB = 1e6 bytes above)",
+    ]
+    measured = MEASURED_EFFICIENCY.get(dev["preset"])
+    if measured and dtype != "float32" and eff == dict(sim=GEMM_EFF, gemm=GEMM_EFF):
+        rest = {k: v for k, v in kw.items() if k not in ("sim_efficiency", "gemm_efficiency")}
+        cal = explain(n, m, d, dtype, device, memory_budget_mib, sim_efficiency=measured["sim"],
+                      gemm_efficiency=measured["gemm"], **rest)["designs"]
+        lines += [
+            f"  calibrated (similarity kernel at {measured['sim']:.2f}, GEMMs at "
+            f"{measured['gemm']:.2f} of the peak, as a profile measured: {measured['source']}):",
+            "    predicted ms per call:   " + "  vs  ".join(
+                f"{k} {cal[k]['total']['ms']:.2f}" for k in names),
+            "    predicted fraction:      " + "  vs  ".join(
+                f"{k} {cal[k]['fraction_of_matmul']:.3f}" for k in names),
+        ]
+    lines += [
         "",
         "note: at N=M=32768, d=768, bfloat16 on H200 this fraction is the number the GPU run "
         "(bench/gpu_check.sh) checks.",
@@ -344,13 +390,18 @@ def main(argv=None):
     p.add_argument("--launch-us", type=float, default=None, help="launch overhead, µs")
     p.add_argument("--budget-mib", type=float, default=None, help="chunk memory budget, MiB")
     p.add_argument("--design", default="both", choices=["both", "old", "new"])
+    p.add_argument("--sim-efficiency", type=float, default=GEMM_EFF,
+                   help="fraction of the peak the similarity kernel runs at (default 1.0)")
+    p.add_argument("--gemm-efficiency", type=float, default=GEMM_EFF,
+                   help="fraction of the peak the gradient GEMMs run at (default 1.0)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     a = p.parse_args(argv)
     if a.device == "custom" and (a.peak_tflops is None or a.bandwidth_tbs is None):
         p.error("--device custom needs --peak-tflops and --bandwidth-tbs")
     kw = dict(m=a.m, d=a.d, dtype=a.dtype, device=a.device, memory_budget_mib=a.budget_mib,
               design=a.design, peak_tflops=a.peak_tflops, bandwidth_tbs=a.bandwidth_tbs,
-              launch_us=a.launch_us)
+              launch_us=a.launch_us, sim_efficiency=a.sim_efficiency,
+              gemm_efficiency=a.gemm_efficiency)
     if a.json:
         print(json.dumps(explain(a.n, **kw), indent=1))
     else:

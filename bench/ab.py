@@ -97,16 +97,17 @@ def set_legacy(variant: str) -> None:
         os.environ["FASTCL_LEGACY"] = variant
 
 
-def chosen_configs():
-    """What autotuning picked so far in this process (fastcl's ``chosen_configs()``), or a
-    string saying why that is not available."""
+def chosen_configs(what: str = "chosen_configs"):
+    """What autotuning picked so far in this process (fastcl's ``chosen_configs()``; with
+    ``what="autotune_timings"`` every config's time), or a string saying why that is not
+    available."""
     try:
         from fastcl.kernels import contrastive
     except Exception as exc:  # no Triton, or a broken import: report it
         return f"not available: {type(exc).__name__}: {exc}".splitlines()[0][:200]
-    fn = getattr(contrastive, "chosen_configs", None)
+    fn = getattr(contrastive, what, None)
     if fn is None:
-        return "not available: fastcl.kernels.contrastive has no chosen_configs()"
+        return f"not available: fastcl.kernels.contrastive has no {what}()"
     try:
         return json.loads(json.dumps(fn(), default=str))
     except Exception as exc:
@@ -157,6 +158,7 @@ def measure_variant(spec, variant, device, args, mm) -> tuple[dict, object]:
             except Exception as exc:
                 row["compare_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     row["chosen_configs"] = chosen_configs()
+    row["autotune_ms"] = chosen_configs("autotune_timings")
     return row, z
 
 
@@ -186,6 +188,20 @@ def table(rows) -> str:
     return _report._render(HEAD, body, right=set(range(3, len(HEAD))))
 
 
+def autotune_table(rows) -> str:
+    """Every config autotuning timed in this run (the last row holds the process's all),
+    fastest first per key: what the tile lists are chosen by on a GPU."""
+    timed = next((r["autotune_ms"] for r in reversed(rows) if isinstance(r.get("autotune_ms"), dict)), {})
+    lines = ["\nautotune: median ms of each config tried (Triton's benchmark, per list and key)"]
+    for configs, keys in timed.items():
+        for key, times in keys.items():
+            lines.append(f"  {configs}  key {key[:90]}")
+            best = min(times.values()) if times else None
+            for config, ms in sorted(times.items(), key=lambda kv: kv[1]):
+                lines.append(f"    {ms:9.4f} ms  {ms / best:5.2f}x  {config}")
+    return "\n".join(lines) if len(lines) > 1 else "\nautotune: no config was timed (one config a list, or no GPU)"
+
+
 def status(row, base) -> str:
     what = f"{row['case']} {row['variant']}"
     if not row.get("ok"):
@@ -205,7 +221,7 @@ def write(report, stem: Path) -> None:
     tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
     tmp.replace(f"{stem}.json")
     if report["rows"]:
-        _report.write_csv([{k: v for k, v in r.items() if k != "chosen_configs"}
+        _report.write_csv([{k: v for k, v in r.items() if k not in ("chosen_configs", "autotune_ms")}
                            for r in report["rows"]], Path(f"{stem}.csv"))
 
 
@@ -296,6 +312,7 @@ def main(argv=None) -> int:
     bad = [r for r in report["rows"] if r.get("same") is False]
     print(f"\nx new = time over the new design's; rel diff = against the new design "
           f"(loss; noise: ‖Δz‖/(steps·lr·√K)); {len(bad)} variant(s) disagree beyond tolerance")
+    print(autotune_table(report["rows"]))
     print(f"{time.perf_counter() - t0:.0f} s; wrote {stem}.json, {stem}.csv")
     return 1 if any(not r.get("ok") and not r.get("skipped") for r in report["rows"]) else 0
 

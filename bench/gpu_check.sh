@@ -7,7 +7,8 @@
 #   env          bench/run.py --env         versions, GPU, whether 16-bit GEMMs write fp32
 #   targets      bench/run.py --targets     the acceptance targets, PASS/FAIL with numbers
 #   ab           bench/ab.py                the current design vs FASTCL_SIM=descriptor (the
-#                                           candidate similarity kernel) and each FASTCL_LEGACY switch
+#                                           candidate similarity kernel) and each FASTCL_LEGACY switch;
+#                                           the time of every config autotuning tried
 #   profile      bench/profile_step.py      kernel families and launches, current vs legacy
 #   tests-gpu    pytest tests/test_triton.py -k gpu        (the GPU-only tests, the
 #                                                           descriptor design's among them)
@@ -235,6 +236,9 @@ out["ab"] = {"switches": ab.get("switches"), "matmul": ab.get("matmul"),
                                               "first_call_s", "peak_beyond_inputs_mib", "pct_of_matmul",
                                               "loss", "rel_diff", "same", "error", "chosen_configs")}
                       for r in ab.get("rows", [])]}
+# every config autotuning timed in the A/B process (the last row that has them holds them all)
+out["ab"]["autotune_ms"] = next((r["autotune_ms"] for r in reversed(ab.get("rows", []))
+                                 if isinstance(r.get("autotune_ms"), dict)), None)
 profile = load("profile") or {}
 out["profile"] = {k: profile.get(k) for k in ("n", "d", "dtype", "designs")}
 out["pytest"] = {name: pytest_summary(name) for name in ("tests-gpu", "tests-small")}
@@ -259,6 +263,11 @@ for r in out["ab"]["rows"]:
         + (f"  {r['pct_of_matmul']:.1f}% mm" if r.get("pct_of_matmul") is not None else "")
         + ("" if r.get("same") is not False else "  RESULT DIFFERS")
         if r.get("ok") else f"{'skipped' if 'time budget' in str(r.get('error')) else 'ERROR'}: {r.get('error')}"))
+for configs, keys in (out["ab"]["autotune_ms"] or {}).items():
+    for key, times in keys.items():
+        ranked = sorted(times.items(), key=lambda kv: kv[1])
+        print(f"== autotune {configs[len('_similarity_kernel'):][:60]} key {key[:40]}: "
+              + ", ".join(f"{c.split(', num_ctas')[0]} {ms:.3f} ms" for c, ms in ranked))
 for name, p in (out["profile"].get("designs") or {}).items():
     if "error" in p:
         print(f"== profile {name}: ERROR {p['error']}")

@@ -16,6 +16,9 @@ import, and change speed and memory only: every design computes the same loss.
               gradient kernel (new: exp(l − tile max) stored in the GEMM dtype where the
               objective allows, one row kernel for log-sum-exp, loss and gradient in place);
 ``configs``   Triton only: the first autotune list (new: tiles that compile without spills);
+``tiles``     Triton only: the autotune lists chosen from compiles that lacked a launch's
+              alignment facts, which left out the 128×128×64 tile (new: lists chosen for the
+              kernel a launch builds, with its pipelined 16-bit K loop: 128×128×64 first);
 ``tangent``   the chain rule through the L2 normalization in PyTorch ops (~10 launches a
               chunk; new, where the engine has one: one Triton launch that also writes the
               normalized anchors for the second GEMM);
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import os
 
-LEGACY = ("dk", "chunks", "epilogue", "configs", "tangent")
+LEGACY = ("dk", "chunks", "epilogue", "configs", "tangent", "tiles")
 #: The values ``FASTCL_SIM`` takes ("" is the default design).
 SIM = ("descriptor",)
 

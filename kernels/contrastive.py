@@ -493,28 +493,57 @@ MAX_CANDIDATES = 2**31 // 256
 #: The similarity tile's width is fixed (the partials are laid out by column tile).
 SIM_BLOCK_M = 16 if INTERPRET else 128
 
-#: Autotune candidates (BLOCK_R, BLOCK_D, num_warps, num_stages) with BLOCK_M = 128, by
-#: input kind and mask. Each compiles without register spills for every variant and dtype
-#: on sm_80 and sm_90 (``python -m fastcl.kernels.compile_check --full``, run by
-#: tests/test_compile.py): the masked DCLR tile holds a second accumulator, and exact fp32
-#: products (no tensor cores) need thinner K steps.
+#: Autotune lists (BLOCK_R, BLOCK_D, num_warps, num_stages) with BLOCK_M = 128, by input kind
+#: and mask, chosen from ``SIM_CANDIDATES`` by ``python -m fastcl.kernels.compile_check
+#: --sim-candidates``: each config compiles without register spills, for every flag set and
+#: dtype on sm_80 and sm_90, as a large-batch launch specializes it (16-byte aligned buffers,
+#: sizes that are multiples of 16: the 16-bit K loop is pipelined through asynchronous
+#: copies), in the mode its objective stores. The masked DCLR tile holds a second
+#: accumulator; exact fp32 products (no tensor cores) need thinner K steps. Dropped, with
+#: ptxas's spill bytes: 256×128×64 (hundreds to thousands of bytes for nearly every flag set);
+#: with the mask, the 128-row tiles on sm_80 (focal 56–192 B, the released DCLR 80 B) and,
+#: for focal with the mask, on sm_90 (152–184 B); in fp32 on sm_90, 32×128×16 (8–40 B) and
+#: with the mask 64×128×32 (40–64 B).
 SIM_CONFIGS = {
-    ("16bit", False): [(128, 32, 8, 4), (64, 64, 8, 3)],      # an H200 picks the second
-    ("16bit", True): [(64, 32, 8, 3), (64, 16, 8, 4), (32, 64, 8, 3)],
-    ("fp32", False): [(32, 32, 8, 3), (32, 16, 8, 3)],
-    ("fp32", True): [(32, 16, 8, 3)],
+    ("16bit", False): [(128, 64, 8, 3), (128, 32, 8, 4), (64, 64, 8, 3)],
+    ("16bit", True): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    ("fp32", False): [(64, 32, 8, 3), (32, 32, 8, 3)],
+    ("fp32", True): [(64, 16, 8, 3), (32, 16, 8, 3)],
 }
-#: Where an older target needs another list (sm_80: the 64×64 K step spills for focal).
-SIM_CONFIGS_BY_ARCH = {80: {("16bit", False): [(128, 32, 8, 4), (64, 32, 8, 3)]}}
+#: Where a target takes another list: sm_90 has the registers for the 128-row masked tile.
+SIM_CONFIGS_BY_ARCH = {90: {("16bit", True): [(128, 64, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3)]}}
 #: Where one flag set (a name in VARIANTS) needs its own list on one target, by (arch, input
-#: kind, variant): focal with the hard-negative weight spills in the 128-row 16-bit tile on
-#: sm_90, focal with the mask in the 32×64 16-bit tile on sm_80.
+#: kind, variant): focal with the mask spills in the 128-row 16-bit tile on sm_90.
 SIM_CONFIGS_BY_VARIANT = {
-    (90, "16bit", "focal-hard"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (80, "16bit", "focal-mask"): [(64, 32, 8, 3), (64, 16, 8, 4)],
+    (90, "16bit", "focal-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+}
+
+#: The lists before them (``FASTCL_LEGACY=tiles``), chosen from compiles that lacked a
+#: launch's alignment facts: without them the 16-bit K loop is not pipelined and the
+#: 128×128×64 tile spills (224 B on sm_90), so it was left out; a launch never built that kernel.
+UNALIGNED_SIM_CONFIGS = {
+    "default": {
+        ("16bit", False): [(128, 32, 8, 4), (64, 64, 8, 3)],
+        ("16bit", True): [(64, 32, 8, 3), (64, 16, 8, 4), (32, 64, 8, 3)],
+        ("fp32", False): [(32, 32, 8, 3), (32, 16, 8, 3)],
+        ("fp32", True): [(32, 16, 8, 3)],
+    },
+    "by_arch": {80: {("16bit", False): [(128, 32, 8, 4), (64, 32, 8, 3)]}},
+    "by_variant": {
+        (90, "16bit", "focal-hard"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+        (80, "16bit", "focal-mask"): [(64, 32, 8, 3), (64, 16, 8, 4)],
+    },
 }
 #: The first design's list, spills included (``FASTCL_LEGACY=configs``).
 LEGACY_SIM_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
+
+#: What the compile check tries for the default design's lists, (BLOCK_R, BLOCK_D, num_warps,
+#: num_stages) with BLOCK_M = 128 (``--sim-candidates`` reports each one for the aligned launch).
+SIM_CANDIDATES = {
+    "16bit": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (256, 64, 8, 3), (64, 64, 8, 3),
+              (64, 32, 8, 3), (64, 16, 8, 4), (32, 64, 8, 3)],
+    "fp32": [(64, 32, 8, 3), (64, 16, 8, 3), (32, 32, 8, 3), (32, 16, 8, 3)],
+}
 
 #: ``FASTCL_SIM=descriptor``: what the compile check tries, (BLOCK_R, BLOCK_D, num_warps,
 #: num_stages, GROUP_R) with BLOCK_M = 128 (``--sim-candidates`` reports each one). The
@@ -594,21 +623,28 @@ def stores_exp(f: dict) -> bool:
 
 
 def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False,
-                design: str = "") -> list[tuple]:
+                design: str = "", unaligned_lists: bool = False) -> list[tuple]:
     """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
     its name) and compute capability (90 for sm_90; an sm_80-class GPU uses 80). The
     ``descriptor`` design (``FASTCL_SIM``) has its own list, 5-tuples ending in GROUP_R,
-    whatever ``legacy_list`` says."""
+    whatever the other arguments say; ``legacy_list``: the first design's list
+    (``FASTCL_LEGACY=configs``); ``unaligned_lists``: the lists before the current ones
+    (``FASTCL_LEGACY=tiles``)."""
     key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit", bool(f["MASK"]))
     arch = 80 if arch < 90 else 90
     if design == "descriptor":
         return DESC_SIM_CONFIGS[(arch,) + key]
     if legacy_list:
         return LEGACY_SIM_CONFIGS
-    own = SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
+    if unaligned_lists:
+        lists = UNALIGNED_SIM_CONFIGS
+        default, by_arch, by_variant = lists["default"], lists["by_arch"], lists["by_variant"]
+    else:
+        default, by_arch, by_variant = SIM_CONFIGS, SIM_CONFIGS_BY_ARCH, SIM_CONFIGS_BY_VARIANT
+    own = by_variant.get((arch, key[0], variant_name(f)))
     if own:
         return own
-    return SIM_CONFIGS_BY_ARCH.get(arch, {}).get(key, SIM_CONFIGS[key])
+    return by_arch.get(arch, {}).get(key, default[key])
 
 
 @functools.lru_cache(maxsize=None)
@@ -627,7 +663,7 @@ def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
     if INTERPRET:
         return _similarity_kernel
     index = device.index if device.index is not None else torch.cuda.current_device()
-    configs = sim_configs(f, dtype, _arch(index), legacy("configs"), design)
+    configs = sim_configs(f, dtype, _arch(index), legacy("configs"), design, legacy("tiles"))
     if autotune_pinned():
         configs = configs[:1]
     key = tuple(configs)                   # one autotuner per config list
@@ -672,6 +708,34 @@ def chosen_configs() -> dict:
             for configs, tuner in _TUNED.items()}
 
 
+#: Every config's time when autotuning tuned a key in this process, by (config list, key):
+#: Triton's autotuner keeps only its last tuning's.
+_TIMINGS = {}
+
+
+def _note_timings(tuner, tuned_before: int) -> None:
+    """After a launch through ``tuner``: if it tuned a new key, keep the median time (ms) of
+    every config it measured (nothing when there was one config to try)."""
+    if len(tuner.cache) <= tuned_before:
+        return
+    key = next(reversed(tuner.cache))
+    timings = getattr(tuner, "configs_timings", None) or {}
+    if tuner.cache[key] not in timings:
+        return
+    configs = next((c for c, t in _TUNED.items() if t is tuner), ())
+    _TIMINGS[(configs, key)] = {
+        str(config): float(t[0] if isinstance(t, (list, tuple)) else t)
+        for config, t in timings.items()}
+
+
+def autotune_timings() -> dict:
+    """What autotuning measured so far in this process: {config list: {key: {config: ms}}}."""
+    out = {}
+    for (configs, key), times in _TIMINGS.items():
+        out.setdefault(f"_similarity_kernel{list(configs)}", {})[str(key)] = times
+    return out
+
+
 def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs get exact fp32 products (TF32 would move cosines by ~1e-3, logits by ~0.02);
     # 16-bit inputs use the tensor cores whatever this says.
@@ -714,13 +778,17 @@ def _launch_similarity(ep, c, f, store_exp):
     else:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
         extra = dict(DESC=False, GROUP_R=1, **(SIM_FIXED if INTERPRET else {}))
-    _similarity(f, c.q.dtype, c.q.device, design)[grid](
+    kernel = _similarity(f, c.q.dtype, c.q.device, design)
+    tuned_before = None if INTERPRET else len(kernel.cache)
+    kernel[grid](
         c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos,
         R, M, d, dc, c.first_pos, c.n_pos,
         c.q.stride(0), c.keys.stride(0), cq.stride(0), ck.stride(0), t.stride(0), tiles,
         1.0 / ep.temperature, float(ep.focal_m or 0.0), float(ep.hard_negative_weight),
         float(ep.phi or 0.0),
         PREC=_precision(c.q.dtype), STORE_EXP=store_exp, BLOCK_M=SIM_BLOCK_M, **f, **extra)
+    if tuned_before is not None:
+        _note_timings(kernel, tuned_before)
     return t, part_max, part_sum, pos
 
 

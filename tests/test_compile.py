@@ -75,6 +75,11 @@ def test_every_variant_and_kernel_is_covered(subset):
             assert (kernel, variant, "float32", 80) in seen
     for width in (384, 768, 1536, 4096):
         assert ("_tangent_kernel", f"d={width}", "bfloat16", 90) in seen
+    # every kernel and flag set again as an unaligned launch builds it
+    unaligned = {(r["spec"]["kernel"], r["spec"]["variant"]) for r in results
+                 if r["spec"]["launch"] == "unaligned"}
+    for kernel in ("_similarity_kernel", "_row_kernel", "_gradient_kernel"):
+        assert {(kernel, v) for v in VARIANTS} <= unaligned, kernel
     # the descriptor design: every flag set, each config of its list
     from fastcl.kernels.contrastive import sim_configs
     desc = {(r["spec"]["variant"], r["spec"]["dtype"], r["spec"]["arch"],
@@ -85,6 +90,84 @@ def test_every_variant_and_kernel_is_covered(subset):
         for arch, dtype in ((90, "bfloat16"), (80, "float32")):
             for config in sim_configs(f, dtype, arch, design="descriptor"):
                 assert (variant, dtype, arch, tuple(config)) in desc, (variant, dtype, arch, config)
+
+
+def test_the_aligned_launch_pipelines_the_k_loop(subset):
+    """What the compile check measures is the kernel a large-batch launch builds: its K loop
+    loads through asynchronous copies (cp.async, TMA), several stages deep in shared memory."""
+    _, results = subset
+    sims = [r for r in results if r["spec"]["kernel"] == "_similarity_kernel"
+            and r["spec"]["launch"] == "aligned"]
+    assert sims
+    for r in sims:
+        c = r["spec"]["constexprs"]
+        assert r["async_copies"] > 0, r["name"]
+        stage = (c["BLOCK_R"] + c["BLOCK_M"]) * c["BLOCK_D"] * (4 if r["spec"]["dtype"] == "float32" else 2)
+        assert r["shared_bytes"] >= 2 * stage, (r["name"], r["shared_bytes"], stage)
+
+
+_SPECIALIZE = """
+import json
+from dataclasses import replace
+from fastcl.kernels import compile_check as cc
+from fastcl.kernels import contrastive as kc
+
+out = {}
+spec = cc._sim_spec(kc, "dclr-mask", kc.VARIANTS["dclr-mask"], "bfloat16", 90, "tf32", True,
+                    (64, 64, 8, 3))
+fn = kc._similarity_kernel
+for launch in ("aligned", "unaligned"):
+    sig, constexprs, attrs = cc._specialize(fn, replace(spec, launch=launch))
+    out[launch] = {"sig": sig, "marked": {fn.arg_names[k[0]]: v for k, v in attrs.items()}}
+tangent = cc.Spec("_tangent_kernel", "d=768", "bfloat16", 90, dict(WRITE_X_HAT=False, BLOCK_D=1024),
+                  4, 3, ("x_ptr", "x_hat_ptr"), out_ptrs=("out_ptr",),
+                  args={"D": 768, "scale_stride": 1})
+for stride in (1, 0):
+    sig, constexprs, _ = cc._specialize(kc._tangent_kernel,
+                                        replace(tangent, args={"D": 768, "scale_stride": stride}))
+    out[f"tangent{stride}"] = [sig["scale_stride"], constexprs.get("scale_stride")]
+print(json.dumps(out))
+"""
+
+
+def test_launch_specialization_is_tritons():
+    """The divisibility marks and constants are those Triton's launcher gives the same values:
+    an aligned large-batch launch marks every pointer and integer, an odd one none; an integer
+    equal to 1 is a constant (the chain rule's one weight a row)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SPECIALIZE], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for launch, marked in (("aligned", True), ("unaligned", False)):
+        sig = out[launch]["sig"]
+        args = {n for n, t in sig.items() if t == "i32" or t.startswith("*")}
+        assert {"q_ptr", "k_ptr", "t_ptr", "stride_q", "M"} <= args
+        assert set(out[launch]["marked"]) == (args if marked else set()), launch
+        assert all(v == [["tt.divisibility", 16]] for v in out[launch]["marked"].values())
+    assert out["tangent1"] == ["constexpr", 1]
+    assert out["tangent0"] == ["i32", None]
+
+
+def test_kept_lists_come_from_the_candidates(monkeypatch):
+    """Every config of the default design's lists is one the candidate run reports on, and
+    FASTCL_LEGACY=tiles gives the lists before them."""
+    from fastcl._switches import legacy
+    from fastcl.kernels import contrastive as kc
+
+    for name, f in kc.VARIANTS.items():
+        for dtype in ("float32", "bfloat16", "float16"):
+            kind = "fp32" if dtype == "float32" else "16bit"
+            for arch in (80, 90):
+                assert set(kc.sim_configs(f, dtype, arch)) <= set(kc.SIM_CANDIDATES[kind])
+                old = kc.sim_configs(f, dtype, arch, unaligned_lists=True)
+                assert old and all(len(c) == 4 for c in old)
+    f = kc.VARIANTS["infonce"]
+    assert kc.sim_configs(f, "bfloat16", 90)[0] == (128, 64, 8, 3)
+    assert (128, 64, 8, 3) not in kc.sim_configs(f, "bfloat16", 90, unaligned_lists=True)
+    assert kc.sim_configs(f, "bfloat16", 90, legacy_list=True) == kc.LEGACY_SIM_CONFIGS
+    monkeypatch.setenv("FASTCL_LEGACY", "tiles")
+    assert legacy("tiles") and not legacy("configs")
 
 
 def test_resources_are_read(subset):

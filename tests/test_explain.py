@@ -81,3 +81,34 @@ def test_rows_are_the_drivers(n):
     from fastcl.tiled import Epilogue, chunk_rows
     rows = chunk_rows(triton_chunk, Epilogue(0.05), n, n, n, torch.bfloat16, "cuda")
     assert _explain.explain(n, design="new")["designs"]["new"]["rows"] == rows
+
+
+def test_efficiencies_slow_their_own_stages():
+    """A similarity kernel below the peak slows the similarity stage alone; the GEMM
+    efficiency the gradient GEMMs alone."""
+    ideal = _explain.explain(N, d=D, design="new")["designs"]["new"]
+    slow_sim = _explain.explain(N, d=D, design="new", sim_efficiency=0.5)["designs"]["new"]
+    slow_mm = _explain.explain(N, d=D, design="new", gemm_efficiency=0.5)["designs"]["new"]
+    us = lambda x: {s["key"]: s["us"] for s in x["chunk_stages"]}
+    assert us(slow_sim)["sim"] == pytest.approx(2 * us(ideal)["sim"], rel=0.05)
+    assert us(slow_sim)["gemm_dq"] == us(ideal)["gemm_dq"]
+    assert us(slow_mm)["gemm_dk"] > 1.9 * us(ideal)["gemm_dk"]
+    assert us(slow_mm)["sim"] == us(ideal)["sim"]
+    assert slow_sim["fraction_of_matmul"] < ideal["fraction_of_matmul"]
+    with pytest.raises(ValueError, match="sim_efficiency"):
+        _explain.explain(N, sim_efficiency=0)
+    with pytest.raises(ValueError, match="gemm_efficiency"):
+        _explain.explain(N, gemm_efficiency=1.5)
+
+
+def test_calibrated_line_uses_the_measured_efficiencies():
+    t = _explain.explain_text(N, d=D, device="h200")
+    measured = _explain.MEASURED_EFFICIENCY["h200"]
+    cal = _explain.explain(N, d=D, device="h200", sim_efficiency=measured["sim"],
+                           gemm_efficiency=measured["gemm"])["designs"]["new"]
+    assert "calibrated" in t and measured["source"] in t
+    assert f"new {cal['total']['ms']:.2f}" in t
+    assert "calibrated" not in _explain.explain_text(4096, device="a100")
+    # given efficiencies replace the calibrated line (they are the user's own)
+    assert "calibrated" not in _explain.explain_text(N, device="h200", sim_efficiency=0.6)
+    assert _explain.main(["4096", "--sim-efficiency", "0.5", "--gemm-efficiency", "0.9"]) == 0

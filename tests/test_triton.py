@@ -151,6 +151,33 @@ def test_unknown_sim_design_is_refused(monkeypatch):
         fastcl.infonce(a, correlated(a), backend="triton")
 
 
+def test_autotune_timings_keep_every_tuned_key(monkeypatch):
+    """Triton's autotuner keeps only its last tuning's times; fastcl keeps each key's, for
+    bench/ab.py to report every tile it tried."""
+    from types import SimpleNamespace
+
+    from fastcl.kernels import contrastive as kc
+    monkeypatch.setattr(kc, "_TUNED", {})
+    monkeypatch.setattr(kc, "_TIMINGS", {})
+    configs = ((128, 64, 8, 3), (64, 64, 8, 3))
+    tuner = SimpleNamespace(cache={}, configs_timings=None)
+    kc._TUNED[configs] = tuner
+    tuner.cache["key1"] = "big"
+    tuner.configs_timings = {"big": [1.0, 0.9, 1.1], "small": [2.0, 1.9, 2.1]}
+    kc._note_timings(tuner, 0)
+    tuner.cache["key2"] = "small"
+    tuner.configs_timings = {"big": [3.0, 2.9, 3.1], "small": [2.5, 2.4, 2.6]}
+    kc._note_timings(tuner, 1)
+    kc._note_timings(tuner, 2)                     # no new key: nothing changes
+    name = f"_similarity_kernel{list(configs)}"
+    assert kc.autotune_timings() == {name: {"key1": {"big": 1.0, "small": 2.0},
+                                            "key2": {"big": 3.0, "small": 2.5}}}
+    tuner.cache["key3"] = "big"                    # one config: nothing was timed for it
+    tuner.configs_timings = {"other": [1.0]}
+    kc._note_timings(tuner, 2)
+    assert set(kc.autotune_timings()[name]) == {"key1", "key2"}
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_triton_chunks(chunk):
     _compare("dclr-weighted", 17, 16, 24, chunk=chunk)
