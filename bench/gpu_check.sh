@@ -266,7 +266,7 @@ for r in out["ab"]["rows"]:
 for configs, keys in (out["ab"]["autotune_ms"] or {}).items():
     for key, times in keys.items():
         ranked = sorted(times.items(), key=lambda kv: kv[1])
-        print(f"== autotune {configs[len('_similarity_kernel'):][:60]} key {key[:40]}: "
+        print(f"== autotune {configs[len('_similarity_kernel'):][:70]} key {key[:40]}: "
               + ", ".join(f"{c.split(', num_ctas')[0]} {ms:.3f} ms" for c, ms in ranked))
 for name, p in (out["profile"].get("designs") or {}).items():
     if "error" in p:

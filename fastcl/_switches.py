@@ -39,6 +39,10 @@ time in tests); it changes speed only.
               columns × 64 of d, 8 warps, 3–4 stages). Inputs a descriptor cannot address
               (a row stride or base not 16-byte aligned, a strided column) take the default
               path for that call; the stored chunk's rows are padded to 16 bytes.
+``persistent`` Triton only: the descriptor design with one program per SM walking the
+              tiles in the same grouped order (``tl.range(..., flatten=True)``: the pipeliner
+              may load the next tile's operands during this tile's epilogue, which the
+              one-tile programs leave to other resident programs); its own autotune list.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import os
 
 LEGACY = ("dk", "chunks", "epilogue", "configs", "tangent", "tiles")
 #: The values ``FASTCL_SIM`` takes ("" is the default design).
-SIM = ("descriptor",)
+SIM = ("descriptor", "persistent")
 
 
 def legacy(name: str) -> bool:

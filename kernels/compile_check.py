@@ -89,10 +89,12 @@ class Spec:
         desc = self.constexprs.get("DESC")
         flags = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}"
                          for k, v in self.constexprs.items()
-                         if k not in ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "PREC", "DESC")
+                         if k not in ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "PREC", "DESC",
+                                      "PERSISTENT")
                          and (k != "GROUP_R" or desc))
         return (f"{self.kernel}[{self.variant}] {self.dtype} sm_{self.arch} "
-                f"w{self.num_warps} s{self.num_stages} {flags}" + (" descriptor" if desc else "")
+                f"w{self.num_warps} s{self.num_stages} {flags}"
+                + (" persistent" if self.constexprs.get("PERSISTENT") else " descriptor" if desc else "")
                 + (" (legacy)" if self.legacy else "") + (" (candidate)" if self.candidate else "")
                 + (f" ({self.launch})" if self.launch != "aligned" else "")
                 + "".join(f" {k}={v}" for k, v in self.args.items()))
@@ -132,14 +134,17 @@ class Result:
 SUBSET = ((90, "bfloat16"), (80, "float32"))
 
 
-def _sim_spec(kc, variant, f, dtype, arch, prec, store_exp, config, **kw) -> Spec:
+def _sim_spec(kc, variant, f, dtype, arch, prec, store_exp, config, persistent=False,
+              **kw) -> Spec:
     """One similarity-kernel specialization: a 4-tuple config is the default design, a
-    5-tuple (GROUP_R last) the descriptor design (FASTCL_SIM=descriptor)."""
+    5-tuple (GROUP_R last) the descriptor design (FASTCL_SIM=descriptor), or with
+    ``persistent`` its persistent form (FASTCL_SIM=persistent)."""
     br, bd, warps, stages = config[:4]
     desc = len(config) > 4
     return Spec("_similarity_kernel", variant, dtype, arch,
                 dict(f, STORE_EXP=store_exp, PREC=prec, BLOCK_R=br, BLOCK_M=kc.SIM_BLOCK_M,
-                     BLOCK_D=bd, DESC=desc, GROUP_R=config[4] if desc else 1),
+                     BLOCK_D=bd, DESC=desc, GROUP_R=config[4] if desc else 1,
+                     PERSISTENT=bool(persistent)),
                 warps, stages, ("q_ptr", "k_ptr", "cq_ptr", "ck_ptr")
                 + (("t_ptr",) if store_exp else ()), **kw)
 
@@ -148,8 +153,8 @@ def candidates(archs=ARCHS, dtypes=None, design=None) -> list[Spec]:
     """Every config a list is chosen from, for every flag set, for the aligned launch (spills
     reported): the default design's (``SIM_CANDIDATES``) in both modes it is launched in (the
     mode the objective stores, and fp32 cosines for the first design's epilogue), the
-    descriptor design's (``DESC_CANDIDATES``) in the mode the objective stores. ``design``:
-    "default" or "descriptor" alone."""
+    descriptor design's and its persistent form's (``DESC_CANDIDATES``) in the mode the
+    objective stores. ``design``: "default", "descriptor" or "persistent" alone."""
     from . import contrastive as kc
 
     specs = []
@@ -164,10 +169,12 @@ def candidates(archs=ARCHS, dtypes=None, design=None) -> list[Spec]:
                         for config in kc.SIM_CANDIDATES[kind]:
                             specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, store_exp,
                                                    config, candidate=True))
-                if design in (None, "descriptor"):
-                    for config in kc.DESC_CANDIDATES[kind]:
-                        specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, exp,
-                                               config, candidate=True))
+                for name in ("descriptor", "persistent"):
+                    if design in (None, name):
+                        for config in kc.DESC_CANDIDATES[kind]:
+                            specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, exp, config,
+                                                   persistent=name == "persistent",
+                                                   candidate=True))
     return specs
 
 
@@ -209,12 +216,17 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
                     for config in configs:
                         specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, store_exp,
                                                config, legacy=old or other))
-                # the descriptor design (FASTCL_SIM=descriptor): the subset in the mode the
-                # objective stores, the rest in the first design's epilogue mode
+                # the descriptor design (FASTCL_SIM=descriptor) and its persistent form: the
+                # subset in the mode the objective stores, the rest in the first design's
+                # epilogue mode
                 if (store_exp != exp) if again else (full or store_exp == exp):
-                    for config in kc.sim_configs(f, dtype, arch, design="descriptor"):
-                        specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, store_exp,
-                                               config, legacy=other))
+                    # (the persistent form in the first design's epilogue mode: not launched
+                    # by the A/B, which runs each candidate with FASTCL_LEGACY unset)
+                    for name in ("descriptor",) + (() if other else ("persistent",)):
+                        for config in kc.sim_configs(f, dtype, arch, design=name):
+                            specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, store_exp,
+                                                   config, persistent=name == "persistent",
+                                                   legacy=other))
             if again:
                 continue
             row = {k: v for k, v in kc.ROW_BLOCK.items() if k != "num_warps"}
@@ -242,10 +254,11 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
                                       args={"D": width, "scale_stride": scale_stride}))
     if not full:
         # the subset again for odd sizes and unaligned views: they must compile too
-        # (the descriptor design takes the default path for unaligned inputs: not launched)
+        # (the descriptor designs take the default path for unaligned inputs: not launched;
+        # what only an earlier design launches is left to the aligned check)
         specs += [replace(s, launch="unaligned",
                           args={k: v for k, v in s.args.items() if k != "D"}) for s in specs
-                  if not s.constexprs.get("DESC")]
+                  if not s.constexprs.get("DESC") and not s.legacy]
     return specs
 
 
@@ -436,8 +449,8 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), help="compute capabilities")
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None)
     p.add_argument("--kernel", default=None, help="only this kernel (e.g. _row_kernel)")
-    p.add_argument("--sim-candidates", nargs="?", const="both",
-                   choices=["both", "default", "descriptor"],
+    p.add_argument("--sim-candidates", nargs="?", const="all",
+                   choices=["all", "default", "descriptor", "persistent"],
                    help="only every config the similarity kernel's lists are chosen from "
                         "(SIM_CANDIDATES, DESC_CANDIDATES), spills reported, not failed")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
@@ -445,7 +458,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     specs = (candidates(tuple(args.arch), args.dtype,
-                        None if args.sim_candidates == "both" else args.sim_candidates)
+                        None if args.sim_candidates == "all" else args.sim_candidates)
              if args.sim_candidates else
              specializations(args.full, tuple(args.arch), args.dtype, args.rest))
     if args.kernel:

@@ -25,7 +25,10 @@ rather than one program per row block: a tile grid keeps every SM busy at any ch
 
 ``FASTCL_LEGACY=epilogue`` (:mod:`fastcl._switches`) brings back the first design: fp32
 cosines, the log-sum-exp in PyTorch ops, and ``_gradient_kernel`` writing G′ with the row
-factors inside — kept so that one GPU run can time both.
+factors inside — kept so that one GPU run can time both. ``FASTCL_SIM`` picks a candidate
+similarity kernel not yet measured: ``descriptor`` (operands and stored tile through tensor
+descriptors, a grouped 1-D tile order) or ``persistent`` (the same, one program per SM
+looping over the tiles); ``_similarity_tile`` is the one tile body all three share.
 
 Offsets that scale with R·M or M·d are formed in int64: a chunk of R·M ≥ 2³¹ entries is
 reachable with a large ``chunk_size``.
@@ -109,11 +112,10 @@ def _tile_at(pid_r, pid_m, R, M, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _grouped_tile(R, M, GROUP_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(row block, column tile) of this program in a 1-D grid, in groups of GROUP_R row
-    blocks: consecutive programs take the group's row blocks on one column tile, then the
-    next column tile (the matmul tutorial's L2 swizzle); the last group may be shorter."""
-    pid = tl.program_id(0)
+def _grouped_tile(pid, R, M, GROUP_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(row block, column tile) of tile ``pid`` of a 1-D order in groups of GROUP_R row
+    blocks: consecutive tiles take the group's row blocks on one column tile, then the next
+    column tile (the matmul tutorial's L2 swizzle); the last group may be shorter."""
     n_r = tl.cdiv(R, BLOCK_R)
     per_group = GROUP_R * tl.cdiv(M, BLOCK_M)
     first_r = (pid // per_group) * GROUP_R
@@ -149,15 +151,12 @@ def _tile_dot(a_ptr, b_ptr, a_start, b_start, a_rows, b_rows, K, stride_a, strid
 
 
 @triton.jit
-def _tile_dot_desc(a_ptr, b_ptr, a_start, b_start, a_rows, b_rows, K, stride_a, stride_b,
-                   PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+def _tile_dot_desc(a_desc, b_desc, a_start, b_start, K, PREC: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """``_tile_dot`` through tensor descriptors (``FASTCL_SIM=descriptor``): the same
-    product, the edges (rows past ``a_rows`` / ``b_rows``, columns past K) read as zeros by
-    the descriptor's bounds (TMA on sm_90). Its shape and strides are int64; the caller
-    checks what TMA needs: 16-byte aligned bases and row strides, unit column stride."""
-    a_desc = tl.make_tensor_descriptor(a_ptr, [a_rows, K], [stride_a, 1], [BLOCK_R, BLOCK_D])
-    b_desc = tl.make_tensor_descriptor(b_ptr, [b_rows, K], [stride_b, 1], [BLOCK_M, BLOCK_D])
+    product, the edges (rows past the operands' rows, columns past K) read as zeros by the
+    descriptors' bounds (TMA on sm_90). Shapes and strides of a descriptor are int64; the
+    launcher checks what TMA needs: 16-byte aligned bases and row strides, unit column stride."""
     acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_D):
         a = a_desc.load([a_start, k0])
@@ -194,23 +193,69 @@ def _similarity_kernel(
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
     POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    DESC: tl.constexpr, GROUP_R: tl.constexpr,
+    DESC: tl.constexpr, GROUP_R: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     # DESC (FASTCL_SIM=descriptor): a 1-D grid in groups of GROUP_R row blocks, the
-    # operands and the stored tile through tensor descriptors; else a (row, column) grid
+    # operands and the stored tile through tensor descriptors, made once per program;
+    # PERSISTENT (FASTCL_SIM=persistent) as well, with one program per SM walking the tiles
+    # in that order (the next tile's loads overlap this one's epilogue); else a (row,
+    # column) grid with pointer loads
+    q_desc, k_desc, cq_desc, ck_desc, t_desc = q_ptr, k_ptr, cq_ptr, ck_ptr, t_ptr
     if DESC:
-        pid_r, pid_m = _grouped_tile(R, M, GROUP_R, BLOCK_R, BLOCK_M)
+        q_desc = tl.make_tensor_descriptor(q_ptr, [R, D], [stride_q, 1], [BLOCK_R, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(k_ptr, [M, D], [stride_k, 1], [BLOCK_M, BLOCK_D])
+        if MASK:                           # the complementary positives: n_pos rows
+            cq_desc = tl.make_tensor_descriptor(cq_ptr, [R, DC], [stride_cq, 1],
+                                                [BLOCK_R, BLOCK_D])
+            ck_desc = tl.make_tensor_descriptor(ck_ptr, [n_pos, DC], [stride_ck, 1],
+                                                [BLOCK_M, BLOCK_D])
+        # the store clips at the buffer's bounds: no mask
+        t_desc = tl.make_tensor_descriptor(t_ptr, [R, M], [stride_t, 1], [BLOCK_R, BLOCK_M])
+    if PERSISTENT:
+        n_tiles = tl.cdiv(R, BLOCK_R) * tl.cdiv(M, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
+            pid_r, pid_m = _grouped_tile(tile, R, M, GROUP_R, BLOCK_R, BLOCK_M)
+            _similarity_tile(
+                pid_r, pid_m, q_desc, k_desc, inv_q_ptr, inv_k_ptr, cq_desc, ck_desc,
+                t_desc, part_max_ptr, part_sum_ptr, pos_ptr, R, M, D, DC, first_pos, n_pos,
+                stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
+                inv_t, focal_m, hard_w, phi, FOCAL, HARD, MASK, RELEASED, POSITIVES, STORE_EXP,
+                PREC, BLOCK_R, BLOCK_M, BLOCK_D, DESC)
     else:
-        pid_m = tl.program_id(1)
-        pid_r = tl.program_id(0)
+        if DESC:
+            pid_r, pid_m = _grouped_tile(tl.program_id(0), R, M, GROUP_R, BLOCK_R, BLOCK_M)
+        else:
+            pid_m = tl.program_id(1)
+            pid_r = tl.program_id(0)
+        _similarity_tile(
+            pid_r, pid_m, q_desc, k_desc, inv_q_ptr, inv_k_ptr, cq_desc, ck_desc,
+            t_desc, part_max_ptr, part_sum_ptr, pos_ptr, R, M, D, DC, first_pos, n_pos,
+            stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
+            inv_t, focal_m, hard_w, phi, FOCAL, HARD, MASK, RELEASED, POSITIVES, STORE_EXP,
+            PREC, BLOCK_R, BLOCK_M, BLOCK_D, DESC)
+
+
+@triton.jit
+def _similarity_tile(
+    pid_r, pid_m, q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr,
+    t_ptr, part_max_ptr, part_sum_ptr, pos_ptr,
+    R, M, D, DC, first_pos, n_pos,
+    stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
+    inv_t, focal_m, hard_w, phi,
+    FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
+    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr,
+):
+    """One R×128 tile of the chunk: cosines, logits, the DCLR mask, the stored tile and its
+    rows' (max, Σexp) partials. With DESC, ``q_ptr``, ``k_ptr``, ``cq_ptr``, ``ck_ptr`` and
+    ``t_ptr`` are tensor descriptors of those buffers."""
     rows, cols, row_ok, col_ok = _tile_at(pid_r, pid_m, R, M, BLOCK_R, BLOCK_M)
     rows_g = first_pos + rows              # global anchor index = its positive's column
 
     row0 = pid_r * BLOCK_R
     col0 = pid_m * BLOCK_M
     if DESC:
-        acc = _tile_dot_desc(q_ptr, k_ptr, row0, col0, R, M, D, stride_q, stride_k,
-                             PREC, BLOCK_R, BLOCK_M, BLOCK_D)
+        acc = _tile_dot_desc(q_ptr, k_ptr, row0, col0, D, PREC, BLOCK_R, BLOCK_M, BLOCK_D)
     else:
         acc = _tile_dot(q_ptr, k_ptr, row0, col0, R, M, D, stride_q, stride_k,
                         PREC, BLOCK_R, BLOCK_M, BLOCK_D)
@@ -225,8 +270,7 @@ def _similarity_kernel(
         # the complementary model's cosine, in the same tile: no N×M mask ever exists
         in_batch = cols < n_pos
         if DESC:
-            cacc = _tile_dot_desc(cq_ptr, ck_ptr, row0, col0, R, n_pos, DC, stride_cq,
-                                  stride_ck, PREC, BLOCK_R, BLOCK_M, BLOCK_D)
+            cacc = _tile_dot_desc(cq_ptr, ck_ptr, row0, col0, DC, PREC, BLOCK_R, BLOCK_M, BLOCK_D)
         else:
             cacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_pos, DC, stride_cq, stride_ck,
                              PREC, BLOCK_R, BLOCK_M, BLOCK_D)
@@ -250,12 +294,10 @@ def _similarity_kernel(
     safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
     e = tl.exp(l - safe_max[:, None])
     if DESC:
-        # the store clips at the buffer's bounds: no mask
-        t_desc = tl.make_tensor_descriptor(t_ptr, [R, M], [stride_t, 1], [BLOCK_R, BLOCK_M])
         if STORE_EXP:
-            t_desc.store([row0, col0], e.to(t_ptr.dtype.element_ty))
+            t_ptr.store([row0, col0], e.to(t_ptr.dtype))
         else:
-            t_desc.store([row0, col0], s)
+            t_ptr.store([row0, col0], s)
     else:
         ok = row_ok[:, None] & col_ok[None, :]
         t_ptrs = _tile_ptrs(t_ptr, stride_t, BLOCK_R, BLOCK_M)
@@ -576,6 +618,14 @@ DESC_SIM_CONFIGS = {
     (80, "fp32", True): [(32, 16, 8, 3, 8)],
 }
 
+#: ``FASTCL_SIM=persistent``: its kept lists, chosen like the descriptor design's from
+#: ``DESC_CANDIDATES`` (``--sim-candidates persistent``): the same but where its loop holds
+#: more registers, on sm_80: 64×128×32 spills 16 B for focal-hard in 16 bits, 32×128×16 16 B
+#: for focal-hard-mask in fp32.
+PERSISTENT_SIM_CONFIGS = {**DESC_SIM_CONFIGS,
+                          (80, "16bit", False): [(64, 64, 8, 3, 8)],
+                          (80, "fp32", True): [(64, 16, 8, 3, 8)]}
+
 SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
 DESC_FIXED = {**SIM_FIXED, "GROUP_R": 2}                  # groups shorter than the row blocks
 GRAD_BLOCK = ({"BLOCK_R": 16, "BLOCK_M": 16} if INTERPRET  # the legacy elementwise tiles
@@ -626,14 +676,16 @@ def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False,
                 design: str = "", unaligned_lists: bool = False) -> list[tuple]:
     """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
     its name) and compute capability (90 for sm_90; an sm_80-class GPU uses 80). The
-    ``descriptor`` design (``FASTCL_SIM``) has its own list, 5-tuples ending in GROUP_R,
-    whatever the other arguments say; ``legacy_list``: the first design's list
+    ``descriptor`` and ``persistent`` designs (``FASTCL_SIM``) have their own lists, 5-tuples
+    ending in GROUP_R, whatever the other arguments say; ``legacy_list``: the first design's list
     (``FASTCL_LEGACY=configs``); ``unaligned_lists``: the lists before the current ones
     (``FASTCL_LEGACY=tiles``)."""
     key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit", bool(f["MASK"]))
     arch = 80 if arch < 90 else 90
     if design == "descriptor":
         return DESC_SIM_CONFIGS[(arch,) + key]
+    if design == "persistent":
+        return PERSISTENT_SIM_CONFIGS[(arch,) + key]
     if legacy_list:
         return LEGACY_SIM_CONFIGS
     if unaligned_lists:
@@ -645,6 +697,11 @@ def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False,
     if own:
         return own
     return by_arch.get(arch, {}).get(key, default[key])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -666,7 +723,7 @@ def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
     configs = sim_configs(f, dtype, _arch(index), legacy("configs"), design, legacy("tiles"))
     if autotune_pinned():
         configs = configs[:1]
-    key = tuple(configs)                   # one autotuner per config list
+    key = (design, tuple(configs))         # one autotuner per design and config list
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(
             configs=[triton.Config({"BLOCK_R": c[0], "BLOCK_D": c[1],
@@ -704,11 +761,17 @@ def _allocate_descriptors(device) -> None:
 
 def chosen_configs() -> dict:
     """What autotuning picked so far in this process: {config list: {key: config}}."""
-    return {f"_similarity_kernel{list(configs)}": {str(k): str(v) for k, v in tuner.cache.items()}
-            for configs, tuner in _TUNED.items()}
+    return {_tuner_name(key): {str(k): str(v) for k, v in tuner.cache.items()}
+            for key, tuner in _TUNED.items()}
 
 
-#: Every config's time when autotuning tuned a key in this process, by (config list, key):
+def _tuner_name(key) -> str:
+    """``_similarity_kernel[design]`` and its config list, for reports."""
+    design, configs = key
+    return f"_similarity_kernel[{design or 'default'}]{list(configs)}"
+
+
+#: Every config's time when autotuning tuned a key in this process, by (autotuner, key):
 #: Triton's autotuner keeps only its last tuning's.
 _TIMINGS = {}
 
@@ -722,17 +785,18 @@ def _note_timings(tuner, tuned_before: int) -> None:
     timings = getattr(tuner, "configs_timings", None) or {}
     if tuner.cache[key] not in timings:
         return
-    configs = next((c for c, t in _TUNED.items() if t is tuner), ())
-    _TIMINGS[(configs, key)] = {
+    tuned = next((k for k, t in _TUNED.items() if t is tuner), ("?", ()))
+    _TIMINGS[(tuned, key)] = {
         str(config): float(t[0] if isinstance(t, (list, tuple)) else t)
         for config, t in timings.items()}
 
 
 def autotune_timings() -> dict:
-    """What autotuning measured so far in this process: {config list: {key: {config: ms}}}."""
+    """What autotuning measured so far in this process: {design and config list: {key:
+    {config: ms}}}."""
     out = {}
-    for (configs, key), times in _TIMINGS.items():
-        out.setdefault(f"_similarity_kernel{list(configs)}", {})[str(key)] = times
+    for (tuned, key), times in _TIMINGS.items():
+        out.setdefault(_tuner_name(tuned), {})[str(key)] = times
     return out
 
 
@@ -758,9 +822,9 @@ def _launch_similarity(ep, c, f, store_exp):
         cq, ck, dc = c.q, c.keys, 0        # never read
     t_dtype = c.q.dtype if store_exp else torch.float32
     design = sim_design()
-    if design == "descriptor" and not descriptor_ready(c.q, c.keys, cq, ck):
+    if design and not descriptor_ready(c.q, c.keys, cq, ck):
         design = ""
-    if design == "descriptor":
+    if design:                             # descriptor, persistent
         # rows padded to 16 bytes (≤ 7 columns) for the descriptor of the stored tile
         per = 16 // (torch.finfo(t_dtype).bits // 8)
         t = torch.empty(R, triton.cdiv(M, per) * per, dtype=t_dtype, device=dev)[:, :M]
@@ -772,12 +836,18 @@ def _launch_similarity(ep, c, f, store_exp):
     part_max = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     pos = torch.empty(R, dtype=torch.float32, device=dev)   # every row's positive is written
-    if design == "descriptor":            # 1-D, in groups of GROUP_R row blocks
+    if design == "persistent":            # one program per SM (3 in the interpreter: a loop)
+        slots = 3 if INTERPRET else _sm_count(dev.index if dev.index is not None
+                                              else torch.cuda.current_device())
+        grid = lambda meta: (min(triton.cdiv(R, meta["BLOCK_R"]) * tiles, slots),)
+        extra = dict(DESC=True, PERSISTENT=True, **(DESC_FIXED if INTERPRET else {}))
+    elif design == "descriptor":          # 1-D, in groups of GROUP_R row blocks
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]) * tiles,)
-        extra = dict(DESC=True, **(DESC_FIXED if INTERPRET else {}))
+        extra = dict(DESC=True, PERSISTENT=False, **(DESC_FIXED if INTERPRET else {}))
     else:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
-        extra = dict(DESC=False, GROUP_R=1, **(SIM_FIXED if INTERPRET else {}))
+        extra = dict(DESC=False, PERSISTENT=False, GROUP_R=1,
+                     **(SIM_FIXED if INTERPRET else {}))
     kernel = _similarity(f, c.q.dtype, c.q.device, design)
     tuned_before = None if INTERPRET else len(kernel.cache)
     kernel[grid](

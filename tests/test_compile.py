@@ -4,13 +4,14 @@ Triton's interpreter (which the other Triton tests use here) never runs the code
 so a kernel can pass there and fail on the first GPU. ``fastcl.kernels.compile_check``
 compiles every specialization fastcl can launch for sm_80 and sm_90 (``triton.compile`` of an
 ``ASTSource`` with ``GPUTarget("cuda", 80 | 90, 32)``: Triton's code generator and ptxas, no
-GPU needed) and reads ptxas's
-report; these tests run it in a separate process (the kernels must be the jitted ones, and
-this process may have ``TRITON_INTERPRET=1``) and fail on any compile error or register
-spill. The default run covers every kernel and flag set (bf16 on sm_90, fp32 on sm_80), the
-similarity kernel's descriptor design (``FASTCL_SIM=descriptor``) included; the ``slow`` run
-every dtype on both targets, the first design's configs and the descriptor design in the first
-design's epilogue mode.
+GPU needed), each as a launch specializes it (aligned large-batch arguments; the default run
+also odd, unaligned ones), and reads ptxas's report; these tests run it in a separate process
+(the kernels must be the jitted ones, and this process may have ``TRITON_INTERPRET=1``) and
+fail on any compile error, or on a register spill in the aligned launch. The default run
+covers every kernel and flag set (bf16 on sm_90, fp32 on sm_80), the similarity kernel's
+candidate designs (``FASTCL_SIM=descriptor``, ``persistent``) included; the ``slow`` run
+every dtype on both targets, the earlier designs' configs and the descriptor design in the
+first design's epilogue mode.
 """
 
 import json
@@ -78,18 +79,22 @@ def test_every_variant_and_kernel_is_covered(subset):
     # every kernel and flag set again as an unaligned launch builds it
     unaligned = {(r["spec"]["kernel"], r["spec"]["variant"]) for r in results
                  if r["spec"]["launch"] == "unaligned"}
-    for kernel in ("_similarity_kernel", "_row_kernel", "_gradient_kernel"):
+    for kernel in ("_similarity_kernel", "_row_kernel"):
         assert {(kernel, v) for v in VARIANTS} <= unaligned, kernel
+    assert ("_tangent_kernel", "d=768") in unaligned
     # the descriptor design: every flag set, each config of its list
     from fastcl.kernels.contrastive import sim_configs
     desc = {(r["spec"]["variant"], r["spec"]["dtype"], r["spec"]["arch"],
              tuple(r["spec"]["constexprs"][k] for k in ("BLOCK_R", "BLOCK_D"))
-             + (r["spec"]["num_warps"], r["spec"]["num_stages"], r["spec"]["constexprs"]["GROUP_R"]))
+             + (r["spec"]["num_warps"], r["spec"]["num_stages"], r["spec"]["constexprs"]["GROUP_R"]),
+             r["spec"]["constexprs"]["PERSISTENT"])
             for r in results if r["spec"]["constexprs"].get("DESC")}
     for variant, f in VARIANTS.items():
         for arch, dtype in ((90, "bfloat16"), (80, "float32")):
-            for config in sim_configs(f, dtype, arch, design="descriptor"):
-                assert (variant, dtype, arch, tuple(config)) in desc, (variant, dtype, arch, config)
+            for design in ("descriptor", "persistent"):
+                for config in sim_configs(f, dtype, arch, design=design):
+                    assert (variant, dtype, arch, tuple(config), design == "persistent") in desc, \
+                        (variant, dtype, arch, config, design)
 
 
 def test_the_aligned_launch_pipelines_the_k_loop(subset):

@@ -70,12 +70,19 @@ def test_triton_matches_reference(name, shape):
 DESC_SHAPES = [(1, 0, 24), (1, 3, 130), (17, 16, 24), (5, 28, 20), (33, 7, 36)]
 
 
-@pytest.fixture
-def descriptor(monkeypatch):
-    """Switch the descriptor design on; yields the design each similarity launch took."""
+class _Taken(list):
+    """The design each similarity launch took; ``design``: the one switched on."""
+    design = ""
+
+
+@pytest.fixture(params=["descriptor", "persistent"])
+def descriptor(monkeypatch, request):
+    """Switch a descriptor design on (FASTCL_SIM=descriptor, or its persistent form); yields
+    the design each similarity launch took."""
     from fastcl.kernels import contrastive as kc
-    monkeypatch.setenv("FASTCL_SIM", "descriptor")
-    taken = []
+    monkeypatch.setenv("FASTCL_SIM", request.param)
+    taken = _Taken()
+    taken.design = request.param
     original = kc._similarity
 
     def spy(f, dtype, device, design=""):
@@ -94,7 +101,7 @@ def _aligned(d, dtype=torch.float32):
 def test_descriptor_design_matches_reference(name, shape, descriptor):
     _compare(name, *shape)
     takes = _aligned(shape[2]) and name not in ("dclr-weighted", "dclr-released")
-    assert descriptor and set(descriptor) == {"descriptor" if takes else ""}
+    assert descriptor and set(descriptor) == {descriptor.design if takes else ""}
 
 
 @pytest.mark.parametrize("formulation", ["paper", "released"])
@@ -115,14 +122,14 @@ def test_descriptor_design_mask(n, k, d, formulation, descriptor):
     torch.testing.assert_close(got, ref, **FP32)
     for g, rg in zip(got_g, ref_g):
         torch.testing.assert_close(g, rg, **FP32)
-    assert set(descriptor) == {"descriptor"}
+    assert set(descriptor) == {descriptor.design}
 
 
 @pytest.mark.parametrize("name", ["infonce", "focal-negatives", "infonce-symmetric", "dclr"])
 def test_descriptor_design_chunks_and_bf16(name, descriptor):
     _compare(name, 17, 16, 24, chunk=7)
     _compare(name, 17, 16, 24, dtype=torch.bfloat16, tol=BF16)
-    assert set(descriptor) == {"descriptor"}
+    assert set(descriptor) == {descriptor.design}
 
 
 def test_descriptor_design_non_contiguous_inputs(descriptor):
@@ -130,7 +137,7 @@ def test_descriptor_design_non_contiguous_inputs(descriptor):
     a, p = base[:, ::2], base.flip(0)[:, 1::2]
     torch.testing.assert_close(fastcl.infonce(a, p, backend="triton"),
                                fastcl.infonce(a, p, backend="reference"), **FP32)
-    assert set(descriptor) == {"descriptor"}
+    assert set(descriptor) == {descriptor.design}
 
 
 def test_descriptor_ready_checks_what_a_descriptor_needs():
@@ -161,7 +168,7 @@ def test_autotune_timings_keep_every_tuned_key(monkeypatch):
     monkeypatch.setattr(kc, "_TIMINGS", {})
     configs = ((128, 64, 8, 3), (64, 64, 8, 3))
     tuner = SimpleNamespace(cache={}, configs_timings=None)
-    kc._TUNED[configs] = tuner
+    kc._TUNED[("", configs)] = tuner
     tuner.cache["key1"] = "big"
     tuner.configs_timings = {"big": [1.0, 0.9, 1.1], "small": [2.0, 1.9, 2.1]}
     kc._note_timings(tuner, 0)
@@ -169,7 +176,7 @@ def test_autotune_timings_keep_every_tuned_key(monkeypatch):
     tuner.configs_timings = {"big": [3.0, 2.9, 3.1], "small": [2.5, 2.4, 2.6]}
     kc._note_timings(tuner, 1)
     kc._note_timings(tuner, 2)                     # no new key: nothing changes
-    name = f"_similarity_kernel{list(configs)}"
+    name = f"_similarity_kernel[default]{list(configs)}"
     assert kc.autotune_timings() == {name: {"key1": {"big": 1.0, "small": 2.0},
                                             "key2": {"big": 3.0, "small": 2.5}}}
     tuner.cache["key3"] = "big"                    # one config: nothing was timed for it
@@ -271,7 +278,7 @@ def test_gpu_bf16(name, shape):
 @pytest.mark.parametrize("name", ["infonce", "dclr-weighted"])
 def test_gpu_descriptor_bf16(name, shape, descriptor):
     _compare(name, *shape, dtype=torch.bfloat16, tol=BF16)
-    assert set(descriptor) == {"descriptor"}
+    assert set(descriptor) == {descriptor.design}
 
 
 @needs_gpu
