@@ -87,13 +87,13 @@ GEMM_EFF = 1.0                     # GEMM-like stages reach the (already practic
 
 #: Fractions of the preset peak that a GPU profile measured (kernel time of the similarity
 #: kernel and of the two cuBLAS gradient GEMMs over their FLOPs), for the calibrated line of
-#: the text. H200, N = M = 32768, d = 768, bf16, 16 chunks of 2048 rows, the similarity tile
-#: 64×128×64 chosen then: similarity 4.871 ms for 2·N·M·d = 1.649 TFLOP (338.6 TFLOP/s),
-#: GEMMs 2.672 + 2.196 ms for twice that (677.6 TFLOP/s);
-#: bench/results/nvidia-h200-2026-11-30-first-profile.log.
+#: the text. H200, the current design, N = M = 32768, d = 768, bf16, 8 chunks of 4096 rows,
+#: the similarity tile 128×128×32 chosen then: similarity 3.995 ms for 2·N·M·d = 1.649 TFLOP
+#: (412.8 TFLOP/s), GEMMs 2.227 + 2.015 ms for twice that (777.6 TFLOP/s);
+#: bench/results/nvidia-h200-2026-11-30-profile.log.
 MEASURED_EFFICIENCY = {
-    "h200": dict(sim=338.6 / 790.0, gemm=677.6 / 790.0,
-                 source="bench/results/nvidia-h200-2026-11-30-first-profile.log"),
+    "h200": dict(sim=412.8 / 790.0, gemm=777.6 / 790.0,
+                 source="bench/results/nvidia-h200-2026-11-30-profile.log"),
 }
 
 MODEL_NOTE = "predicted from peak rates; bench/gpu_check.sh measures the real thing"

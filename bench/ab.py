@@ -9,7 +9,10 @@ fastcl reads ``FASTCL_LEGACY`` (a comma list of earlier behaviours, see
 current design (``FASTCL_LEGACY=""``), each switch alone (one earlier behaviour back) and
 ``all`` (the earlier design); a variant ``NAME=VALUE`` sets ``FASTCL_NAME=VALUE`` instead, a
 candidate design not yet the default (``sim=descriptor``: the similarity kernel through tensor
-descriptors, grouped tile order and its Hopper tiles), measured right after the current one.
+descriptors, grouped tile order and its Hopper tiles; ``sim=persistent``: the same with one
+program per SM), measured right after the current one; ``no-input-checks`` is the current
+design with ``fastcl.set_input_checks(False)``: no NaN/Inf scan of the inputs, whose result
+the host waits for (a device sync at the start of every call).
 Per case and variant: the median forward+backward time
 (``triton.testing.do_bench`` on GPU), the first call (autotuning and compilation), the peak
 memory beyond the inputs (GPU), useful TFLOP/s as a percentage of the ``torch.mm``
@@ -84,12 +87,18 @@ except ImportError:
     CANDIDATES = ()
 
 
+#: The variant that switches fastcl's input checks off (the current design otherwise).
+NO_CHECKS = "no-input-checks"
+
+
 def set_legacy(variant: str) -> None:
     """``variant``: "" (the current design), a FASTCL_LEGACY value, or NAME=VALUE for the
     candidate design FASTCL_NAME=VALUE (with FASTCL_LEGACY empty)."""
     for name in OPT_IN:
         os.environ.pop(name, None)
-    if "=" in variant:
+    if variant == NO_CHECKS:
+        os.environ["FASTCL_LEGACY"] = ""
+    elif "=" in variant:
         name, value = (part.strip() for part in variant.split("=", 1))
         os.environ["FASTCL_LEGACY"] = ""
         os.environ[f"FASTCL_{name.upper()}"] = value
@@ -145,6 +154,8 @@ def compare(row: dict, base: dict | None, z, z_base, spec: dict) -> None:
 
 def measure_variant(spec, variant, device, args, mm) -> tuple[dict, object]:
     set_legacy(variant)
+    if variant == NO_CHECKS:
+        spec = {**spec, "input_checks": False}
     row = {**spec, "variant": variant or "new",
            "fastcl_legacy": os.environ.get("FASTCL_LEGACY", ""),
            **{name.lower(): os.environ[name] for name in OPT_IN if name in os.environ}}
@@ -237,9 +248,10 @@ def main(argv=None) -> int:
                    "16384; '' for none)")
     p.add_argument("--d", type=int, default=768)
     p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--variants", default=",".join(("new",) + CANDIDATES + SWITCHES + ("all",)),
+    p.add_argument("--variants",
+                   default=",".join(("new",) + CANDIDATES + (NO_CHECKS,) + SWITCHES + ("all",)),
                    help="comma list: new (FASTCL_LEGACY=''), a candidate design NAME=VALUE "
-                        "(FASTCL_NAME=VALUE), a switch, or all")
+                        f"(FASTCL_NAME=VALUE), {NO_CHECKS}, a switch, or all")
     p.add_argument("--warmup-ms", type=float, default=10, help="do_bench warm-up (GPU)")
     p.add_argument("--rep-ms", type=float, default=50, help="do_bench measuring time (GPU)")
     p.add_argument("--threads", type=int, default=default_threads(), help="torch threads on CPU")

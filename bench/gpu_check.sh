@@ -258,16 +258,21 @@ for t in out["targets"] or []:
 new = {r["case"]: r for r in out["ab"]["rows"] if r["variant"] == "new" and r.get("ok")}
 for r in out["ab"]["rows"]:
     base = new.get(r["case"])
-    print(f"== ab {r['case']:<14} {r['variant']:<14} " + (
+    print(f"== ab {r['case']:<14} {r['variant']:<16} " + (
         f"{r['median_s'] * 1e3:8.2f} ms" + (f"  {r['median_s'] / base['median_s']:.3f}x new" if base else "")
         + (f"  {r['pct_of_matmul']:.1f}% mm" if r.get("pct_of_matmul") is not None else "")
         + ("" if r.get("same") is not False else "  RESULT DIFFERS")
         if r.get("ok") else f"{'skipped' if 'time budget' in str(r.get('error')) else 'ERROR'}: {r.get('error')}"))
+def _short(config):      # "BLOCK_R: 128, BLOCK_D: 64, num_warps: 8, num_ctas: 1, num_stages: 3, ..."
+    return ", ".join(p for p in config.split(", ") if not p.startswith(("num_ctas", "maxnreg")))
 for configs, keys in (out["ab"]["autotune_ms"] or {}).items():
     for key, times in keys.items():
         ranked = sorted(times.items(), key=lambda kv: kv[1])
-        print(f"== autotune {configs[len('_similarity_kernel'):][:70]} key {key[:40]}: "
-              + ", ".join(f"{c.split(', num_ctas')[0]} {ms:.3f} ms" for c, ms in ranked))
+        # the key: M, D, DC and the flags (FOCAL, HARD, MASK, RELEASED, POSITIVES, STORE_EXP);
+        # the argument dtypes after them are left out
+        flags = ", ".join(key.strip("()").split(", ")[:9])
+        print(f"== autotune {configs[len('_similarity_kernel'):]} key ({flags}): "
+              + "; ".join(f"{_short(c)} {ms:.3f} ms" for c, ms in ranked))
 for name, p in (out["profile"].get("designs") or {}).items():
     if "error" in p:
         print(f"== profile {name}: ERROR {p['error']}")

@@ -16,7 +16,8 @@ So every specialization names a launch (``LAUNCHES``): ``aligned``, the argument
 large-batch step (N = M = 32768, d = 768, chunks of 3072 rows; every buffer 16-byte
 aligned), for which fastcl's kept configs must compile without spills; ``unaligned``, odd
 sizes and views at an odd offset (no argument divisible by 16), which must compile, their
-spills reported (the autotuner times every config at the shape it is given). The marks are
+spills reported (the autotuner times every config at the shape it is given); ``odd``, for
+the descriptor designs (which take only aligned buffers), odd sizes alone. The marks are
 made by Triton's own launch-time function where the installed Triton exposes it.
 
     python -m fastcl.kernels.compile_check                # the representative subset
@@ -54,15 +55,19 @@ DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHS = (80, 90)
 FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps"}
 
-#: The integer arguments of two launches, by name (the kernels share their names), and
-#: whether their buffers start on a 16-byte boundary. ``aligned``: the second chunk of 3072
-#: rows of an N = M = 32768, d = 768 step (256 column tiles of partials). ``unaligned``: 1000
-#: anchors of width 130 from a view one element in, with an anchor offset.
+#: The integer arguments of the launches compiled, by name (the kernels share their names),
+#: and whether their buffers start on a 16-byte boundary. ``aligned``: the second chunk of
+#: 3072 rows of an N = M = 32768, d = 768 step (256 column tiles of partials). ``unaligned``:
+#: 1000 anchors of width 130 from a view one element in, with an anchor offset (the default
+#: design: the descriptor designs refuse such inputs). ``odd``: 1000 anchors of width 768,
+#: aligned buffers (what the descriptor designs take with sizes not divisible by 16).
 LAUNCHES = {
     "aligned": dict(aligned=True, R=3072, M=32768, D=768, DC=768, first_pos=3072, n_pos=32768,
                     T=256, stride_part=256),
     "unaligned": dict(aligned=False, R=1000, M=1000, D=130, DC=130, first_pos=1000,
                       n_pos=1000, T=8, stride_part=8),
+    "odd": dict(aligned=True, R=1000, M=1000, D=768, DC=768, first_pos=1000, n_pos=1000,
+                T=8, stride_part=8),
 }
 
 
@@ -121,8 +126,8 @@ class Result:
 
     @property
     def spills_allowed(self) -> bool:
-        """Spills reported, not failed: the first design's configs, list candidates, and the
-        unaligned launch."""
+        """Spills reported, not failed: what only earlier designs launch, list candidates, and
+        the launches other than the aligned one."""
         return self.spec.legacy or self.spec.candidate or self.spec.launch != "aligned"
 
     @property
@@ -253,12 +258,13 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
                                       out_ptrs=("out_ptr",),
                                       args={"D": width, "scale_stride": scale_stride}))
     if not full:
-        # the subset again for odd sizes and unaligned views: they must compile too
-        # (the descriptor designs take the default path for unaligned inputs: not launched;
-        # what only an earlier design launches is left to the aligned check)
-        specs += [replace(s, launch="unaligned",
-                          args={k: v for k, v in s.args.items() if k != "D"}) for s in specs
-                  if not s.constexprs.get("DESC") and not s.legacy]
+        # the subset again for odd sizes and unaligned views: they must compile too (the
+        # descriptor designs take only aligned buffers: odd sizes; what only an earlier
+        # design launches is left to the aligned check)
+        # (the chain rule at one width: the unaligned launch's own)
+        specs += [replace(s, launch="odd" if s.constexprs.get("DESC") else "unaligned",
+                          args={k: v for k, v in s.args.items() if k != "D"})
+                  for s in specs if not s.legacy and s.args.get("D", 768) == 768]
     return specs
 
 

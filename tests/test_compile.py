@@ -82,6 +82,10 @@ def test_every_variant_and_kernel_is_covered(subset):
     for kernel in ("_similarity_kernel", "_row_kernel"):
         assert {(kernel, v) for v in VARIANTS} <= unaligned, kernel
     assert ("_tangent_kernel", "d=768") in unaligned
+    # and the descriptor designs with sizes not divisible by 16 (they take aligned buffers only)
+    odd = {(r["spec"]["variant"], r["spec"]["constexprs"]["PERSISTENT"]) for r in results
+           if r["spec"]["launch"] == "odd"}
+    assert {(v, p) for v in VARIANTS for p in (False, True)} <= odd
     # the descriptor design: every flag set, each config of its list
     from fastcl.kernels.contrastive import sim_configs
     desc = {(r["spec"]["variant"], r["spec"]["dtype"], r["spec"]["arch"],
@@ -101,8 +105,10 @@ def test_the_aligned_launch_pipelines_the_k_loop(subset):
     """What the compile check measures is the kernel a large-batch launch builds: its K loop
     loads through asynchronous copies (cp.async, TMA), several stages deep in shared memory."""
     _, results = subset
+    # (the default design's pointer loads: the descriptor designs' TMA copies are
+    # asynchronous whether or not their loop is pipelined)
     sims = [r for r in results if r["spec"]["kernel"] == "_similarity_kernel"
-            and r["spec"]["launch"] == "aligned"]
+            and r["spec"]["launch"] == "aligned" and not r["spec"]["constexprs"]["DESC"]]
     assert sims
     for r in sims:
         c = r["spec"]["constexprs"]
@@ -173,6 +179,34 @@ def test_kept_lists_come_from_the_candidates(monkeypatch):
     assert kc.sim_configs(f, "bfloat16", 90, legacy_list=True) == kc.LEGACY_SIM_CONFIGS
     monkeypatch.setenv("FASTCL_LEGACY", "tiles")
     assert legacy("tiles") and not legacy("configs")
+
+
+def test_the_engine_autotunes_over_the_switched_list(monkeypatch):
+    """What the GPU engine hands Triton's autotuner: the kept list, the list before it under
+    FASTCL_LEGACY=tiles, the first design's under FASTCL_LEGACY=configs (the autotuner
+    itself replaced: no GPU here)."""
+    import torch
+    from fastcl.kernels import contrastive as kc
+
+    handed = []
+
+    def autotune(configs, key):
+        handed.append([(c.kwargs["BLOCK_R"], c.kwargs["BLOCK_D"], c.num_warps, c.num_stages)
+                       for c in configs])
+        return lambda fn: object()
+    monkeypatch.setattr(kc, "INTERPRET", False)
+    monkeypatch.setattr(kc, "_arch", lambda index: 90)
+    monkeypatch.setattr(kc, "_TUNED", {})
+    monkeypatch.setattr(kc.triton, "autotune", autotune)
+    f = kc.VARIANTS["infonce"]
+    cuda = torch.device("cuda", 0)
+    for switch, expected in (("", kc.sim_configs(f, "bfloat16", 90)),
+                             ("tiles", kc.sim_configs(f, "bfloat16", 90, unaligned_lists=True)),
+                             ("configs", kc.LEGACY_SIM_CONFIGS)):
+        monkeypatch.setenv("FASTCL_LEGACY", switch)
+        kc._similarity(f, torch.bfloat16, cuda)
+        assert handed[-1] == [tuple(c) for c in expected], switch
+    assert handed[0] != handed[1]
 
 
 def test_resources_are_read(subset):
