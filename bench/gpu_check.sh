@@ -158,7 +158,7 @@ T=$(limit 125)
 stage targets "$T" 30 "$PY" bench/run.py --targets "${FAST[@]}" --time-budget $((T - 15)) \
     --out-stem "$STEM-targets" ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
 
-T=$(limit 70)
+T=$(limit 90)   # 11 variants × 3 cases, the candidate designs autotuning 3 tiles each
 stage ab "$T" 24 "$PY" bench/ab.py --time-budget $((T - 15)) --out-stem "$STEM-ab" \
     ${AB_ARGS[@]+"${AB_ARGS[@]}"}
 
