@@ -20,7 +20,7 @@ Time of a stage = max(FLOPs / (peak · eff), bytes / bandwidth) + launches · la
 GEMM-like stages run at efficiency eff = 1.0 of the preset peak (which is already a practical,
 measured-style ceiling) unless ``--sim-efficiency`` (the Triton similarity kernel) or
 ``--gemm-efficiency`` (the cuBLAS gradient GEMMs) say otherwise; for a preset with a GPU
-profile on record (``MEASURED_EFFICIENCY``: H200) the text adds the prediction with the
+profile on record (``MEASURED_TFLOPS``: H200) the text adds the prediction with the
 efficiencies that profile measured. Elementwise FLOPs are not counted, they are far below
 the memory time. A call =
 (C − 1) full chunks + the last chunk (its remaining rows) + the per-call stages.
@@ -85,16 +85,24 @@ DEVICES = {
 }
 GEMM_EFF = 1.0                     # GEMM-like stages reach the (already practical) preset peak
 
-#: Fractions of the preset peak that a GPU profile measured (kernel time of the similarity
-#: kernel and of the two cuBLAS gradient GEMMs over their FLOPs), for the calibrated line of
-#: the text. H200, the current design, N = M = 32768, d = 768, bf16, 8 chunks of 4096 rows,
+#: The TFLOP/s a GPU profile measured (FLOPs over kernel time of the similarity kernel and
+#: of the two cuBLAS gradient GEMMs); the text's calibrated line divides them by the preset's
+#: peak. H200, the current design, N = M = 32768, d = 768, bf16, 8 chunks of 4096 rows,
 #: the similarity tile 128×128×32 chosen then: similarity 3.995 ms for 2·N·M·d = 1.649 TFLOP
 #: (412.8 TFLOP/s), GEMMs 2.227 + 2.015 ms for twice that (777.6 TFLOP/s);
 #: bench/results/nvidia-h200-2026-11-30-profile.log.
-MEASURED_EFFICIENCY = {
-    "h200": dict(sim=412.8 / 790.0, gemm=777.6 / 790.0,
-                 source="bench/results/nvidia-h200-2026-11-30-profile.log"),
+MEASURED_TFLOPS = {
+    "h200": dict(sim=412.8, gemm=777.6, source="bench/results/nvidia-h200-2026-11-30-profile.log"),
 }
+
+
+def measured_efficiency(preset: str) -> dict | None:
+    """``MEASURED_TFLOPS`` of a preset as fractions of its bf16 peak (None if none measured)."""
+    m = MEASURED_TFLOPS.get(preset)
+    if m is None:
+        return None
+    peak = DEVICES[preset]["bf16"]
+    return dict(sim=m["sim"] / peak, gemm=m["gemm"] / peak, source=m["source"])
 
 MODEL_NOTE = "predicted from peak rates; bench/gpu_check.sh measures the real thing"
 
@@ -110,9 +118,8 @@ def _efficiency(st, eff):
     return eff["sim"] if st["key"] == "sim" else eff["gemm"]
 
 
-def _time(st, dev, eff=None):
+def _time(st, dev, eff):
     """Predicted seconds of one stage, and what bounds it."""
-    eff = eff or dict(sim=GEMM_EFF, gemm=GEMM_EFF)
     t_compute = st["flops"] / (dev["peak_tflops"] * 1e12 * _efficiency(st, eff))
     t_memory = (st["bytes_read"] + st["bytes_written"]) / (dev["bandwidth_tbs"] * 1e12)
     t_launch = st["launches"] * dev["launch_us"] * 1e-6
@@ -230,7 +237,7 @@ def _device(device, dtype, peak_tflops, bandwidth_tbs, launch_us):
                 launch_us=float(launch_us if launch_us is not None else base["launch_us"]))
 
 
-def _timed(stages, dev, eff=None):
+def _timed(stages, dev, eff):
     out = []
     for st in stages:
         sec, bound = _time(st, dev, eff)
@@ -356,7 +363,7 @@ def explain_text(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budge
         "  chunk buffers (MiB):       " + versus("{:.1f}".format, lambda x: x["chunk_buffer_mib"])
         + "   (old R·M·(4+b), new R·M·b; MB = 1e6 bytes above)",
     ]
-    measured = MEASURED_EFFICIENCY.get(dev["preset"])
+    measured = measured_efficiency(dev["preset"])
     if measured and dtype != "float32" and eff == dict(sim=GEMM_EFF, gemm=GEMM_EFF):
         rest = {k: v for k, v in kw.items() if k not in ("sim_efficiency", "gemm_efficiency")}
         cal = explain(n, m, d, dtype, device, memory_budget_mib, sim_efficiency=measured["sim"],

@@ -96,9 +96,7 @@ def set_legacy(variant: str) -> None:
     candidate design FASTCL_NAME=VALUE (with FASTCL_LEGACY empty)."""
     for name in OPT_IN:
         os.environ.pop(name, None)
-    if variant == NO_CHECKS:
-        os.environ["FASTCL_LEGACY"] = ""
-    elif "=" in variant:
+    if "=" in variant:
         name, value = (part.strip() for part in variant.split("=", 1))
         os.environ["FASTCL_LEGACY"] = ""
         os.environ[f"FASTCL_{name.upper()}"] = value
@@ -153,9 +151,11 @@ def compare(row: dict, base: dict | None, z, z_base, spec: dict) -> None:
 
 
 def measure_variant(spec, variant, device, args, mm) -> tuple[dict, object]:
-    set_legacy(variant)
-    if variant == NO_CHECKS:
+    if variant == NO_CHECKS:             # the current design, input checks off
+        set_legacy("")
         spec = {**spec, "input_checks": False}
+    else:
+        set_legacy(variant)
     row = {**spec, "variant": variant or "new",
            "fastcl_legacy": os.environ.get("FASTCL_LEGACY", ""),
            **{name.lower(): os.environ[name] for name in OPT_IN if name in os.environ}}
@@ -169,7 +169,6 @@ def measure_variant(spec, variant, device, args, mm) -> tuple[dict, object]:
             except Exception as exc:
                 row["compare_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     row["chosen_configs"] = chosen_configs()
-    row["autotune_ms"] = chosen_configs("autotune_timings")
     return row, z
 
 
@@ -199,18 +198,19 @@ def table(rows) -> str:
     return _report._render(HEAD, body, right=set(range(3, len(HEAD))))
 
 
-def autotune_table(rows) -> str:
-    """Every config autotuning timed in this run (the last row holds the process's all),
-    fastest first per key: what the tile lists are chosen by on a GPU."""
-    timed = next((r["autotune_ms"] for r in reversed(rows) if isinstance(r.get("autotune_ms"), dict)), {})
-    lines = ["\nautotune: median ms of each config tried (Triton's benchmark, per list and key)"]
-    for configs, keys in timed.items():
+def autotune_lines(timed) -> list:
+    """Every config autotuning timed in the process (fastcl's ``autotune_timings()``), fastest
+    first per list and key: what the tile lists are chosen by on a GPU."""
+    lines = []
+    for configs, keys in (timed if isinstance(timed, dict) else {}).items():
         for key, times in keys.items():
-            lines.append(f"  {configs}  key {key[:90]}")
+            lines.append(f"{configs}  key {key}")
             best = min(times.values()) if times else None
             for config, ms in sorted(times.items(), key=lambda kv: kv[1]):
-                lines.append(f"    {ms:9.4f} ms  {ms / best:5.2f}x  {config}")
-    return "\n".join(lines) if len(lines) > 1 else "\nautotune: no config was timed (one config a list, or no GPU)"
+                config = ", ".join(p for p in config.split(", ")
+                                   if not p.startswith(("num_ctas", "maxnreg")))
+                lines.append(f"  {ms:9.4f} ms  {ms / best:5.2f}x  {config}")
+    return lines
 
 
 def status(row, base) -> str:
@@ -232,7 +232,7 @@ def write(report, stem: Path) -> None:
     tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
     tmp.replace(f"{stem}.json")
     if report["rows"]:
-        _report.write_csv([{k: v for k, v in r.items() if k not in ("chosen_configs", "autotune_ms")}
+        _report.write_csv([{k: v for k, v in r.items() if k != "chosen_configs"}
                            for r in report["rows"]], Path(f"{stem}.csv"))
 
 
@@ -307,6 +307,7 @@ def main(argv=None) -> int:
                 elif row.get("ok"):
                     compare(row, base, z, z_base, spec)
                 report["rows"].append(row)
+                report["autotune_ms"] = chosen_configs("autotune_timings")
                 report["elapsed_s"] = time.perf_counter() - t0
                 write(report, stem)
                 print("  " + status(row, base), flush=True)
@@ -324,7 +325,9 @@ def main(argv=None) -> int:
     bad = [r for r in report["rows"] if r.get("same") is False]
     print(f"\nx new = time over the new design's; rel diff = against the new design "
           f"(loss; noise: ‖Δz‖/(steps·lr·√K)); {len(bad)} variant(s) disagree beyond tolerance")
-    print(autotune_table(report["rows"]))
+    lines = autotune_lines(report.get("autotune_ms"))
+    print("\nautotune: median ms of each config tried (Triton's benchmark, per list and key)\n"
+          + ("\n".join(lines) if lines else "no config was timed (one config a list, or no GPU)"))
     print(f"{time.perf_counter() - t0:.0f} s; wrote {stem}.json, {stem}.csv")
     return 1 if any(not r.get("ok") and not r.get("skipped") for r in report["rows"]) else 0
 

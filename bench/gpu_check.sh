@@ -236,9 +236,7 @@ out["ab"] = {"switches": ab.get("switches"), "matmul": ab.get("matmul"),
                                               "first_call_s", "peak_beyond_inputs_mib", "pct_of_matmul",
                                               "loss", "rel_diff", "same", "error", "chosen_configs")}
                       for r in ab.get("rows", [])]}
-# every config autotuning timed in the A/B process (the last row that has them holds them all)
-out["ab"]["autotune_ms"] = next((r["autotune_ms"] for r in reversed(ab.get("rows", []))
-                                 if isinstance(r.get("autotune_ms"), dict)), None)
+out["ab"]["autotune_ms"] = ab.get("autotune_ms")     # every config autotuning timed
 profile = load("profile") or {}
 out["profile"] = {k: profile.get(k) for k in ("n", "d", "dtype", "designs")}
 out["pytest"] = {name: pytest_summary(name) for name in ("tests-gpu", "tests-small")}
@@ -263,16 +261,9 @@ for r in out["ab"]["rows"]:
         + (f"  {r['pct_of_matmul']:.1f}% mm" if r.get("pct_of_matmul") is not None else "")
         + ("" if r.get("same") is not False else "  RESULT DIFFERS")
         if r.get("ok") else f"{'skipped' if 'time budget' in str(r.get('error')) else 'ERROR'}: {r.get('error')}"))
-def _short(config):      # "BLOCK_R: 128, BLOCK_D: 64, num_warps: 8, num_ctas: 1, num_stages: 3, ..."
-    return ", ".join(p for p in config.split(", ") if not p.startswith(("num_ctas", "maxnreg")))
-for configs, keys in (out["ab"]["autotune_ms"] or {}).items():
-    for key, times in keys.items():
-        ranked = sorted(times.items(), key=lambda kv: kv[1])
-        # the key: M, D, DC and the flags (FOCAL, HARD, MASK, RELEASED, POSITIVES, STORE_EXP);
-        # the argument dtypes after them are left out
-        flags = ", ".join(key.strip("()").split(", ")[:9])
-        print(f"== autotune {configs[len('_similarity_kernel'):]} key ({flags}): "
-              + "; ".join(f"{_short(c)} {ms:.3f} ms" for c, ms in ranked))
+from ab import autotune_lines
+for line in autotune_lines(out["ab"]["autotune_ms"]):
+    print("== autotune " + line)
 for name, p in (out["profile"].get("designs") or {}).items():
     if "error" in p:
         print(f"== profile {name}: ERROR {p['error']}")

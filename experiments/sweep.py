@@ -178,7 +178,7 @@ def verdict(diffs: list, spread: float) -> str:
     diffs = [d for d in diffs if d is not None]
     if len(diffs) < 2:
         return "within"
-    mean = sum(diffs) / len(diffs)
+    mean = mean_std(diffs)[0]
     if all(d > 0 for d in diffs) and mean > spread:
         return "better"
     if all(d < 0 for d in diffs) and mean < -spread:
@@ -196,8 +196,8 @@ def row(label, group, runs, baseline, extra=None) -> dict:
     out["stsb_dev"] = dict(zip(("mean", "std"), mean_std([best_dev(r) for r in runs])))
     out["diff_to_simcse"] = {str(s): (by_seed[s]["avg"] - baseline[s]["avg"])
                              if s in baseline and by_seed[s]["avg"] is not None else None for s in sorted(by_seed)}
-    diffs = [d for d in out["diff_to_simcse"].values() if d is not None]
-    out["mean_diff"] = sum(diffs) / len(diffs) if diffs else None
+    diffs = list(out["diff_to_simcse"].values())
+    out["mean_diff"] = mean_std(diffs)[0]
     out["spread"] = max(out["avg"]["std"] or 0.0,
                         mean_std([r["avg"] for r in baseline.values()])[1] or 0.0)
     out["vs_simcse"] = verdict(diffs, out["spread"])

@@ -599,13 +599,17 @@ def remove_export(out_dir) -> bool:
     versions = out_dir / VERSIONS_DIR
     if not versions.is_dir():
         return False
-    prefix = f"{VERSIONS_DIR}/"
-    for entry in out_dir.iterdir():
-        if entry.is_symlink() and os.readlink(entry).startswith(prefix):
-            entry.unlink()
+    for entry in _export_links(out_dir, f"{VERSIONS_DIR}/"):
+        entry.unlink()
     shutil.rmtree(versions)
     fsync_dir(out_dir)
     return True
+
+
+def _export_links(out_dir: Path, prefix: str) -> list:
+    """The entries of ``out_dir`` that are links into the export's versions under ``prefix``."""
+    return [entry for entry in out_dir.iterdir()
+            if entry.is_symlink() and os.readlink(entry).startswith(prefix)]
 
 
 def _link(path: Path, target: str) -> None:
@@ -645,9 +649,8 @@ def _publish(stage: Path, out_dir: Path) -> None:
     crash_point("export-links")
     _link(versions / CURRENT, version.name)  # the switch
     fsync_dir(versions)
-    prefix = f"{VERSIONS_DIR}/{CURRENT}/"
-    for entry in out_dir.iterdir():
-        if entry.is_symlink() and os.readlink(entry).startswith(prefix) and entry.name not in names:
+    for entry in _export_links(out_dir, f"{VERSIONS_DIR}/{CURRENT}/"):
+        if entry.name not in names:
             entry.unlink()
     clean_export_leftovers(out_dir)
     fsync_dir(out_dir)

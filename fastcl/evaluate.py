@@ -211,11 +211,15 @@ def cosine_spearman(emb1: torch.Tensor, emb2: torch.Tensor, gold) -> float:
     return float(spearmanr(cos, np.asarray(gold)).statistic * 100.0)
 
 
+def _finite(*embeddings: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(e).all()) for e in embeddings)
+
+
 def alignment_uniformity(emb1, emb2, gold, threshold: float = 4.0) -> dict:
     """Wang & Isola on STS pairs: alignment over pairs with gold ≥ ``threshold``,
     uniformity over every sentence of both sides; NaN for both when an embedding is not
     finite (the score is NaN then too, and its reason is reported with it)."""
-    if not (torch.isfinite(emb1).all() and torch.isfinite(emb2).all()):
+    if not _finite(emb1, emb2):
         return {"uniformity": math.nan, "alignment": math.nan}
     keep = torch.as_tensor(np.asarray(gold) >= threshold)
     out = {"uniformity": float(uniformity(torch.cat([emb1, emb2]).double()))}
@@ -232,7 +236,7 @@ def rounded_average(scores: dict):
 
 def undefined_reason(emb1: torch.Tensor, emb2: torch.Tensor) -> str:
     """Why the cosines of these embeddings have no rank correlation with the gold scores."""
-    if not (torch.isfinite(emb1).all() and torch.isfinite(emb2).all()):
+    if not _finite(emb1, emb2):
         return "the embeddings contain NaN or Inf"
     return "the model gives every pair the same cosine (constant embeddings?)"
 

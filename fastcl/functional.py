@@ -193,8 +193,7 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     phi = check.phi(phi)
     noise_ratio = _noise_ratio(noise_ratio)
     formulation = check.choice("formulation", formulation, ("paper", "released"))
-    symmetric = check.flag("symmetric", symmetric)
-    _check_symmetric(symmetric, n, n_pos)
+    symmetric = _check_symmetric(symmetric, n, n_pos)
     if formulation == "released":
         others = [name for name, on in (("focal_m", focal_m is not None),
                                          ("negatives", negatives is not None),
@@ -264,10 +263,12 @@ def _check_hard_negatives(hard_negative_weight, negatives, n_pos):
                          f"({n_pos} negatives), got {got}")
 
 
-def _check_symmetric(symmetric, n, n_pos):
+def _check_symmetric(symmetric, n, n_pos) -> bool:
+    symmetric = check.flag("symmetric", symmetric)
     if symmetric and n_pos != n:
         raise ValueError("symmetric=True needs every anchor of the batch in this call "
                          "(no anchor_offset slice)")
+    return symmetric
 
 
 def _noise_ratio(value):
@@ -312,8 +313,7 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
     temperature = check.positive("temperature", temperature)
     hard_negative_weight = check.finite("hard_negative_weight", hard_negative_weight)
     _check_hard_negatives(hard_negative_weight, negatives, positives.shape[0])
-    symmetric = check.flag("symmetric", symmetric)
-    _check_symmetric(symmetric, anchors.shape[0], positives.shape[0])
+    symmetric = _check_symmetric(symmetric, anchors.shape[0], positives.shape[0])
     chunk_size = check.chunk_size(chunk_size)
     return _contrastive(anchors, positives, negatives, temperature=temperature,
                         hard_negative_weight=hard_negative_weight, symmetric=symmetric,

@@ -154,6 +154,8 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
     h_pos = positives.detach().to(h.dtype)
     z = (draw_noise(num, h.shape[1], std=std, generator=generator, device=h.device)
          if noise is None else noise.detach()).to(h.dtype).clone()
+    # the paper's positive term is constant in Z: it sets the value of L_U, not the step
+    positive = row_cosine(h, h_pos[anchor_offset:anchor_offset + h.shape[0]]) / temperature
     for _ in range(steps):
         z.requires_grad_(True)
         with torch.enable_grad():
@@ -161,9 +163,6 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
                 logits = cosine_matrix(h, torch.cat([h_pos, z])) / temperature
                 loss = F.cross_entropy(logits, _labels(h.shape[0], h.device, anchor_offset))
             else:
-                # constant in Z: it sets the printed loss, not the step
-                own = h_pos[anchor_offset:anchor_offset + h.shape[0]]
-                positive = row_cosine(h, own) / temperature
                 loss = (-positive + torch.logsumexp(cosine_matrix(h, z) / temperature, dim=1)).mean()
             (grad,) = torch.autograd.grad(loss, z)
         norm = grad.norm(dim=1, keepdim=True)

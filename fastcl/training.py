@@ -114,8 +114,9 @@ def embed_views(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: list
     for name, feats in view_inputs(obj, tokenizer, batch, max_length, device):
         outputs[name] = forward(obj, encoder, name, feats)
     out = assemble_views(obj, outputs, len(batch))
-    if obj.spec.complementary and obj.complementary is not None:
-        out["complementary"] = complementary_views(obj, batch, max_length)
+    complementary = complementary_views(obj, batch, max_length)
+    if complementary is not None:
+        out["complementary"] = complementary
     return out
 
 
@@ -124,7 +125,9 @@ def complementary_views(obj: Objective, sentences: list, max_length: int,
     """``(c, c⁺)`` of the frozen complementary encoder, no_grad, float32; with
     ``mini_batch_size``, in forwards of at most that many sentences. ``frozen``: eval mode,
     one view (c⁺ = c). ``released`` (the authors' code): dropout on, the duplicated batch,
-    c and c⁺ its halves."""
+    c and c⁺ its halves. None when the method takes no complementary model or none is set."""
+    if not obj.spec.complementary or obj.complementary is None:
+        return None
     comp = obj.complementary
     released = obj.complementary_mode == "released"
     comp.train(released)
@@ -238,10 +241,8 @@ def cached_backward(obj: Objective, encoder: SentenceEncoder, tokenizer, batch: 
             cached[name] = torch.cat(parts).requires_grad_(True)
         # as in the ordinary step: after the views, under autocast, and before the state the
         # next step starts from (the released mode's dropout draws from it)
-        complementary = None
-        if obj.spec.complementary and obj.complementary is not None:
-            with amp():
-                complementary = complementary_views(obj, batch, max_length, mini_batch_size)
+        with amp():
+            complementary = complementary_views(obj, batch, max_length, mini_batch_size)
     after = _rng_snapshot(device)
     views = assemble_views(obj, cached, len(batch))
     if complementary is not None:

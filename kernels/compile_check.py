@@ -63,11 +63,10 @@ FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps"}
 #: aligned buffers (what the descriptor designs take with sizes not divisible by 16).
 LAUNCHES = {
     "aligned": dict(aligned=True, R=3072, M=32768, D=768, DC=768, first_pos=3072, n_pos=32768,
-                    T=256, stride_part=256),
+                    T=256),
     "unaligned": dict(aligned=False, R=1000, M=1000, D=130, DC=130, first_pos=1000,
-                      n_pos=1000, T=8, stride_part=8),
-    "odd": dict(aligned=True, R=1000, M=1000, D=768, DC=768, first_pos=1000, n_pos=1000,
-                T=8, stride_part=8),
+                      n_pos=1000, T=8),
+    "odd": dict(aligned=True, R=1000, M=1000, D=768, DC=768, first_pos=1000, n_pos=1000, T=8),
 }
 
 
@@ -217,10 +216,13 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
                 # a mode other than the one the objective stores is launched only by the first
                 # design's epilogue (FASTCL_LEGACY=epilogue): kept for timing, spills reported
                 other = store_exp != exp
-                for configs, old in lists:
+                seen = set()                 # a config in several lists compiles once, as
+                for configs, old in lists:   # the first (the kept list, when it is there)
                     for config in configs:
-                        specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, store_exp,
-                                               config, legacy=old or other))
+                        if tuple(config) not in seen:
+                            seen.add(tuple(config))
+                            specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, store_exp,
+                                                   config, legacy=old or other))
                 # the descriptor design (FASTCL_SIM=descriptor) and its persistent form: the
                 # subset in the mode the objective stores, the rest in the first design's
                 # epilogue mode
@@ -271,7 +273,7 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
 #: Integer arguments that take the value of another one in every launch.
 SAME_AS = {"stride_q": "D", "stride_k": "D", "stride_u": "D", "stride_x": "D", "stride_out": "D",
            "stride_x_hat": "D", "stride_cq": "DC", "stride_ck": "DC", "stride_t": "M",
-           "stride_g": "M", "stride_s": "M"}
+           "stride_g": "M", "stride_s": "M", "stride_part": "T"}
 
 
 def _launch_specialization(value):

@@ -699,6 +699,10 @@ def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False,
     return by_arch.get(arch, {}).get(key, default[key])
 
 
+def _device_index(device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -715,12 +719,13 @@ _AUTOTUNE_KEY = ["M", "D", "DC", "FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES
 
 
 def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
-    """The similarity kernel for these flags: autotuned on GPU (the flags are in the key, so
-    each objective gets its own choice), the bare kernel under the interpreter."""
+    """The similarity kernel for these flags and its key in ``_TUNED``: autotuned on GPU (the
+    flags are in the autotune key, so each objective gets its own choice), the bare kernel
+    (key None) under the interpreter."""
     if INTERPRET:
-        return _similarity_kernel
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    configs = sim_configs(f, dtype, _arch(index), legacy("configs"), design, legacy("tiles"))
+        return _similarity_kernel, None
+    configs = sim_configs(f, dtype, _arch(_device_index(device)), legacy("configs"), design,
+                          legacy("tiles"))
     if autotune_pinned():
         configs = configs[:1]
     key = (design, tuple(configs))         # one autotuner per design and config list
@@ -731,7 +736,7 @@ def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
                                    num_warps=c[2], num_stages=c[3])
                      for c in configs],
             key=_AUTOTUNE_KEY)(_similarity_kernel)
-    return _TUNED[key]
+    return _TUNED[key], key
 
 
 def descriptor_ready(*tensors) -> bool:
@@ -776,16 +781,15 @@ def _tuner_name(key) -> str:
 _TIMINGS = {}
 
 
-def _note_timings(tuner, tuned_before: int) -> None:
-    """After a launch through ``tuner``: if it tuned a new key, keep the median time (ms) of
-    every config it measured (nothing when there was one config to try)."""
+def _note_timings(tuner, tuned, tuned_before: int) -> None:
+    """After a launch through ``tuner`` (``_TUNED[tuned]``): if it tuned a new key, keep the
+    median time (ms) of every config it measured (nothing when there was one config to try)."""
     if len(tuner.cache) <= tuned_before:
         return
     key = next(reversed(tuner.cache))
     timings = getattr(tuner, "configs_timings", None) or {}
     if tuner.cache[key] not in timings:
         return
-    tuned = next((k for k, t in _TUNED.items() if t is tuner), ("?", ()))
     _TIMINGS[(tuned, key)] = {
         str(config): float(t[0] if isinstance(t, (list, tuple)) else t)
         for config, t in timings.items()}
@@ -796,7 +800,10 @@ def autotune_timings() -> dict:
     {config: ms}}}."""
     out = {}
     for (tuned, key), times in _TIMINGS.items():
-        out.setdefault(_tuner_name(tuned), {})[str(key)] = times
+        # the key by name (its argument dtypes after these left out)
+        name = (", ".join(f"{n}={v}" for n, v in zip(_AUTOTUNE_KEY, key))
+                if isinstance(key, tuple) else str(key))
+        out.setdefault(_tuner_name(tuned), {})[name] = times
     return out
 
 
@@ -837,8 +844,7 @@ def _launch_similarity(ep, c, f, store_exp):
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     pos = torch.empty(R, dtype=torch.float32, device=dev)   # every row's positive is written
     if design == "persistent":            # one program per SM (3 in the interpreter: a loop)
-        slots = 3 if INTERPRET else _sm_count(dev.index if dev.index is not None
-                                              else torch.cuda.current_device())
+        slots = 3 if INTERPRET else _sm_count(_device_index(dev))
         grid = lambda meta: (min(triton.cdiv(R, meta["BLOCK_R"]) * tiles, slots),)
         extra = dict(DESC=True, PERSISTENT=True, **(DESC_FIXED if INTERPRET else {}))
     elif design == "descriptor":          # 1-D, in groups of GROUP_R row blocks
@@ -848,8 +854,8 @@ def _launch_similarity(ep, c, f, store_exp):
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
         extra = dict(DESC=False, PERSISTENT=False, GROUP_R=1,
                      **(SIM_FIXED if INTERPRET else {}))
-    kernel = _similarity(f, c.q.dtype, c.q.device, design)
-    tuned_before = None if INTERPRET else len(kernel.cache)
+    kernel, tuned = _similarity(f, c.q.dtype, c.q.device, design)
+    tuned_before = None if tuned is None else len(kernel.cache)
     kernel[grid](
         c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos,
         R, M, d, dc, c.first_pos, c.n_pos,
@@ -857,8 +863,8 @@ def _launch_similarity(ep, c, f, store_exp):
         1.0 / ep.temperature, float(ep.focal_m or 0.0), float(ep.hard_negative_weight),
         float(ep.phi or 0.0),
         PREC=_precision(c.q.dtype), STORE_EXP=store_exp, BLOCK_M=SIM_BLOCK_M, **f, **extra)
-    if tuned_before is not None:
-        _note_timings(kernel, tuned_before)
+    if tuned is not None:
+        _note_timings(kernel, tuned, tuned_before)
     return t, part_max, part_sum, pos
 
 

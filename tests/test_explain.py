@@ -103,7 +103,7 @@ def test_efficiencies_slow_their_own_stages():
 
 def test_calibrated_line_uses_the_measured_efficiencies():
     t = _explain.explain_text(N, d=D, device="h200")
-    measured = _explain.MEASURED_EFFICIENCY["h200"]
+    measured = _explain.measured_efficiency("h200")
     cal = _explain.explain(N, d=D, device="h200", sim_efficiency=measured["sim"],
                            gemm_efficiency=measured["gemm"])["designs"]["new"]
     assert "calibrated" in t and measured["source"] in t

@@ -164,24 +164,23 @@ def test_autotune_timings_keep_every_tuned_key(monkeypatch):
     from types import SimpleNamespace
 
     from fastcl.kernels import contrastive as kc
-    monkeypatch.setattr(kc, "_TUNED", {})
     monkeypatch.setattr(kc, "_TIMINGS", {})
     configs = ((128, 64, 8, 3), (64, 64, 8, 3))
+    tuned = ("", configs)
     tuner = SimpleNamespace(cache={}, configs_timings=None)
-    kc._TUNED[("", configs)] = tuner
     tuner.cache["key1"] = "big"
     tuner.configs_timings = {"big": [1.0, 0.9, 1.1], "small": [2.0, 1.9, 2.1]}
-    kc._note_timings(tuner, 0)
+    kc._note_timings(tuner, tuned, 0)
     tuner.cache["key2"] = "small"
     tuner.configs_timings = {"big": [3.0, 2.9, 3.1], "small": [2.5, 2.4, 2.6]}
-    kc._note_timings(tuner, 1)
-    kc._note_timings(tuner, 2)                     # no new key: nothing changes
+    kc._note_timings(tuner, tuned, 1)
+    kc._note_timings(tuner, tuned, 2)              # no new key: nothing changes
     name = f"_similarity_kernel[default]{list(configs)}"
     assert kc.autotune_timings() == {name: {"key1": {"big": 1.0, "small": 2.0},
                                             "key2": {"big": 3.0, "small": 2.5}}}
     tuner.cache["key3"] = "big"                    # one config: nothing was timed for it
     tuner.configs_timings = {"other": [1.0]}
-    kc._note_timings(tuner, 2)
+    kc._note_timings(tuner, tuned, 2)
     assert set(kc.autotune_timings()[name]) == {"key1", "key2"}
     # the attribute read is the one Triton's autotuner writes
     import inspect

@@ -26,11 +26,14 @@ def json_safe(value):
     return value
 
 
-def append_log(out: Path, record: dict, rank: int = 0) -> None:
+def append_log(out: Path, record: dict, rank: int = 0) -> dict | None:
+    """Append ``record`` to the log (rank 0 only); returns it as written (``json_safe``)."""
     if rank:
-        return
+        return None
+    safe = json_safe(record)
     with open(out / LOG, "a", encoding="utf-8") as f:
-        f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+        f.write(json.dumps(safe, allow_nan=False) + "\n")
+    return safe
 
 
 def read_log(out: Path) -> list:

@@ -241,8 +241,7 @@ def resume(run: Run) -> None:
         run.records = truncate_log(run.out, run.state["step"])
         done = any(r.get("type") == "step" and r["step"] == run.state["step"] for r in run.records)
         if pending is not None and not done:
-            append_log(run.out, pending)
-            run.records.append(json_safe(pending))
+            run.records.append(append_log(run.out, pending))
 
 
 def export(run: Run) -> None:
@@ -294,9 +293,9 @@ def model_card(run: Run, evaluation: dict | None) -> ModelCard:
 
 def log(run: Run, record: dict) -> None:
     """Append ``record`` to the log (rank 0) and hand it to the --report-to trackers."""
-    append_log(run.out, record, run.rank)
-    if run.rank == 0:
-        run.records.append(json_safe(record))  # as read back from the log
+    written = append_log(run.out, record, run.rank)
+    if written is not None:
+        run.records.append(written)             # as read back from the log
     if run.reporter is not None:
         run.reporter.write(record)
 
