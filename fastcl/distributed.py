@@ -21,6 +21,7 @@ agreeing on a stop signal.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -156,7 +157,21 @@ def init_from_environment(device: str | None = None) -> None:
     cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    join_group("nccl" if cuda else "gloo")
+
+
+def join_group(backend: str, **kwargs) -> None:
+    """``dist.init_process_group(backend, **kwargs)``, such that ``destroy_process_group``
+    later really ends the group.
+
+    torch.distributed.nn.functional binds the default group into its functions' defaults when
+    first imported. Imported after the group exists (torch's sharded-tensor code does so
+    lazily), it keeps the group alive past destroy_process_group, with gloo's workers still
+    running at interpreter shutdown, where one that frees its last collective's tensors
+    aborts the process. Imported first, its defaults hold None.
+    """
+    importlib.import_module("torch.distributed.nn.functional")
+    dist.init_process_group(backend, **kwargs)
 
 
 def seed_dropout(seed: int, rank: int) -> None:

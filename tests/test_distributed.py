@@ -1,6 +1,7 @@
 """Global negatives across processes: two gloo processes on CPU give the loss and gradients of
 one process on the concatenated batch."""
 
+import importlib
 import os
 import random
 import socket
@@ -33,7 +34,7 @@ def spawn(fn, *args):
 
 def join(rank, port):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    distributed.join_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
 
 
 def objective(method):
@@ -174,6 +175,37 @@ def test_a_chunked_train_step_on_two_processes_equals_one_process(tmp_path, tiny
             assert got_loss == pytest.approx(loss, rel=1e-5), method
             for k in params:
                 torch.testing.assert_close(got[k], params[k], atol=1e-5, rtol=1e-5, msg=f"{method} {k}")
+
+
+def _gloo_threads() -> list[str]:
+    return [name for name in (open(f"/proc/self/task/{t}/comm").read().strip()
+                              for t in os.listdir("/proc/self/task")) if "gloo" in name]
+
+
+def _leave_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    distributed.init_from_environment("cpu")
+    # torch's sharded-tensor code imports this module lazily, after the group exists
+    importlib.import_module("torch.distributed.nn.functional")
+    distributed.gather_objects(rank)
+    running = _gloo_threads()
+    dist.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{len(running)} {len(_gloo_threads())}")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through /proc (Linux)")
+def test_leaving_the_group_stops_its_threads(tmp_path):
+    # A group that outlives destroy_process_group keeps gloo's workers running into
+    # interpreter shutdown, where one that frees its last collective's tensors (it needs the
+    # GIL) aborts the process: torchrun then reports a finished run as failed.
+    spawn(_leave_worker, str(tmp_path))
+    for r in range(WORLD):
+        before, after = map(int, (tmp_path / f"rank{r}.txt").read_text().split())
+        assert before > 0, "no gloo thread seen while the group was up: the check sees nothing"
+        assert after == 0, f"rank {r}: {after} gloo thread(s) still run after destroy_process_group"
 
 
 # ---------------------------------------------------------------------------------------

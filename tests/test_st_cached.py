@@ -295,7 +295,7 @@ def _gather_worker(rank, port, out, path):
     from fastcl import distributed
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    distributed.join_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     model, guide = load_model(path).eval(), load_model(path).eval()
     model[0].model.embeddings.word_embeddings.weight.requires_grad_(False)  # as in `model` above
     rows = slice(rank * len(GLOBAL) // WORLD, (rank + 1) * len(GLOBAL) // WORLD)
