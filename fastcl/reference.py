@@ -155,7 +155,8 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
     z = (draw_noise(num, h.shape[1], std=std, generator=generator, device=h.device)
          if noise is None else noise.detach()).to(h.dtype).clone()
     # the paper's positive term is constant in Z: it sets the value of L_U, not the step
-    positive = row_cosine(h, h_pos[anchor_offset:anchor_offset + h.shape[0]]) / temperature
+    positive = (None if formulation == "released" or not steps else
+                row_cosine(h, h_pos[anchor_offset:anchor_offset + h.shape[0]]) / temperature)
     for _ in range(steps):
         z.requires_grad_(True)
         with torch.enable_grad():
