@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""Explain: an analytic per-chunk cost model of fastcl's GPU infonce forward+backward.
+"""Explain: an analytic per-chunk cost model of fastcl's GPU infonce forward+backward, for
+the design as built.
 
-    python bench/_explain.py 32768 --device h200          # old vs new design, side by side
+    python bench/_explain.py 32768 --device h200
     python bench/_explain.py 8192 --dtype float32 --device a100
     python bench/_explain.py 32768 --device custom --peak-tflops 500 --bandwidth-tbs 3
     python bench/run.py --explain 32768                   # the same text from the bench
 
 This is a MODEL, not a measurement: every figure is predicted from peak rates (device
-presets below); ``bench/gpu_check.sh`` measures the real thing. It exists to show where the
-time of a call goes and why the new design ("v2", the default) should beat the old one
-("v1", restored with ``FASTCL_LEGACY=all``).
+presets below); ``bench/gpu_check.sh`` measures the real thing. It shows where the time of a
+call goes. A design change is measured between commits (``bench/ab.py --base``), and this
+model follows the code it is run with: chunk rows come from ``fastcl.tiled.rows_per_chunk``.
 
 Notation: N anchors, M candidates (M = N for infonce), d width, b bytes per element of the
 GEMM dtype (2 for bfloat16/float16, 4 for float32), R rows per chunk, C = ceil(N/R) chunks,
@@ -22,26 +23,14 @@ measured-style ceiling) unless ``--sim-efficiency`` (the Triton similarity kerne
 ``--gemm-efficiency`` (the cuBLAS gradient GEMMs) say otherwise; for a preset with a GPU
 profile on record (``MEASURED_TFLOPS``: H200) the text adds the prediction with the
 efficiencies that profile measured. Elementwise FLOPs are not counted, they are far below
-the memory time. A call =
-(C − 1) full chunks + the last chunk (its remaining rows) + the per-call stages.
+the memory time. A call = (C − 1) full chunks + the last chunk (its remaining rows) + the
+per-call stages.
 
-Chunk rows (the CUDA budgets of fastcl.tiled unless ``memory_budget_mib`` says otherwise):
-  old  R = floor(128 MiB / (M·(4+b)) / 16)·16      (fp32 s plus G′ in the GEMM dtype per entry)
-  new  R = floor(min(256 MiB / (M·b), 3072) / 128)·128   (one R×M buffer in the GEMM dtype,
-                                                   at most 3072 rows; at least 128 unless N < 128)
-(the budgets and the 3072-row cap are read from fastcl.tiled, so the model follows them).
-Both are capped at N.
+Chunk rows: fastcl's CUDA sizing, ``fastcl.tiled.rows_per_chunk`` for the Triton engine's
+one R×M buffer in the GEMM dtype (the default budget, at least ``MIN_CHUNK_ROWS`` where a
+quarter of the preset's memory holds them; ``memory_budget_mib`` replaces both).
 
-Old design, per chunk:
-  similarity kernel       1 launch, 2RMd FLOPs; reads R·d·b + M·d·b; writes s R·M·4, partials R·T·8
-  row LSE + loss (torch)  6 + 2 launches; each reads/writes ≈ 3·R·T·4 (loss: R-sized)
-  gradient kernel         1 launch; reads s R·M·4; writes G′ R·M·b
-  small torch ops         4 launches; Q chunk copy R·d·b read + write, loss accumulate
-  GEMM G′K → fp32         1 launch, 2RMd; reads R·M·b + M·d·b; writes R·d·4
-  tangent on dq           5 launches; reads ≈ 4·R·d·4, writes ≈ 4·R·d·4
-  GEMM G′ᵀQ → fresh tmp   1 launch, 2RMd; reads R·M·b + R·d·b; writes M·d·4
-  dk += tmp               1 launch; reads 2·M·d·4; writes M·d·4
-New design, per chunk:
+Per chunk:
   similarity kernel       1 launch, 2RMd; reads R·d·b + M·d·b; writes e = exp(l − tile max)
                           R·M·b, partials R·T·8
   row kernel              1 launch (one program per row); reads partials R·T·8 and e R·M·b;
@@ -51,11 +40,9 @@ New design, per chunk:
                           writes 2·R·d·b
   GEMM dk += Hᵀq̂          1 launch (addmm, beta=1, in place, fp32 accumulator), 2RMd;
                           reads R·M·b + R·d·b + M·d·4; writes M·d·4
-Per call, old: norms of Q and K (2 launches, read N·d·b + M·d·b), dk zero (write M·d·4),
-final tangent on dk (5 launches, ≈ 4·M·d·4 read and written), cast of dk to the input dtype
-(read M·d·4, write M·d·b), input NaN check (2 launches, read N·d·b + M·d·b). New: the same,
-but the tangent on dk is one launch that writes the input dtype (read M·d·(4+b), write
-M·d·b; no cast), and 3 launches of row weights and scales.
+Per call: norms of Q and K (2 launches, read N·d·b + M·d·b), dk zero (write M·d·4), 3
+launches of row weights and scales, the tangent on dk in one launch that writes the input
+dtype (read M·d·(4+b), write M·d·b), the input NaN check (2 launches, read N·d·b + M·d·b).
 """
 from __future__ import annotations
 
@@ -64,24 +51,24 @@ import json
 import math
 import sys
 
-from fastcl.tiled import DEFAULT_MEMORY_BUDGET, LEGACY_MEMORY_BUDGET, MAX_CHUNK_ROWS
+from fastcl.tiled import DEFAULT_MEMORY_BUDGET, Epilogue, rows_per_chunk
 
 BLOCK_M = 128                      # column tile of the Triton kernels
 MIB = 1 << 20
-MAX_ROWS_NEW = MAX_CHUNK_ROWS["cuda"]
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 # Practical ceilings, not datasheet peaks (TFLOP/s, TB/s). fp32 is the non-tensor-core rate:
 # fastcl computes fp32 products exactly ("ieee"), so TF32 is listed for reference only.
 DEVICES = {
     # bf16: measured torch.mm 8192³ on an H200; HBM: measured device-to-device copy.
-    "h200": dict(name="H200", bf16=790.0, tf32=395.0, fp32=60.0, hbm=4.3, sms=132, launch_us=4.0),
+    "h200": dict(name="H200", bf16=790.0, tf32=395.0, fp32=60.0, hbm=4.3, sms=132, launch_us=4.0,
+                 memory_gib=139),
     # H100 SXM: ≈ 0.76 of the 989 (bf16) / 494 (tf32) datasheet; 0.85 of 3.35 TB/s.
     "h100": dict(name="H100 SXM", bf16=750.0, tf32=375.0, fp32=60.0, hbm=3.35 * 0.85, sms=132,
-                 launch_us=4.0),
+                 launch_us=4.0, memory_gib=80),
     # A100 SXM 80GB: 0.9 of the 312 (bf16) / 156 (tf32) datasheet; 0.85 of 2.0 TB/s.
     "a100": dict(name="A100 SXM 80GB", bf16=280.0, tf32=140.0, fp32=19.5, hbm=2.0 * 0.85,
-                 sms=108, launch_us=4.0),
+                 sms=108, launch_us=4.0, memory_gib=80),
 }
 GEMM_EFF = 1.0                     # GEMM-like stages reach the (already practical) preset peak
 
@@ -129,40 +116,15 @@ def _time(st, dev, eff):
     return max(t_compute, t_memory) + t_launch, bound
 
 
-def rows_old(n, m, b, budget):
-    """v1: the budget pays for fp32 s and G′ (GEMM dtype) per entry; rows in steps of 16."""
-    r = budget // (m * (4 + b)) // 16 * 16
-    return min(max(r, 16), n)
+def chunk_rows(n, m, b, memory_gib, memory_budget_mib=None):
+    """R: the driver's CUDA sizing for the Triton engine's one R×M buffer in the GEMM dtype."""
+    ep = Epilogue(0.05, memory_budget=None if memory_budget_mib is None
+                  else int(memory_budget_mib * MIB))
+    return rows_per_chunk(n, m, ep, m * b, "cuda", BLOCK_M, lambda: memory_gib * 2**30)
 
 
-def rows_new(n, m, b, budget):
-    """v2: the budget pays for one R×M buffer in the GEMM dtype, at most MAX_ROWS_NEW rows; rows in
-    128-row tiles."""
-    r = min(budget // (m * b), MAX_ROWS_NEW) // BLOCK_M * BLOCK_M
-    return min(max(r, BLOCK_M), n)
-
-
-def chunk_old(r, m, d, b):
-    """Stages of one v1 chunk of r rows."""
-    t = math.ceil(m / BLOCK_M)
-    g = 2 * r * m * d
-    return [
-        _stage("sim", "similarity kernel → fp32 s", 1, g, r * d * b + m * d * b, r * m * 4 + r * t * 8),
-        # 6 launches for the LSE from the tile partials, 2 for the loss
-        _stage("lse", "row LSE + loss (torch)", 8, 0, 6 * 3 * r * t * 4 + 2 * r * 4,
-               6 * 3 * r * t * 4 + r * 4 + 4),
-        _stage("grad", "gradient kernel s → G′", 1, 0, r * m * 4 + r * 4, r * m * b),
-        _stage("prep", "Q chunk copy, loss acc", 4, 0, r * d * b + 8, r * d * b + 4),
-        _stage("gemm_dq", "GEMM G′K → fp32", 1, g, r * m * b + m * d * b, r * d * 4),
-        _stage("tan_dq", "tangent on dq", 5, 0, 4 * r * d * 4, 4 * r * d * 4),
-        # a fresh M×d fp32 temporary per chunk, then an extra full pass to add it
-        _stage("gemm_dk", "GEMM G′ᵀQ → fresh tmp", 1, g, r * m * b + r * d * b, m * d * 4),
-        _stage("dk_add", "dk += tmp", 1, 0, 2 * m * d * 4, m * d * 4),
-    ]
-
-
-def chunk_new(r, m, d, b):
-    """Stages of one v2 chunk of r rows."""
+def chunk_stages(r, m, d, b):
+    """Stages of one chunk of r rows."""
     t = math.ceil(m / BLOCK_M)
     g = 2 * r * m * d
     return [
@@ -176,19 +138,8 @@ def chunk_new(r, m, d, b):
     ]
 
 
-def per_call_old(n, m, d, b):
-    """Stages run once per call in v1."""
-    return [
-        _stage("norms", "norms of Q and K", 2, 0, n * d * b + m * d * b, (n + m) * 4),
-        _stage("dk_zero", "dk zero", 1, 0, 0, m * d * 4),
-        _stage("tan_dk", "tangent on dk", 5, 0, 4 * m * d * 4, 4 * m * d * 4),
-        _stage("cast_dk", "cast dk to input dtype", 1, 0, m * d * 4, m * d * b),
-        _stage("nan_check", "input NaN check", 2, 0, n * d * b + m * d * b, 8),
-    ]
-
-
-def per_call_new(n, m, d, b):
-    """Stages run once per call in v2: one tangent launch writes the input dtype."""
+def per_call_stages(n, m, d, b):
+    """Stages run once per call: one tangent launch writes the input dtype."""
     return [
         _stage("norms", "norms of Q and K", 2, 0, n * d * b + m * d * b, (n + m) * 4),
         _stage("dk_zero", "dk zero", 1, 0, 0, m * d * 4),
@@ -198,39 +149,18 @@ def per_call_new(n, m, d, b):
     ]
 
 
-# The stage rows of the side-by-side table, in order (a design lacking one shows "—").
-CHUNK_ROWS = [
-    ("sim", "similarity GEMM"),
-    ("lse", "row LSE + loss"),
-    ("grad", "gradient / row kernel"),
-    ("prep", "small torch ops"),
-    ("gemm_dq", "GEMM dq = G K"),
-    ("tan_dq", "tangent on dq"),
-    ("gemm_dk", "GEMM dk ← Gᵀ Q"),
-    ("dk_add", "dk += tmp"),
-]
-CALL_ROWS = [("norms", "norms of Q, K"), ("dk_zero", "dk zero"), ("weights", "row weights"),
-             ("tan_dk", "tangent on dk"), ("cast_dk", "cast dk"), ("nan_check", "input NaN check")]
-
-# name: (label, rows, chunk stages, per-call stages, chunk buffer bytes, default budget MiB)
-_DESIGNS = {"old": ("v1, FASTCL_LEGACY=all", rows_old, chunk_old, per_call_old,
-                    lambda r, m, b: r * m * (4 + b), LEGACY_MEMORY_BUDGET["cuda"] // MIB),
-            "new": ("v2, default", rows_new, chunk_new, per_call_new, lambda r, m, b: r * m * b,
-                    DEFAULT_MEMORY_BUDGET["cuda"] // MIB)}
-
-
 def _device(device, dtype, peak_tflops, bandwidth_tbs, launch_us):
     if device == "custom":
         if peak_tflops is None or bandwidth_tbs is None:
             raise ValueError("device 'custom' needs peak_tflops and bandwidth_tbs")
         base = dict(name="custom", bf16=peak_tflops, tf32=peak_tflops, fp32=peak_tflops,
-                    hbm=bandwidth_tbs, sms=None, launch_us=4.0)
+                    hbm=bandwidth_tbs, sms=None, launch_us=4.0, memory_gib=80)
     elif device in DEVICES:
         base = DEVICES[device]
     else:
         raise ValueError(f"unknown device {device!r}; one of {sorted(DEVICES) + ['custom']}")
     peak = base["fp32"] if dtype == "float32" else base["bf16"]
-    return dict(preset=device, name=base["name"], sms=base["sms"],
+    return dict(preset=device, name=base["name"], sms=base["sms"], memory_gib=base["memory_gib"],
                 peak_tflops=float(peak_tflops if peak_tflops is not None else peak),
                 peak_kind="fp32 (no TF32)" if dtype == "float32" else f"{dtype} tensor core",
                 bandwidth_tbs=float(bandwidth_tbs if bandwidth_tbs is not None else base["hbm"]),
@@ -250,7 +180,7 @@ def _sum(stages, field):
 
 
 def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib=None,
-            design="both", peak_tflops=None, bandwidth_tbs=None, launch_us=None,
+            peak_tflops=None, bandwidth_tbs=None, launch_us=None,
             sim_efficiency=GEMM_EFF, gemm_efficiency=GEMM_EFF):
     """The cost model as a JSON-serialisable dict (see the module docstring for the formulas).
     ``sim_efficiency`` / ``gemm_efficiency``: the fractions of the peak the similarity kernel
@@ -261,40 +191,33 @@ def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib
     eff = dict(sim=sim_efficiency, gemm=gemm_efficiency)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}")
-    if design not in ("both", "old", "new"):
-        raise ValueError("design must be 'both', 'old' or 'new'")
     m = n if m is None else m
     b = DTYPE_BYTES[dtype]
     dev = _device(device, dtype, peak_tflops, bandwidth_tbs, launch_us)
     useful = 6 * n * m * d
 
-    designs = {}
-    for name in (("old", "new") if design == "both" else (design,)):
-        label, rows_fn, chunk_fn, call_fn, buf_fn, default_mib = _DESIGNS[name]
-        budget_mib = default_mib if memory_budget_mib is None else memory_budget_mib
-        r = rows_fn(n, m, b, int(budget_mib * MIB))
-        once = _timed(call_fn(n, m, d, b), dev, eff)
-        c = math.ceil(n / r)
-        last = n - (c - 1) * r                      # rows of the last (maybe short) chunk
-        full = _timed(chunk_fn(r, m, d, b), dev, eff)
-        tail = _timed(chunk_fn(last, m, d, b), dev, eff)
-        total_us = (c - 1) * _sum(full, "us") + _sum(tail, "us") + _sum(once, "us")
-        per_chunk = {f: _sum(full, f) for f in ("launches", "flops", "bytes_read", "bytes_written", "us")}
-        designs[name] = dict(
-            label=label, memory_budget_mib=budget_mib, rows=r, chunks=c, last_rows=last, tiles=math.ceil(m / BLOCK_M),
-            chunk_buffer_mib=buf_fn(r, m, b) / MIB,
-            chunk_stages=full, per_chunk=per_chunk, per_call_stages=once,
-            total=dict(
-                launches=(c - 1) * per_chunk["launches"] + _sum(tail, "launches") + _sum(once, "launches"),
-                flops=(c - 1) * per_chunk["flops"] + _sum(tail, "flops") + _sum(once, "flops"),
-                bytes=sum((c - 1) * _sum(full, f) + _sum(tail, f) + _sum(once, f)
-                          for f in ("bytes_read", "bytes_written")),
-                us=total_us, ms=total_us / 1e3),
-            fraction_of_matmul=useful / (total_us * 1e-6) / (dev["peak_tflops"] * 1e12),
-        )
+    r = chunk_rows(n, m, b, dev["memory_gib"], memory_budget_mib)
+    once = _timed(per_call_stages(n, m, d, b), dev, eff)
+    c = math.ceil(n / r)
+    last = n - (c - 1) * r                      # rows of the last (maybe short) chunk
+    full = _timed(chunk_stages(r, m, d, b), dev, eff)
+    tail = _timed(chunk_stages(last, m, d, b), dev, eff)
+    total_us = (c - 1) * _sum(full, "us") + _sum(tail, "us") + _sum(once, "us")
+    per_chunk = {f: _sum(full, f) for f in ("launches", "flops", "bytes_read", "bytes_written", "us")}
+    budget = DEFAULT_MEMORY_BUDGET["cuda"] / MIB if memory_budget_mib is None else memory_budget_mib
     return dict(model=MODEL_NOTE, n=n, m=m, d=d, dtype=dtype, bytes_per_element=b,
-                memory_budget_mib=memory_budget_mib, block_m=BLOCK_M, efficiency=eff,
-                device=dev, useful_flops=useful, designs=designs)
+                memory_budget_mib=budget, block_m=BLOCK_M, efficiency=eff,
+                device=dev, useful_flops=useful, rows=r, chunks=c, last_rows=last,
+                tiles=math.ceil(m / BLOCK_M), chunk_buffer_mib=r * m * b / MIB,
+                chunk_stages=full, per_chunk=per_chunk, per_call_stages=once,
+                total=dict(
+                    launches=(c - 1) * per_chunk["launches"] + _sum(tail, "launches")
+                    + _sum(once, "launches"),
+                    flops=(c - 1) * per_chunk["flops"] + _sum(tail, "flops") + _sum(once, "flops"),
+                    bytes=sum((c - 1) * _sum(full, f) + _sum(tail, f) + _sum(once, f)
+                              for f in ("bytes_read", "bytes_written")),
+                    us=total_us, ms=total_us / 1e3),
+                fraction_of_matmul=useful / (total_us * 1e-6) / (dev["peak_tflops"] * 1e12))
 
 
 def _cells(st):
@@ -307,74 +230,55 @@ def _cells(st):
 
 def explain_text(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib=None,
                  **kw):
-    """The cost model as printable text: header, per-stage table (old | new), totals."""
+    """The cost model as printable text: header, per-stage table, totals."""
     e = explain(n, m, d, dtype, device, memory_budget_mib, **kw)
-    dev, ds = e["device"], e["designs"]
-    names = list(ds)
+    dev = e["device"]
+    eff = e["efficiency"]
     lines = [
         f"fastcl explain: infonce forward+backward, a cost MODEL ({MODEL_NOTE})",
         f"device {dev['name']}: {dev['peak_tflops']:g} TFLOP/s {dev['peak_kind']}, "
         f"{dev['bandwidth_tbs']:.2f} TB/s, {dev['sms'] or '?'} SMs, {dev['launch_us']:g} µs/launch",
         f"N={e['n']} M={e['m']} d={e['d']} dtype={e['dtype']} (b={e['bytes_per_element']}) "
         f"useful FLOPs 6·N·M·d = {e['useful_flops'] / 1e9:,.1f} GFLOP",
+        f"chunks: budget {e['memory_budget_mib']:g} MiB, R={e['rows']} rows/chunk, "
+        f"C={e['chunks']} chunks (last {e['last_rows']} rows), T={e['tiles']} column tiles",
+        "stage time = max(FLOPs/(peak·eff), bytes/bandwidth) + launches·launch_us; "
+        f"eff {eff['sim']:.2f} similarity kernel, {eff['gemm']:.2f} GEMMs; "
+        "bound: compute | memory | launch (launch overhead above both)",
+        "",
+        f"{'stage':<28s} {'launch':>6} {'GFLOP':>8} {'MB rd':>9} {'MB wr':>9} {'µs':>9} bound",
     ]
-    for k in names:
-        x = ds[k]
-        lines.append(f"  {k.upper():3s} ({x['label']}): budget {x['memory_budget_mib']:g} MiB, "
-                     f"R={x['rows']} rows/chunk, C={x['chunks']} chunks "
-                     f"(last {x['last_rows']} rows), T={x['tiles']} column tiles")
-    eff = e["efficiency"]
-    lines.append("stage time = max(FLOPs/(peak·eff), bytes/bandwidth) + launches·launch_us; "
-                 f"eff {eff['sim']:.2f} similarity kernel, {eff['gemm']:.2f} GEMMs; "
-                 "bound: compute | memory | launch (launch overhead above both)")
 
-    widths = [6, 7, 8, 8, 8, 7]
-    heads = ["launch", "GFLOP", "MB rd", "MB wr", "µs", "bound"]
-    sep = " ‖ "
-
-    def row(label, groups):
-        cells = sep.join(" ".join(c.rjust(w) for c, w in zip(g, widths)) for g in groups)
-        return f"{label:<22s}{sep}{cells}"
-
-    group_w = sum(widths) + len(widths) - 1
-    lines += ["", " " * 22 + sep + sep.join(f"{k.upper()} ({ds[k]['label']})".center(group_w) for k in names),
-              row("per chunk (full)", [heads] * len(names))]
-    for key, label in CHUNK_ROWS:
-        by = [{s["key"]: s for s in ds[k]["chunk_stages"]}.get(key) for k in names]
-        if any(by):
-            lines.append(row(label, [_cells(s) for s in by]))
-    lines.append(row("chunk total", [_cells(dict(ds[k]["per_chunk"], bound="")) for k in names]))
-    lines.append(row("per call (once)", [[""] * 6] * len(names)))
-    for key, label in CALL_ROWS:
-        lines.append(row(label, [_cells({s["key"]: s for s in ds[k]["per_call_stages"]}.get(key))
-                                 for k in names]))
-
-    def versus(fmt, get):
-        return "  vs  ".join(f"{k} {fmt(get(ds[k]))}" for k in names)
-
+    def row(label, st):
+        lines.append(f"{label:<28s} {st['launches']:>6} {st['flops'] / 1e9:>8.1f} "
+                     f"{st['bytes_read'] / 1e6:>9.1f} {st['bytes_written'] / 1e6:>9.1f} "
+                     f"{st['us']:>9.1f} {st.get('bound', '')}")
+    lines.append("per chunk (full)")
+    for st in e["chunk_stages"]:
+        row("  " + st["name"], st)
+    row("  chunk total", dict(e["per_chunk"], bound=""))
+    lines.append("per call (once)")
+    for st in e["per_call_stages"]:
+        row("  " + st["name"], st)
     lines += [
         "",
         "totals",
-        "  launches per chunk:        " + versus(str, lambda x: x["per_chunk"]["launches"]),
-        "  launches per call:         " + versus(str, lambda x: x["total"]["launches"]),
-        "  predicted ms per call:     " + versus("{:.2f}".format, lambda x: x["total"]["ms"]),
-        f"  predicted fraction of {dtype} matmul peak: "
-        + versus("{:.3f}".format, lambda x: x["fraction_of_matmul"]),
-        "  chunk buffers (MiB):       " + versus("{:.1f}".format, lambda x: x["chunk_buffer_mib"])
-        + "   (old R·M·(4+b), new R·M·b; MB = 1e6 bytes above)",
+        f"  launches per chunk:        {e['per_chunk']['launches']}",
+        f"  launches per call:         {e['total']['launches']}",
+        f"  predicted ms per call:     {e['total']['ms']:.2f}",
+        f"  predicted fraction of {dtype} matmul peak: {e['fraction_of_matmul']:.3f}",
+        f"  chunk buffer (MiB):        {e['chunk_buffer_mib']:.1f}   (R·M·b; MB = 1e6 bytes above)",
     ]
     measured = measured_efficiency(dev["preset"])
     if measured and dtype != "float32" and eff == dict(sim=GEMM_EFF, gemm=GEMM_EFF):
         rest = {k: v for k, v in kw.items() if k not in ("sim_efficiency", "gemm_efficiency")}
         cal = explain(n, m, d, dtype, device, memory_budget_mib, sim_efficiency=measured["sim"],
-                      gemm_efficiency=measured["gemm"], **rest)["designs"]
+                      gemm_efficiency=measured["gemm"], **rest)
         lines += [
             f"  calibrated (similarity kernel at {measured['sim']:.2f}, GEMMs at "
             f"{measured['gemm']:.2f} of the peak, as a profile measured: {measured['source']}):",
-            "    predicted ms per call:   " + "  vs  ".join(
-                f"{k} {cal[k]['total']['ms']:.2f}" for k in names),
-            "    predicted fraction:      " + "  vs  ".join(
-                f"{k} {cal[k]['fraction_of_matmul']:.3f}" for k in names),
+            f"    predicted ms per call:   {cal['total']['ms']:.2f}",
+            f"    predicted fraction:      {cal['fraction_of_matmul']:.3f}",
         ]
     lines += [
         "",
@@ -386,7 +290,7 @@ def explain_text(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budge
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="fastcl: analytic cost model of GPU infonce "
-                                "forward+backward, old vs new design (" + MODEL_NOTE + ")")
+                                "forward+backward (" + MODEL_NOTE + ")")
     p.add_argument("n", type=int, help="anchors N")
     p.add_argument("--m", type=int, default=None, help="candidates M (default N)")
     p.add_argument("--d", type=int, default=768, help="embedding width")
@@ -396,7 +300,6 @@ def main(argv=None):
     p.add_argument("--bandwidth-tbs", type=float, default=None, help="memory bandwidth, TB/s")
     p.add_argument("--launch-us", type=float, default=None, help="launch overhead, µs")
     p.add_argument("--budget-mib", type=float, default=None, help="chunk memory budget, MiB")
-    p.add_argument("--design", default="both", choices=["both", "old", "new"])
     p.add_argument("--sim-efficiency", type=float, default=GEMM_EFF,
                    help="fraction of the peak the similarity kernel runs at (default 1.0)")
     p.add_argument("--gemm-efficiency", type=float, default=GEMM_EFF,
@@ -406,7 +309,7 @@ def main(argv=None):
     if a.device == "custom" and (a.peak_tflops is None or a.bandwidth_tbs is None):
         p.error("--device custom needs --peak-tflops and --bandwidth-tbs")
     kw = dict(m=a.m, d=a.d, dtype=a.dtype, device=a.device, memory_budget_mib=a.budget_mib,
-              design=a.design, peak_tflops=a.peak_tflops, bandwidth_tbs=a.bandwidth_tbs,
+              peak_tflops=a.peak_tflops, bandwidth_tbs=a.bandwidth_tbs,
               launch_us=a.launch_us, sim_efficiency=a.sim_efficiency,
               gemm_efficiency=a.gemm_efficiency)
     if a.json:

@@ -1,29 +1,26 @@
 #!/usr/bin/env python
-"""A/B: fastcl's current fast path against its earlier designs, in one process.
+"""A/B: fastcl's fast path against a variant of itself, or against another commit.
 
     python bench/ab.py                     # GPU: infonce N=M=32768 and 16384, noise K=N=16384
     python bench/ab.py --device cpu --n 256 --noise-n 128 --d 64     # a tiny CPU run
+    git worktree add /tmp/base HEAD~1 && python bench/ab.py --base /tmp/base   # two commits
 
-fastcl reads ``FASTCL_LEGACY`` (a comma list of earlier behaviours, see
-``fastcl/_switches.py``) at every call, so one process measures, on the same inputs, the
-current design (``FASTCL_LEGACY=""``), each switch alone (one earlier behaviour back) and
-``all`` (the earlier design); a variant ``NAME=VALUE`` sets ``FASTCL_NAME=VALUE`` instead, a
-candidate design not yet the default (``sim=descriptor``: the similarity kernel through tensor
-descriptors, grouped tile order and its Hopper tiles; ``sim=persistent``: the same with one
-program per SM), measured right after the current one; ``no-input-checks`` is the current
-design with ``fastcl.set_input_checks(False)``: no NaN/Inf scan of the inputs, whose result
-the host waits for (a device sync at the start of every call).
-Per case and variant: the median forward+backward time
-(``triton.testing.do_bench`` on GPU), the first call (autotuning and compilation), the peak
-memory beyond the inputs (GPU), useful TFLOP/s as a percentage of the ``torch.mm``
-throughput measured once per shape, what autotuning chose, and the result against the
-current design's: the loss (relative difference), or for the noise update the distance
-between the two noises over the largest distance the ascent can move them
-(steps · lr · √K).
+Variants of this checkout, measured one after the other on the same inputs in one process:
+``new`` (the default), ``sim=descriptor`` (the candidate similarity design, ``FASTCL_SIM``:
+see ``fastcl/_switches.py``), ``chunk=R`` (``chunk_size=R`` anchor rows per chunk) and
+``no-input-checks`` (``fastcl.set_input_checks(False)``: no NaN/Inf scan of the inputs, whose
+result the host waits for). A performance change is compared between commits, not kept
+behind a switch: ``--base DIR`` (a checkout of the other commit, e.g. a ``git worktree``)
+measures each case in two fresh processes, one importing fastcl from ``DIR`` (variant
+``base``) and one from this checkout, alternately.
 
-On CPU the backend is "tiled": ``epilogue`` and ``configs`` are Triton-only and change
-nothing there. A variant that fails (an unknown switch, an error in the driver) is a row
-saying so; the JSON is rewritten after every row, so a run cut short keeps what it measured.
+Per case and variant: the median forward+backward time (``triton.testing.do_bench`` on
+GPU), the first call (autotuning and compilation), the peak memory beyond the inputs (GPU),
+useful TFLOP/s as a percentage of the ``torch.mm`` throughput measured once per shape, what
+autotuning chose, and the result against the default's: the loss (relative difference), or
+for the noise update the distance between the two noises over the largest distance the
+ascent can move them (steps · lr · √K). A variant that fails is a row saying so; the JSON is
+rewritten after every row, so a run cut short keeps what it measured.
 
 Outputs: a table, ``<stem>.json`` and ``<stem>.csv`` (default stem
 ``bench/results/<device>-<date>-ab``).
@@ -38,7 +35,9 @@ import inspect
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,58 +49,33 @@ from _measure import add_throughput, default_threads, matmul_limit, select_devic
 from _runner import measure_in_process
 
 HERE = Path(__file__).resolve().parent
-try:                    # the switches this fastcl offers, else the first four it had
-    from fastcl._switches import LEGACY as SWITCHES
-except ImportError:
-    SWITCHES = ("dk", "chunks", "epilogue", "configs")
-
-
-# --------------------------------------------------------------------------- switches
-
-def legacy_switches() -> dict:
-    """What this fastcl offers: the switch names it knows, and for each whether the code
-    outside ``_switches`` mentions it (a switch nobody reads makes a variant equal the new)."""
-    try:
-        from fastcl import _switches
-        known = list(getattr(_switches, "LEGACY", SWITCHES))
-    except ImportError:
-        return {"available": False, "known": [], "note": "this fastcl has no FASTCL_LEGACY "
-                "switches (fastcl._switches missing): every variant runs the same code"}
-    import fastcl
-    import fastcl.kernels
-    text = ""
-    for pkg in (fastcl, fastcl.kernels):
-        for f in sorted(Path(pkg.__file__).parent.glob("*.py")):
-            if f.name != "_switches.py":
-                text += f.read_text(errors="replace")
-    return {"available": True, "known": known,
-            "used_in_source": {s: f'"{s}"' in text or f"'{s}'" in text for s in known}}
-
-
-#: The switches of candidate designs (``NAME=VALUE`` variants), each unset for the others.
+#: The variants run by default (``--variants``), besides ``new``.
+DEFAULT_VARIANTS = ("sim=descriptor", "chunk=4096", "chunk=6144", "no-input-checks")
+#: The environment variables a ``NAME=VALUE`` variant may set (``FASTCL_NAME=VALUE``).
 OPT_IN = ("FASTCL_SIM",)
-try:                    # the candidate designs this fastcl offers
-    from fastcl._switches import SIM as _SIM
-    CANDIDATES = tuple(f"sim={v}" for v in _SIM)
-except ImportError:
-    CANDIDATES = ()
 
 
 #: The variant that switches fastcl's input checks off (the current design otherwise).
 NO_CHECKS = "no-input-checks"
 
 
-def set_legacy(variant: str) -> None:
-    """``variant``: "" (the current design), a FASTCL_LEGACY value, or NAME=VALUE for the
-    candidate design FASTCL_NAME=VALUE (with FASTCL_LEGACY empty)."""
+def apply_variant(spec: dict, variant: str) -> dict:
+    """The spec for ``variant`` ("" for the default; ``chunk=R``, ``no-input-checks``, or
+    ``NAME=VALUE`` for ``FASTCL_NAME=VALUE``), with the environment set for it."""
     for name in OPT_IN:
         os.environ.pop(name, None)
+    if variant == NO_CHECKS:
+        return {**spec, "input_checks": False}
+    if variant.startswith("chunk="):
+        return {**spec, "chunk_size": int(variant.split("=", 1)[1])}
     if "=" in variant:
         name, value = (part.strip() for part in variant.split("=", 1))
-        os.environ["FASTCL_LEGACY"] = ""
+        if f"FASTCL_{name.upper()}" not in OPT_IN:
+            raise ValueError(f"unknown variant {variant!r}: NAME=VALUE sets one of {OPT_IN}")
         os.environ[f"FASTCL_{name.upper()}"] = value
-    else:
-        os.environ["FASTCL_LEGACY"] = variant
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r}")
+    return spec
 
 
 def chosen_configs(what: str = "chosen_configs"):
@@ -151,13 +125,11 @@ def compare(row: dict, base: dict | None, z, z_base, spec: dict) -> None:
 
 
 def measure_variant(spec, variant, device, args, mm) -> tuple[dict, object]:
-    if variant == NO_CHECKS:             # the current design, input checks off
-        set_legacy("")
-        spec = {**spec, "input_checks": False}
-    else:
-        set_legacy(variant)
+    try:
+        spec = apply_variant(spec, variant)
+    except ValueError as exc:
+        return {**spec, "variant": variant, "ok": False, "error": str(exc)}, None
     row = {**spec, "variant": variant or "new",
-           "fastcl_legacy": os.environ.get("FASTCL_LEGACY", ""),
            **{name.lower(): os.environ[name] for name in OPT_IN if name in os.environ}}
     row.update(measure_in_process(spec, device, args.warmup_ms, args.rep_ms))
     z = None
@@ -170,6 +142,49 @@ def measure_variant(spec, variant, device, args, mm) -> tuple[dict, object]:
                 row["compare_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     row["chosen_configs"] = chosen_configs()
     return row, z
+
+
+def measure_checkout(checkout: Path, spec, device, args, mm) -> tuple[dict, object]:
+    """One case in a fresh process importing fastcl from ``checkout`` (this script's worker
+    mode); the noise comes back as a file."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(HERE / "ab.py"), "--worker", json.dumps(
+            {"spec": spec, "device": device, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+             "threads": args.threads, "noise": str(Path(tmp) / "z.pt")})]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(checkout), str(checkout / "bench"), str(HERE)]
+            + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+        for name in OPT_IN:
+            env.pop(name, None)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(checkout),
+                              timeout=args.case_timeout)
+        try:
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            row = {"ok": False, "error": f"worker exit {proc.returncode}: "
+                   + (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+        z = torch.load(Path(tmp) / "z.pt") if (Path(tmp) / "z.pt").exists() else None
+    row = {**spec, **row, "variant": "base" if checkout != HERE.parent else "new",
+           "checkout": str(checkout)}
+    if row.get("ok"):
+        add_throughput(row, mm)
+    return row, z
+
+
+def worker(job: dict) -> dict:
+    """``--worker``: one case in this process (fastcl from ``PYTHONPATH``)."""
+    import torch
+
+    import fastcl
+    torch.set_num_threads(job["threads"])
+    row = {"fastcl_file": fastcl.__file__, **measure_in_process(
+        job["spec"], job["device"], job["warmup_ms"], job["rep_ms"])}
+    if row.get("ok") and job["spec"]["objective"] == "noise":
+        torch.save(noise_result(job["spec"], job["device"]).cpu(), job["noise"])
+    row["chosen_configs"] = chosen_configs()
+    return row
 
 
 # --------------------------------------------------------------------------- output
@@ -248,10 +263,14 @@ def main(argv=None) -> int:
                    "16384; '' for none)")
     p.add_argument("--d", type=int, default=768)
     p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--variants",
-                   default=",".join(("new",) + CANDIDATES + (NO_CHECKS,) + SWITCHES + ("all",)),
-                   help="comma list: new (FASTCL_LEGACY=''), a candidate design NAME=VALUE "
-                        f"(FASTCL_NAME=VALUE), {NO_CHECKS}, a switch, or all")
+    p.add_argument("--variants", default=",".join(("new",) + DEFAULT_VARIANTS),
+                   help="comma list: new (the default), NAME=VALUE (FASTCL_NAME=VALUE: "
+                        f"sim=descriptor), chunk=R (chunk_size=R), {NO_CHECKS}")
+    p.add_argument("--base", type=Path, default=None,
+                   help="a checkout of another commit: each case runs in two fresh processes, "
+                        "fastcl from DIR (base) and from this checkout (new); --variants ignored")
+    p.add_argument("--case-timeout", type=float, default=600, help="seconds per --base process")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--warmup-ms", type=float, default=10, help="do_bench warm-up (GPU)")
     p.add_argument("--rep-ms", type=float, default=50, help="do_bench measuring time (GPU)")
     p.add_argument("--threads", type=int, default=default_threads(), help="torch threads on CPU")
@@ -259,6 +278,11 @@ def main(argv=None) -> int:
                    help="seconds: variants not started by then are rows saying so")
     p.add_argument("--out-stem", default=None, help="output path without extension")
     args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker)), default=str))
+        return 0
+    if args.base is not None and not (args.base / "fastcl" / "__init__.py").exists():
+        p.error(f"--base {args.base}: not a fastcl checkout (no fastcl/__init__.py)")
 
     import torch
 
@@ -269,20 +293,21 @@ def main(argv=None) -> int:
                                  else "16384" if gpu else "128").split(",") if x.strip()]
     cases = [("infonce", n) for n in ns] + [("noise", n) for n in noise_ns]
     variants = ["" if v.strip() == "new" else v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.base is not None:                       # this checkout, then the other commit's
+        variants = ["", "base"]
     stem = Path(args.out_stem) if args.out_stem else (
         HERE / "results" / f"{device_slug(device)}-{datetime.date.today().isoformat()}-ab")
 
-    saved = {name: os.environ.get(name) for name in ("FASTCL_LEGACY",) + OPT_IN}
-    report = {"benchmark": "fastcl A/B: the current design against each FASTCL_LEGACY switch",
+    saved = {name: os.environ.get(name) for name in OPT_IN}
+    report = {"benchmark": "fastcl A/B: the default design against its variants"
+              + (f" and the checkout {args.base}" if args.base is not None else ""),
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join([sys.executable, *sys.argv]), "device": device,
-              "environment": environment(device, args.threads), "switches": legacy_switches(),
+              "environment": environment(device, args.threads),
               "settings": vars(args), "matmul": [], "rows": []}
     print(f"fastcl A/B | {device} | {dtype} d={args.d} | cases "
           + ", ".join(f"{o} N={n}" for o, n in cases) + " | variants "
           + ", ".join(v or "new" for v in variants), flush=True)
-    if not report["switches"]["available"]:
-        print("NOTE: " + report["switches"]["note"], flush=True)
     t0 = time.perf_counter()
     try:
         for objective, n in cases:
@@ -299,6 +324,9 @@ def main(argv=None) -> int:
                 if args.time_budget is not None and time.perf_counter() - t0 > args.time_budget:
                     row, z = {**spec, "variant": variant or "new", "ok": False, "skipped": True,
                               "error": f"time budget of {args.time_budget:g} s spent"}, None
+                elif args.base is not None:
+                    row, z = measure_checkout(args.base if variant else HERE.parent, spec, device,
+                                              args, mm)
                 else:
                     row, z = measure_variant(spec, variant, device, args, mm)
                 row["case"] = name
@@ -323,7 +351,7 @@ def main(argv=None) -> int:
                 os.environ[name] = value
     print("\n" + table(report["rows"]))
     bad = [r for r in report["rows"] if r.get("same") is False]
-    print(f"\nx new = time over the new design's; rel diff = against the new design "
+    print(f"\nx new = time over the default's; rel diff = against the default "
           f"(loss; noise: ‖Δz‖/(steps·lr·√K)); {len(bad)} variant(s) disagree beyond tolerance")
     lines = autotune_lines(report.get("autotune_ms"))
     print("\nautotune: median ms of each config tried (Triton's benchmark, per list and key)\n"

@@ -2,36 +2,45 @@
 # The GPU check: everything a GPU machine must tell about fastcl's kernels, in one run of at
 # most $DEADLINE seconds (default 300), on a machine with one NVIDIA GPU (an H200), no
 # internet and only this checkout (fastcl need not be installed; torch, triton, numpy and
-# matplotlib must be; pytest-xdist is used when present). Stages, most decisive first:
+# matplotlib must be; sentence-transformers for the end-to-end comparison; pytest-xdist is
+# used when present). Stages, correctness first:
 #
-#   env          bench/run.py --env         versions, GPU, whether 16-bit GEMMs write fp32
-#   targets      bench/run.py --targets     the acceptance targets, PASS/FAIL with numbers
-#   ab           bench/ab.py                the current design vs FASTCL_SIM=descriptor (the
-#                                           candidate similarity kernel) and each FASTCL_LEGACY switch;
-#                                           the time of every config autotuning tried
-#   profile      bench/profile_step.py      kernel families and launches, current vs legacy
-#   tests-gpu    pytest tests/test_triton.py -k gpu        (the GPU-only tests, the
-#                                                           descriptor design's among them)
-#   tests-small  pytest tests/test_triton.py -k "not gpu"  (both with FASTCL_AUTOTUNE=0:
-#                                                           bounded compile time)
-#   sweep        bench/run.py --quick       with whatever time is left (none under 30 s)
+#   env        bench/run.py --env        versions, GPU, whether 16-bit GEMMs write fp32
+#   tests-gpu  pytest (FASTCL_AUTOTUNE=0) every Triton test on the GPU: tests/test_triton.py
+#                                        (bf16, fp16, fp32, every objective, each kept autotune
+#                                        config alone, the loss and gradients at 16384 against
+#                                        the reference, the descriptor design) and the Triton
+#                                        cases of tests/test_contrastive.py (every composed
+#                                        flag set)
+#   targets    bench/run.py --targets    the acceptance targets, PASS/FAIL with numbers
+#   ab         bench/ab.py               the default against the candidate design
+#                                        (FASTCL_SIM=descriptor), chunks of 4096 and 6144 rows,
+#                                        no input checks; the time of every config autotuned
+#   profile    bench/profile_step.py     kernel families, launches, GPU busy share of the
+#                                        call's span, at N = 16384 and 32768
+#   e2e        bench/e2e_cached.py       a training step of a BERT-base-sized encoder (random
+#                                        weights, seq 32), batch 4096 in mini-batches of 512:
+#                                        fastcl's cached loss vs sentence-transformers'
+#                                        CachedMultipleNegativesRankingLoss
+#   largest    bench/largest.py          the largest loss one GPU holds: infonce at N = M =
+#                                        262,144 and 1,048,576 (bf16, d = 768), checked
+#                                        against float64 on a block of rows
 #
 # Usage:
 #   bash bench/gpu_check.sh              # on the GPU machine, from anywhere
 #   bash bench/gpu_check.sh --dry-run    # a CPU-only machine: the same stages at tiny sizes,
-#                                        # one thread, a few small tests in Triton's interpreter
-#                                        # (about 80 s); results in $RESULTS_DIR (default
+#                                        # one thread, a few small tests in Triton's interpreter;
+#                                        # results in $RESULTS_DIR (default
 #                                        # /tmp/fastcl-gpu-check-dry, not bench/results)
 #
 # Results: every file of the run is $STEM-<what>, STEM = bench/results/<gpu>-<date>: -env.json,
-# -targets.{json,csv}, -ab.{json,csv}, -profile.json, -sweep.{json,csv}, -sweep-*.png, one
-# .log per stage, and -gpu-check.json, the summary: each stage's status and seconds, the
-# environment, the targets, the A/B table, the profile breakdown, the pytest counts, failing
-# tests and log tails, the sweep's headline. Each stage writes its files as it goes, so a stage
-# cut short by its timeout keeps what it measured.
-# With $OUT set (a dry run defaults it to $RESULTS_DIR/out): $OUT/gpu-check.json,
-# $OUT/results.tgz (every file this run wrote, logs included) and the sweep's PNGs; 8 files
-# at most, no folders.
+# -targets.{json,csv}, -ab.{json,csv}, -profile.json, -e2e.json, -largest.json, one .log per
+# stage, and -gpu-check.json, the summary: each stage's status and seconds, the pytest counts
+# and failing tests, the environment, the targets, the A/B table, the profile, the end-to-end
+# step and the largest loss. Each stage writes its files as it goes, so a stage cut short by
+# its timeout keeps what it measured.
+# With $OUT set (a dry run defaults it to $RESULTS_DIR/out): $OUT/gpu-check.json and
+# $OUT/results.tgz (every file this run wrote, logs included).
 #
 # Time: each stage runs under `timeout` with the smaller of its own limit and the time left
 # (20 s are kept for the summary); the Python stages also stop starting work at their own
@@ -45,7 +54,8 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; fi
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
-DEADLINE=${DEADLINE:-300}
+# (a dry run: the interpreter and a CPU's encoder are slow, the same stages get more time)
+DEADLINE=${DEADLINE:-$([ $DRY -eq 1 ] && echo 480 || echo 300)}
 MARK=$(mktemp)                 # files newer than this one are this run's
 SUMMARY_TSV=$(mktemp)
 trap 'rm -f "$MARK" "$SUMMARY_TSV"' EXIT
@@ -64,7 +74,7 @@ if [ -z "$PY" ]; then echo "no python with torch found" >&2; exit 2; fi
 export PYTHONPATH="$ROOT/bench:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-unset FASTCL_LEGACY FASTCL_AUTOTUNE FASTCL_SIM   # ab.py and profile_step.py set the switches
+unset FASTCL_AUTOTUNE FASTCL_SIM   # ab.py sets the candidate design's switch itself
 
 DATE=$(date +%F)
 if [ $DRY -eq 1 ]; then
@@ -133,51 +143,55 @@ if [ $DRY -eq 1 ]; then         # tiny sizes, one thread
     ENV_ARGS=("${CPU[@]}")
     TARGET_ARGS=("${CPU[@]}" --target-n 256 --target-big-n 512 --target-d 64 --target-chunks 128
                  --compile-reserve 0)
-    AB_ARGS=("${CPU[@]}" --n 256 --noise-n 128 --d 64)
-    PROFILE_ARGS=("${CPU[@]}" --n 256 --d 64)
-    SWEEP_ARGS=("${CPU[@]}" --objective infonce,noise --impl fastcl,reference --n 256,512 --d 64)
-    SMALL_TESTS="not gpu and not matches_reference and not descriptor"   # the interpreter
-                                                      # is slow: a few tests
+    AB_ARGS=("${CPU[@]}" --n 256 --noise-n 128 --d 64 --variants new,sim=descriptor,chunk=64,no-input-checks)
+    PROFILE_ARGS=("${CPU[@]}" --n 128,256 --d 64)
+    E2E_ARGS=(--dry-run)
+    LARGEST_ARGS=(--dry-run)
+    # the interpreter is slow: a few tests
+    TESTS=(tests/test_triton.py -k "not matches_reference and not descriptor and not bf16")
     XDIST=()
 else
     ENV_ARGS=()
-    TARGET_ARGS=(--compile-reserve 30 --target-chunks 1024,4096)
+    TARGET_ARGS=(--compile-reserve 30 --target-chunks 4096)
     AB_ARGS=()
     PROFILE_ARGS=()
-    SWEEP_ARGS=(--quick --compile-reserve 60)
-    SMALL_TESTS="not gpu and not descriptor"   # the descriptor design: in tests-gpu
+    E2E_ARGS=()
+    LARGEST_ARGS=()
+    TESTS=(tests/test_triton.py tests/test_contrastive.py -k "triton or gpu")
     XDIST=()
-    if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 6); fi
+    if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 8); fi
 fi
 FAST=(--warmup-ms 10 --rep-ms 50)
 
 T=$(limit 30)
 stage env "$T" 40 "$PY" bench/run.py --env --out-stem "$STEM-env" ${ENV_ARGS[@]+"${ENV_ARGS[@]}"}
 
-T=$(limit 125)
+# Correctness first: what a CPU-only machine cannot run (it runs the kernels in Triton's
+# interpreter). FASTCL_AUTOTUNE=0: one config a list (bounded compile time); the test of each
+# kept config launches every config itself.
+T=$(limit 90)
+stage tests-gpu "$T" 15 env FASTCL_AUTOTUNE=0 "$PY" -m pytest "${TESTS[@]}" -v --tb=short -rfEs \
+    -p _checkout -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"}
+
+T=$(limit 60)
 stage targets "$T" 30 "$PY" bench/run.py --targets "${FAST[@]}" --time-budget $((T - 15)) \
     --out-stem "$STEM-targets" ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
 
-T=$(limit 90)   # 11 variants × 3 cases, the candidate designs autotuning 3 tiles each
-stage ab "$T" 24 "$PY" bench/ab.py --time-budget $((T - 15)) --out-stem "$STEM-ab" \
+T=$(limit 45)   # 5 variants × 3 cases; the candidate autotunes its own tiles
+stage ab "$T" 20 "$PY" bench/ab.py --time-budget $((T - 10)) --out-stem "$STEM-ab" \
     ${AB_ARGS[@]+"${AB_ARGS[@]}"}
 
 T=$(limit 30)
 stage profile "$T" 30 "$PY" bench/profile_step.py --out-stem "$STEM-profile" \
     ${PROFILE_ARGS[@]+"${PROFILE_ARGS[@]}"}
 
-# GPU-only tests first: they are what a CPU-only machine cannot run (it runs the rest in
-# Triton's interpreter). Workers compile into Triton's cache, shared by the next stage.
-PYTEST=(env FASTCL_AUTOTUNE=0 "$PY" -m pytest tests/test_triton.py -v --tb=short -rfEs
-        -p _checkout -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"})
-T=$(limit 55)
-stage tests-gpu "$T" 15 "${PYTEST[@]}" -k "gpu"
-T=$(limit 40)
-stage tests-small "$T" 15 "${PYTEST[@]}" -k "$SMALL_TESTS"
+T=$(limit 45)
+stage e2e "$T" 15 "$PY" bench/e2e_cached.py --time-budget $((T - 5)) --out "$STEM-e2e.json" \
+    ${E2E_ARGS[@]+"${E2E_ARGS[@]}"}
 
-T=$(limit 240)
-stage sweep "$T" 30 "$PY" bench/run.py "${FAST[@]}" --time-budget $((T - 25)) --no-e2e \
-    --out-stem "$STEM-sweep" ${SWEEP_ARGS[@]+"${SWEEP_ARGS[@]}"}
+T=$(limit 45)
+stage largest "$T" 15 "$PY" bench/largest.py --time-budget $((T - 5)) --out "$STEM-largest.json" \
+    ${LARGEST_ARGS[@]+"${LARGEST_ARGS[@]}"}
 
 # The summary: $STEM-gpu-check.json, and a few lines to read first.
 "$PY" - "$SUMMARY_TSV" "$STEM" "$DEADLINE" "$SECONDS" "$DRY" <<'EOF'
@@ -231,21 +245,17 @@ out["target_rows"] = [{k: r.get(k) for k in ("objective", "impl", "backend", "n"
                                              "pct_of_matmul", "loss", "error")}
                       for r in targets.get("results", [])]
 ab = load("ab") or {}
-out["ab"] = {"switches": ab.get("switches"), "matmul": ab.get("matmul"),
+out["ab"] = {"matmul": ab.get("matmul"),
              "rows": [{k: r.get(k) for k in ("case", "variant", "backend", "ok", "median_s",
                                               "first_call_s", "peak_beyond_inputs_mib", "pct_of_matmul",
                                               "loss", "rel_diff", "same", "error", "chosen_configs")}
                       for r in ab.get("rows", [])]}
 out["ab"]["autotune_ms"] = ab.get("autotune_ms")     # every config autotuning timed
 profile = load("profile") or {}
-out["profile"] = {k: profile.get(k) for k in ("n", "d", "dtype", "designs")}
-out["pytest"] = {name: pytest_summary(name) for name in ("tests-gpu", "tests-small")}
-sweep = load("sweep")
-if sweep:
-    results = sweep.get("results", [])
-    out["sweep"] = {"interrupted": sweep.get("interrupted"), "headline": sweep.get("headline"),
-                    "rows": len(results),
-                    "skipped_by_budget": sum("time budget" in str(r.get("error", "")) for r in results)}
+out["profile"] = {k: profile.get(k) for k in ("n", "d", "dtype", "sizes")}
+out["pytest"] = {"tests-gpu": pytest_summary("tests-gpu")}
+out["e2e"] = load("e2e")
+out["largest"] = load("largest")
 Path(f"{stem}-gpu-check.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
 
 print("== stages: " + "; ".join(f"{s['stage']} {s['status']} ({s['seconds']}s)" for s in stages))
@@ -264,13 +274,18 @@ for r in out["ab"]["rows"]:
 from ab import autotune_lines
 for line in autotune_lines(out["ab"]["autotune_ms"]):
     print("== autotune " + line)
-for name, p in (out["profile"].get("designs") or {}).items():
+for name, p in (out["profile"].get("sizes") or {}).items():
     if "error" in p:
         print(f"== profile {name}: ERROR {p['error']}")
         continue
     fams = ", ".join(f"{k} {v['ms']:.2f}" for k, v in p["families"].items() if v["launches"])
-    print(f"== profile {name}: wall {p['wall_ms']:.2f} ms, busy {p['busy_ms']:.2f} ms, {p['launches']} "
+    print(f"== profile {name}: wall {p['wall_ms']:.2f} ms, busy {p['busy_ms']:.2f} ms "
+          f"({p['busy_pct_of_wall']:.1f}% of the call's span), {p['launches']} "
           f"launches, {p['chunks']} chunks ({fams} ms)")
+for name in ("e2e", "largest"):
+    for r in (out.get(name) or {}).get("rows", []):
+        print(f"== {name} " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                        for k, v in r.items() if not isinstance(v, (dict, list))))
 for name, p in out["pytest"].items():
     if p:
         print(f"== {name}: {p['summary'] or p['counts']}" + (f"; failing: {', '.join(p['failing'][:10])}"
@@ -283,11 +298,7 @@ if [ -n "${OUT:-}" ]; then
     base=$(basename "$STEM")
     (cd "$RES" && find . -maxdepth 1 -type f -name "$base*" -newer "$MARK" -printf '%P\n' | sort \
         | tar czf "$OUT/results.tgz" -T -)
-    n=2
-    for f in "$STEM"-*.png; do
-        if [ -f "$f" ] && [ "$f" -nt "$MARK" ] && [ "$n" -lt 8 ]; then cp "$f" "$OUT/" && n=$((n + 1)); fi
-    done
-    echo "== \$OUT: $n files ($(ls "$OUT" | tr '\n' ' '))"
+    echo "== \$OUT: $(ls "$OUT" | tr '\n' ' ')"
 fi
 echo "== done in ${SECONDS}s (deadline ${DEADLINE}s); exit $ERRORS"
 exit $ERRORS

@@ -1,19 +1,18 @@
 #!/usr/bin/env python
 """Where the time of one fastcl infonce forward+backward goes: a ``torch.profiler`` breakdown.
 
-    python bench/profile_step.py                          # GPU: N=M=32768, bf16, d=768
+    python bench/profile_step.py                          # GPU: N=M=16384 and 32768, bf16, d=768
     python bench/profile_step.py --device cpu --n 256 --d 64   # a tiny CPU run
 
-For each design — the current one (``FASTCL_LEGACY=""``) and the earlier one
-(``FASTCL_LEGACY=all``), side by side — one warm-up call (autotuning and compilation stay
-out of the profile), then one profiled call:
+For each size, side by side, one warm-up call (autotuning and compilation stay out of the
+profile), then one profiled call:
 
 * time per kernel family: ``similarity`` (``_similarity_kernel``), ``row``
-  (``_row_kernel``), ``gradient`` (``_gradient_kernel``), ``tangent`` (``_tangent_kernel``), ``gemm`` (cuBLAS), ``torch ops``
+  (``_row_kernel``), ``tangent`` (``_tangent_kernel``), ``gemm`` (cuBLAS), ``torch ops``
   (PyTorch's own elementwise, reduction, copy and fill kernels) and ``other``; on CPU the
   self time of each operator call (GEMMs: ``aten::mm`` and its kin; a launch is a call);
-* GPU busy time (the union of the kernels' intervals) against the wall time of the call
-  (profiled, and once more without the profiler);
+* GPU busy time (the union of the kernels' intervals) as a share of the call's span (its
+  wall time, profiled, and once more without the profiler) and of the kernels' own span;
 * launches (on GPU: kernels, copies and fills), in total and per chunk: chunks are what the driver chose, recorded from
   ``fastcl.tiled.chunk_rows`` during the call (or, failing that, the number of
   ``_similarity_kernel`` launches);
@@ -40,14 +39,12 @@ import _report
 from _cases import build
 from _env import device_slug, environment
 from _measure import default_threads, select_device, sync
-from ab import chosen_configs, legacy_switches, set_legacy
+from ab import chosen_configs
 
 HERE = Path(__file__).resolve().parent
-DESIGNS = {"new": "", "legacy all": "all"}
 FAMILIES = [  # first match wins
     ("similarity", r"_similarity_kernel"),
     ("row", r"_row_kernel"),
-    ("gradient", r"_gradient_kernel"),
     ("tangent", r"_tangent_kernel"),
     ("gemm", r"gemm|xmma|cutlass|nvjet|sm90_|sm80_|Kernel2|cublas|splitK"
              r"|^aten::(mm|addmm_?|bmm|baddbmm|matmul|linear)$"),
@@ -130,13 +127,12 @@ def breakdown(prof, gpu: bool) -> dict:
                     for name, (ms, c) in top]}
 
 
-def profile_design(variant: str, n: int, d: int, dtype: str, device: str) -> dict:
+def profile_call(n: int, d: int, dtype: str, device: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    set_legacy(variant)
     gpu = device == "cuda"
     case = build("infonce", "fastcl", n, d, dtype, device)
-    out = {"fastcl_legacy": variant, "backend": case.backend}
+    out = {"n": n, "backend": case.backend}
     t0 = time.perf_counter()
     case.step()                                          # warm-up: autotuning, compilation
     sync(device)
@@ -154,6 +150,8 @@ def profile_design(variant: str, n: int, d: int, dtype: str, device: str) -> dic
     out["loss"] = float(loss.detach())
     out.update(breakdown(prof, gpu))
     out["busy_pct_of_wall"] = 100.0 * out["busy_ms"] / out["wall_ms"]
+    if out["gpu_span_ms"]:
+        out["busy_pct_of_gpu_span"] = 100.0 * out["busy_ms"] / out["gpu_span_ms"]
     out["rows_per_chunk"] = seen
     chunks = sum(math.ceil(s["n"] / s["rows"]) for s in seen
                  if isinstance(s["rows"], int) and isinstance(s["n"], int) and s["rows"] > 0)
@@ -168,26 +166,27 @@ def profile_design(variant: str, n: int, d: int, dtype: str, device: str) -> dic
     return out
 
 
-def table(designs: dict, gpu: bool) -> str:
-    names = list(designs)
+def table(sizes: dict, gpu: bool) -> str:
+    names = list(sizes)
     fmt = lambda v, f: "" if v is None else format(v, f)
     lines = [("wall ms (profiled)", "wall_ms", ".2f"), ("wall ms (no profiler)", "wall_unprofiled_ms", ".2f"),
              ("GPU busy ms" if gpu else "self time ms", "busy_ms", ".2f"),
              ("busy % of wall", "busy_pct_of_wall", ".1f"), ("GPU span ms", "gpu_span_ms", ".2f"),
+             ("busy % of GPU span", "busy_pct_of_gpu_span", ".1f"),
              ("launches" if gpu else "op calls", "launches", "d"), ("chunks", "chunks", "d"),
              ("launches per chunk", "launches_per_chunk", ".1f"), ("loss", "loss", ".6g")]
     body = []
     for fam, _ in FAMILIES + [("other", "")]:
         cells = [f"{fam} ms (launches)"]
         for n in names:
-            f = designs[n].get("families", {}).get(fam)
+            f = sizes[n].get("families", {}).get(fam)
             cells.append("" if f is None else f"{f['ms']:.2f} ({f['launches']})")
         body.append((cells, None))
     for label, key, spec in lines:
-        body.append(([label] + [fmt(designs[n].get(key), spec) for n in names], None))
+        body.append(([label] + [fmt(sizes[n].get(key), spec) for n in names], None))
     for n in names:
-        if designs[n].get("error"):
-            body.append(([f"{n}: ERROR"], designs[n]["error"]))
+        if sizes[n].get("error"):
+            body.append(([f"{n}: ERROR"], sizes[n]["error"]))
     return _report._render(["", *names], body, right=set(range(1, len(names) + 1)))
 
 
@@ -196,7 +195,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--n", type=int, default=None, help="N=M (GPU default 32768, CPU 256)")
+    p.add_argument("--n", default=None, help="comma list of N=M (GPU default 16384,32768; CPU 256)")
     p.add_argument("--d", type=int, default=768)
     p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
     p.add_argument("--threads", type=int, default=default_threads(), help="torch threads on CPU")
@@ -206,43 +205,42 @@ def main(argv=None) -> int:
     import torch
 
     device, gpu = select_device(args.device, args.threads)
-    n = args.n or (32768 if gpu else 256)
+    ns = [int(x) for x in (args.n or ("16384,32768" if gpu else "256")).split(",") if x.strip()]
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     stem = Path(args.out_stem) if args.out_stem else (
         HERE / "results" / f"{device_slug(device)}-{datetime.date.today().isoformat()}-profile")
     stem.parent.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "fastcl profile: one infonce forward+backward, current vs earlier design",
+    report = {"benchmark": "fastcl profile: one infonce forward+backward",
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join([sys.executable, *sys.argv]), "device": device,
-              "n": n, "m": n, "d": args.d, "dtype": dtype,
-              "environment": environment(device, args.threads), "switches": legacy_switches(),
-              "designs": {}}
-    print(f"fastcl profile | {device} | infonce N=M={n} d={args.d} {dtype}", flush=True)
+              "n": ns, "d": args.d, "dtype": dtype,
+              "environment": environment(device, args.threads), "sizes": {}}
+    print(f"fastcl profile | {device} | infonce N=M={','.join(map(str, ns))} d={args.d} {dtype}",
+          flush=True)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])):
-        torch.ones(1, device=device).add_(1)    # the profiler's own start-up, out of the designs
+        torch.ones(1, device=device).add_(1)    # the profiler's own start-up, out of the calls
     code = 0
-    for name, variant in DESIGNS.items():
+    for n in ns:
+        name = f"N={n}"
         t0 = time.perf_counter()
         try:
-            result = profile_design(variant, n, args.d, dtype, device)
-        except Exception as exc:  # a design that fails is reported, the other still runs
-            result = {"fastcl_legacy": variant,
-                      "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+            result = profile_call(n, args.d, dtype, device)
+        except Exception as exc:  # a size that fails is reported, the others still run
+            result = {"n": n, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
             code = 1
         finally:
-            set_legacy("")
             gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
         result["seconds"] = time.perf_counter() - t0
-        report["designs"][name] = result
+        report["sizes"][name] = result
         Path(f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
         print(f"  {name}: " + (f"ERROR: {result['error']}" if "error" in result else
                                f"{result['wall_ms']:.2f} ms wall, {result['busy_ms']:.2f} ms busy, "
                                f"{result['launches']} launches, {result['chunks']} chunks"), flush=True)
-    print("\n" + table(report["designs"], gpu))
-    for name, result in report["designs"].items():
+    print("\n" + table(report["sizes"], gpu))
+    for name, result in report["sizes"].items():
         if result.get("top"):
             print(f"\ntop {'kernels' if gpu else 'operators'}, {name}:")
             for k in result["top"][:8]:

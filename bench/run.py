@@ -74,9 +74,9 @@ A missed target does not change the exit status (a measurement that fails does).
 rewritten after every case, so a run cut short keeps the targets it measured.
 
 ``--explain N`` prints fastcl's analytic cost model of one GPU infonce forward+backward at
-N=M (``bench/_explain.py``: per-chunk stages, launches, bytes and predicted time of the old
-and the new design on ``--explain-device``, with ``--target-d`` and ``--target-dtype``). It is a
-model, not a measurement, and needs no GPU.
+N=M (``bench/_explain.py``: per-chunk stages, launches, bytes and predicted time of the design
+as built, on ``--explain-device``, with ``--target-d`` and ``--target-dtype``). It is a model, not
+a measurement, and needs no GPU.
 
 Outputs: a table (with a progress bar while it runs), ``bench/results/<device>-<date>.json``
 and ``.csv`` (device, CPU/GPU model, versions, the exact command) and PNG plots

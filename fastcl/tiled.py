@@ -27,20 +27,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ._switches import legacy
 from .common import EPS, accumulate_dtype
 
-#: Default bytes for the per-chunk R×M work buffers (all of them together), and the most
-#: rows a chunk takes. On a GPU a chunk must be large for the GEMMs and to keep each chunk's
-#: launches behind the GPU's work. Measured on an H200 (bf16, d = 768, same run,
-#: bench/results/nvidia-h200-2026-11-30-check3-targets.json): at N = M = 16384, 2048 / 3072 /
-#: 4096 rows took 4.57 / 3.78 / 3.55 ms and 205 / 272 / 338 MiB beyond the inputs (eager:
-#: 6.79 ms, 3120 MiB); at 32768, 12.49 / 12.08 / 11.52 ms. 3072 keeps ≥ 10× less memory than
-#: eager at 16384 for 6 % of speed.
-DEFAULT_MEMORY_BUDGET = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
-MAX_CHUNK_ROWS = {"cuda": 3072}
-#: The first sizing (FASTCL_LEGACY=chunks).
-LEGACY_MEMORY_BUDGET = {"cpu": 64 * 2**20, "cuda": 128 * 2**20}
+#: Default bytes for the per-chunk R×M work buffers (all of them together). On a GPU a chunk
+#: must also be large, for the GEMMs and to keep each chunk's launches behind the GPU's work:
+#: there a chunk takes at least ``MIN_CHUNK_ROWS`` rows where the device has the memory for
+#: them. Measured on an H200 (bf16, d = 768, bench/results/nvidia-h200-2026-11-30-check3-
+#: targets.json): at N = M = 16384, 2048 / 3072 / 4096 rows took 4.57 / 3.78 / 3.55 ms; at
+#: 32768, 12.49 / 12.08 / 11.52 ms. 128 MiB is 4096 rows of one 16-bit buffer at M = 16384.
+DEFAULT_MEMORY_BUDGET = {"cpu": 64 * 2**20, "cuda": 128 * 2**20}
+MIN_CHUNK_ROWS = {"cuda": 4096}
+#: The share of the device's free memory that the chunk buffers may take to reach
+#: ``MIN_CHUNK_ROWS``.
+MIN_ROWS_FREE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -105,29 +104,32 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out += a @ b`` with ``out`` the accumulator: in place (one GEMM with beta = 1) where
-    torch can; else through a product the size of ``out`` (``FASTCL_LEGACY=dk`` forces it)."""
+    torch can; else through a product the size of ``out``."""
     if a.dtype == out.dtype:
         out.addmm_(a, b)
-    elif not legacy("dk") and _mixed_addmm_supported(a.device.type):
+    elif _mixed_addmm_supported(a.device.type):
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
         out += _mm(a, b, out.dtype)
 
 
 def rows_per_chunk(n: int, m: int, ep: Epilogue, row_bytes: int, device_type: str = "cpu",
-                   multiple: int = 16, budgets=None, max_rows=None) -> int:
+                   multiple: int = 16, free_bytes=None) -> int:
     """Anchor rows per chunk: ``ep.chunk_size``, or as many as the memory budget allows given
-    ``row_bytes``, the engine's chunk buffers per anchor row (``engine.row_bytes``), at most
-    :data:`MAX_CHUNK_ROWS`, rounded down to a multiple of ``multiple`` (the engine's row
-    tile) when there is room for one."""
+    ``row_bytes``, the engine's chunk buffers per anchor row (``engine.row_bytes``), rounded
+    down to a multiple of ``multiple`` (the engine's row tile) when there is room for one. On
+    a device with a :data:`MIN_CHUNK_ROWS` (and no ``ep.memory_budget``) a chunk takes at
+    least that many rows when they need at most :data:`MIN_ROWS_FREE_SHARE` of
+    ``free_bytes()``, the device's free memory (asked only then)."""
     if ep.chunk_size is not None:
         return max(1, min(n, ep.chunk_size))
-    budgets = DEFAULT_MEMORY_BUDGET if budgets is None else budgets
-    max_rows = MAX_CHUNK_ROWS if max_rows is None else max_rows
-    budget = ep.memory_budget or budgets.get(device_type, budgets["cpu"])
-    rows = max(1, budget // max(row_bytes, 1))
-    if ep.memory_budget is None:
-        rows = min(rows, max_rows.get(device_type, rows))
+    budget = ep.memory_budget or DEFAULT_MEMORY_BUDGET.get(device_type, DEFAULT_MEMORY_BUDGET["cpu"])
+    row_bytes = max(row_bytes, 1)
+    rows = max(1, budget // row_bytes)
+    floor = MIN_CHUNK_ROWS.get(device_type) if ep.memory_budget is None else None
+    if floor and rows < min(n, floor) and free_bytes is not None:
+        if min(n, floor) * row_bytes <= MIN_ROWS_FREE_SHARE * free_bytes():
+            rows = floor
     return int(min(n, rows if rows < multiple else rows // multiple * multiple))
 
 
@@ -137,21 +139,19 @@ def _slices(ep: Epilogue) -> int:
     return 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
 
 
-def _legacy_row_bytes(ep: Epilogue, m: int, n_pos: int, elem_bytes: int) -> int:
-    """The first chunk sizing (``FASTCL_LEGACY=chunks``): one formula for every engine."""
-    mask = n_pos * (elem_bytes + 1) if ep.complementary is not None else 0
-    return m * elem_bytes * _slices(ep) + mask
+def _free_bytes(device: torch.device):
+    """The device's free memory in bytes, asked when called (``None`` off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.mem_get_info(device)[0]
 
 
 def chunk_rows(engine, ep: Epilogue, n: int, m: int, n_pos: int, dtype: torch.dtype,
-               device_type: str) -> int:
+               device: torch.device) -> int:
     """The rows per chunk the driver uses for ``engine`` (the benchmarks ask it too)."""
-    if legacy("chunks"):
-        elem = engine.legacy_entry_bytes(dtype)
-        return rows_per_chunk(n, m, ep, _legacy_row_bytes(ep, m, n_pos, elem), device_type,
-                              budgets=LEGACY_MEMORY_BUDGET, max_rows={})
-    return rows_per_chunk(n, m, ep, engine.row_bytes(ep, dtype, m, n_pos), device_type,
-                          getattr(engine, "row_multiple", 16))
+    device = torch.device(device)
+    return rows_per_chunk(n, m, ep, engine.row_bytes(ep, dtype, m, n_pos), device.type,
+                          getattr(engine, "row_multiple", 16), _free_bytes(device))
 
 
 class TiledContrastive(torch.autograd.Function):
@@ -216,10 +216,10 @@ class Chunk:
 def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     """The epilogue in PyTorch ops, in place on one R×M buffer.
 
-    Writes each row's loss ℓ_i (before the mean) into ``c.loss_out`` and returns ``(H, True)``
-    where ``H_ij = ∂ℓ_i/∂s_ij · ginv_k_j`` (matmul dtype; ``None`` if not ``want_grad``). The driver
-    applies the row factors ``inv_q_i / (N·c)`` outside H (``True`` says so): kept inside,
-    they put the entries near 1e-9, where fp16 flushes them to zero.
+    Writes each row's loss ℓ_i (before the mean) into ``c.loss_out`` and returns H, where
+    ``H_ij = ∂ℓ_i/∂s_ij · ginv_k_j`` (matmul dtype; ``None`` if not ``want_grad``). The driver
+    applies the row factors ``inv_q_i / (N·c)`` outside H: kept inside, they put the entries
+    near 1e-9, where fp16 flushes them to zero.
     """
     n, n_pos, m = c.n, c.n_pos, c.keys.shape[0]
     r = c.r1 - c.r0
@@ -272,7 +272,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         row_loss = lse - pos_logit
     c.loss_out.copy_(row_loss)
     if not want_grad:
-        return None, True
+        return None
 
     grad = probs                                       # becomes ∂L/∂s in place
     if released:
@@ -298,7 +298,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
             slope[ar, diag] -= ep.focal_m
             grad.mul_(slope)
     grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
-    return grad.to(c.q.dtype), True
+    return grad.to(c.q.dtype)
 
 
 def _acc_and_cast_bytes(dtype: torch.dtype) -> tuple[int, int]:
@@ -316,8 +316,6 @@ def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> in
 
 
 torch_chunk.row_bytes = _torch_row_bytes
-# The first chunk sizing's bytes per R×M entry (FASTCL_LEGACY=chunks).
-torch_chunk.legacy_entry_bytes = lambda dtype: sum(_acc_and_cast_bytes(dtype))
 
 
 def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
@@ -389,51 +387,31 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
         comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
                 for x in ep.complementary]
 
-    rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device.type)
+    rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device)
     denom = n * m if released else n
     row_loss = torch.empty(n, dtype=acc, device=device)
-    # The engine's fused chain rule (one launch a chunk), unless FASTCL_LEGACY=tangent.
-    tangent = None if legacy("tangent") else getattr(engine, "tangent", None)
+    tangent = getattr(engine, "tangent", None)    # the engine's fused chain rule, if it has one
     w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
-    g = None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         q = anchors[r0:r1].to(dtype).contiguous()
         chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q[r0:r1], inv_k,
                       ginv_k, loss_out=row_loss[r0:r1], comp_q=comp[0][r0:r1] if comp else None,
                       comp_k=comp[1] if comp else None)
-        g, factored = engine(ep, chunk, need_q or need_k)
-        if g is None:
-            continue
-        # G' = w ⊙ H with row factors w_i = inv_q_i / (N·c) (N·M·c for the released BCE);
-        # an unfactored engine (FASTCL_LEGACY=epilogue) returns G' itself.
-        if factored and tangent is not None:
-            # Σ_i H_ij w_i q_i = Σ_i H_ij q̂_i / (N·c): unit rows q̂ in the second GEMM (written
-            # by the same launch as dq), the scalar once at the end
-            q_hat = torch.empty_like(q) if need_k else None
-            if need_q:
-                tangent(_mm(g, keys, acc), q, inv_q[r0:r1], w[r0:r1], dq[r0:r1], x_hat=q_hat)
-            elif need_k:
-                q_hat.copy_(_unit(q, inv_q[r0:r1]))
-            if need_k:
-                _accumulate_mm(dk, g.T, q_hat)
-            continue
-        if need_q:
-            u = _mm(g, keys, acc)
-            if factored:
-                u.mul_(w[r0:r1, None])
-            dq[r0:r1] = _tangent_(u, q, norm_q[r0:r1], rows)
-        if need_k:
-            q_in = _unit(q, inv_q[r0:r1]).to(dtype) if factored else q
-            _accumulate_mm(dk, g.T, q_in)
-    del g                                  # the last chunk's buffer, before dk's own pass
+        h = engine(ep, chunk, need_q or need_k)
+        if h is not None:
+            _chunk_gradients(h, q, keys, inv_q[r0:r1], norm_q[r0:r1], w[r0:r1],
+                             dq[r0:r1] if need_q else None, dk, tangent, acc)
+        # this chunk's R×M buffer is released before the next chunk allocates its own: the
+        # peak is one buffer, not two
+        del h
 
     loss = (row_loss.sum(dtype=torch.float64) / denom).to(acc)
     grads = [dq]
     if need_k:
         out_dtype = acc if in_dtype == torch.float16 else in_dtype
-        col_scale = (1.0 / (denom * h_scale)) if factored else torch.ones((), device=device)
-        if factored and excess is not None:
+        col_scale = 1.0 / (denom * h_scale)
+        if excess is not None:
             col_scale = col_scale * excess          # one entry per candidate row
         col_scale = col_scale.reshape(-1).to(acc)
         if tangent is not None:
@@ -444,6 +422,24 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     else:
         grads += [None] * len(candidates)
     return loss, grads
+
+
+def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc) -> None:
+    """One chunk's share of the gradients from its ``H`` (R×M): ``dq = tangent(w ⊙ (H K))``
+    for its rows, written into ``dq``, and ``dk += Hᵀ q̂``, with ``G' = w ⊙ H``. Row factors
+    ``w_i = inv_q_i / (N·c)``: Σ_i H_ij w_i q_i = Σ_i H_ij q̂_i / (N·c), so the second GEMM takes
+    unit rows q̂ (written by the same launch as dq where the engine has a fused chain rule)
+    and the scalar 1/(N·c) is applied to dk once, at the end."""
+    q_hat = None
+    if dq is not None and tangent is not None:
+        q_hat = torch.empty_like(q) if dk is not None else None
+        tangent(_mm(h, keys, acc), q, inv_q, w, dq, x_hat=q_hat)
+    elif dq is not None:
+        dq.copy_(_tangent_(_mm(h, keys, acc).mul_(w[:, None]), q, norm_q, q.shape[0]))
+    if dk is not None:
+        if q_hat is None:
+            q_hat = _unit(q, inv_q).to(q.dtype)
+        _accumulate_mm(dk, h.T, q_hat)
 
 
 def _fp16_gain(ep: Epilogue, dtype: torch.dtype) -> float:
@@ -457,12 +453,17 @@ def _fp16_gain(ep: Epilogue, dtype: torch.dtype) -> float:
 
 
 def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):
-    """Differentiable entry point used by :mod:`fastcl.functional`."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (anchors, *candidates)):
-        return TiledContrastive.apply(ep, engine, anchors, *candidates)
-    # No graph wanted (evaluation, no_grad): the loss alone, no gradient work at all.
-    return contrastive_forward(ep, anchors, candidates, need=(False,) * (1 + len(candidates)),
-                               engine=engine)[0]
+    """Differentiable entry point used by :mod:`fastcl.functional`. Autocast is off inside
+    (for the inputs' device type): the chunk GEMMs read the dtype :func:`matmul_dtype`
+    chooses, and autocast would round the cosines, hence the logits and log-sum-exp, to 16
+    bits."""
+    from .common import autocast_off
+    with autocast_off(anchors.device):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (anchors, *candidates)):
+            return TiledContrastive.apply(ep, engine, anchors, *candidates)
+        # No graph wanted (evaluation, no_grad): the loss alone, no gradient work at all.
+        return contrastive_forward(ep, anchors, candidates, need=(False,) * (1 + len(candidates)),
+                                   engine=engine)[0]
 
 
 @torch.no_grad()
@@ -474,12 +475,42 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
     is the candidate gradient of a positive-free InfoNCE of the anchors against Z. Released
     code (``positives`` given): the step's loss is the cross-entropy over ``[h⁺; Z]``, so the
     in-batch columns join the log-sum-exp. Either way each step is one pass of the shared
-    driver asking for Z's gradient alone, then ``z_j += lr · g_j/‖g_j‖``. A row with
-    ``g_j = 0`` stays put (paper) or becomes 0 (released: its 0/0 is NaN, then zeroed).
+    driver asking for Z's gradient alone, then ``z_j += lr · g_j/‖g_j‖``, a step of length
+    exactly lr. A row with ``g_j = 0`` stays put (paper) or becomes 0 (released: its 0/0 is
+    NaN, then zeroed).
+
+    The direction is formed from ``g_j/max|g_j|`` (:func:`fastcl.common.safe_direction`): a
+    row of a far-away noise vector can have g ≈ 1e-25, whose squared norm is 0 in float32.
+    The gradient is first projected once more onto the tangent space of z_j
+    (:func:`fastcl.common.project_out_radial`), which removes the chain rule's rounding
+    residual along z_j: at d = 1 every cosine is ±1 whatever z, g is exactly 0, and that
+    residual would otherwise become a full step. Rows of Z too large to square are rescaled
+    for the driver (:func:`fastcl.common.shrink_huge_rows`; the direction of g_j does not
+    depend on z_j's length); the step is taken on Z itself.
     """
+    from .common import (autocast_off, huge_row_limit, project_out_radial, safe_direction,
+                         shrink_huge_rows)
     z = noise.detach().to(accumulate_dtype(anchors.dtype)).clone()
     if steps == 0 or z.shape[0] == 0:
         return z
+    released = positives is not None
+    ep = Epilogue(temperature, positives=released, chunk_size=chunk_size,
+                  anchor_offset=anchor_offset if released else 0)
+    fixed = (positives.detach(),) if released else ()
+    huge = (not z.is_meta and bool(
+        (torch.linalg.vector_norm(z, ord=float("inf"), dim=1) > huge_row_limit(z.dtype, z.shape[1])).any()))
+    with autocast_off(anchors.device):
+        for _ in range(steps):
+            z_in = z.to(anchors.dtype)
+            if huge:
+                z_in = shrink_huge_rows(z_in)
+            _, grads = contrastive_forward(ep, anchors.detach(), (*fixed, z_in),
+                                           need=(False,) * (1 + len(fixed)) + (True,), engine=engine)
+            direction, zero = safe_direction(project_out_radial(grads[-1].to(z.dtype), z_in))
+            z.add_(direction, alpha=lr)         # a zero row's direction is 0: it stays put
+            if released:
+                z[zero] = 0.0
+    return z
     released = positives is not None
     ep = Epilogue(temperature, positives=released, chunk_size=chunk_size,
                   anchor_offset=anchor_offset if released else 0)

@@ -23,12 +23,10 @@ kept inside, they put G′ near 1e-9, where fp16 flushes it to zero. Partials pe
 rather than one program per row block: a tile grid keeps every SM busy at any chunk size
 (the split-softmax idea of flash-decoding). No atomics: results are bit-identical run to run.
 
-``FASTCL_LEGACY=epilogue`` (:mod:`fastcl._switches`) brings back the first design: fp32
-cosines, the log-sum-exp in PyTorch ops, and ``_gradient_kernel`` writing G′ with the row
-factors inside — kept so that one GPU run can time both. ``FASTCL_SIM`` picks a candidate
-similarity kernel not yet measured: ``descriptor`` (operands and stored tile through tensor
-descriptors, a grouped 1-D tile order) or ``persistent`` (the same, one program per SM
-looping over the tiles); ``_similarity_tile`` is the one tile body all three share.
+``FASTCL_SIM=descriptor`` (:mod:`fastcl._switches`) runs the one candidate similarity
+design not yet measured on a GPU: operands and stored tile through tensor descriptors (TMA
+on sm_90) in a grouped 1-D tile order; ``_similarity_tile`` is the tile body both designs
+share. It needs a Triton with ``tl.make_tensor_descriptor`` (``descriptor_supported``).
 
 Offsets that scale with R·M or M·d are formed in int64: a chunk of R·M ≥ 2³¹ entries is
 reachable with a large ``chunk_size``.
@@ -43,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastcl._switches import autotune_pinned, legacy, sim_design
+from fastcl._switches import autotune_pinned, sim_design
 from fastcl.common import EPS
 
 #: A cosine never exceeds 1: this value in the stored s marks a dropped in-batch negative.
@@ -95,12 +93,6 @@ def _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL
         else:
             l = tl.where(dropped, float("-inf"), l)
     return l, dropped
-
-
-@triton.jit
-def _tile(R, M, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
-    """This program's tile of the R×M chunk: row and column indices and their bounds."""
-    return _tile_at(tl.program_id(0), tl.program_id(1), R, M, BLOCK_R, BLOCK_M)
 
 
 @triton.jit
@@ -193,13 +185,11 @@ def _similarity_kernel(
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
     POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    DESC: tl.constexpr, GROUP_R: tl.constexpr, PERSISTENT: tl.constexpr,
+    DESC: tl.constexpr, GROUP_R: tl.constexpr,
 ):
-    # DESC (FASTCL_SIM=descriptor): a 1-D grid in groups of GROUP_R row blocks, the
-    # operands and the stored tile through tensor descriptors, made once per program;
-    # PERSISTENT (FASTCL_SIM=persistent) as well, with one program per SM walking the tiles
-    # in that order (the next tile's loads overlap this one's epilogue); else a (row,
-    # column) grid with pointer loads
+    # DESC (FASTCL_SIM=descriptor): a 1-D grid in groups of GROUP_R row blocks, the operands
+    # and the stored tile through tensor descriptors; else a (row, column) grid with pointer
+    # loads
     q_desc, k_desc, cq_desc, ck_desc, t_desc = q_ptr, k_ptr, cq_ptr, ck_ptr, t_ptr
     if DESC:
         q_desc = tl.make_tensor_descriptor(q_ptr, [R, D], [stride_q, 1], [BLOCK_R, BLOCK_D])
@@ -211,28 +201,16 @@ def _similarity_kernel(
                                                 [BLOCK_M, BLOCK_D])
         # the store clips at the buffer's bounds: no mask
         t_desc = tl.make_tensor_descriptor(t_ptr, [R, M], [stride_t, 1], [BLOCK_R, BLOCK_M])
-    if PERSISTENT:
-        n_tiles = tl.cdiv(R, BLOCK_R) * tl.cdiv(M, BLOCK_M)
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
-            pid_r, pid_m = _grouped_tile(tile, R, M, GROUP_R, BLOCK_R, BLOCK_M)
-            _similarity_tile(
-                pid_r, pid_m, q_desc, k_desc, inv_q_ptr, inv_k_ptr, cq_desc, ck_desc,
-                t_desc, part_max_ptr, part_sum_ptr, pos_ptr, R, M, D, DC, first_pos, n_pos,
-                stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
-                inv_t, focal_m, hard_w, phi, FOCAL, HARD, MASK, RELEASED, POSITIVES, STORE_EXP,
-                PREC, BLOCK_R, BLOCK_M, BLOCK_D, DESC)
+        pid_r, pid_m = _grouped_tile(tl.program_id(0), R, M, GROUP_R, BLOCK_R, BLOCK_M)
     else:
-        if DESC:
-            pid_r, pid_m = _grouped_tile(tl.program_id(0), R, M, GROUP_R, BLOCK_R, BLOCK_M)
-        else:
-            pid_m = tl.program_id(1)
-            pid_r = tl.program_id(0)
-        _similarity_tile(
-            pid_r, pid_m, q_desc, k_desc, inv_q_ptr, inv_k_ptr, cq_desc, ck_desc,
-            t_desc, part_max_ptr, part_sum_ptr, pos_ptr, R, M, D, DC, first_pos, n_pos,
-            stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
-            inv_t, focal_m, hard_w, phi, FOCAL, HARD, MASK, RELEASED, POSITIVES, STORE_EXP,
-            PREC, BLOCK_R, BLOCK_M, BLOCK_D, DESC)
+        pid_r = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    _similarity_tile(
+        pid_r, pid_m, q_desc, k_desc, inv_q_ptr, inv_k_ptr, cq_desc, ck_desc,
+        t_desc, part_max_ptr, part_sum_ptr, pos_ptr, R, M, D, DC, first_pos, n_pos,
+        stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
+        inv_t, focal_m, hard_w, phi, FOCAL, HARD, MASK, RELEASED, POSITIVES, STORE_EXP,
+        PREC, BLOCK_R, BLOCK_M, BLOCK_D, DESC)
 
 
 @triton.jit
@@ -426,63 +404,6 @@ def _row_kernel(
 
 
 @triton.jit
-def _gradient_kernel(
-    s_ptr, lse_ptr, inv_q_ptr, inv_k_ptr, vsum_ptr, g_ptr, part_v_ptr, part_log_ptr,
-    R, M, first_pos, n_pos, stride_s, stride_g, stride_part,
-    inv_t, focal_m, hard_w, scale,
-    FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, STAGE: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """The first design's gradient (``FASTCL_LEGACY=epilogue``): G′ with the row factors."""
-    pid_m = tl.program_id(1)
-    rows, cols, row_ok, col_ok = _tile(R, M, BLOCK_R, BLOCK_M)
-    ok = row_ok[:, None] & col_ok[None, :]
-    rows_g = first_pos + rows
-
-    s = tl.load(_tile_ptrs(s_ptr, stride_s, BLOCK_R, BLOCK_M), mask=ok, other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    is_pos = _positive(cols, rows_g, POSITIVES)
-    l, dropped = _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w,
-                                FOCAL, HARD, MASK, RELEASED)
-    p = tl.where(ok, tl.exp(l - lse[:, None]), 0.0)
-
-    if RELEASED:
-        v = _bce_v(p, is_pos)
-        v = tl.where(ok, v, 0.0)
-        if STAGE == 0:
-            log_not = tl.where(ok & (~is_pos), _bce_log_not(p), 0.0)
-            tl.store(part_v_ptr + rows * stride_part + pid_m, tl.sum(v, axis=1), mask=row_ok)
-            tl.store(part_log_ptr + rows * stride_part + pid_m, tl.sum(log_not, axis=1), mask=row_ok)
-        else:
-            vsum = tl.load(vsum_ptr + rows, mask=row_ok, other=0.0)
-            g = (v - p * vsum[:, None]) * (inv_t * scale)
-            if MASK:
-                g = tl.where(dropped, 0.0, g)
-            _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g,
-                        BLOCK_R, BLOCK_M)
-    else:
-        g = tl.where(is_pos, p - 1.0, p)
-        if FOCAL:
-            slope = tl.where(is_pos, 2.0 * s, 2.0 * s + focal_m) * inv_t
-        else:
-            slope = inv_t
-        g = g * slope * scale
-        _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g,
-                        BLOCK_R, BLOCK_M)
-
-
-@triton.jit
-def _store_grad(g, rows, cols, row_ok, col_ok, ok, inv_q_ptr, inv_k_ptr, g_ptr, stride_g,
-                BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
-    """G'_ij = ∂L/∂s_ij / (‖q_i‖‖k_j‖), the form both gradient GEMMs take with raw inputs."""
-    inv_q = tl.load(inv_q_ptr + rows, mask=row_ok, other=0.0)
-    inv_k = tl.load(inv_k_ptr + cols, mask=col_ok, other=0.0)
-    g = g * inv_q[:, None] * inv_k[None, :]
-    tl.store(_tile_ptrs(g_ptr, stride_g, BLOCK_R, BLOCK_M), g.to(g_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _tangent_kernel(u_ptr, x_ptr, inv_x_ptr, scale_ptr, out_ptr, x_hat_ptr,
                     D, stride_u, stride_x, stride_out, stride_x_hat, scale_stride, inv_eps,
                     WRITE_X_HAT: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -560,25 +481,6 @@ SIM_CONFIGS_BY_VARIANT = {
     (90, "16bit", "focal-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
 }
 
-#: The lists before them (``FASTCL_LEGACY=tiles``), chosen from compiles that lacked a
-#: launch's alignment facts: without them the 16-bit K loop is not pipelined and the
-#: 128×128×64 tile spills (224 B on sm_90), so it was left out; a launch never built that kernel.
-UNALIGNED_SIM_CONFIGS = {
-    "default": {
-        ("16bit", False): [(128, 32, 8, 4), (64, 64, 8, 3)],
-        ("16bit", True): [(64, 32, 8, 3), (64, 16, 8, 4), (32, 64, 8, 3)],
-        ("fp32", False): [(32, 32, 8, 3), (32, 16, 8, 3)],
-        ("fp32", True): [(32, 16, 8, 3)],
-    },
-    "by_arch": {80: {("16bit", False): [(128, 32, 8, 4), (64, 32, 8, 3)]}},
-    "by_variant": {
-        (90, "16bit", "focal-hard"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-        (80, "16bit", "focal-mask"): [(64, 32, 8, 3), (64, 16, 8, 4)],
-    },
-}
-#: The first design's list, spills included (``FASTCL_LEGACY=configs``).
-LEGACY_SIM_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (256, 64, 8, 3)]
-
 #: What the compile check tries for the default design's lists, (BLOCK_R, BLOCK_D, num_warps,
 #: num_stages) with BLOCK_M = 128 (``--sim-candidates`` reports each one for the aligned launch).
 SIM_CANDIDATES = {
@@ -618,18 +520,8 @@ DESC_SIM_CONFIGS = {
     (80, "fp32", True): [(32, 16, 8, 3, 8)],
 }
 
-#: ``FASTCL_SIM=persistent``: its kept lists, chosen like the descriptor design's from
-#: ``DESC_CANDIDATES`` (``--sim-candidates persistent``): the same but where its loop holds
-#: more registers, on sm_80: 64×128×32 spills 16 B for focal-hard in 16 bits, 32×128×16 16 B
-#: for focal-hard-mask in fp32.
-PERSISTENT_SIM_CONFIGS = {**DESC_SIM_CONFIGS,
-                          (80, "16bit", False): [(64, 64, 8, 3, 8)],
-                          (80, "fp32", True): [(64, 16, 8, 3, 8)]}
-
 SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
 DESC_FIXED = {**SIM_FIXED, "GROUP_R": 2}                  # groups shorter than the row blocks
-GRAD_BLOCK = ({"BLOCK_R": 16, "BLOCK_M": 16} if INTERPRET  # the legacy elementwise tiles
-              else {"BLOCK_R": 32, "BLOCK_M": 128})
 ROW_BLOCK = ({"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET
              else {"BLOCK_N": 2048, "BLOCK_T": 256, "num_warps": 8})
 
@@ -672,40 +564,22 @@ def stores_exp(f: dict) -> bool:
     return not (f["FOCAL"] or f["RELEASED"])
 
 
-def sim_configs(f: dict, dtype, arch: int = 90, legacy_list: bool = False,
-                design: str = "", unaligned_lists: bool = False) -> list[tuple]:
+def sim_configs(f: dict, dtype, arch: int = 90, design: str = "") -> list[tuple]:
     """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
     its name) and compute capability (90 for sm_90; an sm_80-class GPU uses 80). The
-    ``descriptor`` and ``persistent`` designs (``FASTCL_SIM``) have their own lists, 5-tuples
-    ending in GROUP_R, whatever the other arguments say; ``legacy_list``: the first design's list
-    (``FASTCL_LEGACY=configs``); ``unaligned_lists``: the lists before the current ones
-    (``FASTCL_LEGACY=tiles``)."""
+    ``descriptor`` design (``FASTCL_SIM``) has its own lists, 5-tuples ending in GROUP_R."""
     key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit", bool(f["MASK"]))
     arch = 80 if arch < 90 else 90
     if design == "descriptor":
         return DESC_SIM_CONFIGS[(arch,) + key]
-    if design == "persistent":
-        return PERSISTENT_SIM_CONFIGS[(arch,) + key]
-    if legacy_list:
-        return LEGACY_SIM_CONFIGS
-    if unaligned_lists:
-        lists = UNALIGNED_SIM_CONFIGS
-        default, by_arch, by_variant = lists["default"], lists["by_arch"], lists["by_variant"]
-    else:
-        default, by_arch, by_variant = SIM_CONFIGS, SIM_CONFIGS_BY_ARCH, SIM_CONFIGS_BY_VARIANT
-    own = by_variant.get((arch, key[0], variant_name(f)))
+    own = SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
     if own:
         return own
-    return by_arch.get(arch, {}).get(key, default[key])
+    return SIM_CONFIGS_BY_ARCH.get(arch, {}).get(key, SIM_CONFIGS[key])
 
 
 def _device_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -724,8 +598,7 @@ def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
     (key None) under the interpreter."""
     if INTERPRET:
         return _similarity_kernel, None
-    configs = sim_configs(f, dtype, _arch(_device_index(device)), legacy("configs"), design,
-                          legacy("tiles"))
+    configs = sim_configs(f, dtype, _arch(_device_index(device)), design)
     if autotune_pinned():
         configs = configs[:1]
     key = (design, tuple(configs))         # one autotuner per design and config list
@@ -737,6 +610,11 @@ def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
                      for c in configs],
             key=_AUTOTUNE_KEY)(_similarity_kernel)
     return _TUNED[key], key
+
+
+def descriptor_supported() -> bool:
+    """Whether this Triton builds tensor descriptors inside a kernel (the descriptor design)."""
+    return hasattr(tl, "make_tensor_descriptor")
 
 
 def descriptor_ready(*tensors) -> bool:
@@ -829,9 +707,12 @@ def _launch_similarity(ep, c, f, store_exp):
         cq, ck, dc = c.q, c.keys, 0        # never read
     t_dtype = c.q.dtype if store_exp else torch.float32
     design = sim_design()
+    if design and not descriptor_supported():
+        raise RuntimeError(f"FASTCL_SIM=descriptor needs tl.make_tensor_descriptor, which "
+                           f"Triton {triton.__version__} lacks; unset FASTCL_SIM")
     if design and not descriptor_ready(c.q, c.keys, cq, ck):
         design = ""
-    if design:                             # descriptor, persistent
+    if design:                             # descriptor
         # rows padded to 16 bytes (≤ 7 columns) for the descriptor of the stored tile
         per = 16 // (torch.finfo(t_dtype).bits // 8)
         t = torch.empty(R, triton.cdiv(M, per) * per, dtype=t_dtype, device=dev)[:, :M]
@@ -843,17 +724,12 @@ def _launch_similarity(ep, c, f, store_exp):
     part_max = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     pos = torch.empty(R, dtype=torch.float32, device=dev)   # every row's positive is written
-    if design == "persistent":            # one program per SM (3 in the interpreter: a loop)
-        slots = 3 if INTERPRET else _sm_count(_device_index(dev))
-        grid = lambda meta: (min(triton.cdiv(R, meta["BLOCK_R"]) * tiles, slots),)
-        extra = dict(DESC=True, PERSISTENT=True, **(DESC_FIXED if INTERPRET else {}))
-    elif design == "descriptor":          # 1-D, in groups of GROUP_R row blocks
+    if design:                             # 1-D, in groups of GROUP_R row blocks
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]) * tiles,)
-        extra = dict(DESC=True, PERSISTENT=False, **(DESC_FIXED if INTERPRET else {}))
+        extra = dict(DESC=True, **(DESC_FIXED if INTERPRET else {}))
     else:
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
-        extra = dict(DESC=False, PERSISTENT=False, GROUP_R=1,
-                     **(SIM_FIXED if INTERPRET else {}))
+        extra = dict(DESC=False, GROUP_R=1, **(SIM_FIXED if INTERPRET else {}))
     kernel, tuned = _similarity(f, c.q.dtype, c.q.device, design)
     tuned_before = None if tuned is None else len(kernel.cache)
     kernel[grid](
@@ -870,10 +746,8 @@ def _launch_similarity(ep, c, f, store_exp):
 
 def triton_chunk(ep, c, want_grad):
     """The Triton engine for :func:`fastcl.tiled.contrastive_forward` (same contract as
-    :func:`fastcl.tiled.torch_chunk`): row losses into ``c.loss_out``; returns ``(H, True)``
-    with H in the GEMM dtype (``None`` without ``want_grad``)."""
-    if legacy("epilogue"):
-        return _legacy_chunk(ep, c, want_grad)
+    :func:`fastcl.tiled.torch_chunk`): row losses into ``c.loss_out``; returns H in the
+    GEMM dtype (``None`` without ``want_grad``)."""
     f = flags(ep)
     store_exp = stores_exp(f)
     t, part_max, part_sum, pos = _launch_similarity(ep, c, f, store_exp)
@@ -886,55 +760,15 @@ def triton_chunk(ep, c, want_grad):
         M, part_max.shape[1], c.first_pos, c.n_pos, t.stride(0), g.stride(0), part_max.stride(0),
         1.0 / ep.temperature, float(ep.focal_m or 0.0), float(ep.hard_negative_weight),
         STORE_EXP=store_exp, WANT_GRAD=want_grad, TILE_M=SIM_BLOCK_M, **f, **ROW_BLOCK)
-    return (g if want_grad else None), True
-
-
-def _legacy_chunk(ep, c, want_grad):
-    """The first design: fp32 cosines, the row log-sum-exp in PyTorch ops, G′ with the row
-    factors from a separate gradient kernel. Returns ``(G′, False)``."""
-    f = flags(ep)
-    s, part_max, part_sum, pos = _launch_similarity(ep, c, f, False)
-    R, M = s.shape
-    dev = s.device
-    released = f["RELEASED"]
-    focal_m, inv_t = float(ep.focal_m or 0.0), 1.0 / ep.temperature
-    # Row log-sum-exp from the tile partials.
-    row_max = part_max.amax(dim=1)
-    safe = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    lse = safe + torch.log((part_sum * torch.exp(part_max - safe[:, None])).sum(dim=1))
-
-    gb = GRAD_BLOCK
-    ggrid = (triton.cdiv(R, gb["BLOCK_R"]), triton.cdiv(M, gb["BLOCK_M"]))
-    gtiles = ggrid[1]
-    scale = 1.0 / (c.n * M) if released else 1.0 / c.n
-    common = (R, M, c.first_pos, c.n_pos, s.stride(0))
-    vsum = lse                              # placeholder pointer unless released
-    if released:
-        part_v = torch.zeros(R, gtiles, dtype=torch.float32, device=dev)
-        part_log = torch.zeros(R, gtiles, dtype=torch.float32, device=dev)
-        _gradient_kernel[ggrid](s, lse, c.inv_q, c.inv_k, lse, s, part_v, part_log,
-                                *common, s.stride(0), gtiles, inv_t, focal_m,
-                                float(ep.hard_negative_weight), scale, STAGE=0, **f, **gb)
-        vsum = part_v.sum(dim=1)
-        row_loss = -part_log.sum(dim=1) - (pos - lse).clamp_min(-100.0)
-    else:
-        row_loss = lse - pos if ep.positives else lse
-    c.loss_out.copy_(row_loss)
-    if not want_grad:
-        return None, False
-    g = torch.empty(R, M, dtype=c.q.dtype, device=dev)
-    _gradient_kernel[ggrid](s, lse, c.inv_q, c.inv_k, vsum, g, lse, lse,
-                            *common, g.stride(0), 0, inv_t, focal_m,
-                            float(ep.hard_negative_weight), scale, STAGE=1, **f, **gb)
-    return g, False
+    return g if want_grad else None
 
 
 def _row_bytes(ep, dtype: torch.dtype, m: int, n_pos: int) -> int:
     """Chunk memory per anchor row: one buffer in the GEMM dtype (exp mode), or the fp32
-    cosines plus the gradient (focal, released DCLR, the first design). The DCLR mask is
-    formed inside the tiles and costs nothing here."""
+    cosines plus the gradient (focal, released DCLR). The DCLR mask is formed inside the
+    tiles and costs nothing here."""
     gemm = torch.finfo(dtype).bits // 8
-    if legacy("epilogue") or not stores_exp(flags(ep)):
+    if not stores_exp(flags(ep)):
         return m * (4 + gemm)
     return m * gemm
 
@@ -942,7 +776,5 @@ def _row_bytes(ep, dtype: torch.dtype, m: int, n_pos: int) -> int:
 triton_chunk.row_bytes = _row_bytes
 #: Chunk rows are rounded to this: the similarity kernel's largest row tile.
 triton_chunk.row_multiple = 16 if INTERPRET else 128
-#: The first chunk sizing's bytes per R×M entry (FASTCL_LEGACY=chunks).
-triton_chunk.legacy_entry_bytes = lambda dtype: 4 + torch.finfo(dtype).bits // 8
 #: The chain rule through the normalization, one launch a block of rows.
 triton_chunk.tangent = triton_tangent

@@ -5,11 +5,14 @@ algorithm guarantees (one R×M chunk, or an N×d / M×d buffer), while the refer
 necessarily produces N×M tensors (which also shows the probe works).
 """
 
+import weakref
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastcl
+from fastcl import tiled
 
 from conftest import correlated, make
 
@@ -64,3 +67,54 @@ def test_noise_update_is_chunked():
     with LargestOutput() as probe:
         fastcl.dclr_noise(a, a, N, steps=4, chunk_size=CHUNK)
     assert probe.largest <= CHUNK * N
+
+
+class PeakLive(TorchDispatchMode):
+    """The most bytes that storages allocated inside the mode held at once. A storage counts
+    from the op that created it until the last tensor made inside the mode that uses it (the
+    op's output, its views, in-place results) is freed; views of tensors made outside the
+    mode (the inputs) count nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._owned = {}                   # storage address -> [bytes, tensors alive]
+
+    def _release(self, ptr):
+        entry = self._owned[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self._owned[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        outside = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._owned:
+                if ptr in outside:         # a view of, or a write into, a tensor made outside
+                    continue
+                self._owned[ptr] = [t.untyped_storage().nbytes(), 0]
+                self.live += self._owned[ptr][0]
+                self.peak = max(self.peak, self.live)
+            self._owned[ptr][1] += 1
+            weakref.finalize(t, self._release, ptr)
+        return out
+
+
+@pytest.mark.parametrize("objective", ["infonce", "focal"])
+def test_one_chunk_buffer_at_a_time(objective):
+    """A call of several chunks holds one chunk's R×M buffers at a time: the previous chunk's
+    are freed before the next chunk allocates its own (both at once doubled the peak)."""
+    n, d, rows = 512, 8, 128
+    a, p = make(n, d), correlated(make(n, d))
+    ep = tiled.Epilogue(0.05, focal_m=0.3 if objective == "focal" else None, chunk_size=rows)
+    chunk = tiled.torch_chunk.row_bytes(ep, torch.float32, n, n) * rows
+    with PeakLive() as probe:
+        tiled.contrastive_forward(ep, a.detach(), (p.detach(),), need=(True, True))
+    # one chunk's buffers, and the N×d / M×d gradient buffers and small vectors beside them
+    assert probe.peak <= chunk + 8 * n * d * 4 + 64 * 2**10, (probe.peak, chunk)

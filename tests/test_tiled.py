@@ -134,12 +134,6 @@ class TestChunkChoice:
         assert tiled.rows_per_chunk(10**6, 1, ep, 4096) == 992
         assert tiled.rows_per_chunk(10**6, 1, ep, 4096 * 100, multiple=128) == 10   # < one tile
 
-    def test_legacy_sizing_is_the_first_formula(self, monkeypatch):
-        monkeypatch.setenv("FASTCL_LEGACY", "chunks")
-        ep = tiled.Epilogue(0.05, focal_m=0.3)
-        # fp32 on CPU: 4 bytes an entry, two slices for focal
-        assert self.rows(ep) == tiled.DEFAULT_MEMORY_BUDGET["cpu"] // (16384 * 8) // 16 * 16
-
 
 def test_fp16_gradient_does_not_underflow():
     """fp16 inputs at N=4096, τ=0.05, norms ≈ 16, with the chunk buffer in fp16 as on a GPU
@@ -168,7 +162,7 @@ def test_fp16_gradient_does_not_underflow():
     rel = (x.grad.double() / scale - ref_a.grad).norm() / ref_a.grad.norm()
     assert rel < 1e-2, rel
 
-    # The first design stored G' with the row factors inside, in fp16: most of it flushed.
+    # G' with the row factors inside, stored in fp16, would have flushed most of it.
     cos = torch.nn.functional.normalize(a.double(), dim=1) @ torch.nn.functional.normalize(
         p.double(), dim=1).T
     probs = torch.softmax(cos / 0.05, dim=1) - torch.eye(n, dtype=torch.float64)

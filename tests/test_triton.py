@@ -12,7 +12,7 @@ import fastcl
 
 from conftest import correlated, inputs, loss_and_grads, make, objectives
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -75,14 +75,16 @@ class _Taken(list):
     design = ""
 
 
-@pytest.fixture(params=["descriptor", "persistent"])
-def descriptor(monkeypatch, request):
-    """Switch a descriptor design on (FASTCL_SIM=descriptor, or its persistent form); yields
-    the design each similarity launch took."""
+@pytest.fixture
+def descriptor(monkeypatch):
+    """Switch the descriptor design on (FASTCL_SIM=descriptor); yields the design each
+    similarity launch took. Skipped on a Triton without tensor descriptors."""
     from fastcl.kernels import contrastive as kc
-    monkeypatch.setenv("FASTCL_SIM", request.param)
+    if not kc.descriptor_supported():
+        pytest.skip(f"Triton {triton.__version__} has no tl.make_tensor_descriptor")
+    monkeypatch.setenv("FASTCL_SIM", "descriptor")
     taken = _Taken()
-    taken.design = request.param
+    taken.design = "descriptor"
     original = kc._similarity
 
     def spy(f, dtype, device, design=""):
@@ -278,6 +280,48 @@ def test_gpu_bf16(name, shape):
 
 
 @needs_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[:3], ids=[f"N{n}K{k}d{d}" for n, k, d in GPU_SHAPES[:3]])
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_fp16(name, shape):
+    """fp16 chunk buffers for real (the CPU tests emulate them with ``gemm_dtype``)."""
+    _compare(name, *shape, dtype=torch.float16, tol=BF16)
+
+
+#: One objective per autotune list (16-bit and fp32, with and without the DCLR mask; focal
+#: with the mask has its own list on sm_90).
+LISTS = [("infonce", torch.bfloat16), ("dclr-weighted", torch.bfloat16),
+         ("focal-negatives", torch.bfloat16), ("infonce", torch.float32),
+         ("dclr-weighted", torch.float32)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("name,dtype", LISTS, ids=[f"{n}-{str(d)[6:]}" for n, d in LISTS])
+def test_gpu_every_kept_config(name, dtype, monkeypatch):
+    """Each config of the kept autotune lists, launched alone, matches the reference (the
+    autotuner would otherwise run only its fastest, or with FASTCL_AUTOTUNE=0 its first)."""
+    from fastcl.kernels import contrastive as kc
+    from fastcl.tiled import Epilogue
+    comp = (torch.ones(2, 2), torch.ones(2, 2)) if name == "dclr-weighted" else None
+    ep = Epilogue(0.05, focal_m=0.5 if name.startswith("focal") else None,
+                  phi=0.2 if comp else None, complementary=comp)
+    arch = kc._arch(torch.cuda.current_device())
+    configs = kc.sim_configs(kc.flags(ep), dtype, arch)
+    original = kc.sim_configs
+    for config in configs:
+        monkeypatch.setattr(kc, "_TUNED", {})
+        monkeypatch.setattr(kc, "sim_configs", lambda *a, config=config, **k: [config])
+        _compare(name, 517, 300, 1024, dtype=dtype, tol=FP32 if dtype == torch.float32 else BF16)
+    monkeypatch.setattr(kc, "sim_configs", original)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["infonce", "dclr-weighted"])
+def test_gpu_16384_matches_reference(name):
+    """The loss and gradients at the benchmark's size, bf16, against the float32 reference."""
+    _compare(name, 16384, 0, 768, dtype=torch.bfloat16, tol=BF16)
+
+
+@needs_gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES[1:3], ids=[f"N{n}K{k}d{d}" for n, k, d in GPU_SHAPES[1:3]])
 @pytest.mark.parametrize("name", ["infonce", "dclr-weighted"])
 def test_gpu_descriptor_bf16(name, shape, descriptor):
@@ -319,14 +363,27 @@ def test_gpu_deterministic(name):
         assert (g1 is None and g2 is None) or torch.equal(g1, g2)
 
 
-@pytest.mark.parametrize("m,rows", [(16384, 3072), (32768, 3072), (65536, 2048)])
-def test_gpu_chunk_sizing(m, rows, monkeypatch):
-    """On CUDA the Triton engine counts its one 16-bit buffer: 256 MiB, at most 3072 rows; the
-    first sizing counted an fp32 slice too, in 128 MiB (R = 672 at M = 32768)."""
+GIB = 2**30
+
+
+@pytest.mark.parametrize("m,free,rows", [(16384, 100 * GIB, 4096), (32768, 100 * GIB, 4096),
+                                         (65536, 100 * GIB, 4096), (65536, 1 * GIB, 1024),
+                                         (2048, 100 * GIB, 2048)])
+def test_cuda_chunk_sizing(m, free, rows):
+    """On CUDA the Triton engine counts its one 16-bit buffer against 128 MiB, and takes at
+    least 4096 rows (faster on an H200 than 2048 or 3072) where they need at most a quarter
+    of the free memory: 4096 × 65536 × 2 B = 512 MiB fits in 100 GiB, not in 1 GiB."""
     from fastcl.kernels.contrastive import triton_chunk
-    from fastcl.tiled import Epilogue, chunk_rows
+    from fastcl.tiled import Epilogue, rows_per_chunk
     ep = Epilogue(0.05)
-    assert chunk_rows(triton_chunk, ep, m, m, m, torch.bfloat16, "cuda") == rows
-    monkeypatch.setenv("FASTCL_LEGACY", "chunks")
-    assert chunk_rows(triton_chunk, ep, m, m, m, torch.bfloat16, "cuda") == \
-        128 * 2**20 // (m * 6) // 16 * 16
+    row_bytes = triton_chunk.row_bytes(ep, torch.bfloat16, m, m)
+    assert row_bytes == 2 * m
+    asked = []
+    got = rows_per_chunk(m, m, ep, row_bytes, "cuda", 128,
+                         lambda: asked.append(1) or free)
+    assert got == rows
+    # the free memory is asked only when the budget alone gives fewer rows than the floor
+    assert bool(asked) == (128 * 2**20 // row_bytes < min(m, 4096))
+    # an explicit budget is the user's: no floor
+    assert rows_per_chunk(m, m, Epilogue(0.05, memory_budget=64 * 2**20), row_bytes, "cuda",
+                          128, lambda: free) == min(m, 64 * 2**20 // row_bytes // 128 * 128)
