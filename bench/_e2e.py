@@ -161,3 +161,15 @@ def e2e_measure(spec: dict, device: str, repeats: int) -> list[dict]:
             row["memory_method"] = "not measured on CPU (one process for both implementations)"
         rows.append(row)
     return rows
+
+
+def bert_config_sized(hidden: int, layers: int, heads: int | None = None,
+                      intermediate: int | None = None):
+    """:func:`bert_config` at any width and depth (heads: one per 64 dimensions, the FFN 4×
+    wider, unless given; the same vocabulary and positions)."""
+    from transformers import BertConfig
+
+    heads = heads or max(1, hidden // 64)
+    return BertConfig(vocab_size=30522, max_position_embeddings=512, hidden_size=hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      intermediate_size=intermediate or 4 * hidden)

@@ -337,3 +337,23 @@ def matmul_limit(n: int, m: int, d: int, dtype, device, calls: int = 1, repeats:
     return {"n": n, "m": m, "d": d, "dtype": str(dtype).replace("torch.", ""), "calls": calls,
             "block_columns": block, "flops": flops, **timing,
             "tflops": flops / timing["median_s"] / 1e12}
+
+
+# --------------------------------------------------------------------------- long calls
+
+def timed_call(fn, device) -> tuple[float, object]:
+    """``(seconds, result)`` of one ``fn()``: CUDA events around the call on a GPU (waiting
+    for its end), ``time.perf_counter`` on CPU. For calls of a second or more (one training
+    step, one loss at N = 10⁶), where ``do_bench``'s own repetitions would not fit."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, result
+    t0 = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t0, result
