@@ -30,16 +30,20 @@ Chunk rows: fastcl's CUDA sizing, ``fastcl.tiled.rows_per_chunk`` for the Triton
 one R×M buffer in the GEMM dtype (the default budget, at least ``MIN_CHUNK_ROWS`` where a
 quarter of the preset's memory holds them; ``memory_budget_mib`` replaces both).
 
-Per chunk:
-  similarity kernel       1 launch, 2RMd; reads R·d·b + M·d·b; writes e = exp(l − tile max)
-                          R·M·b, partials R·T·8
-  row kernel              1 launch (one program per row); reads partials R·T·8 and e R·M·b;
-                          writes the gradient H in place R·M·b and the row loss R·4
-  GEMM H K → fp32         1 launch, 2RMd; reads R·M·b + M·d·b; writes R·d·4
-  tangent kernel          1 launch: dq = w⊙(u − q̂(q̂·u)) and q̂; reads R·d·4 + R·d·b;
-                          writes 2·R·d·b
-  GEMM dk += Hᵀq̂          1 launch (addmm, beta=1, in place, fp32 accumulator), 2RMd;
+Per chunk, the bounded design (the default where every logit has a bound: τ ≥ 0.025 for
+InfoNCE, 16-bit buffers in bf16, not the released DCLR):
+  similarity kernel       1 launch, 2RMd; reads R·d·b + M·d·b + M·4; writes
+                          E = exp(l − B)·slope·ginv_k R·M·b, row sums R·T·4
+  row finish              1 launch; reads R·T·4; writes loss, 1/Z, positive coefficient R·12
+  GEMM E K → fp32         1 launch, 2RMd; reads R·M·b + M·d·b; writes R·d·4
+  tangent kernel          1 launch: u/Z − c·k_pos, dq = w⊙(u − q̂(q̂·u)), q̂/Z and the
+                          positive's dk row; reads R·d·(4 + 2b + 4); writes R·d·(2b + 4)
+  GEMM dk += Eᵀ(q̂/Z)      1 launch (addmm, beta=1, in place, fp32 accumulator), 2RMd;
                           reads R·M·b + R·d·b + M·d·4; writes M·d·4
+The two-pass design (``two_pass=True``: fp16 buffers, τ < 0.025, the released DCLR) has
+instead of the row finish a row kernel (one program per row): it reads the partials R·T·8
+and e R·M·b and writes the gradient H in place R·M·b and the row loss R·4; its tangent
+kernel reads R·d·(4 + b) and writes 2·R·d·b.
 Per call: norms of Q and K (2 launches, read N·d·b + M·d·b), dk zero (write M·d·4), 3
 launches of row weights and scales, the tangent on dk in one launch that writes the input
 dtype (read M·d·(4+b), write M·d·b), the input NaN check (2 launches, read N·d·b + M·d·b).
@@ -123,18 +127,33 @@ def chunk_rows(n, m, b, memory_gib, memory_budget_mib=None):
     return rows_per_chunk(n, m, ep, m * b, "cuda", BLOCK_M, lambda: memory_gib * 2**30)
 
 
-def chunk_stages(r, m, d, b):
+def chunk_stages(r, m, d, b, two_pass=False):
     """Stages of one chunk of r rows."""
     t = math.ceil(m / BLOCK_M)
     g = 2 * r * m * d
-    return [
-        _stage("sim", "similarity kernel → e", 1, g, r * d * b + m * d * b, r * m * b + r * t * 8),
-        # LSE, gradient (in place over e) and row loss fused in one kernel
-        _stage("grad", "row kernel (LSE+grad+loss)", 1, 0, r * t * 8 + r * m * b, r * m * b + r * 4),
-        _stage("gemm_dq", "GEMM HK → fp32", 1, g, r * m * b + m * d * b, r * d * 4),
-        _stage("tan_dq", "tangent kernel (dq, q̂)", 1, 0, r * d * 4 + r * d * b, 2 * r * d * b),
+    if two_pass:
+        head = [
+            _stage("sim", "similarity kernel → e", 1, g, r * d * b + m * d * b,
+                   r * m * b + r * t * 8),
+            # LSE, gradient (in place over e) and row loss fused in one kernel
+            _stage("grad", "row kernel (LSE+grad+loss)", 1, 0, r * t * 8 + r * m * b,
+                   r * m * b + r * 4),
+            _stage("gemm_dq", "GEMM HK → fp32", 1, g, r * m * b + m * d * b, r * d * 4),
+            _stage("tan_dq", "tangent kernel (dq, q̂)", 1, 0, r * d * 4 + r * d * b,
+                   2 * r * d * b)]
+    else:
+        head = [
+            _stage("sim", "similarity kernel → E", 1, g, r * d * b + m * d * b + m * 4,
+                   r * m * b + r * t * 4),
+            # the rows from the tiles' sums: no pass over the R×M buffer
+            _stage("grad", "row finish (loss, 1/Z)", 1, 0, r * t * 4, r * 12),
+            _stage("gemm_dq", "GEMM EK → fp32", 1, g, r * m * b + m * d * b, r * d * 4),
+            _stage("tan_dq", "tangent kernel (dq, q̂/Z)", 1, 0, r * d * (8 + 2 * b),
+                   r * d * (2 * b + 4))]
+    return head + [
         # accumulate straight into dk: no temporary, no extra pass
-        _stage("gemm_dk", "GEMM dk += Hᵀq̂", 1, g, r * m * b + r * d * b + m * d * 4, m * d * 4),
+        _stage("gemm_dk", "GEMM dk += Hᵀq̂" if two_pass else "GEMM dk += Eᵀ(q̂/Z)", 1, g,
+               r * m * b + r * d * b + m * d * 4, m * d * 4),
     ]
 
 
@@ -181,7 +200,7 @@ def _sum(stages, field):
 
 def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib=None,
             peak_tflops=None, bandwidth_tbs=None, launch_us=None,
-            sim_efficiency=GEMM_EFF, gemm_efficiency=GEMM_EFF):
+            sim_efficiency=GEMM_EFF, gemm_efficiency=GEMM_EFF, two_pass=False):
     """The cost model as a JSON-serialisable dict (see the module docstring for the formulas).
     ``sim_efficiency`` / ``gemm_efficiency``: the fractions of the peak the similarity kernel
     and the gradient GEMMs run at (1.0: the preset peak)."""
@@ -200,12 +219,13 @@ def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib
     once = _timed(per_call_stages(n, m, d, b), dev, eff)
     c = math.ceil(n / r)
     last = n - (c - 1) * r                      # rows of the last (maybe short) chunk
-    full = _timed(chunk_stages(r, m, d, b), dev, eff)
-    tail = _timed(chunk_stages(last, m, d, b), dev, eff)
+    full = _timed(chunk_stages(r, m, d, b, two_pass), dev, eff)
+    tail = _timed(chunk_stages(last, m, d, b, two_pass), dev, eff)
     total_us = (c - 1) * _sum(full, "us") + _sum(tail, "us") + _sum(once, "us")
     per_chunk = {f: _sum(full, f) for f in ("launches", "flops", "bytes_read", "bytes_written", "us")}
     budget = DEFAULT_MEMORY_BUDGET["cuda"] / MIB if memory_budget_mib is None else memory_budget_mib
-    return dict(model=MODEL_NOTE, n=n, m=m, d=d, dtype=dtype, bytes_per_element=b,
+    return dict(model=MODEL_NOTE, design="two-pass" if two_pass else "bounded",
+                n=n, m=m, d=d, dtype=dtype, bytes_per_element=b,
                 memory_budget_mib=budget, block_m=BLOCK_M, efficiency=eff,
                 device=dev, useful_flops=useful, rows=r, chunks=c, last_rows=last,
                 tiles=math.ceil(m / BLOCK_M), chunk_buffer_mib=r * m * b / MIB,
@@ -240,7 +260,7 @@ def explain_text(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budge
         f"{dev['bandwidth_tbs']:.2f} TB/s, {dev['sms'] or '?'} SMs, {dev['launch_us']:g} µs/launch",
         f"N={e['n']} M={e['m']} d={e['d']} dtype={e['dtype']} (b={e['bytes_per_element']}) "
         f"useful FLOPs 6·N·M·d = {e['useful_flops'] / 1e9:,.1f} GFLOP",
-        f"chunks: budget {e['memory_budget_mib']:g} MiB, R={e['rows']} rows/chunk, "
+        f"{e['design']} design; chunks: budget {e['memory_budget_mib']:g} MiB, R={e['rows']} rows/chunk, "
         f"C={e['chunks']} chunks (last {e['last_rows']} rows), T={e['tiles']} column tiles",
         "stage time = max(FLOPs/(peak·eff), bytes/bandwidth) + launches·launch_us; "
         f"eff {eff['sim']:.2f} similarity kernel, {eff['gemm']:.2f} GEMMs; "
@@ -304,6 +324,8 @@ def main(argv=None):
                    help="fraction of the peak the similarity kernel runs at (default 1.0)")
     p.add_argument("--gemm-efficiency", type=float, default=GEMM_EFF,
                    help="fraction of the peak the gradient GEMMs run at (default 1.0)")
+    p.add_argument("--two-pass", action="store_true",
+                   help="the two-pass design (fp16 buffers, τ < 0.025, the released DCLR)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     a = p.parse_args(argv)
     if a.device == "custom" and (a.peak_tflops is None or a.bandwidth_tbs is None):
@@ -311,7 +333,7 @@ def main(argv=None):
     kw = dict(m=a.m, d=a.d, dtype=a.dtype, device=a.device, memory_budget_mib=a.budget_mib,
               peak_tflops=a.peak_tflops, bandwidth_tbs=a.bandwidth_tbs,
               launch_us=a.launch_us, sim_efficiency=a.sim_efficiency,
-              gemm_efficiency=a.gemm_efficiency)
+              gemm_efficiency=a.gemm_efficiency, two_pass=a.two_pass)
     if a.json:
         print(json.dumps(explain(a.n, **kw), indent=1))
     else:

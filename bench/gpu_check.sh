@@ -282,6 +282,10 @@ for name, p in (out["profile"].get("sizes") or {}).items():
     print(f"== profile {name}: wall {p['wall_ms']:.2f} ms, busy {p['busy_ms']:.2f} ms "
           f"({p['busy_pct_of_wall']:.1f}% of the call's span), {p['launches']} "
           f"launches, {p['chunks']} chunks ({fams} ms)")
+busy = ((out["profile"].get("sizes") or {}).get("N=16384") or {}).get("busy_pct_of_wall")
+if busy is not None:      # the GPU busy for at least 95 % of a call's span at 16384
+    print(f"== target [{'PASS' if busy >= 95 else 'FAIL'}] GPU busy share of the call's span, "
+          f"infonce N=M=16384: {busy:.1f}% (goal >= 95%)")
 for name in ("e2e", "largest"):
     for r in (out.get(name) or {}).get("rows", []):
         print(f"== {name} " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

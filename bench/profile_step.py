@@ -44,7 +44,7 @@ from ab import chosen_configs
 HERE = Path(__file__).resolve().parent
 FAMILIES = [  # first match wins
     ("similarity", r"_similarity_kernel"),
-    ("row", r"_row_kernel"),
+    ("row", r"_row_kernel|_row_finish_kernel"),
     ("tangent", r"_tangent_kernel"),
     ("gemm", r"gemm|xmma|cutlass|nvjet|sm90_|sm80_|Kernel2|cublas|splitK"
              r"|^aten::(mm|addmm_?|bmm|baddbmm|matmul|linear)$"),

@@ -178,12 +178,12 @@ def _positive(cols, rows_g, POSITIVES: tl.constexpr):
 @triton.jit
 def _similarity_kernel(
     q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr,
-    t_ptr, part_max_ptr, part_sum_ptr, pos_ptr,
+    t_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, pos_sg_ptr,
     R, M, D, DC, first_pos, n_pos,
     stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
-    inv_t, focal_m, hard_w, phi,
+    inv_t, focal_m, hard_w, phi, bound,
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, PREC: tl.constexpr,
+    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, BOUNDED: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     DESC: tl.constexpr, GROUP_R: tl.constexpr,
 ):
@@ -207,26 +207,34 @@ def _similarity_kernel(
         pid_m = tl.program_id(1)
     _similarity_tile(
         pid_r, pid_m, q_desc, k_desc, inv_q_ptr, inv_k_ptr, cq_desc, ck_desc,
-        t_desc, part_max_ptr, part_sum_ptr, pos_ptr, R, M, D, DC, first_pos, n_pos,
+        t_desc, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, pos_sg_ptr,
+        R, M, D, DC, first_pos, n_pos,
         stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
-        inv_t, focal_m, hard_w, phi, FOCAL, HARD, MASK, RELEASED, POSITIVES, STORE_EXP,
-        PREC, BLOCK_R, BLOCK_M, BLOCK_D, DESC)
+        inv_t, focal_m, hard_w, phi, bound, FOCAL, HARD, MASK, RELEASED, POSITIVES, STORE_EXP,
+        BOUNDED, PREC, BLOCK_R, BLOCK_M, BLOCK_D, DESC)
 
 
 @triton.jit
 def _similarity_tile(
     pid_r, pid_m, q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr,
-    t_ptr, part_max_ptr, part_sum_ptr, pos_ptr,
+    t_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, pos_sg_ptr,
     R, M, D, DC, first_pos, n_pos,
     stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
-    inv_t, focal_m, hard_w, phi,
+    inv_t, focal_m, hard_w, phi, bound,
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, PREC: tl.constexpr,
+    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, BOUNDED: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr,
 ):
     """One R×128 tile of the chunk: cosines, logits, the DCLR mask, the stored tile and its
-    rows' (max, Σexp) partials. With DESC, ``q_ptr``, ``k_ptr``, ``cq_ptr``, ``ck_ptr`` and
-    ``t_ptr`` are tensor descriptors of those buffers."""
+    rows' partials. With DESC, ``q_ptr``, ``k_ptr``, ``cq_ptr``, ``ck_ptr`` and ``t_ptr`` are
+    tensor descriptors of those buffers.
+
+    BOUNDED (every logit at most ``bound``): the tile stores the gradient's numerator
+    ``E_ij = exp(l_ij − B) · ∂l_ij/∂s_ij · ginv_k_j`` in the GEMM dtype with the positive's
+    entry 0, and each row's ``Σ_{j≠i} exp(l_ij − B)``; the diagonal tiles write the positive's
+    logit and ``∂l_ii/∂s_ii · ginv_k_i``. Nothing else reads the tile before the gradient
+    GEMMs: ``H = E/Z − δ·(1 − p_ii)·slope·ginv``, with Z and p_ii per row (``_row_finish``).
+    Else the (max, Σexp) partials of each tile, for the row kernel."""
     rows, cols, row_ok, col_ok = _tile_at(pid_r, pid_m, R, M, BLOCK_R, BLOCK_M)
     rows_g = first_pos + rows              # global anchor index = its positive's column
 
@@ -243,6 +251,11 @@ def _similarity_tile(
 
     is_pos = _positive(cols, rows_g, POSITIVES)
     l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
+    # Without the mask the positives are written before e exists, so that l need not stay
+    # live beside it (the mask never drops a positive; with it, that order costs registers)
+    if POSITIVES and not MASK:
+        _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
+                        first_pos, M, pos_ptr, pos_sg_ptr, inv_t, FOCAL, BOUNDED, BLOCK_R, BLOCK_M)
 
     if MASK:
         # the complementary model's cosine, in the same tile: no N×M mask ever exists
@@ -267,32 +280,104 @@ def _similarity_tile(
         else:
             l = tl.where(drop, float("-inf"), l)       # paper: leaves the denominator
 
+    if POSITIVES and MASK:
+        _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
+                        first_pos, M, pos_ptr, pos_sg_ptr, inv_t, FOCAL, BOUNDED, BLOCK_R, BLOCK_M)
     l = tl.where(col_ok[None, :], l, float("-inf"))
-    tile_max = tl.max(l, axis=1)
-    safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-    e = tl.exp(l - safe_max[:, None])
+    if BOUNDED:
+        # exp(l − B) ≤ 1 for every logit, and no row-wide maximum is needed: the row sums
+        # are the tiles' own. The positive stays out of both (its term is formed per row,
+        # in float32, where p_ii → 1 would cancel in a 16-bit E_ii/Z − 1).
+        # (the positive's entry is 0: its slope, 2s/τ with focal, is the diagonal tiles')
+        e = tl.where(is_pos, 0.0, tl.exp(l - bound))
+        tile_sum = tl.sum(e, axis=1)
+        ginv_k = tl.load(ginv_k_ptr + cols, mask=col_ok, other=0.0)
+        if FOCAL:
+            e_store = e * (2.0 * s + focal_m) * (inv_t * ginv_k[None, :])
+        else:
+            e_store = e * (inv_t * ginv_k[None, :])
+    else:
+        tile_max = tl.max(l, axis=1)
+        safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+        e = tl.exp(l - safe_max[:, None])
+        e_store = e
+        tile_sum = tl.sum(e, axis=1)
     if DESC:
         if STORE_EXP:
-            t_ptr.store([row0, col0], e.to(t_ptr.dtype))
+            t_ptr.store([row0, col0], e_store.to(t_ptr.dtype))
         else:
             t_ptr.store([row0, col0], s)
     else:
         ok = row_ok[:, None] & col_ok[None, :]
         t_ptrs = _tile_ptrs(t_ptr, stride_t, BLOCK_R, BLOCK_M)
         if STORE_EXP:
-            tl.store(t_ptrs, e.to(t_ptr.dtype.element_ty), mask=ok)
+            tl.store(t_ptrs, e_store.to(t_ptr.dtype.element_ty), mask=ok)
         else:
             tl.store(t_ptrs, s, mask=ok)
-    tl.store(part_max_ptr + rows * stride_part + pid_m, tile_max, mask=row_ok)
-    tl.store(part_sum_ptr + rows * stride_part + pid_m, tl.sum(e, axis=1), mask=row_ok)
+    if not BOUNDED:
+        tl.store(part_max_ptr + rows * stride_part + pid_m, tile_max, mask=row_ok)
+    tl.store(part_sum_ptr + rows * stride_part + pid_m, tile_sum, mask=row_ok)
+
+
+@triton.jit
+def _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
+                    first_pos, M, pos_ptr, pos_sg_ptr, inv_t, FOCAL: tl.constexpr,
+                    BOUNDED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The tiles on the diagonal write each anchor's positive logit: the very value that
+    enters the tile's sums (a separate dot would round differently, and lse − l_ii must
+    cancel exactly when the loss is ~1e-5); the others skip the reduction. BOUNDED: also the
+    positive's ``∂l_ii/∂s_ii · ginv_k_i`` (1/τ, focal 2s/τ)."""
+    if (first_pos + row0 < col0 + BLOCK_M) & (first_pos + row0 + BLOCK_R > col0):
+        pos_here = row_ok & (rows_g >= col0) & (rows_g < col0 + BLOCK_M) & (rows_g < M)
+        tl.store(pos_ptr + rows, tl.sum(tl.where(is_pos, l, 0.0), axis=1), mask=pos_here)
+        if BOUNDED:
+            ginv_k = tl.load(ginv_k_ptr + cols, mask=col_ok, other=0.0)
+            if FOCAL:
+                slope = tl.where(is_pos, 2.0 * s * ginv_k[None, :], 0.0)
+            else:
+                slope = tl.where(is_pos, ginv_k[None, :], 0.0)
+            tl.store(pos_sg_ptr + rows, tl.sum(slope, axis=1) * inv_t, mask=pos_here)
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x), accurate for small x (fp32 has no log1p in every Triton): the rounding of
+    u = 1 + x is undone by the ratio x/(u − 1)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _row_finish_kernel(part_sum_ptr, pos_ptr, pos_coef_ptr, loss_ptr, inv_z_ptr,
+                       R, T, stride_part, bound,
+                       POSITIVES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The bounded design's rows (``BLOCK_R`` a program): ``A_i = Σ_{j≠i} exp(l_ij − B)`` from
+    the tiles' partials, then with ``r_i = A_i · exp(B − l_ii)``: the row loss ``log(1 + r_i)``
+    (= lse_i − l_ii, without the cancellation of two large numbers), ``1/Z_i`` with
+    ``Z_i = A_i + exp(l_ii − B)``, and the positive's coefficient ``(1 − p_ii) · slope_ii ·
+    ginv_k_i`` with ``1 − p_ii = r_i / (1 + r_i)``, in place of ``slope_ii · ginv_k_i``.
+    Without positives (DCLR's noise loss): loss ``B + log A_i``, ``1/Z_i = 1/A_i``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < R
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        part = tl.load(part_sum_ptr + rows[:, None] * stride_part + t[None, :],
+                       mask=ok[:, None] & (t < T)[None, :], other=0.0)
+        acc += tl.sum(part, axis=1)
+    acc = tl.where(ok, acc, 1.0)           # rows past R: nothing stored, nothing to divide
     if POSITIVES:
-        # the tiles on the diagonal write each anchor's positive logit: the very value that
-        # entered the tile's max and sum (a separate dot would round differently, and
-        # lse − l_ii must cancel exactly when the loss is ~1e-5); the others skip the reduction
-        if (first_pos + row0 < col0 + BLOCK_M) & (first_pos + row0 + BLOCK_R > col0):
-            pos_here = row_ok & (rows_g >= col0) & (rows_g < col0 + BLOCK_M) & (rows_g < M)
-            pos_logit = tl.sum(tl.where(is_pos, l, 0.0), axis=1)
-            tl.store(pos_ptr + rows, pos_logit, mask=pos_here)
+        gap = bound - tl.load(pos_ptr + rows, mask=ok, other=0.0)      # B − l_ii ≥ 0
+        r = acc * tl.exp(gap)
+        loss = _log1p(r)
+        inv_z = 1.0 / (acc + tl.exp(-gap))
+        coef = tl.load(pos_coef_ptr + rows, mask=ok, other=0.0)
+        tl.store(pos_coef_ptr + rows, coef * (r / (1.0 + r)), mask=ok)
+    else:
+        loss = bound + tl.log(acc)
+        inv_z = 1.0 / acc
+    tl.store(loss_ptr + rows, loss, mask=ok)
+    tl.store(inv_z_ptr + rows, inv_z, mask=ok)
 
 
 @triton.jit
@@ -405,24 +490,44 @@ def _row_kernel(
 
 @triton.jit
 def _tangent_kernel(u_ptr, x_ptr, inv_x_ptr, scale_ptr, out_ptr, x_hat_ptr,
+                    inv_z_ptr, pos_coef_ptr, k_ptr, dk_ptr,
                     D, stride_u, stride_x, stride_out, stride_x_hat, scale_stride, inv_eps,
-                    WRITE_X_HAT: tl.constexpr, BLOCK_D: tl.constexpr):
+                    stride_k, stride_dk, first_pos,
+                    WRITE_X_HAT: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_D: tl.constexpr):
     """One row of the chain rule through x̂ = x/‖x‖: ``out = w·(u − x̂(x̂·u))`` with the row
     weight w = scale[row·scale_stride] (a stride of 0 for one scalar), no projection where
     the norm was clamped; optionally x̂ itself in the GEMM dtype (the second GEMM's operand).
-    One launch in place of the ~10 elementwise passes it takes in PyTorch ops."""
+    One launch in place of the ~10 elementwise passes it takes in PyTorch ops.
+
+    BOUNDED (the anchors of a chunk in the bounded design, ``u = E K``): first
+    ``u ← u/Z − c·k_pos`` with the row's 1/Z, its positive's coefficient c and key row
+    ``first_pos + row``; the x̂ written is x̂/Z (the operand of ``dk += Eᵀ (x̂/Z)``), and the
+    positive's own term goes straight into its dk row: ``dk[first_pos + row] −= c·x̂``."""
     row = tl.program_id(0).to(tl.int64)
     dd = tl.arange(0, BLOCK_D)
     ok = dd < D
     u = tl.load(u_ptr + row * stride_u + dd, mask=ok, other=0.0).to(tl.float32)
     inv_x = tl.load(inv_x_ptr + row)
     x_hat = tl.load(x_ptr + row * stride_x + dd, mask=ok, other=0.0).to(tl.float32) * inv_x
+    if BOUNDED:
+        inv_z = tl.load(inv_z_ptr + row)
+        c = tl.load(pos_coef_ptr + row)
+        pos = first_pos + row
+        k_pos = tl.load(k_ptr + pos * stride_k + dd, mask=ok, other=0.0).to(tl.float32)
+        u = u * inv_z - c * k_pos
     coef = tl.where(inv_x >= inv_eps, 0.0, tl.sum(x_hat * u, axis=0))
     w = tl.load(scale_ptr + row * scale_stride)
     tl.store(out_ptr + row * stride_out + dd, ((u - x_hat * coef) * w).to(out_ptr.dtype.element_ty),
              mask=ok)
     if WRITE_X_HAT:
-        tl.store(x_hat_ptr + row * stride_x_hat + dd, x_hat.to(x_hat_ptr.dtype.element_ty), mask=ok)
+        if BOUNDED:
+            tl.store(x_hat_ptr + row * stride_x_hat + dd,
+                     (x_hat * inv_z).to(x_hat_ptr.dtype.element_ty), mask=ok)
+            dk_row = dk_ptr + pos * stride_dk + dd       # one program a row: no race
+            tl.store(dk_row, tl.load(dk_row, mask=ok, other=0.0) - c * x_hat, mask=ok)
+        else:
+            tl.store(x_hat_ptr + row * stride_x_hat + dd, x_hat.to(x_hat_ptr.dtype.element_ty),
+                     mask=ok)
 
 
 @functools.cache
@@ -431,19 +536,25 @@ def _clamped_inverse(dtype: torch.dtype) -> float:
     return (1.0 / torch.tensor(EPS, dtype=dtype)).item()
 
 
-def triton_tangent(u, x, inv_x, scale, out, x_hat=None):
+def triton_tangent(u, x, inv_x, scale, out, x_hat=None, bounded=None):
     """``out = scale ⊙ (u − x̂(x̂·u))`` row by row (:func:`fastcl.tiled._tangent_` in one
     launch); ``scale`` has one entry per row or one for all; writes x̂ into ``x_hat`` if given.
     ``inv_x = 1/max(‖x‖, EPS)`` as the driver computes it: a row is clamped exactly when its
-    entry equals 1/EPS rounded in that dtype, the threshold the kernel compares with."""
+    entry equals 1/EPS rounded in that dtype, the threshold the kernel compares with.
+    ``bounded``: ``(inv_z, pos_coef, keys, first_pos, dk)`` of a bounded chunk (see
+    ``_tangent_kernel``); ``dk`` is updated when ``x_hat`` is given."""
     rows, d = u.shape
     if rows == 0:
         return out
+    inv_z, pos_coef, keys, first_pos, dk = bounded if bounded is not None else (
+        inv_x, inv_x, x, 0, out)                     # never read
     _tangent_kernel[(rows,)](
         u, x, inv_x, scale, out, x_hat if x_hat is not None else out,
+        inv_z, pos_coef, keys, dk,
         d, u.stride(0), x.stride(0), out.stride(0),
         (x_hat if x_hat is not None else out).stride(0), 0 if scale.numel() == 1 else 1,
-        _clamped_inverse(inv_x.dtype), WRITE_X_HAT=x_hat is not None,
+        _clamped_inverse(inv_x.dtype), keys.stride(0), dk.stride(0), first_pos,
+        WRITE_X_HAT=x_hat is not None, BOUNDED=bounded is not None,
         BLOCK_D=triton.next_power_of_2(d),
         **({} if INTERPRET else {"num_warps": 4 if d <= 1024 else 8}))
     return out
@@ -479,6 +590,10 @@ SIM_CONFIGS_BY_ARCH = {90: {("16bit", True): [(128, 64, 8, 3), (64, 64, 8, 3), (
 #: kind, variant): focal with the mask spills in the 128-row 16-bit tile on sm_90.
 SIM_CONFIGS_BY_VARIANT = {
     (90, "16bit", "focal-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    # the bounded design's focal tile holds s beside E: 128×128×64 spills 8 B (focal-hard)
+    # and, with the mask, 316 B (48 B in the two-pass mode)
+    (90, "16bit", "focal-hard"): [(128, 32, 8, 4), (64, 64, 8, 3)],
+    (90, "16bit", "focal-hard-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
 }
 
 #: What the compile check tries for the default design's lists, (BLOCK_R, BLOCK_D, num_warps,
@@ -519,11 +634,22 @@ DESC_SIM_CONFIGS = {
     (80, "fp32", False): [(32, 32, 8, 3, 8), (32, 16, 8, 3, 8)],
     (80, "fp32", True): [(32, 16, 8, 3, 8)],
 }
+#: Where one flag set needs its own descriptor list: focal's bounded tile spills 32 B at
+#: 128×128×64 on sm_90 (focal, focal-hard).
+DESC_SIM_CONFIGS_BY_VARIANT = {
+    (90, "16bit", "focal"): [(64, 64, 8, 3, 8)],
+    (90, "16bit", "focal-hard"): [(64, 64, 8, 3, 8)],
+}
 
 SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
 DESC_FIXED = {**SIM_FIXED, "GROUP_R": 2}                  # groups shorter than the row blocks
 ROW_BLOCK = ({"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET
              else {"BLOCK_N": 2048, "BLOCK_T": 256, "num_warps": 8})
+FINISH_BLOCK = ({"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET
+                else {"BLOCK_R": 32, "BLOCK_T": 128, "num_warps": 4})
+#: The widest ``B − lowest row maximum`` the bounded design takes (exp(−80) ≈ 1.8e-35: a
+#: float32 normal number, with room for the slope and column factors).
+BOUND_SPREAD = 80.0
 
 #: Every flag set an objective launches, by name (the compile test builds each one).
 VARIANTS = {
@@ -571,7 +697,8 @@ def sim_configs(f: dict, dtype, arch: int = 90, design: str = "") -> list[tuple]
     key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit", bool(f["MASK"]))
     arch = 80 if arch < 90 else 90
     if design == "descriptor":
-        return DESC_SIM_CONFIGS[(arch,) + key]
+        own = DESC_SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
+        return own or DESC_SIM_CONFIGS[(arch,) + key]
     own = SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
     if own:
         return own
@@ -589,7 +716,8 @@ def _arch(device_index: int) -> int:
 
 
 _TUNED = {}
-_AUTOTUNE_KEY = ["M", "D", "DC", "FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "STORE_EXP"]
+_AUTOTUNE_KEY = ["M", "D", "DC", "FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "STORE_EXP",
+                 "BOUNDED"]
 
 
 def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
@@ -692,8 +820,34 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 # --------------------------------------------------------------------------- engine
-def _launch_similarity(ep, c, f, store_exp):
-    """The similarity kernel over the chunk: the stored buffer, the partials, the positives."""
+def logit_bound(ep, dtype: torch.dtype) -> float | None:
+    """The bound B ≥ every logit of a row, where the bounded design applies; else None.
+
+    Unit rows bound every cosine by 1: an InfoNCE logit is at most 1/τ, a focal one at most
+    (1 + |m|)/τ, and a hard negative adds at most its log-weight. ``exp(l − B)`` then never
+    overflows and the row sums need no maximum. It must not underflow either: the row's
+    largest term is at least its positive's, ``l_ii ≥ −1/τ`` (focal: ``s² ≥ 0``), or for
+    DCLR's noise loss the largest noise logit, ``≥ −1/τ``; where B minus that lowest value
+    passes :data:`BOUND_SPREAD` (τ below 0.025 for InfoNCE) the two-pass design runs. So
+    does the released DCLR (its BCE needs each p_ij before its row sum), and float16 chunk
+    buffers (5 exponent bits: ``exp(l − B)`` flushes to zero within 17 of B)."""
+    if ep.formulation == "released" or dtype == torch.float16:
+        return None
+    inv_t = 1.0 / ep.temperature
+    w = float(ep.hard_negative_weight)
+    if ep.focal_m is not None:
+        top, lowest = (1.0 + abs(ep.focal_m)) * inv_t, 0.0
+    else:
+        top, lowest = inv_t, -inv_t
+    if not ep.positives:
+        lowest = -inv_t
+    bound = top + max(w, 0.0)
+    return bound if bound - lowest <= BOUND_SPREAD else None
+
+
+def _launch_similarity(ep, c, f, store_exp, bound=None):
+    """The similarity kernel over the chunk: the stored buffer, the partials, the positives
+    (and, ``bound`` given, the bounded design's positive coefficients)."""
     R, d = c.q.shape
     M = c.keys.shape[0]
     if M >= MAX_CANDIDATES:
@@ -721,9 +875,11 @@ def _launch_similarity(ep, c, f, store_exp):
     else:
         t = torch.empty(R, M, dtype=t_dtype, device=dev)
     tiles = triton.cdiv(M, SIM_BLOCK_M)
-    part_max = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
+    # the bounded design needs no maxima (the pointer stands in, never written)
+    part_max = part_sum if bound is not None else torch.empty_like(part_sum)
     pos = torch.empty(R, dtype=torch.float32, device=dev)   # every row's positive is written
+    pos_sg = torch.empty(R, dtype=torch.float32, device=dev) if bound is not None else pos
     if design:                             # 1-D, in groups of GROUP_R row blocks
         grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]) * tiles,)
         extra = dict(DESC=True, **(DESC_FIXED if INTERPRET else {}))
@@ -733,24 +889,39 @@ def _launch_similarity(ep, c, f, store_exp):
     kernel, tuned = _similarity(f, c.q.dtype, c.q.device, design)
     tuned_before = None if tuned is None else len(kernel.cache)
     kernel[grid](
-        c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos,
+        c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos, c.ginv_k, pos_sg,
         R, M, d, dc, c.first_pos, c.n_pos,
         c.q.stride(0), c.keys.stride(0), cq.stride(0), ck.stride(0), t.stride(0), tiles,
         1.0 / ep.temperature, float(ep.focal_m or 0.0), float(ep.hard_negative_weight),
-        float(ep.phi or 0.0),
-        PREC=_precision(c.q.dtype), STORE_EXP=store_exp, BLOCK_M=SIM_BLOCK_M, **f, **extra)
+        float(ep.phi or 0.0), float(bound or 0.0),
+        PREC=_precision(c.q.dtype), STORE_EXP=store_exp, BOUNDED=bound is not None,
+        BLOCK_M=SIM_BLOCK_M, **f, **extra)
     if tuned is not None:
         _note_timings(kernel, tuned, tuned_before)
-    return t, part_max, part_sum, pos
+    return t, part_max, part_sum, pos, pos_sg
 
 
 def triton_chunk(ep, c, want_grad):
     """The Triton engine for :func:`fastcl.tiled.contrastive_forward` (same contract as
     :func:`fastcl.tiled.torch_chunk`): row losses into ``c.loss_out``; returns H in the
-    GEMM dtype (``None`` without ``want_grad``)."""
+    GEMM dtype, or in the bounded design ``(E, 1/Z, positive coefficients)`` with
+    ``H = E/Z − δ·coefficient`` (``None`` without ``want_grad``). Bounded: the similarity
+    kernel and one launch over the rows' partials; else the similarity kernel and one
+    program per row over its R×M stored row."""
     f = flags(ep)
+    bound = logit_bound(ep, c.q.dtype)
+    if bound is not None:
+        t, _, part_sum, pos, pos_coef = _launch_similarity(ep, c, f, True, bound)
+        R = t.shape[0]
+        inv_z = torch.empty(R, dtype=torch.float32, device=t.device)
+        _row_finish_kernel[(triton.cdiv(R, FINISH_BLOCK["BLOCK_R"]),)](
+            part_sum, pos, pos_coef, c.loss_out, inv_z, R, part_sum.shape[1],
+            part_sum.stride(0), bound, POSITIVES=f["POSITIVES"], **FINISH_BLOCK)
+        if not want_grad:
+            return None
+        return t, inv_z, pos_coef if f["POSITIVES"] else None
     store_exp = stores_exp(f)
-    t, part_max, part_sum, pos = _launch_similarity(ep, c, f, store_exp)
+    t, part_max, part_sum, pos, _ = _launch_similarity(ep, c, f, store_exp)
     R, M = t.shape
     # exp mode: the gradient overwrites the stored row in place; else a GEMM-dtype buffer
     g = t if store_exp else (torch.empty(R, M, dtype=c.q.dtype, device=t.device)
@@ -764,11 +935,11 @@ def triton_chunk(ep, c, want_grad):
 
 
 def _row_bytes(ep, dtype: torch.dtype, m: int, n_pos: int) -> int:
-    """Chunk memory per anchor row: one buffer in the GEMM dtype (exp mode), or the fp32
-    cosines plus the gradient (focal, released DCLR). The DCLR mask is formed inside the
-    tiles and costs nothing here."""
+    """Chunk memory per anchor row: one buffer in the GEMM dtype (the bounded design, exp
+    mode), or the fp32 cosines plus the gradient (focal and the released DCLR outside the
+    bounded design). The DCLR mask is formed inside the tiles and costs nothing here."""
     gemm = torch.finfo(dtype).bits // 8
-    if not stores_exp(flags(ep)):
+    if logit_bound(ep, dtype) is None and not stores_exp(flags(ep)):
         return m * (4 + gemm)
     return m * gemm
 

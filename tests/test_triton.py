@@ -387,3 +387,77 @@ def test_cuda_chunk_sizing(m, free, rows):
     # an explicit budget is the user's: no floor
     assert rows_per_chunk(m, m, Epilogue(0.05, memory_budget=64 * 2**20), row_bytes, "cuda",
                           128, lambda: free) == min(m, 64 * 2**20 // row_bytes // 128 * 128)
+
+
+# --------------------------------------------------------------------------- bounded design
+class _Launches(dict):
+    """Launches of each Triton kernel, by name."""
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    from fastcl.kernels import contrastive as kc
+    seen = _Launches()
+    for name in ("_row_kernel", "_row_finish_kernel"):
+        kernel = getattr(kc, name)
+
+        class Spy:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                seen[self.name] = seen.get(self.name, 0) + 1
+                return self.kernel[grid]
+        monkeypatch.setattr(kc, name, Spy(kernel, name))
+    return seen
+
+
+@pytest.mark.parametrize("name", ["infonce", "infonce-hard", "focal-negatives", "dclr-weighted"])
+def test_bounded_design_has_no_row_pass(name, launches):
+    """Where every logit is bounded (unit rows: l ≤ 1/τ, focal (1+m)/τ, plus a hard
+    negative's log-weight) the chunk needs no pass over its R×M rows: the similarity kernel
+    sums exp(l − B) per tile and one launch finishes the rows from those partials."""
+    _compare(name, 17, 16, 24, chunk=7)
+    assert launches.get("_row_finish_kernel", 0) == 3 and "_row_kernel" not in launches
+
+
+@pytest.mark.parametrize("name", ["infonce", "focal-negatives", "dclr-weighted", "infonce-hard"])
+def test_two_pass_design_where_the_bound_is_too_wide(name, launches, monkeypatch):
+    """Past the spread exp(l − B) may underflow (τ below 0.025 for InfoNCE): the two-pass
+    design runs, and matches the reference too."""
+    from fastcl.kernels import contrastive as kc
+    monkeypatch.setattr(kc, "BOUND_SPREAD", 0.0)
+    _compare(name, 17, 16, 24, chunk=7)
+    assert launches.get("_row_kernel", 0) == 3                  # one a chunk
+    assert "_row_finish_kernel" not in launches
+
+
+def test_logit_bound_says_where_it_holds():
+    from fastcl.kernels.contrastive import BOUND_SPREAD, logit_bound
+    from fastcl.tiled import Epilogue
+    assert logit_bound(Epilogue(0.05), torch.bfloat16) == pytest.approx(20.0)
+    assert logit_bound(Epilogue(0.05, hard_negative_weight=0.8), torch.float32) == pytest.approx(20.8)
+    assert logit_bound(Epilogue(0.05, focal_m=0.3), torch.bfloat16) == pytest.approx(26.0)
+    assert logit_bound(Epilogue(2 / BOUND_SPREAD * 0.99), torch.float32) is None   # τ < 0.025
+    assert logit_bound(Epilogue(0.05), torch.float16) is None     # 5 exponent bits
+    assert logit_bound(Epilogue(0.05, formulation="released"), torch.float32) is None
+
+
+def test_bounded_design_keeps_a_tiny_loss_exact():
+    """Positives far closer than any negative: the loss is ~1e-6, the difference of two
+    logits near 1/τ. The row loss is formed as log1p(Σ_{j≠i} exp(l_ij − l_ii)), not as
+    B + log Z − l_ii, which would cancel to ~1e-6 absolute."""
+    a = make(16, 32, dtype=torch.float64)
+    with torch.no_grad():
+        a.copy_(torch.nn.functional.one_hot(torch.arange(16), 32).double() * 3.0
+                + 0.001 * a)
+    p = correlated(a, 1e-4).detach().requires_grad_()
+    a32, p32 = [t.detach().float().requires_grad_() for t in (a, p)]
+    ref, ref_g = loss_and_grads(lambda: fastcl.infonce(a, p, temperature=0.05,
+                                                       backend="reference"), [a, p])
+    got, got_g = loss_and_grads(lambda: fastcl.infonce(a32, p32, temperature=0.05,
+                                                       backend="triton"), [a32, p32])
+    assert 0 < ref < 1e-5, ref
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=0)
+    for g, rg in zip(got_g, ref_g):
+        torch.testing.assert_close(g.double(), rg, rtol=1e-3, atol=1e-3 * rg.abs().max().item())
