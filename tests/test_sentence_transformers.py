@@ -17,6 +17,7 @@ st = pytest.importorskip("sentence_transformers", reason="needs sentence-transfo
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss  # noqa: E402
 
 from fastcl.integrations.sentence_transformers import (  # noqa: E402
+    CachedFastDCLRLoss, CachedFastESCLLoss, CachedFastFocalInfoNCELoss, CachedFastInfoNCELoss,
     FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastInfoNCELoss)
 from fastcl.encoders import dropout_rate  # noqa: E402
 
@@ -74,6 +75,58 @@ def test_other_similarities_are_refused(minilm):
         FastInfoNCELoss(minilm, similarity_fct=st.util.dot_score)
     with pytest.raises(ValueError, match="input columns"):
         FastDCLRLoss(minilm, minilm).compute_loss_from_embeddings(_embeddings(3), None)
+
+
+@pytest.mark.parametrize("cls", [FastInfoNCELoss, CachedFastInfoNCELoss])
+@pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan"), 0.0, -20.0])
+def test_a_bad_scale_is_refused_where_the_loss_is_built_by_name(minilm, cls, scale):
+    # scale=inf used to pass here and fail at the first step as "temperature must be > 0"
+    with pytest.raises(ValueError, match=r"^scale must be (finite|> 0)"):
+        cls(minilm, scale=scale)
+
+
+@pytest.mark.parametrize("cls", [FastInfoNCELoss, CachedFastInfoNCELoss])
+@pytest.mark.parametrize("scale", ["20", b"20", True, None, [20.0]],
+                         ids=["str", "bytes", "bool", "None", "list"])
+def test_a_scale_that_is_not_a_number_is_a_type_error_naming_it(minilm, cls, scale):
+    # "20" used to raise "'>' not supported between instances of 'str' and 'int'"; True passed
+    with pytest.raises(TypeError, match=r"^scale must be a real number, got "):
+        cls(minilm, scale=scale)
+    assert cls(minilm, scale=torch.tensor(20.0)).scale == 20.0  # a number in any form is one
+
+
+@pytest.mark.parametrize("cls", [FastDCLRLoss, CachedFastDCLRLoss])
+@pytest.mark.parametrize("guide", [None, "all-MiniLM-L6-v2"])
+def test_dclr_without_a_guide_model_is_refused_by_name(minilm, cls, guide):
+    # None used to raise AttributeError: 'NoneType' object has no attribute 'tokenizer'
+    with pytest.raises(TypeError, match=r"^guide must be a SentenceTransformer .* got (NoneType|str)$"):
+        cls(minilm, guide)
+
+
+def _every_loss(model):
+    return {"infonce": FastInfoNCELoss(model), "focal": FastFocalInfoNCELoss(model),
+            "dclr": FastDCLRLoss(model, model), "escl": FastESCLLoss(model),
+            "cached-infonce": CachedFastInfoNCELoss(model), "cached-focal": CachedFastFocalInfoNCELoss(model),
+            "cached-dclr": CachedFastDCLRLoss(model, model), "cached-escl": CachedFastESCLLoss(model)}
+
+
+@pytest.mark.parametrize("empty", ["no-text", "zero-rows", "positives-only"])
+def test_an_empty_batch_is_refused_before_any_forward(minilm, monkeypatch, empty):
+    # an empty batch used to reach BERT ("You must specify exactly one of input_ids or
+    # inputs_embeds"), or was encoded and then refused by the loss as "anchors is an empty batch"
+    some = dict(minilm.preprocess(["A man is playing a guitar.", "A dog runs."]))
+    none = dict(minilm.preprocess([])) if empty == "no-text" else {k: v[:0] for k, v in some.items()}
+    columns = [some if empty == "positives-only" else none, none]
+    empty_column = 1 if empty == "positives-only" else 0
+
+    def encoder_ran(*args, **kwargs):
+        raise AssertionError("the encoder ran on an empty batch")
+
+    monkeypatch.setattr(minilm, "forward", encoder_ran)
+    for name, loss in _every_loss(minilm).items():
+        with pytest.raises(ValueError, match=rf"^{type(loss).__name__} got an empty batch: input column "
+                                             rf"{empty_column} has no rows"):
+            loss([dict(c) for c in columns], None)
 
 
 def test_dropout_rate_is_restored(minilm):

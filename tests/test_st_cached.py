@@ -230,11 +230,14 @@ def test_defaults_come_from_fastcl_common(model, guide):
 
 def test_own_gradcache_without_sentence_transformers_mixin(model, guide, monkeypatch):
     import fastcl.integrations as integrations
-    from fastcl.integrations import _gradcache
+    from fastcl.integrations.sentence_transformers import _gradcache
     assert fst.GRADCACHE_BASE is not _gradcache.GradCache  # the installed release has the mixin
     monkeypatch.setitem(sys.modules, "sentence_transformers.base.losses", None)
-    monkeypatch.delitem(sys.modules, "fastcl.integrations.sentence_transformers")
-    monkeypatch.setattr(integrations, "sentence_transformers", fst)  # restored afterwards
+    # the package and every module in it imported afresh (all restored afterwards), but the
+    # fallback itself: it needs no sentence-transformers
+    for name in [n for n in sys.modules if n.startswith(fst.__name__) and n != _gradcache.__name__]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(integrations, "sentence_transformers", fst)
     old = importlib.import_module("fastcl.integrations.sentence_transformers")
     assert old is not fst and old.GRADCACHE_BASE is _gradcache.GradCache
 

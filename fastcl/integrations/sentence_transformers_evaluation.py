@@ -16,15 +16,18 @@ import os
 
 from fastcl.evaluate import DEV, check_tasks, evaluate_embeddings, load_task
 
-try:
+try:  # sentence-transformers ≥ 6
     from sentence_transformers.base.evaluation.evaluator import BaseEvaluator as SentenceEvaluator
-except ImportError:  # sentence-transformers < 6
-    try:
-        from sentence_transformers.evaluation import SentenceEvaluator
-    except ImportError as err:  # pragma: no cover - exercised without the package only
-        raise ImportError(
-            "fastcl.integrations.sentence_transformers_evaluation needs the sentence-transformers "
-            "package: pip install sentence-transformers (or pip install 'fastcl[dev]')") from err
+except ImportError:
+    try:  # 5.4 to 5.x: the module of 6 under the class's former name (the old path warns there)
+        from sentence_transformers.base.evaluation.evaluator import SentenceEvaluator
+    except ImportError:
+        try:  # before 5.4
+            from sentence_transformers.evaluation import SentenceEvaluator
+        except ImportError as err:  # pragma: no cover - exercised without the package only
+            raise ImportError(
+                "fastcl.integrations.sentence_transformers_evaluation needs the sentence-transformers "
+                "package: pip install sentence-transformers (or pip install 'fastcl[dev]')") from err
 
 logger = logging.getLogger(__name__)
 

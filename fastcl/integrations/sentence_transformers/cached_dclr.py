@@ -1,0 +1,71 @@
+"""CachedFastDCLRLoss: FastDCLRLoss with GradCache."""
+
+from __future__ import annotations
+
+import torch
+
+from fastcl import common
+
+from ._base import Cached, SentenceTransformer, documented
+from .dclr import FastDCLRLoss
+
+__all__ = ["CachedFastDCLRLoss"]
+
+
+@documented(inputs="pairs", data="unsupervised",
+            loss="CachedFastDCLRLoss(model, guide, phi=0.9, mini_batch_size=32)")
+class CachedFastDCLRLoss(Cached, FastDCLRLoss):
+    r""":class:`FastDCLRLoss` with GradCache (``mini_batch_size`` inputs per forward).
+
+    The loss of :class:`FastDCLRLoss` (the guide's mask α, the noise negatives ``z_k``),
+
+    .. math:: L = \frac1N\sum_i\Big[-\frac{s_{ii}}{\tau} + \log\Big(\sum_j \alpha_{ij}\,
+              e^{s_{ij}/\tau} + \sum_k e^{\cos(a_i, z_k)/\tau}\Big)\Big],
+
+    with the encoder run on ``mini_batch_size`` inputs at a time, twice (see
+    :mod:`fastcl.integrations.sentence_transformers`). The guide embeds both columns once
+    per step, in pass 1, in forwards of at most ``mini_batch_size`` inputs, without
+    gradients; the noise is drawn once, with the loss.
+
+    Args:
+        model: the SentenceTransformer model to train.
+        guide: the frozen SentenceTransformer, as :class:`FastDCLRLoss`.
+        phi, noise_ratio, noise_steps, noise_lr, noise_std, temperature, formulation,
+            generator: as :class:`FastDCLRLoss`.
+        {cached_args}
+        gather_across_devices, backend, chunk_size, focal_m: as :class:`FastDCLRLoss`.
+
+    Inputs:
+        {inputs}
+
+    Relations:
+        - Replaces ``CachedMultipleNegativesRankingLoss`` in unsupervised training, with
+          DCLR's debiasing; ``CachedGISTEmbedLoss`` is its closest relative (a guide's
+          false-negative filter by a per-row margin).
+        - :class:`FastDCLRLoss` is the same loss without caching.
+
+    References:
+        Zhou et al., "Debiased Contrastive Learning of Unsupervised Sentence
+        Representations", ACL 2022; Gao et al., "Scaling Deep Contrastive Learning Batch
+        Size under Memory Limited Setup", RepL4NLP 2021 (GradCache). ``citation`` holds both.
+
+    Example:
+        {example}
+    """
+
+    _config = FastDCLRLoss._config + ("mini_batch_size",)
+
+    def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, phi: float = common.PHI,
+                 noise_ratio: float = common.NOISE_RATIO, noise_steps: int = common.NOISE_STEPS,
+                 noise_lr: float = common.NOISE_LR, noise_std: float = common.NOISE_STD,
+                 temperature: float = common.TEMPERATURE, formulation: str = "paper",
+                 generator: torch.Generator | None = None, *, mini_batch_size: int = 32,
+                 show_progress_bar: bool = False, gather_across_devices: bool = False,
+                 backend: str = "auto", chunk_size: int | None = None, focal_m: float | None = None):
+        FastDCLRLoss.__init__(self, model, guide, phi, noise_ratio, noise_steps, noise_lr, noise_std,
+                              temperature, formulation, generator, backend=backend, chunk_size=chunk_size,
+                              gather_across_devices=gather_across_devices, focal_m=focal_m)
+        self._init_cache(mini_batch_size, show_progress_bar)
+
+    def _pass_one_inputs(self, sentence_features):
+        return {"complementary": self._guide_embeddings(sentence_features, self.mini_batch_size)}

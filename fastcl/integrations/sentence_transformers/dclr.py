@@ -1,0 +1,163 @@
+"""FastDCLRLoss: DCLR's noise negatives and instance weighting by a frozen guide model."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import fastcl
+from fastcl import citations, common
+
+from ._base import FastLoss, SentenceTransformer, documented, embed_columns, gather_rows
+from ._gradcache import batch_rows, minibatch, minibatch_ranges
+
+__all__ = ["FastDCLRLoss"]
+
+
+@documented(inputs="pairs", data="unsupervised",
+            loss="FastDCLRLoss(model, guide, phi=0.9, noise_ratio=1.0)")
+class FastDCLRLoss(FastLoss):
+    r"""DCLR (Zhou et al., 2022): noise negatives and instance weighting by a frozen guide.
+
+    The ``guide`` (a trained SimCSE model in the paper) embeds both columns in eval mode
+    without gradients, ``g_i`` and ``g⁺_j``; every in-batch negative it scores at cosine
+    ≥ ``phi`` leaves the denominator, ``α_ij = 1[cos(g_i, g⁺_j) < φ]`` (the positive and the
+    noise keep α = 1). ``K = noise_ratio·N`` noise negatives ``z_k``, drawn from
+    ``N(0, noise_std²)``, are improved by ``noise_steps`` normalized gradient-ascent steps of
+    size ``noise_lr`` (:func:`fastcl.dclr_noise`). With ``s_ij = cos(a_i, p_j)``:
+
+    .. math:: L = \frac1N\sum_i\Big[-\frac{s_{ii}}{\tau} + \log\Big(\sum_j \alpha_{ij}\,
+              e^{s_{ij}/\tau} + \sum_k e^{\cos(a_i, z_k)/\tau}\Big)\Big]
+
+    computed by :func:`fastcl.contrastive` without the N×(N+K) matrix. If the guide's
+    tokenizer differs from the model's (or it reads shorter inputs), the text is decoded and
+    tokenized again for the guide.
+
+    Args:
+        model: the SentenceTransformer model to train.
+        guide: the frozen SentenceTransformer whose cosines drop false negatives (DCLR's
+            complementary model); it may be ``model`` itself.
+        phi: the guide's cosine threshold φ in [-1, 1].
+        noise_ratio: noise negatives per example (K = ``noise_ratio``·N; 0: none).
+        noise_steps: gradient-ascent steps on the noise.
+        noise_lr: the step size β of each noise step.
+        noise_std: the standard deviation of the initial noise.
+        temperature: τ > 0.
+        formulation: ``"paper"`` or ``"released"`` (the authors' code; the differences are
+            listed in :func:`fastcl.dclr_loss`).
+        generator: the ``torch.Generator`` the noise is drawn from (None: the global one).
+        backend: ``"auto"``, ``"reference"``, ``"tiled"`` or ``"triton"``.
+        chunk_size: anchor rows per chunk inside the loss (None: the backend's choice).
+        gather_across_devices: N is the global batch, and the noise is the same on every
+            process (see :mod:`fastcl.integrations.sentence_transformers`).
+        focal_m: Focal-InfoNCE's modulation on top (paper formulation only). None: off.
+
+    Inputs:
+        {inputs}
+
+        The paper's unsupervised recipe: the same sentence in both columns.
+
+    Relations:
+        - Replaces ``MultipleNegativesRankingLoss`` in unsupervised (SimCSE-style) training,
+          with two debiasing devices: the guide's false-negative mask and noise negatives.
+        - ``GISTEmbedLoss`` is the closest sentence-transformers loss: a guide model filters
+          false negatives there too, by a per-row margin (the guide's anchor–positive
+          similarity) instead of one threshold φ; this loss is not a drop-in for it.
+        - :class:`CachedFastDCLRLoss` is this loss with GradCache.
+        - :class:`FastInfoNCELoss` is this loss without the guide and the noise.
+
+    References:
+        Zhou, Zhang, Zhao & Wen, "Debiased Contrastive Learning of Unsupervised Sentence
+        Representations", ACL 2022 (``citation``).
+
+    Example:
+        {example}
+    """
+
+    _config = ("phi", "noise_ratio", "noise_steps", "noise_lr", "noise_std", "temperature",
+               "formulation", "focal_m", "gather_across_devices", "backend")
+    _column_counts = (2, 2)
+
+    def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, phi: float = common.PHI,
+                 noise_ratio: float = common.NOISE_RATIO, noise_steps: int = common.NOISE_STEPS,
+                 noise_lr: float = common.NOISE_LR, noise_std: float = common.NOISE_STD,
+                 temperature: float = common.TEMPERATURE, formulation: str = "paper",
+                 generator: torch.Generator | None = None, backend: str = "auto",
+                 chunk_size: int | None = None, gather_across_devices: bool = False,
+                 focal_m: float | None = None):
+        super().__init__(model)
+        if not isinstance(guide, SentenceTransformer):
+            raise TypeError(f"guide must be a SentenceTransformer (the frozen model whose cosines drop "
+                            f"DCLR's false negatives; it may be the model itself), got "
+                            f"{type(guide).__name__}")
+        self.guide, self.focal_m = guide, focal_m
+        self.phi, self.noise_ratio, self.noise_steps = phi, noise_ratio, noise_steps
+        self.noise_lr, self.noise_std, self.temperature = noise_lr, noise_std, temperature
+        self.formulation, self.generator = formulation, generator
+        self.backend, self.chunk_size = backend, chunk_size
+        self.gather_across_devices = gather_across_devices
+        self.must_retokenize = (model.tokenizer.get_vocab() != guide.tokenizer.get_vocab()
+                                or (guide.max_seq_length or 0) < (model.max_seq_length or 0))
+        self.tokenizer = model.tokenizer  # kept: the trainer may wrap self.model (DDP) later
+
+    def _guide_forward(self, features):
+        if self.must_retokenize:
+            texts = self.tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
+            features = {k: v.to(self.guide.device) if torch.is_tensor(v) else v
+                        for k, v in self.guide.preprocess(texts).items()}
+        else:
+            # a shallow copy: a model writes its outputs into the feature dict it is given
+            features = dict(features)
+        return self.guide(features)["sentence_embedding"]
+
+    def _guide_embeddings(self, sentence_features, mini_batch_size: int | None = None):
+        """The guide's embeddings of each column (eval mode, no gradients), in forwards of at
+        most ``mini_batch_size`` inputs (one per column by default)."""
+        was_training = self.guide.training
+        self.guide.eval()
+        try:
+            with torch.no_grad():
+                columns = []
+                for features in sentence_features:
+                    ranges = minibatch_ranges(features, mini_batch_size or batch_rows(features))
+                    if len(ranges) == 1:
+                        columns.append(self._guide_forward(features))
+                    else:
+                        columns.append(torch.cat([self._guide_forward(minibatch(features, begin, end))
+                                                  for begin, end in ranges]))
+                return [e.detach() for e in columns]
+        finally:
+            self.guide.train(was_training)
+
+    def forward(self, sentence_features, labels=None):
+        sentence_features = self._features(sentence_features)
+        guide = self._guide_embeddings(sentence_features)
+        embeddings = embed_columns(self.model, sentence_features)
+        return self.compute_loss_from_embeddings(embeddings, labels, complementary=guide)
+
+    def compute_loss_from_embeddings(self, embeddings, labels=None, complementary=None):
+        anchors, positives = self._columns(embeddings, type(self).__name__, 2, 2)
+        kw = dict(phi=self.phi, temperature=self.temperature, formulation=self.formulation,
+                  focal_m=self.focal_m, backend=self.backend, chunk_size=self.chunk_size)
+        if not self._gathering():
+            return fastcl.contrastive(anchors, positives, complementary=complementary,
+                                      noise_ratio=self.noise_ratio, noise_steps=self.noise_steps,
+                                      noise_lr=self.noise_lr, noise_std=self.noise_std,
+                                      generator=self.generator, **kw)
+        guide_pos = [complementary[1].detach()] if complementary is not None else []
+        offset, (positives, all_anchors, *guide_pos) = gather_rows(positives, anchors.detach(), *guide_pos)
+        # the noise of one process on the whole batch; rank 0's copy for every process
+        num = common.noise_count(self.noise_ratio, positives.shape[0], self.formulation)
+        noise = fastcl.dclr_noise(all_anchors, positives.detach(), num, steps=self.noise_steps,
+                                  lr=self.noise_lr, std=self.noise_std, temperature=self.temperature,
+                                  generator=self.generator, formulation=self.formulation,
+                                  backend=self.backend, chunk_size=self.chunk_size).contiguous()
+        dist.broadcast(noise, src=0)
+        if complementary is not None:
+            complementary = (complementary[0], guide_pos[0])
+        return fastcl.contrastive(anchors, positives, complementary=complementary, noise=noise,
+                                  noise_steps=0, anchor_offset=offset, **kw)
+
+    @property
+    def citation(self) -> str:
+        return citations.DCLR

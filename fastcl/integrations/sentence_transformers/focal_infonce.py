@@ -1,0 +1,72 @@
+"""FastFocalInfoNCELoss: Focal-InfoNCE with in-batch negatives."""
+
+from __future__ import annotations
+
+from fastcl import citations, common
+
+from ._base import FastLoss, SentenceTransformer, documented
+
+__all__ = ["FastFocalInfoNCELoss"]
+
+
+@documented(inputs="negatives", data="unsupervised",
+            loss="FastFocalInfoNCELoss(model, temperature=0.05, m=0.3)")
+class FastFocalInfoNCELoss(FastLoss):
+    r"""Focal-InfoNCE (Hou & Li, 2023): InfoNCE whose logits are modulated by the similarity.
+
+    With ``s_ij = cos(a_i, c_j)`` over the candidates ``c = [p_1 … p_N; n_1 …]``, the positive
+    logit is ``s²/τ`` and every other ``s(s+m)/τ``, so hard negatives (large s) weigh more and
+    easy ones less:
+
+    .. math:: L = \frac1N\sum_i\Big[-\frac{s_{ii}^2}{\tau} + \log\Big(e^{s_{ii}^2/\tau}
+              + \sum_{j\ne i} e^{s_{ij}(s_{ij}+m)/\tau}\Big)\Big]
+
+    computed by :func:`fastcl.contrastive` with ``focal_m=m``, without the N×M matrix.
+
+    Args:
+        model: the SentenceTransformer model to train.
+        temperature: τ > 0 (``scale = 1/τ`` in MNRL's terms).
+        m: the focal margin (the paper's m; 0.3 for BERT).
+        backend: ``"auto"``, ``"reference"``, ``"tiled"`` or ``"triton"``, as
+            :func:`fastcl.contrastive`.
+        chunk_size: anchor rows per chunk inside the loss (None: the backend's choice).
+        gather_across_devices: contrast each anchor with the candidates of every process
+            (see :mod:`fastcl.integrations.sentence_transformers`).
+        hard_negative_weight: a log-weight added to the logit of each anchor's own hard
+            negative; needs exactly one negative column. 0: off.
+
+    Inputs:
+        {inputs}
+
+        The paper's unsupervised recipe: the same sentence in both columns.
+
+    Relations:
+        - Replaces ``MultipleNegativesRankingLoss`` where hard negatives should weigh more
+          (sentence-transformers has no focal loss; its ``hardness_mode`` is another
+          weighting).
+        - Equals ``FastInfoNCELoss(model, scale=1/temperature, focal_m=m)``.
+        - :class:`CachedFastFocalInfoNCELoss` is this loss with GradCache.
+
+    References:
+        Hou & Li, "Improving Contrastive Learning of Sentence Embeddings with Focal-InfoNCE",
+        Findings of EMNLP 2023 (``citation``).
+
+    Example:
+        {example}
+    """
+
+    _config = ("temperature", "m", "hard_negative_weight", "gather_across_devices", "backend")
+
+    def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
+                 m: float = common.FOCAL_M, backend: str = "auto", chunk_size: int | None = None,
+                 gather_across_devices: bool = False, hard_negative_weight: float = 0.0):
+        super().__init__(model)
+        self.temperature, self.m, self.backend, self.chunk_size = temperature, m, backend, chunk_size
+        self.gather_across_devices, self.hard_negative_weight = gather_across_devices, hard_negative_weight
+
+    def compute_loss_from_embeddings(self, embeddings, labels=None):
+        return self._in_batch_loss(embeddings, temperature=self.temperature, focal_m=self.m)
+
+    @property
+    def citation(self) -> str:
+        return citations.FOCAL
