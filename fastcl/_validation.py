@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from .common import accumulate_dtype, huge_row_limit, shrink_huge_rows
+
 BACKENDS = ("auto", "reference", "tiled", "triton")
 
 # Finite checks cost one reduction per input (and a device sync on GPU); they can be
@@ -18,16 +20,30 @@ _CHECK_FINITE = True
 
 
 def set_input_checks(enabled: bool) -> None:
-    """Turn the NaN/Inf scan of input embeddings on or off (on by default)."""
+    """Turn the scan of input embeddings on or off (on by default): the NaN/Inf test, and the
+    rescaling of rows too large to square (max-abs above
+    :func:`fastcl.common.huge_row_limit`, ≈ 3e17 in float32 at d = 768; without the scan such
+    rows give NaN)."""
     global _CHECK_FINITE
     _CHECK_FINITE = bool(enabled)
 
 
 def embeddings(name: str, x, *, rows: int | None = None, width: int | None = None,
-               like: torch.Tensor | None = None, allow_empty: bool = False) -> torch.Tensor:
-    """Check a 2-D floating embedding matrix and return it."""
+               like: torch.Tensor | None = None, like_name: str = "anchors",
+               allow_empty: bool = False, scale_free: bool = False) -> torch.Tensor:
+    """Check a 2-D floating embedding matrix and return it (``like``: the tensor, named
+    ``like_name``, whose dtype and device it must share).
+
+    ``scale_free=True`` (the caller uses x only through cosines of its rows): rows whose
+    max-abs is too large to square in the accumulate dtype are returned multiplied by a power
+    of two (:func:`fastcl.common.shrink_huge_rows`: exact, the cosines unchanged, the
+    gradient flowing back through the factor). One reduction (each row's max-abs) serves that
+    test and the NaN/Inf test, with one host sync."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; "
+                        f"pass {name}.to_dense()")
     if not x.is_floating_point():
         raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
     if x.dim() != 2:
@@ -41,13 +57,62 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
     if width is not None and x.shape[1] != width:
         raise ValueError(f"{name} has width {x.shape[1]} but the embeddings have width {width}")
     if like is not None:
+        plural = like_name.endswith("s")            # "anchors have", "x has"
         if x.dtype != like.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but anchors have {like.dtype}")
+            raise TypeError(f"{name} has dtype {x.dtype} but {like_name} "
+                            f"{'have' if plural else 'has'} {like.dtype}")
         if x.device != like.device:
-            raise ValueError(f"{name} is on {x.device} but anchors are on {like.device}")
-    if _CHECK_FINITE and x.numel() and not x.is_meta and not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} contains NaN or Inf values")
+            raise ValueError(f"{name} is on {x.device} but {like_name} "
+                             f"{'are' if plural else 'is'} on {like.device}")
+    if _CHECK_FINITE and x.numel() and not x.is_meta:
+        amax = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=1)  # NaN propagates
+        bad, huge = torch.stack([~torch.isfinite(amax).all(),
+                                 (amax > huge_row_limit(x.dtype, x.shape[1])).any()]).tolist()
+        if bad:
+            raise ValueError(f"{name} contains NaN or Inf values")
+        if huge and scale_free:
+            x = shrink_huge_rows(x, amax)
     return x
+
+
+def generator(value, device) -> torch.Generator | None:
+    """``generator=``: None or a torch.Generator on the embeddings' device type."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(value).__name__} "
+                        f"(for a seed, pass torch.Generator().manual_seed(seed))")
+    if value.device.type != torch.device(device).type:
+        raise ValueError(f"generator is a {value.device.type} generator but the embeddings are on "
+                         f"{device}: draw the noise with torch.Generator(device={str(device)!r})")
+    return value
+
+
+def temperature(value, dtype: torch.dtype, *, name: str = "temperature", focal_m: float | None = None,
+                hard_negative_weight: float = 0.0) -> float:
+    r"""A temperature τ > 0 whose logits and gradients the accumulate dtype of ``dtype`` holds.
+
+    With \|s\| ≤ 1 the logits reach ``(1 + |m|)/τ + |w|`` and ``∂ℓ/∂s`` is at most
+    ``(2 + |m|)/τ`` (m = 0 without focal modulation); the fused chain rule sums those against
+    rows of norm up to ``√max/2`` (larger rows are rescaled:
+    :func:`fastcl.common.huge_row_limit`), ``Σ_j |∂ℓ_i/∂s_ij|·‖k_j‖ ≤ 2(2 + |m|)/τ · √max/2``.
+    So τ must be at least ``(2 + |m|)/√max``: 1.08e-19 in float32 (every 16-bit input
+    too), 1.5e-154 in float64. Below it the loss or its gradient is inf/NaN on every backend
+    (1/τ alone overflows float32 below 2.9e-39)."""
+    value = positive(name, value)
+    acc = accumulate_dtype(dtype)
+    big = torch.finfo(acc).max
+    m = abs(focal_m) if focal_m is not None else 0.0
+    smallest = (2.0 + m) / math.sqrt(big)
+    if value < smallest:
+        with_m = f" with focal_m={focal_m}" if focal_m is not None else ""
+        raise ValueError(f"{name}={value!r} is too small{with_m}: the logits s/{name} and their "
+                         f"gradient (up to {2.0 + m:g}/{name}) must stay finite in {acc} "
+                         f"(accumulate dtype of {dtype} inputs); {name} must be >= {smallest:.3g}")
+    if abs(hard_negative_weight) > big / 4:
+        raise ValueError(f"hard_negative_weight={hard_negative_weight!r} is beyond {acc}'s range "
+                         f"for a logit: |hard_negative_weight| must be <= {big / 4:.3g}")
+    return value
 
 
 def positive(name: str, value) -> float:
@@ -112,8 +177,9 @@ def complementary(value, n: int, n_positives: int, device) -> tuple[torch.Tensor
         return None
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError("complementary must be a pair (c_anchors, c_positives) or None")
-    c_anchors = embeddings("complementary[0]", value[0], rows=n)
-    c_positives = embeddings("complementary[1]", value[1], rows=n_positives, width=c_anchors.shape[1])
+    c_anchors = embeddings("complementary[0]", value[0], rows=n, scale_free=True)
+    c_positives = embeddings("complementary[1]", value[1], rows=n_positives,
+                             width=c_anchors.shape[1], scale_free=True)
     for i, c in enumerate((c_anchors, c_positives)):
         if c.device != device:
             raise ValueError(f"complementary[{i}] is on {c.device} but anchors are on {device}")

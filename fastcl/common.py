@@ -8,6 +8,9 @@ agree on them by construction, and a default is changed in one place.
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +27,79 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 def wide(x: torch.Tensor) -> torch.Tensor:
     """``x`` in its accumulate dtype (float32, or float64 for float64)."""
     return x.to(accumulate_dtype(x.dtype))
+
+
+def huge_row_limit(dtype: torch.dtype, dim: int) -> float:
+    """The largest row max-abs ``a`` a chunk GEMM takes as is: ``‖x‖ ≤ √d·a ≤ √max / 2`` in
+    the accumulate dtype, so that ‖x‖², every dot product of two such rows and the chain
+    rule's ``Σ_j |∂ℓ/∂s_ij|·‖k_j‖ ≤ 2(2 + |m|)/τ · ‖k‖`` (with the bound on τ of
+    :func:`fastcl._validation.temperature`) stay finite. float32: 2^63/√d ≈ 3.3e17 at d = 768."""
+    return math.sqrt(torch.finfo(accumulate_dtype(dtype)).max / max(dim, 1)) / 2
+
+
+def shrink_huge_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` with each row whose max-abs exceeds :func:`huge_row_limit` multiplied by the power
+    of two that brings its max-abs into [2¹⁰, 2¹¹), the other rows unchanged.
+
+    The product is exact (a power of two, kept a normal number), and a cosine — hence every
+    loss here and alignment/uniformity — is invariant to a positive factor on a row, so the
+    value is that of the unscaled rows and the gradient flows back through the factor. It
+    only changes what the float arithmetic can hold: the squared norm of a float32 row of
+    max-abs ≳ 1e19 is inf, and x/‖x‖ then 0. No host sync; always a new tensor (callers on
+    the hot path test ``amax`` first). ``amax``: the rows' max-abs, if known."""
+    if amax is None:
+        amax = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=1)
+    amax = amax.to(accumulate_dtype(x.dtype))
+    _, exponent = torch.frexp(amax)                  # amax = mantissa · 2^exponent, mantissa ∈ [½, 1)
+    factor = torch.ldexp(torch.ones_like(amax), 11 - exponent)
+    huge = amax > huge_row_limit(x.dtype, x.shape[-1])
+    return x * torch.where(huge, factor, torch.ones_like(factor)).to(x.dtype)[:, None]
+
+
+def safe_direction(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g_j/‖g_j‖ for each row, the bool mask of the rows with g_j = 0)``; a zero row's
+    direction is 0.
+
+    The norm is taken of ``g_j/max|g_j|``, whose entries lie in [−1, 1] with one of magnitude
+    1, so its square neither underflows nor overflows: a float32 gradient row of entries
+    ≈ 1e-25 has ‖g‖² ≈ 1e-50, which is 0 (or a subnormal that has lost its digits), and
+    ``g/max(‖g‖, tiny)`` is then a step 1e10–1e13 times too long."""
+    amax = torch.linalg.vector_norm(g, ord=float("inf"), dim=1, keepdim=True)
+    zero = amax == 0
+    scaled = g / amax.masked_fill(zero, 1.0)
+    norm = torch.linalg.vector_norm(scaled, dim=1, keepdim=True)    # in [1, √d]
+    return scaled / norm.masked_fill(zero, 1.0), zero.squeeze(1)
+
+
+def project_out_radial(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``g − x̂(x̂·g)`` with ``x̂ = x/‖x‖`` formed by division (rows with ‖x‖ ≤ EPS, where
+    x̂ = x/EPS is linear and has no projection, unchanged), in g's dtype.
+
+    The gradient of anything that depends on x only through x̂ is orthogonal to x; this is
+    that projection applied once more, to the gradient as computed. It removes the rounding
+    residual along x that the chain rule leaves — which :func:`safe_direction` would blow up
+    to a full step where the exact gradient is 0, as it is at d = 1 (a cosine of ±1 does
+    not change with x) — and at d = 1 gives an exact 0 (x̂ = ±1 exactly)."""
+    x = x.to(g.dtype)
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=1, keepdim=True)
+    scaled = x / amax.masked_fill(amax == 0, 1.0)
+    norm = torch.linalg.vector_norm(scaled, dim=1, keepdim=True)
+    x_hat = scaled / norm.masked_fill(amax == 0, 1.0)
+    radial = (x_hat * g).sum(dim=1, keepdim=True)
+    radial = radial.masked_fill(amax * norm <= EPS, 0.0)
+    return g - x_hat * radial
+
+
+def autocast_off(device) -> contextlib.AbstractContextManager:
+    """A context without autocast for ``device``'s type (a no-op where autocast is off or the
+    type has none, e.g. meta): the losses form their own GEMMs and reductions in the inputs'
+    dtype (float32 or wider for the logits), and autocast would round them back to 16 bits."""
+    device_type = torch.device(device).type
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:        # a device type without autocast
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
 
 
 def row_cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -457,7 +458,15 @@ def pooler_of(model) -> tuple:
     reproduced."""
     path = Path(model) / "fastcl_pooler.json"
     if path.is_file():
-        return check_pooler(json.loads(path.read_text())["pooler"], name=str(path)), path
+        try:
+            record = _read_json(path, "the pooler a fastcl export was saved with")
+            if not isinstance(record, dict) or "pooler" not in record:
+                raise ValueError(f"{path}: not a fastcl pooler record: expected "
+                                 f'{{"pooler": NAME}}, got {json.dumps(record)[:80]}')
+            return check_pooler(record["pooler"], name=str(path)), path
+        except ValueError as err:
+            raise SystemExit(f"python -m fastcl.evaluate: error: {err} (pass --pooler to "
+                             f"override it)") from None
     found = None
     if Path(model).is_dir():
         try:
@@ -490,6 +499,17 @@ def _quiet_loading(quiet: bool):
             hf_logging.enable_progress_bar()
 
 
+def _check_writable(path: Path) -> None:
+    """``--json``: a file whose folder exists and which may be created or replaced."""
+    folder = path.parent
+    if path.is_dir():
+        raise SystemExit(f"--json: {path} is a folder; give a file name")
+    if not folder.is_dir():
+        raise SystemExit(f"--json: no such folder: {folder} (for {path})")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise SystemExit(f"--json: cannot write {path} (permission denied)")
+
+
 def main(argv=None) -> dict:
     """The command line. Exits non-zero with the reason when an argument or a data file is
     wrong, when no task file exists under ``--sts-dir``, when the model cannot be loaded, and
@@ -502,6 +522,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--max-length must be >= 2, got {args.max_length}")
     if not Path(args.sts_dir).is_dir():
         raise SystemExit(f"--sts-dir: no such folder: {args.sts_dir}")
+    if args.json_out:
+        # before the scoring (minutes): a path that cannot be written is an error now
+        _check_writable(Path(args.json_out))
     if args.pooler:
         pooler = args.pooler
     else:

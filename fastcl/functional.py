@@ -38,6 +38,8 @@ def _triton_problem(x: torch.Tensor) -> str | None:
         return "the triton package is not installed (pip install 'fastcl[triton]')"
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the kernels take float32, float16 or bfloat16 embeddings, not {x.dtype}"
+    if x.is_meta:
+        return "the embeddings are meta tensors, which hold no data for a kernel to read"
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return ("the embeddings are on the CPU: the kernels need CUDA tensors, or "
                 "TRITON_INTERPRET=1 (set before fastcl.kernels is imported) to run them in "
@@ -70,14 +72,15 @@ def _engine(backend: str):
 def _anchors_and_positives(anchors, positives, anchor_offset=None):
     """Anchors (N×d) and positives: N rows, or — with ``anchor_offset`` — the whole batch the
     anchors are rows ``[anchor_offset, anchor_offset + N)`` of. Returns the offset as an int."""
-    anchors = check.embeddings("anchors", anchors)
+    anchors = check.embeddings("anchors", anchors, scale_free=True)
     if anchor_offset is None:
         positives = check.embeddings("positives", positives, rows=anchors.shape[0],
-                                     width=anchors.shape[1], like=anchors)
+                                     width=anchors.shape[1], like=anchors, scale_free=True)
         anchor_offset = 0
     else:
         anchor_offset = check.non_negative_int("anchor_offset", anchor_offset)
-        positives = check.embeddings("positives", positives, width=anchors.shape[1], like=anchors)
+        positives = check.embeddings("positives", positives, width=anchors.shape[1], like=anchors,
+                                     scale_free=True)
         if positives.shape[0] < anchor_offset + anchors.shape[0]:
             raise ValueError(
                 f"positives has {positives.shape[0]} rows but anchor_offset={anchor_offset} with "
@@ -89,7 +92,7 @@ def _negatives(negatives, anchors):
     if negatives is None:
         return None
     return check.embeddings("negatives", negatives, width=anchors.shape[1], like=anchors,
-                             allow_empty=True)
+                             allow_empty=True, scale_free=True)
 
 
 def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None, *,
@@ -155,7 +158,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
             i's positive.
         negatives: optional (K, d) extra negatives: hard negatives (row i belongs to anchor
             i, K = N_b) or any K rows such as a queue.
-        temperature: τ > 0.
+        temperature: τ ≥ (2 + |m|)/√max of the accumulate dtype (1.08e-19 for float32 and
+            16-bit inputs; below it the logits or their gradient overflow).
         focal_m: Focal-InfoNCE's m (None: no focal modulation; m = 0 still squares every
             cosine, s²/τ).
         hard_negative_weight: the log-weight ``w``; needs K = N_b ``negatives``.
@@ -185,9 +189,10 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     anchors, positives, anchor_offset = _anchors_and_positives(anchors, positives, anchor_offset)
     negatives = _negatives(negatives, anchors)
     n, n_pos = anchors.shape[0], positives.shape[0]
-    temperature = check.positive("temperature", temperature)
     focal_m = None if focal_m is None else check.finite("focal_m", focal_m)
     hard_negative_weight = check.finite("hard_negative_weight", hard_negative_weight)
+    temperature = check.temperature(temperature, anchors.dtype, focal_m=focal_m,
+                                    hard_negative_weight=hard_negative_weight)
     _check_hard_negatives(hard_negative_weight, negatives, n_pos)
     complementary = check.complementary(complementary, n, n_pos, anchors.device)
     phi = check.phi(phi)
@@ -208,6 +213,7 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     num = None if noise is not None else common.noise_count(noise_ratio, n_pos, formulation)
     steps, lr, std, noise_temperature, noise = _noise_args(
         anchors, num, noise_steps, noise_lr, noise_std, noise_temperature, noise)
+    generator = check.generator(generator, anchors.device)
     chunk_size = check.chunk_size(chunk_size)
     return _contrastive(anchors, positives, negatives, temperature=temperature, focal_m=focal_m,
                         hard_negative_weight=hard_negative_weight, complementary=complementary,
@@ -224,7 +230,22 @@ def _contrastive(anchors, positives, negatives=None, *, temperature, focal_m=Non
                  noise_std=common.NOISE_STD, noise_temperature=None, generator=None,
                  formulation="paper", symmetric=False, anchor_offset=0, backend, chunk_size=None):
     """:func:`contrastive` on checked arguments and a resolved backend: what every public
-    loss but ESCL runs."""
+    loss but ESCL runs. Autocast is off inside, on every backend: the loss depends on the
+    inputs' dtype only (autocast would round the cosine GEMMs, hence the logits, to 16 bits)."""
+    with common.autocast_off(anchors.device):
+        return _contrastive_on(
+            anchors, positives, negatives, temperature=temperature, focal_m=focal_m,
+            hard_negative_weight=hard_negative_weight, complementary=complementary, phi=phi,
+            noise=noise, noise_ratio=noise_ratio, noise_steps=noise_steps, noise_lr=noise_lr,
+            noise_std=noise_std, noise_temperature=noise_temperature, generator=generator,
+            formulation=formulation, symmetric=symmetric, anchor_offset=anchor_offset,
+            backend=backend, chunk_size=chunk_size)
+
+
+def _contrastive_on(anchors, positives, negatives, *, temperature, focal_m, hard_negative_weight,
+                    complementary, phi, noise, noise_ratio, noise_steps, noise_lr, noise_std,
+                    noise_temperature, generator, formulation, symmetric, anchor_offset, backend,
+                    chunk_size):
     noise_temperature = temperature if noise_temperature is None else noise_temperature
     if backend == "reference":
         return reference.contrastive(
@@ -241,7 +262,9 @@ def _contrastive(anchors, positives, negatives=None, *, temperature, focal_m=Non
         z = _dclr_noise(anchors, positives, num, noise_steps, noise_lr, noise_std,
                         noise_temperature, noise, generator, backend, chunk_size, formulation,
                         anchor_offset)
-        blocks.append(z.to(anchors.dtype))
+        # Z is not rescaled before its update (a step of lr is not scale-free); as loss
+        # candidates its rows only enter through cosines
+        blocks.append(common.shrink_huge_rows(z).to(anchors.dtype))
     masked = complementary is not None
     ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
                   phi=phi if masked else None, complementary=complementary,
@@ -310,8 +333,9 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
     """
     anchors, positives, anchor_offset = _anchors_and_positives(anchors, positives, anchor_offset)
     negatives = _negatives(negatives, anchors)
-    temperature = check.positive("temperature", temperature)
     hard_negative_weight = check.finite("hard_negative_weight", hard_negative_weight)
+    temperature = check.temperature(temperature, anchors.dtype,
+                                    hard_negative_weight=hard_negative_weight)
     _check_hard_negatives(hard_negative_weight, negatives, positives.shape[0])
     symmetric = _check_symmetric(symmetric, anchors.shape[0], positives.shape[0])
     chunk_size = check.chunk_size(chunk_size)
@@ -341,19 +365,20 @@ def focal_infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None =
     """
     anchors, positives, anchor_offset = _anchors_and_positives(anchors, positives, anchor_offset)
     negatives = _negatives(negatives, anchors)
-    temperature = check.positive("temperature", temperature)
     m = check.finite("m", m)
+    temperature = check.temperature(temperature, anchors.dtype, focal_m=m)
     chunk_size = check.chunk_size(chunk_size)
     return _contrastive(anchors, positives, negatives, temperature=temperature, focal_m=m,
                         anchor_offset=anchor_offset, backend=resolve_backend(backend, anchors),
                         chunk_size=chunk_size)
 
 
-def _noise_args(anchors, num, steps, lr, std, temperature, noise):
-    steps = check.non_negative_int("noise_steps", steps)
-    lr = check.finite("noise_lr", lr)
-    std = check.positive("noise_std", std)
-    temperature = check.positive("noise_temperature", temperature)
+def _noise_args(anchors, num, steps, lr, std, temperature, noise,
+                names=("noise_steps", "noise_lr", "noise_std", "noise_temperature")):
+    steps = check.non_negative_int(names[0], steps)
+    lr = check.finite(names[1], lr)
+    std = check.positive(names[2], std)
+    temperature = check.temperature(temperature, anchors.dtype, name=names[3])
     if noise is not None:
         noise = check.embeddings("noise", noise, width=anchors.shape[1], allow_empty=True)
         if noise.device != anchors.device:
@@ -367,6 +392,13 @@ def _noise_args(anchors, num, steps, lr, std, temperature, noise):
 
 def _dclr_noise(anchors, positives, num, steps, lr, std, temperature, noise, generator, be, chunk_size,
                 formulation="paper", anchor_offset=0):
+    with common.autocast_off(anchors.device):
+        return _dclr_noise_on(anchors, positives, num, steps, lr, std, temperature, noise,
+                              generator, be, chunk_size, formulation, anchor_offset)
+
+
+def _dclr_noise_on(anchors, positives, num, steps, lr, std, temperature, noise, generator, be,
+                   chunk_size, formulation, anchor_offset):
     if be == "reference":
         return reference.dclr_noise(anchors, positives, num, steps=steps, lr=lr, std=std,
                                     temperature=temperature, noise=noise, generator=generator,
@@ -405,8 +437,10 @@ def dclr_noise(anchors: Tensor, positives: Tensor, num: int | None, *,
     Representations", ACL 2022.
     """
     anchors, positives, _ = _anchors_and_positives(anchors, positives)
-    steps, lr, std, temperature, noise = _noise_args(anchors, num, steps, lr, std, temperature, noise)
+    steps, lr, std, temperature, noise = _noise_args(anchors, num, steps, lr, std, temperature, noise,
+                                                     names=("steps", "lr", "std", "temperature"))
     num = noise.shape[0] if noise is not None else num
+    generator = check.generator(generator, anchors.device)
     formulation = check.choice("formulation", formulation, ("paper", "released"))
     chunk_size = check.chunk_size(chunk_size)
     return _dclr_noise(anchors, positives, num, steps, lr, std, temperature, noise, generator,
@@ -491,8 +525,8 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
     """
     anchors, positives, anchor_offset = _anchors_and_positives(anchors, positives, anchor_offset)
     sensitive = check.embeddings("sensitive", sensitive, rows=anchors.shape[0],
-                                 width=anchors.shape[1], like=anchors)
-    temperature = check.positive("temperature", temperature)
+                                 width=anchors.shape[1], like=anchors, scale_free=True)
+    temperature = check.temperature(temperature, anchors.dtype)
     weight = check.finite("weight", weight)
     rd = check.choice("rd", rd, ("softplus", "margin"))
     if not isinstance(margins, (tuple, list)) or len(margins) != 2:
@@ -500,6 +534,13 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
     margins = (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
     chunk_size = check.chunk_size(chunk_size)
     be = resolve_backend(backend, anchors)
+    with common.autocast_off(anchors.device):
+        return _escl(anchors, positives, sensitive, temperature, weight, rd, margins,
+                     anchor_offset, be, chunk_size)
+
+
+def _escl(anchors, positives, sensitive, temperature, weight, rd, margins, anchor_offset, be,
+          chunk_size):
     if be == "reference":
         return reference.escl_loss(anchors, positives, sensitive, temperature=temperature,
                                    weight=weight, rd=rd, margins=margins,

@@ -17,16 +17,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import (EPS, accumulate_dtype, draw_noise, noise_count, relative_difference,  # noqa: F401
-                     row_cosine, wide)
+from .common import (EPS, accumulate_dtype, draw_noise, noise_count, project_out_radial,  # noqa: F401
+                     relative_difference, row_cosine, safe_direction, shrink_huge_rows, wide)
 from .common import (ESCL_MARGINS, ESCL_RD, ESCL_WEIGHT, FOCAL_M, NOISE_LR, NOISE_RATIO, NOISE_STD,
                      NOISE_STEPS, PHI, TEMPERATURE)
 
 
 def unit_rows(x: torch.Tensor) -> torch.Tensor:
     """``x̂ = x / max(‖x‖, EPS)`` formed in float32 or wider (in float16 EPS itself rounds to
-    0, and a zero row would be 0/0), then returned in x's dtype for the product."""
-    return F.normalize(wide(x), dim=-1, eps=EPS).to(x.dtype)
+    0, and a zero row would be 0/0), then returned in x's dtype for the product. Rows too
+    large to square (float32 max-abs ≳ 1e19: ‖x‖ = inf, x̂ = 0) are first multiplied by a
+    power of two (:func:`fastcl.common.shrink_huge_rows`), which leaves x̂ as it is."""
+    return F.normalize(shrink_huge_rows(wide(x)), dim=-1, eps=EPS).to(x.dtype)
 
 
 def cosine_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -148,8 +150,20 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
     ``formulation="released"``: the step's loss is the cross-entropy over ``[h⁺; Z]`` (the
     in-batch columns join the log-sum-exp), and a row with g_j = 0 becomes 0 (0/0 is NaN
     there, which the code then zeroes). Written as the released code does it: an autograd
-    graph per step.
+    graph per step (also under ``torch.inference_mode``, where the step runs outside it).
+    ``g/‖g‖`` is formed from ``g/max|g|`` (in float32 ‖g‖² is 0 for g ≈ 1e-25), after the
+    gradient's rounding residual along z is projected out (the exact gradient is orthogonal
+    to z; at d = 1 it is 0): :func:`fastcl.common.safe_direction`,
+    :func:`fastcl.common.project_out_radial`.
     """
+    if torch.is_inference_mode_enabled():
+        # inference tensors cannot enter an autograd graph: the update runs on normal copies
+        with torch.inference_mode(False):
+            return dclr_noise(anchors.clone(), positives.clone(), num, steps=steps, lr=lr, std=std,
+                              temperature=temperature,
+                              noise=None if noise is None else noise.clone(),
+                              generator=generator, formulation=formulation,
+                              anchor_offset=anchor_offset).clone()
     h = wide(anchors.detach())
     h_pos = positives.detach().to(h.dtype)
     z = (draw_noise(num, h.shape[1], std=std, generator=generator, device=h.device)
@@ -166,11 +180,10 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
             else:
                 loss = (-positive + torch.logsumexp(cosine_matrix(h, z) / temperature, dim=1)).mean()
             (grad,) = torch.autograd.grad(loss, z)
-        norm = grad.norm(dim=1, keepdim=True)
-        step = torch.where(norm > 0, grad / norm.clamp_min(torch.finfo(grad.dtype).tiny), 0.0)
+        step, zero = safe_direction(project_out_radial(grad, z.detach()))
         z = z.detach() + lr * step
         if formulation == "released":
-            z = z.masked_fill(norm == 0, 0.0)
+            z = z.masked_fill(zero[:, None], 0.0)
     return z.detach()
 
 

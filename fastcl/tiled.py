@@ -180,13 +180,10 @@ class TiledContrastive(torch.autograd.Function):
                 "pass and cannot be differentiated twice (backward with create_graph=True); "
                 "use backend='reference' for higher-order gradients")
         out = [None, None]
-        # A grad of exactly 1 (the usual case) needs no copy of the stored gradients. The test
-        # is made on CPU only: on an accelerator it is a host sync, and the multiply it saves is
-        # one N×d elementwise pass, small next to the chunk GEMMs.
-        scale = None if grad_loss.device.type == "cpu" and bool(grad_loss == 1) else grad_loss
+        # Always scaled: testing for a grad of exactly 1 would be a host sync, and the
+        # multiply is one N×d elementwise pass, small next to the chunk GEMMs.
         for has, g, dtype in zip(ctx.has_grad, ctx.saved_tensors, ctx.dtypes):
-            out.append(None if not has else
-                       (g if scale is None else g * scale.to(g.dtype)).to(dtype))
+            out.append(None if not has else (g * grad_loss.to(g.dtype)).to(dtype))
         return tuple(out)
 
 
@@ -401,7 +398,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
         h = engine(ep, chunk, need_q or need_k)
         if h is not None:
             _chunk_gradients(h, q, keys, inv_q[r0:r1], norm_q[r0:r1], w[r0:r1],
-                             dq[r0:r1] if need_q else None, dk, tangent, acc)
+                             dq[r0:r1] if need_q else None, dk, tangent, acc,
+                             ep.anchor_offset + r0)
         # this chunk's R×M buffer is released before the next chunk allocates its own: the
         # peak is one buffer, not two
         del h
@@ -424,12 +422,19 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     return loss, grads
 
 
-def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc) -> None:
+def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_pos) -> None:
     """One chunk's share of the gradients from its ``H`` (R×M): ``dq = tangent(w ⊙ (H K))``
     for its rows, written into ``dq``, and ``dk += Hᵀ q̂``, with ``G' = w ⊙ H``. Row factors
     ``w_i = inv_q_i / (N·c)``: Σ_i H_ij w_i q_i = Σ_i H_ij q̂_i / (N·c), so the second GEMM takes
     unit rows q̂ (written by the same launch as dq where the engine has a fused chain rule)
-    and the scalar 1/(N·c) is applied to dk once, at the end."""
+    and the scalar 1/(N·c) is applied to dk once, at the end.
+
+    ``h`` may be an engine's bounded form ``(E, 1/Z, c)``, ``H = diag(1/Z) E − δ·c`` (the
+    positive of row i at column ``first_pos + i``, c None without positives): the GEMMs then
+    take E itself, with 1/Z on the rows of E K and of q̂, and the positive's term apart."""
+    if isinstance(h, tuple):
+        _bounded_gradients(*h, q, keys, inv_q, w, dq, dk, tangent, acc, first_pos)
+        return
     q_hat = None
     if dq is not None and tangent is not None:
         q_hat = torch.empty_like(q) if dk is not None else None
@@ -440,6 +445,26 @@ def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc) -> None
         if q_hat is None:
             q_hat = _unit(q, inv_q).to(q.dtype)
         _accumulate_mm(dk, h.T, q_hat)
+
+
+def _bounded_gradients(e, inv_z, pos_coef, q, keys, inv_q, w, dq, dk, tangent, acc,
+                       first_pos) -> None:
+    """:func:`_chunk_gradients` for ``H = diag(1/Z) E − δ·c``: dq through the engine's fused
+    chain rule (which also applies 1/Z and the positive's term, writes q̂/Z and the
+    positive's term of dk), or, without dq, q̂/Z and that term here."""
+    r = q.shape[0]
+    q_hat = None
+    if dq is not None:
+        q_hat = torch.empty_like(q) if dk is not None else None
+        tangent(_mm(e, keys, acc), q, inv_q, w, dq, x_hat=q_hat,
+                bounded=(inv_z, pos_coef, keys, first_pos, dk))
+    elif dk is not None:
+        unit = _unit(q, inv_q)
+        if pos_coef is not None:
+            dk[first_pos:first_pos + r].addcmul_(unit, pos_coef[:, None], value=-1.0)
+        q_hat = unit.mul_(inv_z[:, None]).to(q.dtype)
+    if dk is not None:
+        _accumulate_mm(dk, e.T, q_hat)
 
 
 def _fp16_gain(ep: Epilogue, dtype: torch.dtype) -> float:
@@ -497,8 +522,13 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
     ep = Epilogue(temperature, positives=released, chunk_size=chunk_size,
                   anchor_offset=anchor_offset if released else 0)
     fixed = (positives.detach(),) if released else ()
-    huge = (not z.is_meta and bool(
-        (torch.linalg.vector_norm(z, ord=float("inf"), dim=1) > huge_row_limit(z.dtype, z.shape[1])).any()))
+    # the scan of inputs decides, as for the embeddings (one host read; none when the input
+    # checks are off, which leave rows too large to square as they are)
+    from . import _validation
+    huge = False
+    if _validation._CHECK_FINITE and not z.is_meta:
+        amax = torch.linalg.vector_norm(z, ord=float("inf"), dim=1)
+        huge = bool((amax > huge_row_limit(z.dtype, z.shape[1])).any())
     with autocast_off(anchors.device):
         for _ in range(steps):
             z_in = z.to(anchors.dtype)
@@ -509,19 +539,5 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
             direction, zero = safe_direction(project_out_radial(grads[-1].to(z.dtype), z_in))
             z.add_(direction, alpha=lr)         # a zero row's direction is 0: it stays put
             if released:
-                z[zero] = 0.0
-    return z
-    released = positives is not None
-    ep = Epilogue(temperature, positives=released, chunk_size=chunk_size,
-                  anchor_offset=anchor_offset if released else 0)
-    fixed = (positives.detach(),) if released else ()
-    for _ in range(steps):
-        _, grads = contrastive_forward(ep, anchors.detach(), (*fixed, z.to(anchors.dtype)),
-                                       need=(False,) * (1 + len(fixed)) + (True,), engine=engine)
-        g = grads[-1].to(z.dtype)
-        g_norm = torch.linalg.vector_norm(g, dim=1, keepdim=True)
-        # a row with g_j = 0 adds 0/tiny = 0 and stays put
-        z.addcdiv_(g, g_norm.clamp_min(torch.finfo(z.dtype).tiny), value=lr)
-        if released:
-            z.masked_fill_(g_norm == 0, 0.0)
+                z.masked_fill_(zero[:, None], 0.0)      # (a mask, not an index: no host sync)
     return z

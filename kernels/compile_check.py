@@ -13,11 +13,11 @@ K loop pipeline through asynchronous copies), an integer equal to 1 becomes a co
 compile without those facts is another kernel (on sm_90 the 128×128×64 similarity tile
 loses its pipeline and spills 224 bytes without them, and has neither problem with them).
 So every specialization names a launch (``LAUNCHES``): ``aligned``, the arguments of a
-large-batch step (N = M = 32768, d = 768, chunks of 3072 rows; every buffer 16-byte
+large-batch step (N = M = 32768, d = 768, chunks of 4096 rows; every buffer 16-byte
 aligned), for which fastcl's kept configs must compile without spills; ``unaligned``, odd
 sizes and views at an odd offset (no argument divisible by 16), which must compile, their
 spills reported (the autotuner times every config at the shape it is given); ``odd``, for
-the descriptor designs (which take only aligned buffers), odd sizes alone. The marks are
+the descriptor design (which takes only aligned buffers), odd sizes alone. The marks are
 made by Triton's own launch-time function where the installed Triton exposes it.
 
     python -m fastcl.kernels.compile_check                # the representative subset
@@ -25,10 +25,7 @@ made by Triton's own launch-time function where the installed Triton exposes it.
     python -m fastcl.kernels.compile_check --sim-candidates   # what the lists are chosen from
 
 A specialization fails on a compile error, or on register spills in a config that fastcl
-keeps, for the aligned launch (``--allow-spills`` reports them only). What only an earlier
-design launches (``FASTCL_LEGACY``: the first design's config list, the lists before the
-current ones, the first design's epilogue mode) is kept for timing comparisons: it must
-compile, its spills are reported but do not fail. The report's ``async`` column counts the
+keeps, for the aligned launch (``--allow-spills`` reports them only). The report's ``async`` column counts the
 asynchronous copies (cp.async, TMA) in the PTX: a pipelined K loop has them. Each run
 compiles into a fresh, private ``TRITON_CACHE_DIR``: Triton's cache key does not see every
 module global a kernel reads, so a cached build of a fixed kernel could make a broken one
@@ -53,16 +50,16 @@ from dataclasses import asdict, dataclass, field, replace
 #: Triton's names for the dtypes fastcl's kernels take.
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHS = (80, 90)
-FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps"}
+FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps", "bound"}
 
 #: The integer arguments of the launches compiled, by name (the kernels share their names),
 #: and whether their buffers start on a 16-byte boundary. ``aligned``: the second chunk of
-#: 3072 rows of an N = M = 32768, d = 768 step (256 column tiles of partials). ``unaligned``:
+#: 4096 rows of an N = M = 32768, d = 768 step (256 column tiles of partials). ``unaligned``:
 #: 1000 anchors of width 130 from a view one element in, with an anchor offset (the default
 #: design: the descriptor designs refuse such inputs). ``odd``: 1000 anchors of width 768,
-#: aligned buffers (what the descriptor designs take with sizes not divisible by 16).
+#: aligned buffers (what the descriptor design takes with sizes not divisible by 16).
 LAUNCHES = {
-    "aligned": dict(aligned=True, R=3072, M=32768, D=768, DC=768, first_pos=3072, n_pos=32768,
+    "aligned": dict(aligned=True, R=4096, M=32768, D=768, DC=768, first_pos=4096, n_pos=32768,
                     T=256),
     "unaligned": dict(aligned=False, R=1000, M=1000, D=130, DC=130, first_pos=1000,
                       n_pos=1000, T=8),
@@ -83,7 +80,6 @@ class Spec:
     num_stages: int = 3
     gemm_ptrs: tuple = ()         # pointer arguments in the GEMM dtype; the others are fp32
     out_ptrs: tuple = ()          # pointer arguments in the gradient's dtype (fp32 for fp16)
-    legacy: bool = False          # launched only by an earlier design (FASTCL_LEGACY): timed, spills reported
     candidate: bool = False       # a config tried for a list (--sim-candidates): spills reported
     launch: str = "aligned"       # the arguments it is specialized for (LAUNCHES)
     args: dict = field(default_factory=dict)  # integer arguments that differ from the launch's
@@ -93,13 +89,11 @@ class Spec:
         desc = self.constexprs.get("DESC")
         flags = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}"
                          for k, v in self.constexprs.items()
-                         if k not in ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "PREC", "DESC",
-                                      "PERSISTENT")
+                         if k not in ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "PREC", "DESC")
                          and (k != "GROUP_R" or desc))
         return (f"{self.kernel}[{self.variant}] {self.dtype} sm_{self.arch} "
                 f"w{self.num_warps} s{self.num_stages} {flags}"
-                + (" persistent" if self.constexprs.get("PERSISTENT") else " descriptor" if desc else "")
-                + (" (legacy)" if self.legacy else "") + (" (candidate)" if self.candidate else "")
+                + (" descriptor" if desc else "") + (" (candidate)" if self.candidate else "")
                 + (f" ({self.launch})" if self.launch != "aligned" else "")
                 + "".join(f" {k}={v}" for k, v in self.args.items()))
 
@@ -125,9 +119,9 @@ class Result:
 
     @property
     def spills_allowed(self) -> bool:
-        """Spills reported, not failed: what only earlier designs launch, list candidates, and
-        the launches other than the aligned one."""
-        return self.spec.legacy or self.spec.candidate or self.spec.launch != "aligned"
+        """Spills reported, not failed: list candidates, and the launches other than the
+        aligned one."""
+        return self.spec.candidate or self.spec.launch != "aligned"
 
     @property
     def failed(self) -> bool:
@@ -138,104 +132,87 @@ class Result:
 SUBSET = ((90, "bfloat16"), (80, "float32"))
 
 
-def _sim_spec(kc, variant, f, dtype, arch, prec, store_exp, config, persistent=False,
+def _sim_spec(kc, variant, f, dtype, arch, prec, store_exp, config, bounded=False,
               **kw) -> Spec:
     """One similarity-kernel specialization: a 4-tuple config is the default design, a
-    5-tuple (GROUP_R last) the descriptor design (FASTCL_SIM=descriptor), or with
-    ``persistent`` its persistent form (FASTCL_SIM=persistent)."""
+    5-tuple (GROUP_R last) the descriptor design (FASTCL_SIM=descriptor); ``bounded``: the
+    bounded design (``logit_bound``), which stores E in the GEMM dtype."""
     br, bd, warps, stages = config[:4]
     desc = len(config) > 4
+    store_exp = store_exp or bounded
     return Spec("_similarity_kernel", variant, dtype, arch,
-                dict(f, STORE_EXP=store_exp, PREC=prec, BLOCK_R=br, BLOCK_M=kc.SIM_BLOCK_M,
-                     BLOCK_D=bd, DESC=desc, GROUP_R=config[4] if desc else 1,
-                     PERSISTENT=bool(persistent)),
+                dict(f, STORE_EXP=store_exp, BOUNDED=bounded, PREC=prec, BLOCK_R=br,
+                     BLOCK_M=kc.SIM_BLOCK_M, BLOCK_D=bd, DESC=desc,
+                     GROUP_R=config[4] if desc else 1),
                 warps, stages, ("q_ptr", "k_ptr", "cq_ptr", "ck_ptr")
                 + (("t_ptr",) if store_exp else ()), **kw)
 
 
-def candidates(archs=ARCHS, dtypes=None, design=None) -> list[Spec]:
-    """Every config a list is chosen from, for every flag set, for the aligned launch (spills
-    reported): the default design's (``SIM_CANDIDATES``) in both modes it is launched in (the
-    mode the objective stores, and fp32 cosines for the first design's epilogue), the
-    descriptor design's and its persistent form's (``DESC_CANDIDATES``) in the mode the
-    objective stores. ``design``: "default", "descriptor" or "persistent" alone."""
+def descriptor_supported() -> bool:
+    """Whether the installed Triton has tensor descriptors (the descriptor design)."""
+    import triton.language as tl
+    return hasattr(tl, "make_tensor_descriptor")
+
+
+def modes(f: dict, dtype: str) -> list[tuple[bool, bool]]:
+    """The (store_exp, bounded) modes the similarity kernel is launched in for a flag set
+    and dtype: the bounded design where it can apply (not the released DCLR, not float16),
+    and the two-pass design's mode (where the bound is too wide, or it cannot apply)."""
     from . import contrastive as kc
 
+    two_pass = [(kc.stores_exp(f), False)]
+    return ([] if f["RELEASED"] or dtype == "float16" else [(True, True)]) + two_pass
+
+
+def candidates(archs=ARCHS, dtypes=None, design=None) -> list[Spec]:
+    """Every config a list is chosen from, for every flag set, for the aligned launch, in
+    each mode the objective is launched in (spills reported): the default design's
+    (``SIM_CANDIDATES``) and the descriptor design's (``DESC_CANDIDATES``). ``design``:
+    "default" or "descriptor" alone."""
+    from . import contrastive as kc
+
+    designs = [d for d in ("default", "descriptor") if design in (None, d)
+               and (d == "default" or descriptor_supported())]
     specs = []
     for arch in archs:
         for dtype in dtypes or list(DTYPES):
             prec = "ieee" if dtype == "float32" else "tf32"
             kind = "fp32" if dtype == "float32" else "16bit"
             for variant, f in kc.VARIANTS.items():
-                exp = kc.stores_exp(f)
-                if design in (None, "default"):
-                    for store_exp in sorted({exp, False}, reverse=True):
-                        for config in kc.SIM_CANDIDATES[kind]:
-                            specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, store_exp,
-                                                   config, candidate=True))
-                for name in ("descriptor", "persistent"):
-                    if design in (None, name):
-                        for config in kc.DESC_CANDIDATES[kind]:
-                            specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, exp, config,
-                                                   persistent=name == "persistent",
-                                                   candidate=True))
+                for name in designs:
+                    pool = kc.SIM_CANDIDATES if name == "default" else kc.DESC_CANDIDATES
+                    specs += [_sim_spec(kc, variant, f, dtype, arch, prec, exp, config,
+                                        bounded, candidate=True)
+                              for config in pool[kind] for exp, bounded in modes(f, dtype)]
     return specs
 
 
-def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = False) -> list[Spec]:
-    """What fastcl can launch. The default subset: every flag set and kernel, bf16 on sm_90
-    and fp32 on sm_80, the configs in use (the descriptor design's too, in the mode each
-    objective stores); ``full``: every dtype on every arch, plus the first design's config
-    list and the descriptor design in the first design's epilogue mode; ``rest``: the full
-    matrix less the subset."""
+def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = False,
+                    launches=("aligned", "unaligned")) -> list[Spec]:
+    """What fastcl can launch: every kernel and flag set with the configs in use (the
+    descriptor design's too, where this Triton has tensor descriptors), each in every mode
+    its objective is launched in (``modes``). The pairs of (arch, dtype): by default ``SUBSET``, bf16 on sm_90 and
+    fp32 on sm_80; ``full``: every dtype on every arch; ``rest``: the full matrix less the
+    subset. ``launches``: the aligned large-batch launch, and (unless ``full`` or ``rest``)
+    the same specializations as an unaligned launch (odd sizes for the descriptor design)."""
     from . import contrastive as kc
 
-    full = full or rest
-    if dtypes is None:
-        pairs = ([(a, d) for a in archs for d in DTYPES] if full else
-                 [(a, d) for a, d in SUBSET if a in archs])
-    else:
+    if dtypes is not None:
         pairs = [(a, d) for a in archs for d in dtypes]
+    elif full or rest:
+        pairs = [(a, d) for a in archs for d in DTYPES if not (rest and (a, d) in SUBSET)]
+    else:
+        pairs = [(a, d) for a, d in SUBSET if a in archs]
+    designs = ("", "descriptor") if descriptor_supported() else ("",)
     specs = []
     for arch, dtype in pairs:
         prec = "ieee" if dtype == "float32" else "tf32"
-        again = rest and (arch, dtype) in SUBSET     # already in the subset
         for variant, f in kc.VARIANTS.items():
             exp = kc.stores_exp(f)
-            # the similarity kernel: the mode the new design uses, and fp32 cosines for the
-            # first design's epilogue (FASTCL_LEGACY=epilogue)
-            modes = sorted({exp, False}, reverse=True)
-            # the earlier lists are timed on Hopper in bf16 only (bench/ab.py): the first
-            # design's (FASTCL_LEGACY=configs) and the one before this (FASTCL_LEGACY=tiles)
-            timed = full and (arch, dtype) == (90, "bfloat16")
-            lists = (([] if again else [(kc.sim_configs(f, dtype, arch), False)])
-                     + ([(kc.LEGACY_SIM_CONFIGS, True),
-                         (kc.sim_configs(f, dtype, arch, unaligned_lists=True), True)]
-                        if timed else []))
-            for store_exp in modes:
-                # a mode other than the one the objective stores is launched only by the first
-                # design's epilogue (FASTCL_LEGACY=epilogue): kept for timing, spills reported
-                other = store_exp != exp
-                seen = set()                 # a config in several lists compiles once, as
-                for configs, old in lists:   # the first (the kept list, when it is there)
-                    for config in configs:
-                        if tuple(config) not in seen:
-                            seen.add(tuple(config))
-                            specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, store_exp,
-                                                   config, legacy=old or other))
-                # the descriptor design (FASTCL_SIM=descriptor) and its persistent form: the
-                # subset in the mode the objective stores, the rest in the first design's
-                # epilogue mode
-                if (store_exp != exp) if again else (full or store_exp == exp):
-                    # (the persistent form in the first design's epilogue mode: not launched
-                    # by the A/B, which runs each candidate with FASTCL_LEGACY unset)
-                    for name in ("descriptor",) + (() if other else ("persistent",)):
-                        for config in kc.sim_configs(f, dtype, arch, design=name):
-                            specs.append(_sim_spec(kc, variant, f, dtype, arch, prec, store_exp,
-                                                   config, persistent=name == "persistent",
-                                                   legacy=other))
-            if again:
-                continue
+            for design in designs:
+                specs += [_sim_spec(kc, variant, f, dtype, arch, prec, store, config, bounded)
+                          for config in kc.sim_configs(f, dtype, arch, design=design)
+                          for store, bounded in modes(f, dtype)]
             row = {k: v for k, v in kc.ROW_BLOCK.items() if k != "num_warps"}
             for want_grad in (True, False):
                 specs.append(Spec(
@@ -243,53 +220,154 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
                     dict(f, STORE_EXP=exp, WANT_GRAD=want_grad, TILE_M=kc.SIM_BLOCK_M, **row),
                     kc.ROW_BLOCK.get("num_warps", 4), 3,
                     ("g_ptr",) + (("t_ptr",) if exp else ())))
-            for stage in ((0, 1) if f["RELEASED"] else (1,)):
-                specs.append(Spec("_gradient_kernel", variant, dtype, arch,
-                                  dict(f, STAGE=stage, **kc.GRAD_BLOCK), 4, 3, ("g_ptr",),
-                                  legacy=True))
-        if not again:
-            # the chain rule through the normalization, at the widths of common encoders
-            # (dq writes x̂ for the second GEMM when dk is wanted; a weight a row for dq, one
-            # scalar for dk, a weight a row for dk in fp16)
-            for width in (384, 768, 1536, 4096):
-                block = 1 << (width - 1).bit_length()
-                for x_hat, scale_stride in ((True, 1), (False, 1), (False, 0)):
-                    specs.append(Spec("_tangent_kernel", f"d={width}", dtype, arch,
-                                      dict(WRITE_X_HAT=x_hat, BLOCK_D=block),
-                                      4 if width <= 1024 else 8, 3, ("x_ptr", "x_hat_ptr"),
-                                      out_ptrs=("out_ptr",),
-                                      args={"D": width, "scale_stride": scale_stride}))
-    if not full:
+        # the bounded design's rows: loss, 1/Z and the positive's coefficient from the partials
+        finish = {k: v for k, v in kc.FINISH_BLOCK.items() if k != "num_warps"}
+        if dtype != "float16":
+            for positives in (True, False):
+                specs.append(Spec("_row_finish_kernel", f"positives={int(positives)}", dtype,
+                                  arch, dict(POSITIVES=positives, **finish),
+                                  kc.FINISH_BLOCK.get("num_warps", 4), 3))
+        # the chain rule through the normalization, at the widths of common encoders (dq
+        # writes x̂ for the second GEMM when dk is wanted; a weight a row for dq, one scalar
+        # for dk, a weight a row for dk in fp16; the bounded design's dq, with and without dk)
+        bounded = ((True, 1, True), (False, 1, True)) if dtype != "float16" else ()
+        for width in (384, 768, 1536, 4096):
+            block = 1 << (width - 1).bit_length()
+            for x_hat, scale_stride, bound in ((True, 1, False), (False, 1, False),
+                                               (False, 0, False)) + bounded:
+                specs.append(Spec("_tangent_kernel", f"d={width}", dtype, arch,
+                                  dict(WRITE_X_HAT=x_hat, BOUNDED=bound, BLOCK_D=block),
+                                  4 if width <= 1024 else 8, 3, ("x_ptr", "x_hat_ptr", "k_ptr"),
+                                  out_ptrs=("out_ptr",) + (() if bound else ("dk_ptr",)),
+                                  args={"D": width, "scale_stride": scale_stride}))
+    aligned = specs if "aligned" in launches else []
+    if "unaligned" in launches and not (full or rest):
         # the subset again for odd sizes and unaligned views: they must compile too (the
-        # descriptor designs take only aligned buffers: odd sizes; what only an earlier
-        # design launches is left to the aligned check)
-        # (the chain rule at one width: the unaligned launch's own)
-        specs += [replace(s, launch="odd" if s.constexprs.get("DESC") else "unaligned",
-                          args={k: v for k, v in s.args.items() if k != "D"})
-                  for s in specs if not s.legacy and s.args.get("D", 768) == 768]
-    return specs
+        # descriptor design takes only aligned buffers: odd sizes; the chain rule at the
+        # unaligned launch's own width)
+        aligned = aligned + [
+            replace(s, launch="odd" if s.constexprs.get("DESC") else "unaligned",
+                    args={k: v for k, v in s.args.items() if k != "D"})
+            for s in specs if s.args.get("D", 768) == 768]
+    return aligned
 
 
 #: Integer arguments that take the value of another one in every launch.
 SAME_AS = {"stride_q": "D", "stride_k": "D", "stride_u": "D", "stride_x": "D", "stride_out": "D",
-           "stride_x_hat": "D", "stride_cq": "DC", "stride_ck": "DC", "stride_t": "M",
+           "stride_x_hat": "D", "stride_dk": "D", "stride_cq": "DC", "stride_ck": "DC", "stride_t": "M",
            "stride_g": "M", "stride_s": "M", "stride_part": "T"}
+
+
+# --- What differs between the Tritons fastcl supports (3.1 … the newest) --------------------
+# Every version difference the check meets is handled here, next to the functions that need it:
+# how a launch marks an argument (``_launch_specialization``), how ``ASTSource`` takes the
+# signature, the constants and the marks (``_ast_source``), and how ptxas's report is read
+# (``_ptxas_log``).
+
+
+def _specialize_impl():
+    """Triton's own launch-time function for one argument, as ``value -> (type, key)``, where
+    the installed Triton exposes one: ``native_specialize_impl`` (3.6+), the Python
+    ``specialize_impl`` (3.3–3.5), ``mangle_type`` with ``compute_spec_key`` (3.1, 3.2: key
+    ``"D"``, ``"1"`` or ``"N"``); None where none is found."""
+    import triton.runtime.jit as jit
+    from triton.backends.compiler import BaseBackend
+
+    if hasattr(jit, "native_specialize_impl"):                       # 3.6+
+        return lambda v: jit.native_specialize_impl(BaseBackend, v, False, True, True)[:2]
+    make = getattr(jit, "create_specialize_impl", None)
+    if make is not None:
+        extra = BaseBackend.get_arg_specialization
+        import inspect
+        if inspect.signature(make).parameters:                        # 3.4, 3.5
+            impl = make(extra)
+            return lambda v: impl(v, False, True, True)[:2]
+        impl = make()                                                 # 3.3
+        return lambda v: impl(v, extra, False, True, True)[:2]
+    if hasattr(jit, "mangle_type"):
+        if hasattr(BaseBackend, "compute_spec_key"):                  # 3.2: the backend's
+            from triton.backends.compiler import AttrsDescriptor
+            key = lambda v: AttrsDescriptor.get_property_key(v, True)  # noqa: E731
+        else:                                                         # 3.1
+            key = getattr(jit, "compute_spec_key", None)
+        if key is not None:
+            return lambda v: (jit.mangle_type(v), key(v))
+    return None
 
 
 def _launch_specialization(value):
     """What a launch makes of one argument: ``(type, "D" | "")`` or ``("constexpr", 1)``;
-    Triton's own function where it is exposed, else its rule written out."""
-    try:
-        from triton.runtime.jit import native_specialize_impl
-        from triton.backends.compiler import BaseBackend
-    except ImportError:
-        native_specialize_impl = None
-    if native_specialize_impl is not None:
-        kind, mark = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
-        return kind, mark or ""
+    Triton's own function where it is exposed, else its rule written out. (Triton 3.1 and 3.2
+    key an integer equal to 1 ``"1"`` and make it a constant in the launch: the same thing.)"""
+    impl = _specialize_impl()
+    if impl is not None:
+        kind, mark = impl(value)
+        if mark == "1" and kind in ("i32", "i64"):      # 3.1, 3.2: equal to 1
+            return "constexpr", 1
+        if kind == "constexpr":
+            return kind, mark
+        return kind, "D" if mark == "D" else ""
     if isinstance(value, int):
         return ("constexpr", 1) if value == 1 else ("i32", "D" if value % 16 == 0 else "")
     return "*", "D" if value.data_ptr() % 16 == 0 else ""
+
+
+def _parse_attr(mark: str) -> list:
+    """The attribute a mark gives (``[["tt.divisibility", 16]]`` for ``"D"``): the backend's
+    ``parse_attr`` (3.3+), the same rule before it."""
+    from triton.backends.compiler import BaseBackend
+
+    if hasattr(BaseBackend, "parse_attr"):
+        return BaseBackend.parse_attr(mark)
+    return [["tt.divisibility", 16]] if "D" in mark else []
+
+
+def _ast_source(fn, sig: dict, constexprs: dict, attrs: dict):
+    """``ASTSource`` of what ``_specialize`` gives (the 3.3+ form: every argument in ``sig``,
+    ``"constexpr"`` for the constexprs and the integers equal to 1; the marks keyed by
+    ``(index,)``), in the form the installed Triton takes, as its launcher builds it. Before
+    3.3 (``AttrsDescriptor``): the signature holds the runtime arguments alone, by name, an
+    integer equal to 1 among them as ``i32`` and in the constants too; the marks are sets of
+    indices, ``equal_to_1`` among them."""
+    from triton.compiler import ASTSource
+
+    try:
+        from triton.backends.compiler import AttrsDescriptor          # 3.2
+    except ImportError:
+        try:
+            from triton.compiler.compiler import AttrsDescriptor      # 3.1
+        except ImportError:
+            AttrsDescriptor = None                                    # 3.3+
+    if AttrsDescriptor is None:
+        return ASTSource(fn, sig, constexprs, attrs)
+    ones = [i for i, name in enumerate(fn.arg_names)
+            if sig[name] == "constexpr" and i not in fn.constexprs]
+    signature = {name: "i32" if i in ones else kind for i, (name, kind) in enumerate(sig.items())
+                 if kind != "constexpr" or i in ones}
+    divisible = sorted(i for (i,), value in attrs.items() if ["tt.divisibility", 16] in value)
+    if hasattr(AttrsDescriptor, "from_hints"):                        # 3.2
+        hints = {i: 16 for i in divisible} | {i: 1 for i in ones}
+        descriptor = AttrsDescriptor.from_hints(hints)
+    else:                                                             # 3.1
+        descriptor = AttrsDescriptor(divisible_by_16=set(divisible), equal_to_1=set(ones))
+    return ASTSource(fn, signature, dict(constexprs), descriptor)
+
+
+def first_configs(specs: list[Spec]) -> list[Spec]:
+    """``specs`` with one config of each similarity list: the first (the largest tile, the
+    likeliest to spill), for every kernel, flag set, mode, design and launch; the other
+    kernels whole. What ``.ci/triton_range.sh`` compiles on the older Tritons: every kernel's
+    source through each one's code generator, in a few minutes (the full subset and matrix
+    run on the newest)."""
+    seen, kept = set(), []
+    for s in specs:
+        tile = {k: v for k, v in s.constexprs.items() if k not in ("BLOCK_R", "BLOCK_D")}
+        key = (s.kernel, s.variant, s.dtype, s.arch, s.launch, tuple(sorted(tile.items())),
+               tuple(sorted(s.args.items())))
+        if s.kernel != "_similarity_kernel" or key not in seen:
+            seen.add(key)
+            kept.append(s)
+    return kept
 
 
 def _int_args(spec: Spec) -> dict:
@@ -310,7 +388,6 @@ def _specialize(fn, spec: Spec):
     arguments builds them: pointer dtypes from the spec, the divisibility marks and the
     integers equal to 1 from what the launch would pass."""
     import torch
-    from triton.backends.compiler import BaseBackend
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     aligned = LAUNCHES[spec.launch]["aligned"]
@@ -337,7 +414,7 @@ def _specialize(fn, spec: Spec):
                 continue
             sig[name] = "i32"
         if mark:
-            attrs[(i,)] = BaseBackend.parse_attr(mark)
+            attrs[(i,)] = _parse_attr(mark)
     return sig, constexprs, attrs
 
 
@@ -349,6 +426,38 @@ _PTXAS = {
 }
 
 
+def _ptxas_log(kernel, arch: int, printed: str) -> str:
+    """ptxas's ``-v`` report of ``kernel``: what the compile printed where the installed Triton
+    prints it (``TRITON_DUMP_PTXAS_LOG``, 3.5+), else the wheel's own ptxas run again with
+    ``-v`` on the kernel's PTX, with the flags Triton gives it (line info, the target's
+    ``sm_90a`` name; fused multiply-adds on, the default)."""
+    import subprocess
+
+    if _PTXAS["registers"].search(printed):
+        return printed
+    import triton
+    from triton.backends.nvidia import compiler as nv
+
+    if hasattr(nv, "get_ptxas"):
+        import inspect
+        tool = nv.get_ptxas(arch) if inspect.signature(nv.get_ptxas).parameters else nv.get_ptxas()
+        ptxas = tool.path if hasattr(tool, "path") else tool[0]          # 3.4+ | 3.3
+    elif hasattr(nv, "_path_to_binary"):                                  # 3.1, 3.2
+        ptxas = nv._path_to_binary("ptxas")[0]
+    else:
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    name = (nv.sm_arch_from_capability(arch) if hasattr(nv, "sm_arch_from_capability")
+            else f"sm_{arch}{'a' if arch == 90 else ''}")
+    with tempfile.TemporaryDirectory(prefix="fastcl-ptxas-") as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        proc = subprocess.run([ptxas, "-lineinfo", "-v", f"--gpu-name={name}", ptx,
+                               "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, check=True)
+    return printed + proc.stdout + proc.stderr
+
+
 _WIDE_ADDPTR = re.compile(r"tt\.addptr %(\w+_ptr), %[\w.#]+ : !tt\.ptr<\w+>, i64")
 #: a tensor descriptor's shape and strides are int64 by the op's definition (FASTCL_SIM=descriptor);
 #: where the target has no TMA (sm_80) Triton rewrites it into int64 offset tensors on a pointer
@@ -358,11 +467,21 @@ _WIDE_TENSOR = re.compile(r"tt\.addptr %([\w.#]+), %[\w.#]+ : tensor<[\dx]+x!tt\
 _WIDE_DESCRIPTOR = re.compile(r"tt\.make_tensor_descriptor %(\w+_ptr), \[[^\]]*\], \[%[\w.#]+, %c1_i64\]")
 
 
+def _named_ttir(ttir: str, names: list) -> str:
+    """The TTIR with the kernel's arguments under their own names: Triton before 3.5 prints
+    them ``%arg0``, ``%arg1`` … (in the order of the runtime arguments; the block arguments
+    of the loops inside take the numbers after them)."""
+    if re.search(r"tt\.func public @\w+\(%arg0\b", ttir) is None:
+        return ttir
+    return re.sub(r"%arg(\d+)\b",
+                  lambda m: f"%{names[int(m.group(1))]}" if int(m.group(1)) < len(names)
+                  else m.group(0), ttir)
+
+
 def compile_one(spec: Spec) -> Result:
     """Compile one specialization and read ptxas's resource report."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from . import contrastive as kc
 
@@ -370,11 +489,13 @@ def compile_one(spec: Spec) -> Result:
     start = time.perf_counter()
     out = io.StringIO()
     try:
-        src = ASTSource(fn, *_specialize(fn, spec))
+        sig, constexprs, attrs = _specialize(fn, spec)
+        src = _ast_source(fn, sig, constexprs, attrs)
         with contextlib.redirect_stdout(out):
             kernel = triton.compile(src, target=GPUTarget("cuda", spec.arch, 32),
                                     options={"num_warps": spec.num_warps,
                                              "num_stages": spec.num_stages})
+        log = _ptxas_log(kernel, spec.arch, out.getvalue())
     except Exception as exc:       # a compile error is the result, not a crash of the check
         lines = [line for line in str(exc).splitlines() if line.strip()]
         cause = exc.__cause__
@@ -383,13 +504,12 @@ def compile_one(spec: Spec) -> Result:
             cause = cause.__cause__
         return Result(spec, False, error="\n".join(lines[-6:])[:1500],
                       seconds=time.perf_counter() - start)
-    log = out.getvalue()
     values = {k: int(m.group(1)) if (m := rx.search(log)) else None for k, rx in _PTXAS.items()}
     shared = getattr(kernel.metadata, "shared", None)
     ptx = kernel.asm.get("ptx", "")
     copies = ptx.count("cp.async.cg") + ptx.count("cp.async.ca") + ptx.count("cp.async.bulk")
     # which buffers are addressed with an int64 offset (R·M or M·d can pass 2³¹)
-    ttir = kernel.asm.get("ttir", "")
+    ttir = _named_ttir(kernel.asm.get("ttir", ""), [n for n, t in sig.items() if t != "constexpr"])
     wide = set(_WIDE_ADDPTR.findall(ttir)) | set(_WIDE_DESCRIPTOR.findall(ttir))
     splats = {}                    # SSA names repeat across regions: the latest one, in order
     for line in ttir.splitlines():
@@ -408,8 +528,10 @@ def _compile_many(specs: list[Spec]) -> list[Result]:
 
 def _prepare_environment(cache_dir: str) -> None:
     os.environ["TRITON_CACHE_DIR"] = cache_dir
-    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"           # ptxas's -v report on stdout
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the runtime default, said aloud
+    # ptxas's -v report on stdout (Triton 3.5+; before it, _ptxas_log runs ptxas again)
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    # the runtime default, said aloud (_ptxas_log's own ptxas run keeps it: no --fmad=false)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     os.environ.pop("TRITON_INTERPRET", None)
 
 
@@ -436,7 +558,6 @@ def report(results: list[Result]) -> str:
              f"{'async':>5}  result"]
     for r in results:
         status = ("ERROR" if not r.ok else "SPILLS" if r.failed else
-                  "ok (legacy spills)" if r.spills and r.spec.legacy else
                   "ok (spills reported)" if r.spills else "ok")
         lines.append(f"{r.spec.name:<100} {r.registers if r.registers is not None else '-':>5} "
                      f"{r.spills:>6} {r.stack_frame if r.stack_frame is not None else '-':>6} "
@@ -452,13 +573,18 @@ def report(results: list[Result]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--full", action="store_true", help="every dtype on every arch, legacy configs too")
+    p.add_argument("--full", action="store_true", help="every dtype on every arch")
     p.add_argument("--rest", action="store_true", help="the full matrix less the default subset")
     p.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), help="compute capabilities")
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None)
     p.add_argument("--kernel", default=None, help="only this kernel (e.g. _row_kernel)")
+    p.add_argument("--first-config", action="store_true",
+                   help="only the first config of each similarity list (the range check "
+                        "on older Tritons, .ci/triton_range.sh)")
+    p.add_argument("--aligned-only", action="store_true",
+                   help="only the aligned large-batch launch (not the unaligned one)")
     p.add_argument("--sim-candidates", nargs="?", const="all",
-                   choices=["all", "default", "descriptor", "persistent"],
+                   choices=["all", "default", "descriptor"],
                    help="only every config the similarity kernel's lists are chosen from "
                         "(SIM_CANDIDATES, DESC_CANDIDATES), spills reported, not failed")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
@@ -468,9 +594,12 @@ def main(argv=None) -> int:
     specs = (candidates(tuple(args.arch), args.dtype,
                         None if args.sim_candidates == "all" else args.sim_candidates)
              if args.sim_candidates else
-             specializations(args.full, tuple(args.arch), args.dtype, args.rest))
+             specializations(args.full, tuple(args.arch), args.dtype, args.rest,
+                             ("aligned",) if args.aligned_only else ("aligned", "unaligned")))
     if args.kernel:
         specs = [s for s in specs if s.kernel == args.kernel]
+    if args.first_config:
+        specs = first_configs(specs)
     results = run(specs, args.jobs)
     print(report(results))
     if args.json:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -533,7 +534,9 @@ def _tangent_kernel(u_ptr, x_ptr, inv_x_ptr, scale_ptr, out_ptr, x_hat_ptr,
 @functools.cache
 def _clamped_inverse(dtype: torch.dtype) -> float:
     """1/EPS rounded in ``dtype``: the inverse norm of a clamped row, as the driver has it."""
-    return (1.0 / torch.tensor(EPS, dtype=dtype)).item()
+    # numpy's scalars round as the device does, without a tensor read back to the host
+    kind = {torch.float32: np.float32, torch.float64: np.float64}[dtype]
+    return float(kind(1.0) / kind(EPS))
 
 
 def triton_tangent(u, x, inv_x, scale, out, x_hat=None, bounded=None):
@@ -594,6 +597,12 @@ SIM_CONFIGS_BY_VARIANT = {
     # and, with the mask, 316 B (48 B in the two-pass mode)
     (90, "16bit", "focal-hard"): [(128, 32, 8, 4), (64, 64, 8, 3)],
     (90, "16bit", "focal-hard-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    # fp32 on sm_90 (exact products, no tensor cores): focal 32×128×32 spills 40 B in the
+    # two-pass mode, focal-hard 64×128×32 24 B in the bounded one, focal-hard-mask 64×128×16
+    # 48–232 B in both
+    (90, "fp32", "focal"): [(64, 32, 8, 3)],
+    (90, "fp32", "focal-hard"): [(32, 32, 8, 3)],
+    (90, "fp32", "focal-hard-mask"): [(32, 16, 8, 3)],
 }
 
 #: What the compile check tries for the default design's lists, (BLOCK_R, BLOCK_D, num_warps,
@@ -635,10 +644,12 @@ DESC_SIM_CONFIGS = {
     (80, "fp32", True): [(32, 16, 8, 3, 8)],
 }
 #: Where one flag set needs its own descriptor list: focal's bounded tile spills 32 B at
-#: 128×128×64 on sm_90 (focal, focal-hard).
+#: 128×128×64 on sm_90 (focal, focal-hard), and so on as noted.
 DESC_SIM_CONFIGS_BY_VARIANT = {
     (90, "16bit", "focal"): [(64, 64, 8, 3, 8)],
     (90, "16bit", "focal-hard"): [(64, 64, 8, 3, 8)],
+    # fp32 DCLR mask: 32×128×16 spills 16 B in the two-pass mode
+    (90, "fp32", "dclr-mask"): [(32, 32, 8, 3, 8)],
 }
 
 SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)

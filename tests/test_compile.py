@@ -79,6 +79,12 @@ def test_every_variant_and_kernel_is_covered(subset):
             assert (kernel, variant, "float32", 80) in seen
     for width in (384, 768, 1536, 4096):
         assert ("_tangent_kernel", f"d={width}", "bfloat16", 90) in seen
+    for positives in (0, 1):
+        assert ("_row_finish_kernel", f"positives={positives}", "bfloat16", 90) in seen
+    # the bounded design beside the two-pass one, for every flag set but the released DCLR
+    bounded = {r["spec"]["variant"] for r in results
+               if r["spec"]["kernel"] == "_similarity_kernel" and r["spec"]["constexprs"]["BOUNDED"]}
+    assert bounded == {v for v, f in VARIANTS.items() if not f["RELEASED"]}
     # every kernel and flag set again as an unaligned launch builds it
     unaligned = {(r["spec"]["kernel"], r["spec"]["variant"]) for r in results
                  if r["spec"]["launch"] == "unaligned"}
@@ -132,7 +138,7 @@ fn = kc._similarity_kernel
 for launch in ("aligned", "unaligned"):
     sig, constexprs, attrs = cc._specialize(fn, replace(spec, launch=launch))
     out[launch] = {"sig": sig, "marked": {fn.arg_names[k[0]]: v for k, v in attrs.items()}}
-tangent = cc.Spec("_tangent_kernel", "d=768", "bfloat16", 90, dict(WRITE_X_HAT=False, BLOCK_D=1024),
+tangent = cc.Spec("_tangent_kernel", "d=768", "bfloat16", 90, dict(WRITE_X_HAT=False, BOUNDED=False, BLOCK_D=1024),
                   4, 3, ("x_ptr", "x_hat_ptr"), out_ptrs=("out_ptr",),
                   args={"D": 768, "scale_stride": 1})
 for stride in (1, 0):
@@ -170,7 +176,7 @@ from fastcl.kernels import compile_check as cc
 from fastcl.kernels import contrastive as kc
 
 cc._prepare_environment(tempfile.mkdtemp(prefix="fastcl-marks-"))
-spec = cc.Spec("_tangent_kernel", "d=768", "bfloat16", 90, dict(WRITE_X_HAT=True, BLOCK_D=1024),
+spec = cc.Spec("_tangent_kernel", "d=768", "bfloat16", 90, dict(WRITE_X_HAT=True, BOUNDED=False, BLOCK_D=1024),
                4, 3, ("x_ptr", "x_hat_ptr"), out_ptrs=("out_ptr",), args={"D": 768, "scale_stride": 1})
 out = {"version": triton.__version__}
 for launch in ("aligned", "unaligned"):
@@ -279,8 +285,12 @@ def test_large_buffers_are_addressed_in_int64(subset):
         elif kernel == "_row_kernel":          # without a gradient only the BCE reads the row
             need = ({"t_ptr", "g_ptr"} if c["WANT_GRAD"] else
                     {"t_ptr"} if c["RELEASED"] else set())
+        elif kernel == "_row_finish_kernel":   # R×T partials: far below 2³¹
+            need = set()
         else:
             need = {"u_ptr", "x_ptr", "out_ptr"} | ({"x_hat_ptr"} if c["WRITE_X_HAT"] else set())
+            if c["BOUNDED"]:                   # the positive's key row and its dk row
+                need |= {"k_ptr"} | ({"dk_ptr"} if c["WRITE_X_HAT"] else set())
         assert need <= set(r["wide_pointers"]), (r["name"], r["wide_pointers"])
 
 

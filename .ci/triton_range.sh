@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The compile check on the Tritons users get besides the newest (issue 25, "Every Triton users
+# have"): the floor of pyproject.toml's range (`triton>=X.Y`, torch 2.5 gives 3.1) and 3.6
+# (torch 2.10/2.11, the H200 machine's). Run inside an activated venv with fastcl installed
+# (.ci/run's): each Triton goes alone (`--no-deps`: the venv's CPU torch serves) into a
+# temporary folder that shadows the venv's Triton on PYTHONPATH. On each:
+#   - the compile check, aligned launch, first config of each similarity list
+#     (`--aligned-only --first-config`): every kernel, flag set, mode and design through that
+#     Triton's code generator and ptxas, bf16 sm_90 and fp32 sm_80 (the default SUBSET);
+#     left to the full run on the newest Triton: the other configs of each list, the
+#     unaligned and odd launches, the other dtypes;
+#   - the two tests of the compile check's adaptation to that Triton (the launch marks, and
+#     that they reach the compiled kernel);
+# and on the floor the interpreter tests (tests/test_triton.py, TRITON_INTERPRET=1), with
+# the NumPy that Triton's interpreter works with (3.1: NumPy 1; up to 3.6: NumPy < 2.4).
+# Fails on any failure. FASTCL_TRITON_FLOOR / FASTCL_TRITON_MID override the versions.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+declared=$(python - <<'EOF'
+import re
+print(re.search(r'"triton>=([0-9.]+)"', open("pyproject.toml").read()).group(1))
+EOF
+)
+floor="${FASTCL_TRITON_FLOOR:-$declared}"
+mid="${FASTCL_TRITON_MID:-3.6.0}"
+jobs="${FASTCL_CI_JOBS:-$(nproc)}"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+
+# `3.1` → the newest 3.1.x; a full version as it is
+spec() { if [[ "$1" =~ ^[0-9]+\.[0-9]+$ ]]; then echo "triton==$1.*"; else echo "triton==$1"; fi; }
+
+# the NumPy a Triton's interpreter works with ("" = the venv's): 3.1's stores nothing with
+# NumPy 2 (wrong numbers, no error); up to 3.6 a grid function fails with NumPy 2.4
+interpreter_numpy() {
+    case "$1" in
+        3.1|3.1.*) echo "numpy<2" ;;
+        3.2|3.2.*|3.3|3.3.*|3.4|3.4.*|3.5|3.5.*|3.6|3.6.*) echo "numpy<2.4" ;;
+        *) echo "" ;;
+    esac
+}
+
+step() { echo "== $1 ($(( SECONDS - t0 )) s so far)"; }
+t0=$SECONDS
+
+for version in "$floor" "$mid"; do
+    dir="$tmp/triton-$version"
+    step "Triton $(spec "$version"): install into $dir"
+    python -m pip install --quiet --no-deps --target "$dir" "$(spec "$version")"
+    path="$dir${PYTHONPATH:+:$PYTHONPATH}"
+    PYTHONPATH="$path" python - "$dir" <<'EOF'
+import os, sys
+import triton
+assert os.path.realpath(triton.__file__).startswith(os.path.realpath(sys.argv[1])), triton.__file__
+print(f"Triton {triton.__version__} from {os.path.dirname(triton.__file__)}")
+EOF
+    step "Triton $version: compile check (aligned launch, first config of each list)"
+    log="$tmp/compile-$version.txt"
+    if ! PYTHONPATH="$path" python -m fastcl.kernels.compile_check --aligned-only --first-config \
+            --jobs "$jobs" > "$log" 2>&1; then
+        grep -E -A6 "ERROR|SPILLS|Traceback" "$log" || tail -n 40 "$log"
+        tail -n 1 "$log"
+        exit 1
+    fi
+    tail -n 1 "$log"
+    step "Triton $version: the compile check's adaptation"
+    PYTHONPATH="$path" python -m pytest -q -p no:cacheprovider tests/test_compile.py \
+        -k "launch_specialization_is_tritons or marks_reach_the_compiler"
+    if [[ "$version" == "$floor" ]]; then
+        numpy="$(interpreter_numpy "$version")"
+        ipath="$path"
+        if [[ -n "$numpy" ]]; then
+            python -m pip install --quiet --no-deps --target "$tmp/numpy" "$numpy"
+            ipath="$dir:$tmp/numpy${PYTHONPATH:+:$PYTHONPATH}"
+        fi
+        step "Triton $version: interpreter tests (tests/test_triton.py${numpy:+, $numpy})"
+        PYTHONPATH="$ipath" TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider \
+            tests/test_triton.py
+    fi
+done
+step "done"

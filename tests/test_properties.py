@@ -1,0 +1,346 @@
+"""Property-based tests (hypothesis): every backend against the float64 reference, or a clear error.
+
+Drawn: shapes (N from 1, candidates M = N + K + K_z, widths d that are mostly not powers of
+two, d = 1 included), dtypes (float32, float64, bfloat16), scales 1e-20 … 1e20 (rows of
+norm below EPS = 1e-12 are "zero" by definition, x̂ = x/EPS, on every path alike; rows too
+large to square are rescaled), temperatures (a share of them below the float32 bound, which
+must be refused), anisotropy (a shared direction plus small noise, mean cosine ≈ 0.9–0.99 as
+pre-trained BERT embeddings), duplicated rows and positives equal to their anchors, row
+lengths that vary over a decade, and every feature of ``fastcl.contrastive`` (focal_m,
+hard_negative_weight, a queue of negatives, complementary + phi, noise with noise_steps,
+symmetric, formulation). The tiled backend takes every draw; Triton (in its interpreter on
+a CPU-only machine) takes small shapes only.
+
+Tolerances, against the float64 reference on the same (rounded) inputs:
+
+* loss: ``|L − L₆₄| ≤ tol · (1 + (1 + |m|)/τ + |w|)``, the size of the logits that the
+  log-sum-exp rounds;
+* each gradient entry: ``|G − G₆₄| ≤ tol · (|G₆₄| + S_row)`` with ``S_row = (2 + |m| + v)/(τ ·
+  max(‖x_row‖, EPS))``, the bound on that row's gradient (``v``: the released BCE's largest
+  ``p/(1 − p)`` over the negatives, 0 for the paper's loss);
+* ``tol``: float64 1e-9; float32 5e-5 (tiled) and 2e-4 (Triton, as tests/test_triton.py);
+  bfloat16 2e-2 (as tests/test_contrastive.py: the noise is rounded to bf16 every step, the
+  gradient to bf16 at the end).
+
+Where the float64 answer itself is not a float32 number, the draw is skipped (``assume``):
+a mask threshold within 1e-3 of a complementary cosine (the 0/1 decision flips with the
+rounding), and, for ``formulation="released"``, a negative whose softmax entry is within
+1e-4 of 1 (torch's BCE clamps log(1 − p) at −100 where float32 rounds 1 − p to 0). The
+released noise update sends a row with g = 0 to 0, so its draws keep τ ≥ 0.05 (no softmax
+entry underflows to an exact 0 in float32) and, at d = 1 with two or more steps, τ ≥ 0.5 (at
+z = 0 the gradient is a cancellation of e^{−1/τ} terms whose sign float32 must resolve) and
+an odd N (with N even the sum can cancel exactly, and rounding alone picks the step).
+Noise that takes steps does so at τ_u = τ ≥ 0.025, with rows at least as long as N(0, 1)
+draws: a row whose gradient underflows float32 (every softmax entry of its column in L_U
+below 1e-45, a cosine gap ≥ 103·τ_u, possible from τ_u ≈ 0.02 down) stays put where float64
+moves it by lr. That matters where lr is not small next to ‖z‖, or where the row, negligible
+in L_U, dominates the loss: focal's logits s(s + m)/τ are largest at s = −1.
+
+Profiles: ``ci`` (the default: bounded, derandomized, ≤ 90 s on a 2-core CPU) and ``long``
+(≥ 20,000 examples over the file). Select one with ``pytest --hypothesis-profile long`` —
+hypothesis's plugin looks the name up before test modules are imported, so this file must
+then also be loaded as a plugin: ``pytest -p tests.test_properties tests/test_properties.py
+--hypothesis-profile long`` — or with ``FASTCL_HYPOTHESIS_PROFILE=long``.
+"""
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import fastcl
+from fastcl import reference
+from fastcl.common import EPS
+
+# ------------------------------------------------------------------ profiles
+
+_COMMON = dict(deadline=None, database=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                      HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=500, derandomize=True, **_COMMON)  # ≈ 45 s
+settings.register_profile("long", max_examples=8000, **_COMMON)      # 21,280 over the file
+if settings.get_current_profile_name() == "default":
+    settings.load_profile(os.environ.get("FASTCL_HYPOTHESIS_PROFILE", "ci"))
+
+
+def _examples(share: float) -> settings:
+    """This test's share of the profile's examples (the Triton interpreter is slow)."""
+    return settings(max_examples=max(4, int(settings.default.max_examples * share)))
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+
+TOL = {("tiled", torch.float64): 1e-9, ("tiled", torch.float32): 5e-5,
+       ("tiled", torch.bfloat16): 2e-2, ("triton", torch.float32): 2e-4,
+       ("triton", torch.bfloat16): 2e-2, ("reference", torch.float32): 5e-5,
+       ("reference", torch.bfloat16): 2e-2, ("reference", torch.float64): 1e-9}
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+WIDTHS = (1, 2, 3, 5, 7, 12, 24, 31, 33, 50, 64, 70)
+F32_BOUND = 2.0 / math.sqrt(torch.finfo(torch.float32).max)   # fastcl._validation.temperature
+
+
+# ------------------------------------------------------------------ draws
+
+@st.composite
+def embeddings(draw, *, max_n, widths, dtypes):
+    """(anchors, positives, seed-derived generator) in float64 before rounding to dtype."""
+    n = draw(st.integers(1, max_n))
+    d = draw(st.sampled_from(widths))
+    dtype = draw(st.sampled_from(dtypes))
+    scale = 10.0 ** draw(st.integers(-20, 20))
+    shared = draw(st.sampled_from([0.0, 3.0, 10.0]))      # mean cosine ≈ 0, 0.9, 0.99
+    pos_noise = draw(st.sampled_from([0.05, 0.5, 2.0]))
+    spread = draw(st.booleans())                           # row lengths over a decade
+    dup = draw(st.booleans())
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**20)))
+    direction = torch.randn(1, d, generator=g, dtype=torch.float64)
+    a = shared * direction + torch.randn(n, d, generator=g, dtype=torch.float64)
+    p = a + pos_noise * torch.randn(n, d, generator=g, dtype=torch.float64)
+    if spread:
+        a = a * 10.0 ** torch.rand(n, 1, generator=g, dtype=torch.float64)
+        p = p * 10.0 ** torch.rand(n, 1, generator=g, dtype=torch.float64)
+    if dup and n > 1:
+        a[-1] = a[0]                                       # a duplicated anchor
+        p[n // 2] = a[n // 2]                              # a positive equal to its anchor
+    return dict(a=a * scale, p=p * scale, dtype=dtype, g=g, shared=shared, scale=scale)
+
+
+@st.composite
+def problems(draw, *, max_n=20, widths=WIDTHS, dtypes=DTYPES, max_k=12):
+    """A batch and a feature combination of fastcl.contrastive."""
+    b = draw(embeddings(max_n=max_n, widths=widths, dtypes=dtypes))
+    n, d, g = b["a"].shape[0], b["a"].shape[1], b["g"]
+    released = draw(st.booleans())
+    kw = {"formulation": "released" if released else "paper"}
+    negatives = None
+    if not released:
+        if draw(st.booleans()):
+            kw["focal_m"] = draw(st.sampled_from([0.0, 0.3, -0.4, 1.0]))
+        k = draw(st.sampled_from(["none", "queue", "hard"]))
+        if k == "hard":
+            negatives = b["a"][torch.randperm(n, generator=g)] + torch.randn(n, d, generator=g,
+                                                                          dtype=torch.float64) * b["scale"]
+            kw["hard_negative_weight"] = draw(st.sampled_from([0.0, 0.8, -1.5]))
+        elif k == "queue":
+            rows = draw(st.integers(0, max_k))
+            negatives = torch.randn(rows, d, generator=g, dtype=torch.float64) * b["scale"]
+        kw["symmetric"] = draw(st.booleans())
+    comp = None
+    if draw(st.booleans()):
+        # a frozen model's view in clusters: cosines ≈ 1 within one, ≈ 0 across
+        clusters = draw(st.integers(1, 4))
+        c = torch.nn.functional.one_hot(torch.arange(n) % clusters, 4).double()
+        c = c + 0.02 * torch.randn(n, 4, generator=g, dtype=torch.float64)
+        c_pos = c + 0.02 * torch.randn(n, 4, generator=g, dtype=torch.float64)
+        comp = (c, c_pos)
+        kw["phi"] = draw(st.sampled_from([-0.5, 0.2, 0.5, 0.8]))
+    noise = None
+    if draw(st.booleans()):
+        rows = draw(st.integers(0, max_k))
+        kw["noise_steps"] = draw(st.integers(0, 3))
+        # noise rows no longer than a step (lr = 1e-3) only as given, without steps
+        noise_scale = 10.0 ** draw(st.sampled_from([0, 0, 3, 20] + ([-3] if not kw["noise_steps"] else [])))
+        noise = torch.randn(rows, d, generator=g, dtype=torch.float64) * noise_scale
+    kind = draw(st.integers(0, 9))
+    if kind == 0:                                   # below the float32 bound: refused
+        tau = 10.0 ** draw(st.floats(-45.0, math.log10(F32_BOUND) - 0.01))
+    elif kind == 1:
+        tau = draw(st.sampled_from([1e-10, 1e-18, 0.05]))
+    else:
+        tau = 10.0 ** draw(st.floats(-3.0, 1.0))
+    if kw.get("noise_steps") and tau >= F32_BOUND:
+        tau = max(tau, 0.025)
+    if released:
+        tau = max(tau, 0.05) if tau >= F32_BOUND else tau
+        if d == 1 and kw.get("noise_steps", 0) >= 2 and tau >= F32_BOUND:
+            tau = max(tau, 0.5)
+    kw["temperature"] = tau
+    return dict(b, negatives=negatives, comp=comp, noise=noise, kw=kw)
+
+
+# ------------------------------------------------------------------ checks
+
+def _inputs(prob, dtype, device="cpu"):
+    """The problem's tensors in ``dtype`` (embeddings) / the matching noise and
+    complementary dtypes, as leaves that take a gradient."""
+    to = lambda t: t.to(dtype).to(device).requires_grad_()
+    a, p = to(prob["a"]), to(prob["p"])
+    neg = None if prob["negatives"] is None else to(prob["negatives"])
+    side = torch.float64 if dtype == torch.float64 else torch.float32
+    comp = None if prob["comp"] is None else tuple(c.to(side).to(device) for c in prob["comp"])
+    noise = None if prob["noise"] is None else prob["noise"].to(side).to(device)
+    return a, p, neg, comp, noise
+
+
+def _call(a, p, neg, comp, noise, kw, backend):
+    return fastcl.contrastive(a, p, neg, complementary=comp, noise=noise, backend=backend, **kw)
+
+
+def _released_odds(prob, a, p, comp, noise, kw):
+    """The largest p/(1 − p) over the negatives of the released loss, in float64."""
+    h, hp = a.detach().double(), p.detach().double()
+    blocks = [hp]
+    if noise is not None:
+        blocks.append(reference.dclr_noise(h, hp, None, steps=kw.get("noise_steps", 4),
+                                           temperature=kw["temperature"],
+                                           noise=noise.double(), formulation="released"))
+    cand = torch.cat(blocks)
+    logits = reference.cosine_matrix(h, cand) / kw["temperature"]
+    if comp is not None:
+        keep = reference.dclr_weights(comp[0].double(), comp[1].double(), cand.shape[0] - hp.shape[0],
+                                      phi=kw["phi"], temperature=kw["temperature"],
+                                      formulation="released")
+        logits = logits * keep
+    probs = torch.softmax(logits, dim=1)
+    n = h.shape[0]
+    probs[torch.arange(n), torch.arange(n)] = 0.0
+    top = probs.max().item() if probs.numel() else 0.0
+    return top, (top / (1.0 - top) if top < 1 else math.inf)
+
+
+def _skip_ill_posed(prob, a64, p64, comp, noise):
+    kw = prob["kw"]
+    if comp is not None:
+        cos = reference.cosine_matrix(comp[0].double(), comp[1].double())
+        threshold = (20 * kw["phi"] * kw["temperature"] if kw["formulation"] == "released"
+                     else kw["phi"])
+        assume(bool(((cos - threshold).abs() > 1e-3).all()))
+    odds = 0.0
+    if kw["formulation"] == "released":
+        # at d = 1 the gradient at z = 0 is Σ_i ±p_i/(NτEPS), rows grouped by sign with equal
+        # p_i: an exact tie, a float's rounding then deciding the step, iff N is even
+        assume(not (a64.shape[1] == 1 and kw.get("noise_steps", 0) >= 2 and noise is not None
+                    and a64.shape[0] % 2 == 0))
+        top, odds = _released_odds(prob, a64, p64, comp, noise, kw)
+        assume(1.0 - top > 1e-4)
+    return odds
+
+
+def _check_against_reference(prob, backend, dtype, device="cpu"):
+    kw = prob["kw"]
+    a, p, neg, comp, noise = _inputs(prob, dtype, device)
+    tau = kw["temperature"]
+    acc_max = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    m = abs(kw.get("focal_m") or 0.0)
+    if tau < (2.0 + m) / math.sqrt(acc_max):
+        with pytest.raises(ValueError, match=r"temperature=.* is too small"):
+            _call(a, p, neg, comp, noise, kw, backend)
+        return
+    # the float64 reference on the very values the backend sees
+    a64, p64 = a.detach().double().cpu().requires_grad_(), p.detach().double().cpu().requires_grad_()
+    neg64 = None if neg is None else neg.detach().double().cpu().requires_grad_()
+    comp64 = None if comp is None else tuple(c.double().cpu() for c in comp)
+    noise64 = None if noise is None else noise.double().cpu()
+    odds = _skip_ill_posed(prob, a64, p64, comp64, noise64)
+
+    want = _call(a64, p64, neg64, comp64, noise64, kw, "reference")
+    want.backward()
+    got = _call(a, p, neg, comp, noise, kw, backend)
+    got.backward()
+    tol = TOL[(backend, dtype)]
+    w = abs(kw.get("hard_negative_weight", 0.0))
+    loss_scale = 1.0 + (1.0 + m) / tau + w
+    assert math.isfinite(got.item()), f"loss {got.item()} (float64: {want.item()})"
+    assert abs(got.item() - want.item()) <= tol * loss_scale, (
+        f"loss {got.item()!r} vs float64 {want.item()!r} (allowed {tol * loss_scale:.3g})")
+    for name, x, x64 in [("anchors", a, a64), ("positives", p, p64), ("negatives", neg, neg64)]:
+        if x is None:
+            continue
+        gx, g64 = x.grad.double().cpu(), x64.grad
+        assert torch.isfinite(gx).all(), f"{name}' gradient is not finite"
+        norms = torch.linalg.vector_norm(x64.detach(), dim=1, keepdim=True).clamp_min(EPS)
+        bound = (2.0 + m + odds) / (tau * norms)
+        err = (gx - g64).abs()
+        allowed = tol * (g64.abs() + bound)
+        worst = (err / allowed).max().item() if err.numel() else 0.0
+        assert worst <= 1.0, (f"{name}' gradient off by {worst:.3g}× the tolerance "
+                              f"(largest error {err.max().item():.3g}, largest entry "
+                              f"{g64.abs().max().item():.3g})")
+
+
+# ------------------------------------------------------------------ the properties
+
+@_examples(1.0)
+@given(prob=problems())
+def test_tiled_matches_the_float64_reference(prob):
+    _check_against_reference(prob, "tiled", prob["dtype"])
+
+
+@_examples(0.6)
+@given(prob=problems(max_n=12, widths=(1, 3, 24, 33), dtypes=(torch.float32, torch.bfloat16)))
+def test_reference_in_its_own_dtype_matches_float64(prob):
+    """The reference in float32 / bfloat16: the oracle's own rounding is within the same
+    tolerances (its cosine GEMM reads the inputs' dtype)."""
+    _check_against_reference(prob, "reference", prob["dtype"])
+
+
+@needs_triton
+@_examples(0.06)
+@given(prob=problems(max_n=6, widths=(1, 3, 17), dtypes=(torch.float32, torch.bfloat16,
+                                                          torch.float64), max_k=5))
+def test_triton_matches_the_float64_reference(prob):
+    if prob["dtype"] == torch.float64:
+        a = prob["a"]
+        with pytest.raises(ValueError, match="backend='triton' cannot run here: the kernels take"):
+            fastcl.infonce(a, a, backend="triton")
+        return
+    _check_against_reference(prob, "triton", prob["dtype"])
+
+
+@_examples(0.5)
+@given(b=embeddings(max_n=16, widths=WIDTHS, dtypes=DTYPES),
+       tau=st.floats(-1.5, 0.5).map(lambda e: 10.0 ** e), steps=st.integers(1, 3),
+       released=st.booleans(), backend=st.sampled_from(["reference", "tiled"]))
+def test_every_noise_step_has_length_lr(b, tau, steps, released, backend):
+    """z_j moves by exactly lr a step (or stays, where g_j = 0 exactly; at d = 1 it always is
+    for z_j ≠ 0), whatever the size of g_j. τ ≥ 0.03: the softmax entries then stay above
+    float32's range limit (at τ = 0.01 a gap of 2/τ = 200 puts them at e^-200, which float64
+    still moves by lr and float32 rounds to a gradient of exactly 0)."""
+    if released:
+        tau = max(tau, 0.05)
+    a, p = b["a"].to(b["dtype"]), b["p"].to(b["dtype"])
+    z = torch.randn(max(1, a.shape[0] // 2), a.shape[1], generator=b["g"], dtype=torch.float64)
+    z = z.to(torch.float64 if b["dtype"] == torch.float64 else torch.float32)
+    lr = 1e-3
+    z1 = fastcl.dclr_noise(a, p, None, noise=z, steps=1, lr=lr, temperature=tau,
+                           formulation="released" if released else "paper", backend=backend)
+    step = (z1.double() - z.double()).norm(dim=1)
+    if a.shape[1] == 1:
+        want = 0.0 if not released else None
+        if released:
+            assert (z1 == 0).all()
+        else:
+            assert (step == want).all()
+        return
+    moved = step > 0
+    if released:
+        moved = moved & (z1.abs().amax(dim=1) > 0)
+    rel = 1e-4 if b["dtype"] == torch.float64 else 1e-3
+    assert torch.isfinite(step).all()
+    assert ((step[moved] - lr).abs() <= rel * lr).all(), step
+    # a row that did not move had a gradient of exactly 0 in the float64 update too
+    if not bool(moved.all()):
+        z64 = fastcl.dclr_noise(a.double(), p.double(), None, noise=z.double(), steps=1, lr=lr,
+                                temperature=tau, formulation="released" if released else "paper",
+                                backend="reference")
+        assert ((z64.double() - z.double()).norm(dim=1)[~moved] <= 1e-12).all()
+
+
+@_examples(0.5)
+@given(b=embeddings(max_n=20, widths=WIDTHS, dtypes=DTYPES), alpha=st.sampled_from([1.0, 2.0, 0.5]),
+       t=st.sampled_from([2.0, 0.5, 5.0]))
+def test_alignment_and_uniformity_match_float64(b, alpha, t):
+    x, y = b["a"].to(b["dtype"]), b["p"].to(b["dtype"])
+    tol = 2e-2 if b["dtype"] == torch.bfloat16 else 1e-5
+    want = fastcl.alignment(x.double(), y.double(), alpha=alpha).item()
+    got = fastcl.alignment(x, y, alpha=alpha).item()
+    assert math.isfinite(got) and abs(got - want) <= tol * (1 + abs(want))
+    if x.shape[0] >= 2:
+        want = fastcl.uniformity(x.double(), t=t).item()
+        got = fastcl.uniformity(x, t=t).item()
+        assert math.isfinite(got) and abs(got - want) <= tol * (1 + abs(want))
