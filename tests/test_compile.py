@@ -212,8 +212,10 @@ def test_the_marks_reach_the_compiler():
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    pointers = {"u_ptr", "x_ptr", "inv_x_ptr", "scale_ptr", "out_ptr", "x_hat_ptr"}
-    ints = {"D", "stride_u", "stride_x", "stride_out", "stride_x_hat"}
+    pointers = {"u_ptr", "x_ptr", "inv_x_ptr", "scale_ptr", "out_ptr", "x_hat_ptr",
+                "inv_z_ptr", "pos_coef_ptr", "k_ptr", "dk_ptr"}
+    ints = {"D", "stride_u", "stride_x", "stride_out", "stride_x_hat", "stride_k", "stride_dk",
+            "first_pos"}
     for launch in ("aligned", "unaligned"):
         for stride in (1, 0):
             got = out[f"{launch}{stride}"]
