@@ -45,11 +45,21 @@ import triton.language as tl
 from fastcl._switches import autotune_pinned, sim_design
 from fastcl.common import EPS
 
+
 #: A cosine never exceeds 1: this value in the stored s marks a dropped in-batch negative.
 #: A constexpr: a plain module global cannot be read inside a jitted function.
 DROPPED = tl.constexpr(4.0)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+#: ``tl.make_tensor_descriptor`` where this Triton has it (3.4+), else None: a Triton that
+#: lacks it resolves every global a kernel names, in branches never taken too, so the kernel
+#: names this alias instead of the attribute.
+_make_descriptor = getattr(tl, "make_tensor_descriptor", None)
+if INTERPRET and _make_descriptor is not None:
+    def _make_descriptor(*args, **kwargs):
+        # the interpreter swaps tl's builtins for its own while a kernel runs: look it up then
+        return tl.make_tensor_descriptor(*args, **kwargs)
 
 
 @triton.jit
@@ -193,15 +203,15 @@ def _similarity_kernel(
     # loads
     q_desc, k_desc, cq_desc, ck_desc, t_desc = q_ptr, k_ptr, cq_ptr, ck_ptr, t_ptr
     if DESC:
-        q_desc = tl.make_tensor_descriptor(q_ptr, [R, D], [stride_q, 1], [BLOCK_R, BLOCK_D])
-        k_desc = tl.make_tensor_descriptor(k_ptr, [M, D], [stride_k, 1], [BLOCK_M, BLOCK_D])
+        q_desc = _make_descriptor(q_ptr, [R, D], [stride_q, 1], [BLOCK_R, BLOCK_D])
+        k_desc = _make_descriptor(k_ptr, [M, D], [stride_k, 1], [BLOCK_M, BLOCK_D])
         if MASK:                           # the complementary positives: n_pos rows
-            cq_desc = tl.make_tensor_descriptor(cq_ptr, [R, DC], [stride_cq, 1],
+            cq_desc = _make_descriptor(cq_ptr, [R, DC], [stride_cq, 1],
                                                 [BLOCK_R, BLOCK_D])
-            ck_desc = tl.make_tensor_descriptor(ck_ptr, [n_pos, DC], [stride_ck, 1],
+            ck_desc = _make_descriptor(ck_ptr, [n_pos, DC], [stride_ck, 1],
                                                 [BLOCK_M, BLOCK_D])
         # the store clips at the buffer's bounds: no mask
-        t_desc = tl.make_tensor_descriptor(t_ptr, [R, M], [stride_t, 1], [BLOCK_R, BLOCK_M])
+        t_desc = _make_descriptor(t_ptr, [R, M], [stride_t, 1], [BLOCK_R, BLOCK_M])
         pid_r, pid_m = _grouped_tile(tl.program_id(0), R, M, GROUP_R, BLOCK_R, BLOCK_M)
     else:
         pid_r = tl.program_id(0)
@@ -753,7 +763,7 @@ def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
 
 def descriptor_supported() -> bool:
     """Whether this Triton builds tensor descriptors inside a kernel (the descriptor design)."""
-    return hasattr(tl, "make_tensor_descriptor")
+    return _make_descriptor is not None
 
 
 def descriptor_ready(*tensors) -> bool:
