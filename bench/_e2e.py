@@ -1,10 +1,9 @@
 """The end-to-end case: one training step of a BERT-shaped encoder with random weights, and
 the share of the step spent in the loss.
 
-The step is fastcl's own (:mod:`fastcl.training`): an unsupervised SimCSE batch
-(``Objective("simcse")``) → the views of :func:`fastcl.training.embed_views` (one forward
-of the duplicated batch in train mode: two dropout views, ``[CLS]`` embeddings) → the loss
-→ backward. Only the tokenizer is a stand-in (:class:`RandomTokens`: random token ids, no
+The step is an unsupervised SimCSE step: one forward of the duplicated batch
+``[x1, x1, x2, x2, ...]`` in train mode (two dropout views, ``[CLS]`` embeddings) → the
+loss → backward. Only the tokenizer is a stand-in (:class:`RandomTokens`: random token ids, no
 vocabulary, nothing downloaded) and there is no optimizer update: the case measures the
 forward, the loss and the backward.
 
@@ -12,7 +11,7 @@ Each iteration is timed in three parts — encoder forward, the loss (forward an
 detached copies of the views, once per implementation on the same views), encoder backward
 (from the first implementation's gradients) — which together are exactly one step. The share
 of the loss is its median over the median step. Implementations: ``fastcl``
-(:func:`fastcl.objectives.objective_loss`, what training runs), ``tiled`` and ``reference``
+(:func:`fastcl.infonce` with the default backend, what training runs), ``tiled`` and ``reference``
 (the same InfoNCE with that backend). On CUDA each implementation also runs whole steps for
 the peak memory (allocator delta beyond the weights and the token ids).
 """
@@ -66,8 +65,7 @@ def e2e_measure(spec: dict, device: str, repeats: int) -> list[dict]:
 
     import fastcl
     from fastcl.encoders import SentenceEncoder
-    from fastcl.objectives import Objective, objective_loss
-    from fastcl.training import embed_views
+    from fastcl import common
 
     n, seq, seed = spec["n"], spec["seq"], spec.get("seed", 0)
     fastcl.set_input_checks(spec.get("input_checks", True))
@@ -77,7 +75,7 @@ def e2e_measure(spec: dict, device: str, repeats: int) -> list[dict]:
     encoder.to(device).train()                              # dropout on: the two views differ
     tokenizer = RandomTokens(n, seq, config.vocab_size, seed)
     batch = [str(i) for i in range(n)]
-    obj = Objective("simcse")
+    doubled = tokenizer([s for s in batch for _ in (0, 1)])  # [x1, x1, x2, x2, ...]: SimCSE's duplicated batch
     use_autocast = device == "cuda" and spec["dtype"] in ("bfloat16", "float16")
     autocast = (lambda: torch.autocast("cuda", dtype=getattr(torch, spec["dtype"]))) if use_autocast \
         else contextlib.nullcontext
@@ -85,13 +83,12 @@ def e2e_measure(spec: dict, device: str, repeats: int) -> list[dict]:
 
     def views_of():
         with autocast():
-            return embed_views(obj, encoder, tokenizer, batch, max_length=seq)
+            h = encoder(**{k: v.to(device) for k, v in doubled.items()})
+        return {"anchors": h[0::2], "positives": h[1::2]}
 
     def loss_of(impl, views):
-        if impl == "fastcl":
-            return objective_loss(obj, views)
-        return fastcl.infonce(views["anchors"], views["positives"], temperature=obj.temperature,
-                              backend=impl)
+        return fastcl.infonce(views["anchors"], views["positives"], temperature=common.TEMPERATURE,
+                              backend="auto" if impl == "fastcl" else impl)
 
     def clock():
         if device == "cuda":

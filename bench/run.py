@@ -22,8 +22,8 @@ defines the objectives, implementations, inputs and FLOP counts):
   saying so, and the same implementation is not tried at larger N;
 * objectives infonce, infonce-hard, focal, dclr (weighting + noise), escl, and the DCLR
   noise update on its own;
-* end to end: one training step of fastcl's trainer (the views of an unsupervised SimCSE
-  batch from ``fastcl.training.embed_views``, the loss, backward; ``_e2e.py``) on a
+* end to end: one unsupervised SimCSE training step (one forward of the duplicated batch,
+  the loss, backward; ``_e2e.py``) on a
   BERT-shaped encoder with random weights at a few batch sizes, and the share of the step
   spent in the loss.
 

@@ -1,10 +1,20 @@
 """Compare fastcl's unsupervised objectives at CPU scale: same start, same sentences, same budget.
 
-Each (method, seed) is one ``train.py`` subprocess; DCLR's complementary model is the SimCSE
-run of the same seed (trained first). Every exported model, and the untrained start, is then
-scored with ``fastcl.evaluate`` (STS-B test, SICK-R test, STS12-16 where the files exist) with
-alignment and uniformity on STS-B test. Resumable: a run whose model and result JSON exist is
-never redone; an interrupted training continues from its checkpoint.
+Each (method, seed) is one ``train.py`` subprocess (fastcl's trainer, on sentence-transformers'
+``SentenceTransformerTrainer``) writing ``WORK/runs/NAME/``; DCLR's complementary model is the
+SimCSE run of the same seed (trained first, ``WORK/runs/simcse-seedS/model``). The start model
+and every trained model (``WORK/runs/NAME/model/``) are scored the same way: ``fastcl.evaluate``
+with the pooler the model's folder records (:func:`fastcl.evaluate.saved_pooler`; train.py
+keeps a sentence-transformers model's own modules, so the packaged all-MiniLM-L6-v2 is trained
+and scored with its mean pooling), on STS-B test, SICK-R test and STS12-16 where the files
+exist, with alignment and uniformity on STS-B test. The report says per method whether
+training improves on the start.
+
+Resumable: a run whose model and result JSON exist is never redone; an interrupted training
+continues with ``train.py --resume`` from its newest complete checkpoint
+(``WORK/runs/NAME/checkpoint-N/`` holding ``fastcl_manifest.json``) and starts over when it has
+none. ``WORK/runs/NAME.compare.json`` records the settings a run was made with and its
+training seconds; a run made with other settings is refused.
 
 Models and checkpoints go to ``--work-dir`` (outside the repository); only JSON, markdown and
 PNG files go to ``--results-dir``. See experiments/README.md.
@@ -29,13 +39,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 METHODS = ("simcse", "dclr", "focal", "escl")
-LABELS = {"start": "untrained start", "simcse": "SimCSE", "dclr": "DCLR", "focal": "Focal-InfoNCE",
+LABELS = {"start": "start (before training)", "simcse": "SimCSE", "dclr": "DCLR", "focal": "Focal-InfoNCE",
           "escl": "ESCL"}
 DATA_FILES = ("wiki1m_for_simcse.head11915.txt", "wiki1m_for_simcse.random10k.txt")
 TASK_ORDER = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 TASK_NAMES = {"sts12": "STS12", "sts13": "STS13", "sts14": "STS14", "sts15": "STS15",
               "sts16": "STS16", "stsb": "STS-B", "sickr": "SICK-R"}
-EXPORT_POOLER = "cls_before_pooler"  # --pooler cls with --mlp-only-train exports the raw CLS
+# train.py's output folder (see `python train.py --help`)
+MODEL_DIR = "model"                  # the trained model: a plain sentence-transformers folder
+RESULTS = "train_results.json"       # written last: the run has finished
+RUN_CONFIG = "fastcl_config.yaml"    # a fastcl run's options: --resume needs it
+RECORD = ".compare.json"             # WORK/runs/NAME.compare.json: settings and training seconds
+TRAINER = "fastcl.trainer (SentenceTransformerTrainer)"  # in every run's config: older runs are refused
 
 
 def default_model() -> str:
@@ -82,10 +97,21 @@ def add_shared_options(p: argparse.ArgumentParser, *, seeds: list, results_dir: 
                    help="models, checkpoints, logs and the merged data (default ~/.cache/fastcl-experiments)")
     p.add_argument("--results-dir", default=str(results_dir),
                    help=f"JSON, markdown and PNG results (default {Path(results_dir).relative_to(REPO)})")
-    p.add_argument("--device", default=None, help="passed to train.py and used for evaluation")
+    from fastcl.encoders import POOLERS
+
+    p.add_argument("--pooler", choices=POOLERS, default=None,
+                   help="train.py's --pooler (cls: with --mlp-only-train, scored as cls_before_pooler); "
+                        "default: train.py's own, which keeps a sentence-transformers model's modules "
+                        "(all-MiniLM-L6-v2: mean pooling + Normalize) and gives a plain encoder cls "
+                        "with the MLP in training only. The start is scored with the pooler the "
+                        "trained models are saved with")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="train.py's --device, and the device of the scoring (default auto: CUDA "
+                        "when available)")
     p.add_argument("--eval-batch-size", type=int, default=64, help="sentences per evaluation forward")
     p.add_argument("--keep-checkpoints", action="store_true",
-                   help="keep each finished run's checkpoint.pt (deleted by default: only the model is needed)")
+                   help="keep each finished run's checkpoint-N folders (removed by default: only "
+                        "RUN/model is needed)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -128,52 +154,105 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def run_dir(args, name: str) -> Path:
+    """train.py's --output-dir of the run ``name``."""
+    return Path(args.work_dir) / "runs" / name
+
+
 def train_command(args, method: str, seed: int, data: Path, out: Path, resume: bool,
                   extra=()) -> list:
-    """The train.py command of one run; ``extra``: its own flags (e.g. ``--phi 0.6``)."""
+    """The train.py command of one run; ``extra``: its own flags (e.g. ``--phi 0.6``).
+    Checkpoints at every dev evaluation (``--save-steps`` = ``--eval-steps``), so the best
+    evaluated step is kept and an interrupted run resumes from its last evaluation."""
     cmd = [sys.executable, str(REPO / "train.py"), "--method", method, "--model", args.model,
            "--data", str(data), "--output-dir", str(out), "--seed", str(seed),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--max-steps", str(args.steps),
-           "--max-seq-len", str(args.max_seq_len), "--pooler", "cls", "--mlp-only-train",
+           "--max-seq-len", str(args.max_seq_len),
            "--sts-dir", str(args.sts_dir), "--eval-steps", str(args.eval_steps),
-           "--select", args.select, "--checkpoint-steps", str(args.eval_steps),
+           "--select", args.select, "--save-steps", str(args.eval_steps),
            "--eval-batch-size", str(args.eval_batch_size)]
-    if args.device:
+    if args.pooler:
+        cmd += ["--pooler", args.pooler] + (["--mlp-only-train"] if args.pooler == "cls" else [])
+    if args.device != "auto":
         cmd += ["--device", args.device]
-    if args.keep_checkpoints:
-        cmd += ["--keep-checkpoint"]
     if method == "dclr":
-        cmd += ["--complementary", str(Path(args.work_dir) / "runs" / f"simcse-seed{seed}"),
-                "--complementary-pooler", EXPORT_POOLER]
+        # a sentence-transformers folder: train.py keeps its modules, the pooler it was saved with
+        cmd += ["--complementary", str(run_dir(args, f"simcse-seed{seed}") / MODEL_DIR)]
     cmd += list(extra)
     if resume:
         cmd.append("--resume")
     return cmd
 
 
+def run_train(cmd: list) -> int:
+    """Run one train.py command from the repository root; its exit status."""
+    return subprocess.run(cmd, cwd=REPO).returncode
+
+
+def resumable(out: Path) -> bool:
+    """Whether ``train.py --resume`` continues the run in ``out``: a fastcl run folder with a
+    complete checkpoint (``checkpoint-N/`` with its manifest, written once the checkpoint is)."""
+    from fastcl.files import MANIFEST
+    from fastcl.trainer.run import checkpoints
+
+    return (out / RUN_CONFIG).is_file() and any((path / MANIFEST).is_file()
+                                                 for _, path in checkpoints(out))
+
+
+def remove_checkpoints(args, out: Path) -> None:
+    """A finished run's checkpoint-N folders (only its model is needed), unless --keep-checkpoints."""
+    from fastcl.trainer.run import checkpoints
+
+    if not args.keep_checkpoints:
+        for _, path in checkpoints(out):
+            shutil.rmtree(path)
+
+
+DEV_KEYS = {"step": "step", "stsb-dev": "stsb-dev", "sickr-dev": "sickr-dev", "avg": "avg",
+            "alignment": "stsb-dev_alignment", "uniformity": "stsb-dev_uniformity"}
+
+
 def dev_curve(out: Path) -> list:
-    """The dev evaluations train.py logged (step, STS-B dev, alignment, uniformity)."""
+    """The dev evaluations train.py logged, step 0 (the start) included: step, STS-B dev,
+    SICK-R dev, their mean, and alignment and uniformity on STS-B dev."""
     path = out / "train_log.jsonl"
     if not path.is_file():
         return []
-    keys = ("step", "stsb-dev", "sickr-dev", "alignment", "uniformity", "best")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{k: r[k] for k in keys if k in r} for r in records if r.get("type") == "eval"]
+    return [{k: r[src] for k, src in DEV_KEYS.items() if src in r}
+            for r in records if r.get("type") == "eval"]
 
 
-def score(model_path: str, args, cache: dict) -> dict:
-    """fastcl.evaluate on the seven STS tasks, with alignment/uniformity per task."""
+def start_pooler(args) -> str:
+    """The pooler the trained models are saved with, which the start is scored with: a given
+    --pooler (cls with the MLP in training only: cls_before_pooler); else a sentence-transformers
+    start's own (train.py keeps its modules); else train.py's default for a plain encoder, the
+    unsupervised recipes' cls with the MLP in training only."""
+    from fastcl.evaluate import saved_pooler
+
+    if args.pooler:
+        return "cls_before_pooler" if args.pooler == "cls" else args.pooler
+    if (Path(args.model) / "modules.json").is_file():
+        return saved_pooler(args.model)
+    return "cls_before_pooler"
+
+
+def score(model_path: str, pooler: str, args, cache: dict) -> dict:
+    """fastcl.evaluate on the seven STS tasks with ``pooler``, with alignment/uniformity per task."""
     from fastcl.encoders import load_encoder
     from fastcl.evaluate import SEVEN, evaluate
 
-    device = args.device or "cpu"
-    encoder, tokenizer = load_encoder(model_path, EXPORT_POOLER, arg="model", device=device)
+    device = args.device
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    encoder, tokenizer = load_encoder(model_path, pooler, arg="model", device=device)
     res = evaluate(encoder, tokenizer, None, args.sts_dir, SEVEN, batch_size=args.eval_batch_size,
                    metrics=True, data=cache)
     stsb = res["metrics"].get("stsb", {})
     return {"scores": res["scores"], "avg": res["avg"], "pairs": res["pairs"], "missing": res["missing"],
             "alignment": stsb.get("alignment"), "uniformity": stsb.get("uniformity"),
-            "metrics": res["metrics"]}
+            "metrics": res["metrics"], "pooler": pooler}
 
 
 def run_config(args, data_info: dict) -> dict:
@@ -181,7 +260,8 @@ def run_config(args, data_info: dict) -> dict:
     return {"model": str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
             "data_sha256": data_info["sha256"], "steps": args.steps, "batch_size": args.batch_size,
             "max_seq_len": args.max_seq_len, "lr": args.lr, "eval_steps": args.eval_steps,
-            "select": args.select, "pooler": "cls", "mlp_only_train": True, "export_pooler": EXPORT_POOLER}
+            "select": args.select, "pooler": args.pooler, "score_pooler": args.score_pooler,
+            "trainer": TRAINER}
 
 
 def check_config(path: Path, config: dict) -> None:
@@ -193,42 +273,64 @@ def check_config(path: Path, config: dict) -> None:
                          f"--results-dir and --work-dir, or delete it to redo the run")
 
 
+def check_record(record: Path, out: Path, config: dict) -> None:
+    """A trained or resumable run in the work dir must have been made by compare.py with these
+    settings (its record, written before its first training)."""
+    if not record.is_file():
+        raise SystemExit(f"{out} holds a run without compare.py's record {record.name} (made by an "
+                         f"earlier compare.py or by hand); use another --work-dir, or delete "
+                         f"{out} to redo the run")
+    check_config(record, config)
+
+
 def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict, *,
            name: str | None = None, extra=()) -> dict:
     """Train (or resume) and score one run, unless its model and result JSON exist. ``name``
     (default ``METHOD-seedS``) names its folder and JSON; ``extra``: its own train.py flags."""
+    from fastcl.evaluate import saved_pooler
+
     name = name or f"{method}-seed{seed}"
-    out = Path(args.work_dir) / "runs" / name
+    out = run_dir(args, name)
+    record = out.with_name(f"{name}{RECORD}")
     result_path = Path(args.results_dir) / "runs" / f"{name}.json"
-    done = out / "train_results.json"
+    done = out / RESULTS
+    if done.is_file() or resumable(out):
+        check_record(record, out, config)
     if result_path.is_file() and done.is_file():
         check_config(result_path, config)
+        remove_checkpoints(args, out)
         print(f"[{name}] done, skipped", flush=True)
         return json.loads(result_path.read_text())
-    train_s = 0.0
     if not done.is_file():
-        resume = (out / "checkpoint.pt").is_file()
-        if not resume and out.exists():
-            shutil.rmtree(out)  # died before its first checkpoint: start over
+        resume = resumable(out)
+        if not resume:
+            if out.exists():
+                shutil.rmtree(out)  # interrupted before its first complete checkpoint: start over
+            write_json(record, {"config": config, "train_s": 0.0})
         cmd = train_command(args, method, seed, data, out, resume, extra)
         print(f"[{name}] {'resuming' if resume else 'training'}: {shlex.join(cmd)}", flush=True)
         tic = time.perf_counter()
-        rc = subprocess.run(cmd, cwd=REPO).returncode
-        train_s = time.perf_counter() - tic
-        if rc != 0:
-            raise SystemExit(f"[{name}] train.py exited with status {rc}; rerun the same command to continue")
-        timing = out / "compare_timing.json"
-        previous = json.loads(timing.read_text())["train_s"] if timing.is_file() else 0.0
-        train_s += previous
-        write_json(timing, {"train_s": train_s})
-    else:
-        timing = out / "compare_timing.json"
-        train_s = json.loads(timing.read_text())["train_s"] if timing.is_file() else None
-    print(f"[{name}] evaluating {out}", flush=True)
+        rc = run_train(cmd)
+        info = json.loads(record.read_text())
+        info["train_s"] += time.perf_counter() - tic  # every invocation's training, resumed ones too
+        write_json(record, info)
+        if rc != 0 or not done.is_file():
+            raise SystemExit(f"[{name}] train.py exited with status {rc}"
+                             + ("" if rc else f" without writing {done}")
+                             + "; rerun the same command to continue")
+    remove_checkpoints(args, out)
+    train_s = json.loads(record.read_text())["train_s"]
+    model_dir = out / MODEL_DIR
+    pooler = saved_pooler(model_dir)
+    if pooler != config["score_pooler"]:
+        raise SystemExit(f"[{name}] {model_dir} is saved with the pooler {pooler}, but the start "
+                         f"is scored with {config['score_pooler']}: pass --pooler so that both "
+                         "are scored the same way")
+    print(f"[{name}] evaluating {model_dir}", flush=True)
     tic = time.perf_counter()
-    result = score(str(out), args, cache)
+    result = score(str(model_dir), pooler, args, cache)
     trained = json.loads(done.read_text())
-    result.update(name=name, method=method, seed=seed, model_dir=str(out), config=config,
+    result.update(name=name, method=method, seed=seed, model_dir=str(model_dir), config=config,
                   train_command=shlex.join(train_command(args, method, seed, data, out, False, extra)),
                   train_s=train_s, eval_s=time.perf_counter() - tic, train_results=trained,
                   dev_curve=dev_curve(out))
@@ -244,9 +346,9 @@ def do_start(args, config: dict, cache: dict) -> dict:
         check_config(result_path, config)
         print("[start] done, skipped", flush=True)
         return json.loads(result_path.read_text())
-    print(f"[start] evaluating {args.model}", flush=True)
+    print(f"[start] evaluating {args.model} (pooler {config['score_pooler']})", flush=True)
     tic = time.perf_counter()
-    result = score(args.model, args, cache)
+    result = score(args.model, config["score_pooler"], args, cache)
     result.update(name="start", method="start", seed=None, model_dir=args.model, config=config,
                   train_s=0.0, eval_s=time.perf_counter() - tic, dev_curve=[])
     write_json(result_path, result)
@@ -286,6 +388,37 @@ def summarize(results: dict, order: list) -> dict:
     return rows
 
 
+def verdict_vs_start(diffs: list) -> str:
+    """``yes`` when the trained model beats the start on every seed, ``no`` on none, ``mixed``
+    otherwise (a tie is no improvement); ``n/a`` without a score."""
+    known = [d for d in diffs if d is not None]
+    if not known:
+        return "n/a"
+    better = sum(d > 0 for d in known)
+    return "yes" if better == len(known) else "no" if better == 0 else "mixed"
+
+
+def versus_start(results: dict, order: list) -> dict:
+    """Per trained method: the test average minus the start's, per seed (both scored the same
+    way), whether that improves on the start, and train.py's own comparison of the saved step
+    with step 0 on dev (``train_results.json``'s ``comparison``)."""
+    start = results["start"][0]["avg"]
+    out = {}
+    for method in order:
+        if method == "start":
+            continue
+        diffs = {str(r["seed"]): None if r["avg"] is None or start is None else r["avg"] - start
+                 for r in results[method]}
+        known = [d for d in diffs.values() if d is not None]
+        out[method] = {"test_avg_minus_start": diffs,
+                       "mean": sum(known) / len(known) if known else None,
+                       "seeds_improved": sum(d > 0 for d in known), "seeds": len(known),
+                       "improves": verdict_vs_start(list(diffs.values())),
+                       "dev": {str(r["seed"]): (r.get("train_results") or {}).get("comparison")
+                               for r in results[method]}}
+    return out
+
+
 def start_label(model: str) -> str:
     """The start model as the table names it: the packaged MiniLM by name, not by its install path."""
     try:
@@ -297,13 +430,66 @@ def start_label(model: str) -> str:
     return f"`{model}`"
 
 
+def pooling_phrase(cfg: dict) -> str:
+    """How the runs pool, for the report."""
+    pooler = cfg["pooler"]
+    if pooler == "cls":
+        return "`cls` (the MLP in training only, saved without it)"
+    if pooler:
+        return f"`{pooler}`"
+    modules = Path(cfg["model"]) / "modules.json"
+    if modules.is_file():
+        kinds = [str(m.get("type", "")).rpartition(".")[2] for m in json.loads(modules.read_text())]
+        return f"the start model's own modules ({' → '.join(kinds)}), kept by train.py"
+    return "train.py's default for a plain encoder (`cls`, the MLP in training only)"
+
+
+def improvement_lines(summary: dict) -> list:
+    """The report's section on whether training improves on the start, per method."""
+    vs = summary.get("vs_start") or {}
+    if not vs:
+        return []
+    cfg = summary["config"]
+    metric = "STS-B dev" if cfg["select"] == "stsb" else "mean of STS-B and SICK-R dev"
+    lines = ["## Does training improve on the start?", "",
+             "Test avg of each trained model minus the start's (the same tasks, the same pooler), "
+             f"per seed; dev: train.py's selection metric ({metric}) at step 0 (the start) and at "
+             "the saved step.", "",
+             "| method | test avg − start, per seed | improves on the start | dev: step 0 → saved step, per seed |",
+             "|---|---|---|---|"]
+    words = {"yes": "**yes**", "no": "**no**", "mixed": "mixed", "n/a": "n/a"}
+    for m in summary["order"]:
+        if m not in vs:
+            continue
+        v = vs[m]
+        diffs = ", ".join("n/a" if d is None else f"{d:+.2f}" for d in v["test_avg_minus_start"].values())
+        verdict = words[v["improves"]]
+        if v["seeds"]:
+            verdict += f" ({v['seeds_improved']} of {v['seeds']} seeds better; mean {v['mean']:+.2f})"
+        dev = "; ".join("n/a" if c is None else
+                        f"{c['step0']:.2f} → {c['best']:.2f} (step {c['best_step']})"
+                        + ("" if c["improved"] else ", not improved")
+                        for c in v["dev"].values())
+        lines.append(f"| {LABELS.get(m, m)} | {diffs} | {verdict} | {dev} |")
+    lines.append("")
+    for m in summary["order"]:
+        if m in vs and vs[m]["improves"] in ("no", "mixed"):
+            v = vs[m]
+            lines.append(f"- {LABELS.get(m, m)}: " + (
+                "training does not improve on the start: the start scores at least as high on "
+                "every seed." if v["improves"] == "no" else
+                f"training improves on the start on {v['seeds_improved']} of {v['seeds']} seeds only."))
+    return lines + ([""] if lines[-1] != "" else [])
+
+
 def write_markdown(path: Path, summary: dict) -> None:
     rows, order = summary["methods"], summary["order"]
     tasks = [t for t in TASK_ORDER if all(t in rows[m]["tasks"] for m in order)]
     cfg = summary["config"]
     lines = ["# Objectives compared at CPU scale", "",
-             f"Start: {start_label(cfg['model'])}, pooler `cls` (MLP only in training, exported and scored as "
-             f"`{EXPORT_POOLER}`). Data: {summary['data']['sentences']} deduplicated sentences from "
+             f"Start: {start_label(cfg['model'])}. Pooling: {pooling_phrase(cfg)}; the start and "
+             f"every trained model are scored with the same pooler, `{cfg['score_pooler']}` (the one "
+             f"the trained models are saved with). Data: {summary['data']['sentences']} deduplicated sentences from "
              f"{', '.join(f['file'] for f in summary['data']['files'])}. Budget per run: {cfg['steps']} "
              f"steps of batch {cfg['batch_size']}, max length {cfg['max_seq_len']}, lr {cfg['lr']}; "
              f"dev evaluation every {cfg['eval_steps']} steps, model selected by "
@@ -326,7 +512,8 @@ def write_markdown(path: Path, summary: dict) -> None:
     missing = summary.get("missing_tasks") or {}
     if missing:
         lines += ["", "Not scored (files absent): " + ", ".join(TASK_NAMES[t] for t in missing) + "."]
-    lines += ["", f"Command: `{summary['command']}`", "",
+    lines += [""] + improvement_lines(summary)
+    lines += [f"Command: `{summary['command']}`", "",
               f"Wall time of this invocation: {summary['wall_s'] / 60:.1f} min; training and "
               f"evaluation time summed over all runs (including earlier, resumed invocations): "
               f"{summary['runs_s'] / 60:.1f} min.", "",
@@ -385,6 +572,8 @@ def prepare(parser, args) -> tuple:
     """Check the shared options, fill their defaults, merge the data: ``(work_dir,
     results_dir, data_info, config)``."""
     args.model = args.model or default_model()
+    if Path(args.model).exists():
+        args.model = str(Path(args.model).resolve())
     if args.steps < 1 or args.batch_size < 2:
         parser.error("--steps must be >= 1 and --batch-size >= 2")
     args.eval_steps = args.eval_steps or max(1, args.steps // 5)
@@ -394,6 +583,10 @@ def prepare(parser, args) -> tuple:
     args.work_dir, args.results_dir = str(work), str(results_dir)
     if results_dir == work or work in results_dir.parents or results_dir in work.parents:
         parser.error("--work-dir (models) and --results-dir (committed files) must not overlap")
+    try:
+        args.score_pooler = start_pooler(args)
+    except SystemExit as err:  # a sentence-transformers start whose modules fastcl cannot reproduce
+        parser.error(f"--model {args.model}: {err}")
     data_info = merge_sentences(Path(args.data_dir), args.data_files, work / "data" / "train.txt")
     print(f"data: {data_info['sentences']} sentences -> {data_info['path']}", flush=True)
     return work, results_dir, data_info, run_config(args, data_info)
@@ -419,7 +612,7 @@ def main(argv=None) -> int:
                "config": config, "seeds": args.seeds, "order": order, "data": data_info,
                "sts_dir": args.sts_dir, "work_dir": args.work_dir,
                "missing_tasks": results["start"][0]["missing"],
-               "methods": summarize(results, order),
+               "methods": summarize(results, order), "vs_start": versus_start(results, order),
                "runs": {m: [r["name"] for r in results[m]] for m in order}, **run_totals(results)}
     summary["plots"] = plot(summary, results, results_dir)
     return publish(summary, tic, results_dir / "summary.json", results_dir / "results.md",

@@ -15,9 +15,15 @@ model and data can be read off a few batches, without training:
 
 The training encoder embeds each batch twice in train mode (two dropout views, the training
 pooler), as ``train.py`` does; the complementary model embeds it once per view in eval mode.
+The poolers default to train.py's: a sentence-transformers model (the packaged
+all-MiniLM-L6-v2, a run's ``model/`` folder) pools as its folder records (its own modules,
+which train.py keeps); a plain encoder trains with ``cls`` (its MLP) and serves as the
+complementary model with ``cls_before_pooler``.
 
     python experiments/dclr_diagnostics.py --complementary RUN_DIR [--model START] \\
         [--data FILE] [--batches 20] [--phi 0.9 0.85 0.8] [--json OUT.json]
+
+``RUN_DIR``: a model folder, or a train.py ``--output-dir`` (its ``model/`` is used).
 """
 
 from __future__ import annotations
@@ -37,10 +43,11 @@ for folder in (REPO, HERE):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from compare import default_model  # noqa: E402
+from compare import MODEL_DIR, RUN_CONFIG, default_model  # noqa: E402
 from fastcl import reference  # noqa: E402
-from fastcl.encoders import load_encoder, tokenize  # noqa: E402
+from fastcl.encoders import POOLERS, load_encoder, tokenize  # noqa: E402
 from fastcl.data import read_sentences  # noqa: E402
+from fastcl.evaluate import saved_pooler  # noqa: E402
 
 SHARED_WIKI = REPO.parent / "shared" / "data" / "wiki" / "wiki1m_for_simcse.random10k.txt"
 
@@ -49,10 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="training encoder (default: the packaged all-MiniLM-L6-v2)")
-    p.add_argument("--pooler", default="cls", help="training pooler of --model (default cls, with its MLP)")
-    p.add_argument("--complementary", required=True, help="frozen complementary model (a trained SimCSE)")
-    p.add_argument("--complementary-pooler", default="cls_before_pooler",
-                   help="pooler of --complementary (default cls_before_pooler, as train.py)")
+    p.add_argument("--pooler", choices=POOLERS, default=None,
+                   help="training pooler of --model (default, as train.py: a sentence-transformers "
+                        "model's own, e.g. all-MiniLM-L6-v2's avg; cls with its MLP for a plain encoder)")
+    p.add_argument("--complementary", required=True,
+                   help="frozen complementary model (a trained SimCSE): a model folder, or a "
+                        "train.py --output-dir (its model/)")
+    p.add_argument("--complementary-pooler", choices=POOLERS, default=None,
+                   help="pooler of --complementary (default, as train.py: a sentence-transformers "
+                        "model's own; cls_before_pooler for a plain encoder)")
     p.add_argument("--data", default=str(SHARED_WIKI), help="training sentences, one a line")
     p.add_argument("--batches", type=int, default=20, help="batches to average over (default 20)")
     p.add_argument("--batch-size", type=int, default=64, help="sentences a batch (default 64)")
@@ -120,11 +132,30 @@ def mean_over(rows: list) -> dict:
     return out
 
 
+def model_folder(path: str) -> str:
+    """A train.py --output-dir stands for its trained model, ``OUT/model``."""
+    run = Path(path)
+    if (run / RUN_CONFIG).is_file() and (run / MODEL_DIR).is_dir():
+        return str(run / MODEL_DIR)
+    return path
+
+
+def default_pooler(model: str, plain: str) -> str:
+    """train.py's pooler of ``model``: the one a sentence-transformers folder records (train.py
+    keeps its modules), else ``plain``."""
+    if (Path(model) / "modules.json").is_file():
+        return saved_pooler(model)
+    return plain
+
+
 @torch.no_grad()
 def diagnose(args) -> dict:
     model = args.model or default_model()
-    encoder, tok = load_encoder(model, args.pooler)
-    comp, comp_tok = load_encoder(args.complementary, args.complementary_pooler, arg="--complementary")
+    complementary = model_folder(args.complementary)
+    pooler = args.pooler or default_pooler(model, "cls")
+    comp_pooler = args.complementary_pooler or default_pooler(complementary, "cls_before_pooler")
+    encoder, tok = load_encoder(model, pooler)
+    comp, comp_tok = load_encoder(complementary, comp_pooler, arg="--complementary")
     encoder.train()  # dropout on: the two views differ as in training
     comp.eval()
     sentences = read_sentences(args.data).dataset["text"]  # read as train.py reads it
@@ -143,7 +174,8 @@ def diagnose(args) -> dict:
         c, c_pos = comp(**c_feats).float(), comp(**c_feats).float()
         noise0 = reference.draw_noise(k, h.shape[1], std=args.noise_std, generator=gen)
         rows.append(batch_diagnostics(h, h_pos, c, c_pos, noise0, args))
-    return {"model": str(model), "complementary": str(args.complementary), "data": str(args.data),
+    return {"model": str(model), "complementary": str(complementary), "data": str(args.data),
+            "pooler": pooler, "complementary_pooler": comp_pooler,
             "batches": args.batches, "batch_size": args.batch_size, "noise": k,
             "settings": {key: getattr(args, key) for key in ("temperature", "noise_ratio", "noise_steps",
                                                                "noise_lr", "noise_std", "max_seq_len", "seed")},
@@ -152,7 +184,8 @@ def diagnose(args) -> dict:
 
 def render(res: dict) -> str:
     m = res["mean"]
-    lines = [f"{res['batches']} batches of {res['batch_size']}, {res['noise']} noise negatives each",
+    lines = [f"{res['batches']} batches of {res['batch_size']}, {res['noise']} noise negatives each; "
+             f"pooler {res['pooler']}, complementary pooler {res['complementary_pooler']}",
              "", "| quantity | mean over batches |", "|---|---|"]
     for phi, share in m["masked"].items():
         lines.append(f"| in-batch negatives masked at phi={phi} | {100 * share:.3f}% |")

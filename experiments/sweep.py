@@ -1,7 +1,8 @@
 """Sensitivity of DCLR's φ and Focal-InfoNCE's m, DCLR + Focal, and an augmentation against
 dropout alone, at compare.py's CPU scale (same start, data and budget; 2 seeds by default).
 
-Runs, per seed (each one ``train.py`` subprocess through compare.py's ``do_run``):
+Runs, per seed (each one ``train.py`` subprocess through compare.py's ``do_run``, trained and
+scored as compare.py's: the start model's own pooling by default):
 
 1. ``simcse`` — the baseline, and DCLR's complementary model (the same run compare.py makes:
    with the same ``--work-dir`` a finished compare.py run is reused, only scored).
@@ -42,7 +43,8 @@ from fastcl.augment import parse as parse_augment  # noqa: E402
 from fastcl.common import FOCAL_M  # noqa: E402
 
 # Seconds per step measured for compare.py (2-core CPU, MiniLM, batch 64, max length 32) and the
-# per-run overhead (start, 5 dev evaluations and checkpoints, scoring), from its README.
+# per-run overhead (start, 6 dev evaluations and checkpoints, scoring), from its README: measured
+# with fastcl's earlier training loop, an estimate for the sentence-transformers trainer.
 STEP_S = {"simcse": 2.11, "dclr": 2.23, "focal": 2.11}
 RUN_OVERHEAD_S = 90.0
 SCORE_S = 30.0
@@ -106,18 +108,24 @@ def estimate_s(args) -> dict:
 
 def masked_share(args, seed: int, data: Path) -> dict:
     """dclr_diagnostics.py's masked share at each φ, on the training data, with the seed's
-    SimCSE run as the complementary model (cached in the results)."""
+    SimCSE run as the complementary model (cached in the results, reused while its command
+    is the same)."""
     import dclr_diagnostics as diag
     path = Path(args.results_dir) / "runs" / f"masked-seed{seed}.json"
     phis = [float(p) for p in args.phis]
+    # the training pooler and the complementary model's pooler: those the folders are saved
+    # with, as train.py's (dclr_diagnostics.py's defaults), unless --pooler is given
+    argv = ["--model", args.model,
+            "--complementary", str(compare.run_dir(args, f"simcse-seed{seed}") / compare.MODEL_DIR),
+            "--data", str(data), "--batches", str(args.diag_batches), "--batch-size", str(args.batch_size),
+            "--max-seq-len", str(args.max_seq_len), "--seed", str(seed), "--phi", *map(str, phis)]
+    if args.pooler:
+        argv[2:2] = ["--pooler", args.pooler]
+    command = "python experiments/dclr_diagnostics.py " + shlex.join(argv)
     if path.is_file():
         res = json.loads(path.read_text())
-        if res["phis"] == phis and res["batches"] == args.diag_batches:
+        if res.get("command") == command:
             return res
-    argv = ["--model", args.model, "--complementary", str(Path(args.work_dir) / "runs" / f"simcse-seed{seed}"),
-            "--complementary-pooler", compare.EXPORT_POOLER, "--data", str(data),
-            "--batches", str(args.diag_batches), "--batch-size", str(args.batch_size),
-            "--max-seq-len", str(args.max_seq_len), "--seed", str(seed), "--phi", *map(str, phis)]
     parser = diag.build_parser()
     diag_args = parser.parse_args(argv)
     diag.check_args(parser, diag_args)
@@ -127,8 +135,7 @@ def masked_share(args, seed: int, data: Path) -> dict:
     res = {"seed": seed, "phis": phis, "batches": args.diag_batches,
            "masked": {slug(p): out["mean"]["masked"][str(p)] for p in phis},
            "comp_cos_mean": out["mean"]["comp_cos_mean"], "comp_cos_max": out["mean"]["comp_cos_max"],
-           "command": "python experiments/dclr_diagnostics.py " + shlex.join(argv),
-           "wall_s": time.perf_counter() - tic}
+           "command": command, "wall_s": time.perf_counter() - tic}
     write_json(path, res)
     return res
 
@@ -326,8 +333,8 @@ def main(argv=None) -> int:
             do_run(args, combo[2], seed, data, config, cache, name=f"{combo[3]}-seed{seed}", extra=combo[4]))
     # compare.py's focal runs (train.py's default m), where their models are in the work dir:
     # one more m point
-    if FOCAL_M not in args.ms and all((work / "runs" / f"focal-seed{s}" / "train_results.json").is_file()
-                                  for s in args.seeds):
+    if FOCAL_M not in args.ms and all((compare.run_dir(args, f"focal-seed{s}") / compare.RESULTS).is_file()
+                                      for s in args.seeds):
         runs.append(("m", f"Focal m={slug(FOCAL_M)} (compare.py's runs)", "focal", "focal", []))
         results["focal"] = [do_run(args, "focal", s, data, config, cache) for s in args.seeds]
     baseline = {r["seed"]: r for r in results["simcse"]}

@@ -1,19 +1,19 @@
-"""Positive-view augmentations beside dropout, applied to the second view of a pair only.
+"""Positive-view augmentations beside dropout, applied to the positive column only.
 
-Unsupervised training encodes the duplicated batch ``[x1, x1, x2, x2, …]`` (see
-:mod:`fastcl.training`); the second copy of each sentence is its positive. With an
-augmentation, that copy is also augmented while dropout stays on for both copies. Two kinds:
+Unsupervised training puts each sentence in both columns (anchor, positive); dropout makes
+the two views. With an augmentation the positive copy is also augmented, dropout still on
+for both. The sentence-transformers loss wrapper
+:class:`fastcl.integrations.sentence_transformers.AugmentedPositives` applies them; this
+module holds the augmentations themselves. Two kinds:
 
-- **token level** (:func:`word_shuffle`, :func:`word_deletion`): the input ids of the second
-  copies are changed once per step, when the batch is tokenized
-  (:func:`fastcl.training.view_inputs`); every pass over the batch — the cached encoding's
-  two passes included — then sees the same inputs.
-- **embedding level** (:func:`token_cutoff`, :func:`span_cutoff`, :func:`feature_cutoff`):
-  applied to the output of the backbone's embedding layer (word + position + token-type
-  embeddings, after their LayerNorm and dropout) inside the forward, by a hook
-  (:func:`on_embeddings`). Their masks are drawn from the global random state of the
-  forward's device, like dropout, so the cached encoding's replay of that state per
-  mini-batch replays them too.
+- **token level** (:func:`word_shuffle`, :func:`word_deletion`): new input ids for the
+  positive rows, drawn once per step from the CPU's global random state, so every pass over
+  the batch (a cached loss's two passes included) sees the same inputs.
+- **embedding level** (token, span and feature cutoff): entries of the embedding layer's
+  output (word + position + token-type embeddings, after their LayerNorm and dropout) set
+  to zero. The entries are drawn once for the whole column (:func:`cutoff_mask`) and applied
+  in every forward by a hook (:func:`cut_out`), so they do not depend on how the column is
+  split into forwards.
 
 Only *content* tokens are touched: ``[CLS]``, ``[SEP]`` (every special token of the
 tokenizer but the unknown token, :func:`special_ids`) and padding never are, and the first copies never are. Each function takes the
@@ -32,7 +32,6 @@ augmentations compared with dropout).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -118,44 +117,65 @@ def _random_subset(where: torch.Tensor, k: torch.Tensor, device) -> torch.Tensor
 # ---------------------------------------------------------------------------------------
 # Embedding level: masks over the embedding layer's output (rows × L × d)
 
-def token_cutoff(embeddings: torch.Tensor, where: torch.Tensor, rate: float) -> torch.Tensor:
-    """ConSERT's token cutoff: zero the whole embedding vector of ``k = max(1, round(rate·L))``
-    content tokens per row, at positions drawn uniformly without replacement."""
-    where = where.to(embeddings.device)
-    cut = _random_subset(where, _count(rate, where.sum(1)), embeddings.device)
-    return embeddings * (~cut).to(embeddings.dtype)[..., None]
+def token_cut(where: torch.Tensor, rate: float, device=None) -> torch.Tensor:
+    """The tokens :func:`token_cutoff` zeroes (rows × L, bool): ``k = max(1, round(rate·L))``
+    content tokens per row, drawn uniformly without replacement (one ``torch.rand`` of
+    ``where``'s shape from the global random state of ``device``, ``where``'s by default)."""
+    device = where.device if device is None else torch.device(device)
+    where = where.to(device)
+    return _random_subset(where, _count(rate, where.sum(1)), device)
 
 
-def span_cutoff(embeddings: torch.Tensor, where: torch.Tensor, rate: float) -> torch.Tensor:
-    """ConSERT's span cutoff: zero the embeddings of one contiguous span of ``k = max(1,
-    round(rate·L))`` content tokens per row, its start drawn uniformly among the ``L − k + 1``
-    possible ones."""
-    where = where.to(embeddings.device)
+def span_cut(where: torch.Tensor, rate: float, device=None) -> torch.Tensor:
+    """The tokens :func:`span_cutoff` zeroes (rows × L, bool): one contiguous span of ``k =
+    max(1, round(rate·L))`` content tokens per row, its start drawn uniformly among the
+    ``L − k + 1`` possible ones (one ``torch.rand`` per row)."""
+    device = where.device if device is None else torch.device(device)
+    where = where.to(device)
     lengths = where.sum(1)
-    k = _count(rate, lengths).to(embeddings.device)
-    start = torch.floor(torch.rand(where.shape[0], device=embeddings.device)
-                        * (lengths - k + 1).to(embeddings.device)).long()
+    k = _count(rate, lengths).to(device)
+    start = torch.floor(torch.rand(where.shape[0], device=device) * (lengths - k + 1).to(device)).long()
     index = where.long().cumsum(1) - 1  # position among the row's content tokens
-    cut = where & (index >= start[:, None]) & (index < (start + k)[:, None])
-    return embeddings * (~cut).to(embeddings.dtype)[..., None]
+    return where & (index >= start[:, None]) & (index < (start + k)[:, None])
 
 
-def feature_cutoff(embeddings: torch.Tensor, where: torch.Tensor, rate: float) -> torch.Tensor:
-    """ConSERT's feature cutoff: zero ``k = max(1, round(rate·d))`` embedding dimensions per
-    row, drawn uniformly without replacement, in every content token of the row (ConSERT
-    erases the columns for the whole sequence; here the special tokens keep theirs)."""
-    where = where.to(embeddings.device)
-    rows, _, dim = embeddings.shape
-    chosen = (where.any(1, keepdim=True) & torch.ones(rows, dim, dtype=torch.bool,
-                                                       device=embeddings.device))
+def feature_cut(where: torch.Tensor, rate: float, dim: int, device=None) -> torch.Tensor:
+    """The entries :func:`feature_cutoff` zeroes (rows × L × ``dim``, bool): ``k = max(1,
+    round(rate·dim))`` embedding dimensions per row, drawn uniformly without replacement (one
+    ``torch.rand`` of rows × ``dim``), in every content token of the row."""
+    device = where.device if device is None else torch.device(device)
+    where = where.to(device)
+    rows = where.shape[0]
+    chosen = where.any(1, keepdim=True) & torch.ones(rows, dim, dtype=torch.bool, device=device)
     k = torch.full((rows,), dim, dtype=torch.long)
-    dims = _random_subset(chosen, _count(rate, k), embeddings.device)
-    cut = where[..., None] & dims[:, None, :]
-    return embeddings * (~cut).to(embeddings.dtype)
+    dims = _random_subset(chosen, _count(rate, k), device)
+    return where[..., None] & dims[:, None, :]
 
 
-_EMBEDDING = {"token_cutoff": token_cutoff, "span_cutoff": span_cutoff,
-              "feature_cutoff": feature_cutoff}
+def cut_out(embeddings: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """``embeddings`` (rows × L × d) with the entries ``cut`` marks set to zero: ``cut`` is
+    rows × L (whole token vectors, :func:`token_cut`, :func:`span_cut`) or rows × L × d
+    (:func:`feature_cut`)."""
+    keep = ~cut.to(embeddings.device)
+    if keep.ndim == 2:
+        keep = keep[..., None]
+    return embeddings * keep.to(embeddings.dtype)
+
+
+def cutoff_mask(aug: Augmentation, where: torch.Tensor, dim: int | None = None, device=None) -> torch.Tensor:
+    """What the embedding-level augmentation ``aug`` zeroes at the tokens ``where``, drawn now
+    (the draws of :func:`token_cutoff`, :func:`span_cutoff` or :func:`feature_cutoff`, from the
+    global random state of ``device``); :func:`cut_out` applies it. ``dim``, the width of the
+    embedding layer's output, is needed by ``feature_cutoff`` only."""
+    if aug.name == "token_cutoff":
+        return token_cut(where, aug.rate, device)
+    if aug.name == "span_cutoff":
+        return span_cut(where, aug.rate, device)
+    if aug.name == "feature_cutoff":
+        if dim is None:
+            raise ValueError("feature_cutoff needs the width of the embedding layer's output (dim)")
+        return feature_cut(where, aug.rate, dim, device)
+    raise ValueError(f"augment: {aug.name} is not an embedding-level augmentation")
 
 
 def embedding_module(backbone: torch.nn.Module) -> torch.nn.Module:
@@ -165,30 +185,6 @@ def embedding_module(backbone: torch.nn.Module) -> torch.nn.Module:
     if isinstance(module, torch.nn.Module):
         return module
     return backbone.get_input_embeddings()
-
-
-@contextlib.contextmanager
-def on_embeddings(aug: Augmentation | None, backbone: torch.nn.Module, where: torch.Tensor | None):
-    """Within the block, the embedding layer's output of ``backbone`` goes through the
-    embedding-level augmentation ``aug`` at the tokens ``where`` (rows × L, True where a
-    token may change: the content tokens of the second copies). Nothing happens when
-    ``aug`` is None, token level, or ``where`` is None."""
-    if aug is None or not aug.embedding_level or where is None:
-        yield
-        return
-    fn = _EMBEDDING[aug.name]
-
-    def hook(module, inputs, output):
-        if output.shape[:2] != where.shape:
-            raise ValueError(f"augment {aug.name}: the embedding layer's output {tuple(output.shape)} "
-                             f"does not match the token mask {tuple(where.shape)}")
-        return fn(output, where, aug.rate)
-
-    handle = embedding_module(backbone).register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 # ---------------------------------------------------------------------------------------
@@ -231,22 +227,3 @@ def word_deletion(features: dict, where: torch.Tensor, rate: float, pad_token_id
                 out[key][i] = fill
                 out[key][i, :kept] = row
     return out
-
-
-def augment_features(aug: Augmentation | None, features: dict, rows: torch.Tensor, tokenizer) -> dict:
-    """The features of a forward with ``aug`` on the rows ``rows`` (bool, one per row):
-    token-level augmentations change those rows' input ids now; an embedding-level one adds
-    :data:`KEY`, the tokens its hook may change (see :func:`on_embeddings`)."""
-    if aug is None:
-        return features
-    device = features["input_ids"].device
-    cpu = {k: v.cpu() for k, v in features.items()}
-    where = content_tokens(cpu["input_ids"], cpu["attention_mask"], special_ids(tokenizer))
-    where &= rows.cpu()[:, None]
-    if aug.embedding_level:
-        return {**features, KEY: where.to(device)}
-    if aug.name == "word_shuffle":
-        cpu = word_shuffle(cpu, where, aug.rate)
-    else:
-        cpu = word_deletion(cpu, where, aug.rate, tokenizer.pad_token_id or 0)
-    return {k: v.to(device) for k, v in cpu.items()}

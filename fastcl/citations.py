@@ -1,6 +1,6 @@
-"""The papers behind fastcl's methods, as BibTeX: the one place the model cards of the trainer
-(:func:`fastcl.encoders.save_sentence_encoder`) and the ``citation`` of the
-sentence-transformers losses (:mod:`fastcl.integrations.sentence_transformers`) read them."""
+"""The papers behind fastcl's methods, as BibTeX: the one place the ``citation`` of the
+sentence-transformers losses (:mod:`fastcl.integrations.sentence_transformers`) reads them;
+sentence-transformers puts it in the model card of every model the trainer saves."""
 
 from __future__ import annotations
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from .objectives import METHODS
 
 # Training file formats by suffix (lower case); "tsv" is a csv with tabs.
 FORMATS = {".txt": "text", ".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json",
@@ -36,8 +35,13 @@ FORMATS = {".txt": "text", ".csv": "csv", ".tsv": "tsv", ".json": "json", ".json
 SUPPORTED = ("a .txt file (one sentence a line), a .csv, .tsv, .json, .jsonl or .parquet file, "
              "a folder of such files (one format), a SentEval SNLI folder (simcse-sup), or a "
              "dataset name for datasets.load_dataset")
-TEXT_COLUMNS = ("text", "sentence")      # the default text column, in this order
+TEXT_COLUMNS = ("text", "sentence")
+SUPERVISED = ("simcse-sup",)          # the methods whose examples are (anchor, positive[, negative])      # the default text column, in this order
 PAIR_COLUMNS = ("sent0", "sent1", "hard_neg")
+
+
+def _supervised(method: str) -> bool:
+    return method in SUPERVISED
 
 
 @dataclass
@@ -268,7 +272,7 @@ def from_dataset(ds, method: str, *, text_column=None, columns=None, source: str
     skipped and counted; texts are kept as stored."""
     names = list(ds.column_names)
     texts = [n for n in names if _is_text(ds.features[n])]
-    if METHODS[method].supervised:
+    if _supervised(method):
         cols = _pair_columns(names, columns, source, "columns")
         targets = list(PAIR_COLUMNS[:len(cols)])
     else:
@@ -350,7 +354,7 @@ def read_files(files: list, method: str, *, text_column=None, columns=None,
         raise ValueError(f"--data: {source} mixes formats ({', '.join(sorted(formats))}); "
                          "a folder holds files of one format")
     fmt = formats.pop()
-    supervised = METHODS[method].supervised
+    supervised = _supervised(method)
     if fmt == "text":
         if supervised:
             raise ValueError(f"--data: {method} needs a csv with sent0,sent1,hard_neg columns "
@@ -391,7 +395,7 @@ def read_training_data(path, method: str, snli=None, *, text_column=None, column
     fields of tables."""
     name = str(path)
     path = Path(path)
-    supervised = METHODS[method].supervised
+    supervised = _supervised(method)
     if columns and not supervised:
         raise ValueError(f"--columns applies to simcse-sup; method {method} reads one text "
                          "column (--text-column)")

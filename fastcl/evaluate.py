@@ -22,9 +22,11 @@ Command line::
 
     python -m fastcl.evaluate MODEL [--pooler cls_before_pooler] --sts-dir DIR [--tasks ...] [--json OUT]
 
-Without ``--pooler`` the pooler is the one a fastcl export records (``fastcl_pooler.json``),
-else the one of a sentence-transformers folder's Pooling module (CLS token: ``cls_before_pooler``;
-mean of tokens: ``avg``). A progress bar per task goes to stderr (``--quiet``: none). The exit
+Without ``--pooler`` the pooler is read off a sentence-transformers folder's modules, which
+covers every model the trainer saves (:func:`sentence_transformers_pooler`: CLS token
+``cls_before_pooler``, with the ``2_Dense`` Linear + Tanh head ``cls``, mean of tokens ``avg``,
+after fastcl's WeightedLayerPooling ``avg_first_last`` / ``avg_top2``); a folder written by an
+older fastcl records it in ``fastcl_pooler.json``, which comes first. A progress bar per task goes to stderr (``--quiet``: none). The exit
 status is non-zero, with the reason, when no task file exists or a score is undefined (NaN).
 
 :func:`evaluate_embeddings` scores the embeddings of any embedding function under this
@@ -52,7 +54,8 @@ from scipy.stats import spearmanr
 from tqdm import tqdm
 
 from .data import text_lines
-from .encoders import POOLERS, SentenceEncoder, check_pooler, encode, load_encoder
+from .encoders import (HEAD_DIR, POOLERS, SentenceEncoder, check_pooler, encode, layer_weights,
+                       load_encoder)
 from .metrics import alignment, uniformity
 
 SEVEN = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
@@ -361,13 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fastcl.evaluate",
         description="Spearman x100 of cosine similarities on the STS tasks (SentEval's protocol).")
     p.add_argument("model", help="model folder (Hugging Face or sentence-transformers layout, "
-                                 "e.g. a train.py output) or a hub name")
+                                 "e.g. OUT/model of python -m fastcl.trainer) or a hub name")
     p.add_argument("--pooler", choices=POOLERS, default=None,
                    help="how token states become a sentence embedding; 'cls' uses the MLP head "
-                        "saved with the model (2_Dense/) or the model's own pooler (default: the "
-                        "pooler a train.py export was saved with, from MODEL/fastcl_pooler.json, "
-                        "else the Pooling module of a sentence-transformers folder: CLS token -> "
-                        "cls_before_pooler, mean of tokens -> avg)")
+                        "saved with the model (2_Dense/) or the model's own pooler (default: read "
+                        "off the modules of a sentence-transformers folder, as the trainer saves "
+                        "it: CLS token -> cls_before_pooler, with the 2_Dense Linear + Tanh head "
+                        "-> cls, mean of tokens -> avg, after fastcl's WeightedLayerPooling -> "
+                        "avg_first_last / avg_top2; MODEL/fastcl_pooler.json of an older fastcl "
+                        "export comes first)")
     p.add_argument("--sts-dir", required=True, metavar="DIR", help="data folder holding STS12-en-test/ ... "
                    "STS16-en-test/, stsb/ and sick/")
     p.add_argument("--tasks", nargs="+", default=list(SEVEN), choices=TASKS, metavar="TASK",
@@ -410,14 +415,110 @@ def _st_pooling_modes(config: dict) -> tuple:
     return modes or ("mean",)  # sentence-transformers' default
 
 
+def _saved_layer_weights(folder: Path) -> torch.Tensor:
+    """The ``layer_weights`` a sentence-transformers WeightedLayerPooling saved in ``folder``."""
+    safetensors, pickled = folder / "model.safetensors", folder / "pytorch_model.bin"
+    try:
+        if safetensors.is_file():
+            from safetensors.torch import load_file
+            state = load_file(str(safetensors))
+        elif pickled.is_file():
+            state = torch.load(pickled, map_location="cpu", weights_only=True)
+        else:
+            raise ValueError(f"{folder}: no WeightedLayerPooling weights (model.safetensors)")
+        return state["layer_weights"].detach().double().flatten()
+    except (OSError, RuntimeError, KeyError, AttributeError) as err:
+        raise ValueError(f"{folder}: cannot read the WeightedLayerPooling weights "
+                         f"({type(err).__name__}: {err})") from None
+
+
+def _transformer_layers(folder: Path) -> tuple:
+    """``(num_hidden_layers, output_hidden_states)`` of the Hugging Face model in ``folder``,
+    as sentence-transformers' Transformer loads it (its ``config_kwargs`` override config.json)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{folder}: cannot read the model's config.json ({err})") from None
+    st_config = folder / "sentence_bert_config.json"
+    overrides = {}
+    if st_config.is_file():
+        record = _read_json(st_config, "the Transformer config")
+        overrides = record.get("config_kwargs") or record.get("config_args") or {}
+    hidden = overrides.get("output_hidden_states", getattr(config, "output_hidden_states", False))
+    return config.num_hidden_layers, bool(hidden)
+
+
+def _layer_pooler(folder: Path, transformer: Path) -> str:
+    """``avg_first_last`` or ``avg_top2``: the pooler whose layers and weights the
+    WeightedLayerPooling in ``folder`` (before mean pooling) has; else a ValueError."""
+    config_path = folder / "config.json"
+    config = _read_json(config_path, "the WeightedLayerPooling config")
+    # sentence-transformers' defaults for keys a config leaves out
+    start, declared = config.get("layer_start", 4), config.get("num_hidden_layers", 12)
+    weights = _saved_layer_weights(folder)
+    num_layers, hidden = _transformer_layers(transformer)
+    found = None
+    for pooler in ("avg_first_last", "avg_top2"):  # the same module on a 2-layer model
+        want_start, want = layer_weights(pooler, num_layers)
+        want = torch.tensor(want, dtype=torch.float64)
+        if (start == want_start and declared == num_layers and weights.shape == want.shape
+                and bool(torch.allclose(weights / weights.sum(), want / want.sum(), atol=1e-6))):
+            found = pooler
+            break
+    if found is None:
+        shown = ", ".join(format(w, "g") for w in weights.tolist())
+        raise ValueError(
+            f"{folder}: WeightedLayerPooling from layer {start} with weights [{shown}] "
+            f"(num_hidden_layers {declared}, the model has {num_layers}) is none of fastcl's "
+            f"poolers: avg_first_last is layer_start 1 with weight 1 on the first and last layers "
+            f"and 0 between, avg_top2 layer_start {num_layers - 1} with weights [1, 1]"
+            + _ST_UNSUPPORTED)
+    if not hidden:
+        raise ValueError(
+            f"{transformer / 'config.json'}: output_hidden_states is off, so the "
+            f"WeightedLayerPooling in {folder.name} gets no layer states and sentence-transformers "
+            f"passes the last layer through (fastcl's avg, not {found})" + _ST_UNSUPPORTED)
+    return found
+
+
+def _check_head(folder: Path, dim: int | None) -> None:
+    """A ValueError unless the Dense in ``folder`` is the ``cls`` pooler's head: a square
+    Linear with bias, then Tanh, on the sentence embedding."""
+    config_path = folder / "config.json"
+    config = _read_json(config_path, "the Dense config")
+    square = config.get("in_features") == config.get("out_features") and (
+        dim is None or config.get("in_features") == dim)
+    tanh = str(config.get("activation_function", "")).rpartition(".")[2] == "Tanh"
+    on_embedding = all(config.get(key, "sentence_embedding") == "sentence_embedding"
+                       for key in ("module_input_name", "module_output_name"))
+    if not (square and tanh and config.get("bias", True) and on_embedding):
+        raise ValueError(f"{config_path}: this Dense is not the cls pooler's head (a square "
+                         f"Linear with bias, then Tanh, on the sentence embedding), so fastcl has "
+                         f"no pooler for it" + _ST_UNSUPPORTED)
+
+
 def sentence_transformers_pooler(folder) -> tuple | None:
     """``(pooler, config path)`` that reproduces a sentence-transformers folder's embeddings
     up to their length, or None when ``folder`` has no ``modules.json`` with a Pooling module.
 
-    The modules must be Transformer → Pooling (CLS token: ``cls_before_pooler``; mean of the
-    tokens: ``avg``) → optionally Normalize (it does not change a cosine). Anything else
-    (max, weighted-mean, last-token or concatenated pooling, a Dense or any other module, a
-    lower-casing Transformer) raises a ValueError saying what fastcl cannot reproduce.
+    Every folder the trainer saves is recognized. The modules must be one of
+
+    - Transformer → Pooling: CLS token ``cls_before_pooler``, mean of the tokens ``avg``;
+    - Transformer → Pooling (CLS token) → Dense in ``2_Dense`` (square Linear + Tanh, the
+      MLP head): ``cls``;
+    - Transformer → WeightedLayerPooling → Pooling (mean): ``avg_first_last`` or
+      ``avg_top2`` when the layers and weights are those of
+      :func:`fastcl.trainer.heads.pooling_modules` (the weights up to a common factor: they
+      are divided by their sum) and the model returns every layer's states
+      (``output_hidden_states``); on a 2-layer model the two are the same, ``avg_first_last``;
+
+    each optionally followed by Normalize (it does not change a cosine). The config path is
+    the WeightedLayerPooling's for ``avg_first_last`` / ``avg_top2``, else the Pooling's.
+    Anything else (max, weighted-mean, last-token or concatenated pooling, other layer
+    weights, another Dense or any other module, a lower-casing Transformer) raises a
+    ValueError saying what fastcl cannot reproduce.
     """
     folder = Path(folder)
     path = folder / "modules.json"
@@ -431,30 +532,54 @@ def sentence_transformers_pooler(folder) -> tuple | None:
     if "Pooling" not in kinds:
         return None
     pooling = kinds.index("Pooling")
-    if kinds[:pooling] != ["Transformer"]:
+    layers = kinds[:pooling] == ["Transformer", "WeightedLayerPooling"]
+    if kinds[:pooling] != ["Transformer"] and not layers:
         raise ValueError(f"{path}: modules {' -> '.join(kinds)}: fastcl reproduces Transformer -> "
-                         f"Pooling [-> Normalize] only" + _ST_UNSUPPORTED)
-    extra = [k for k in kinds[pooling + 1:] if k != "Normalize"]
+                         f"[WeightedLayerPooling ->] Pooling [-> Dense] [-> Normalize] only"
+                         + _ST_UNSUPPORTED)
+    rest = kinds[pooling + 1:]
+    head = rest[:1] == ["Dense"] and modules[pooling + 1].get("path") == HEAD_DIR
+    extra = [k for k in rest[1 if head else 0:] if k != "Normalize"]
     if extra:
         raise ValueError(f"{path}: {', '.join(extra)} after Pooling changes the embeddings and "
                          f"fastcl has no such pooler" + _ST_UNSUPPORTED)
     config_path = folder / modules[pooling].get("path", "") / "config.json"
-    modes = _st_pooling_modes(_read_json(config_path, "the Pooling config"))
+    pooling_config = _read_json(config_path, "the Pooling config")
+    modes = _st_pooling_modes(pooling_config)
     if len(modes) != 1 or modes[0] not in _ST_POOLING:
         raise ValueError(f"{config_path}: pooling {' + '.join(map(str, modes))} has no fastcl pooler "
                          f"(fastcl reproduces cls -> cls_before_pooler and mean -> avg)"
                          + _ST_UNSUPPORTED)
-    st_config = folder / modules[0].get("path", "") / "sentence_bert_config.json"
+    transformer = folder / modules[0].get("path", "")
+    st_config = transformer / "sentence_bert_config.json"
     if st_config.is_file() and _read_json(st_config, "the Transformer config").get("do_lower_case"):
         raise ValueError(f"{st_config}: the model lower-cases its input (do_lower_case), which "
                          f"fastcl's encoder does not" + _ST_UNSUPPORTED)
-    return _ST_POOLING[modes[0]], config_path
+    pooler = _ST_POOLING[modes[0]]
+    if head:
+        if pooler != "cls_before_pooler" or layers:
+            raise ValueError(f"{path}: Dense after {modes[0]} pooling"
+                             + (" of WeightedLayerPooling" if layers else "")
+                             + " has no fastcl pooler (fastcl's cls is the CLS token through "
+                               "Linear + Tanh)" + _ST_UNSUPPORTED)
+        dim = pooling_config.get("embedding_dimension", pooling_config.get("word_embedding_dimension"))
+        _check_head(folder / HEAD_DIR, dim)
+        pooler = "cls"
+    if layers:
+        if pooler != "avg":
+            raise ValueError(f"{config_path}: {modes[0]} pooling after WeightedLayerPooling has no "
+                             f"fastcl pooler (avg_first_last and avg_top2 take the mean of the "
+                             f"tokens)" + _ST_UNSUPPORTED)
+        layer_folder = folder / modules[pooling - 1].get("path", "")
+        pooler = _layer_pooler(layer_folder, transformer)
+        config_path = layer_folder / "config.json"
+    return pooler, config_path
 
 
 def pooler_of(model) -> tuple:
     """``(pooler, where it was read)`` for a model folder given without ``--pooler``:
-    ``fastcl_pooler.json`` of a fastcl export, else the Pooling config of a
-    sentence-transformers folder. Raises SystemExit when there is neither or it cannot be
+    ``fastcl_pooler.json`` of an export by an older fastcl, else the modules of a
+    sentence-transformers folder (:func:`sentence_transformers_pooler`). Raises SystemExit when there is neither or it cannot be
     reproduced."""
     path = Path(model) / "fastcl_pooler.json"
     if path.is_file():

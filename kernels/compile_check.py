@@ -17,11 +17,16 @@ large-batch step (N = M = 32768, d = 768, chunks of 4096 rows; every buffer 16-b
 aligned), for which fastcl's kept configs must compile without spills; ``unaligned``, odd
 sizes and views at an odd offset (no argument divisible by 16), which must compile, their
 spills reported (the autotuner times every config at the shape it is given); ``odd``, for
-the descriptor design (which takes only aligned buffers), odd sizes alone. The marks are
+the descriptor design (which takes only aligned buffers), odd sizes alone. The default run
+builds those two, and the candidate descriptor design's aligned launches, on covering subsets
+(``pairwise``: every kernel, flag set, mode and design, each flag set in each design on each
+target; ``--exhaustive``: all of them). The marks are
 made by Triton's own launch-time function where the installed Triton exposes it.
 
     python -m fastcl.kernels.compile_check                # the representative subset
     python -m fastcl.kernels.compile_check --full --json report.json
+    python -m fastcl.kernels.compile_check --exhaustive      # the subset, no covering subsets
+    python -m fastcl.kernels.compile_check --aligned-only --first-config --pairwise
     python -m fastcl.kernels.compile_check --sim-candidates   # what the lists are chosen from
 
 A specialization fails on a compile error, or on register spills in a config that fastcl
@@ -188,13 +193,20 @@ def candidates(archs=ARCHS, dtypes=None, design=None) -> list[Spec]:
 
 
 def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = False,
-                    launches=("aligned", "unaligned")) -> list[Spec]:
+                    launches=("aligned", "unaligned"), exhaustive: bool = False) -> list[Spec]:
     """What fastcl can launch: every kernel and flag set with the configs in use (the
     descriptor design's too, where this Triton has tensor descriptors), each in every mode
     its objective is launched in (``modes``). The pairs of (arch, dtype): by default ``SUBSET``, bf16 on sm_90 and
     fp32 on sm_80; ``full``: every dtype on every arch; ``rest``: the full matrix less the
     subset. ``launches``: the aligned large-batch launch, and (unless ``full`` or ``rest``)
-    the same specializations as an unaligned launch (odd sizes for the descriptor design)."""
+    the same specializations as an unaligned launch (odd sizes for the descriptor design).
+    The default subset takes all of the default design's aligned launches (what every call
+    runs: each config of each list must compile without spills), and covering subsets
+    (``pairwise``) of the rest: of the descriptor design's aligned launches (the candidate
+    FASTCL_SIM=descriptor: each flag set on each target, every pair of flag set, mode and
+    target, each config of its lists on each target) and of the unaligned launches (their
+    first configs: every kernel, flag set, mode and design, each flag set in each design on
+    each target; they must compile, their spills are reported); ``exhaustive``: all of them."""
     from . import contrastive as kc
 
     if dtypes is not None:
@@ -240,15 +252,19 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
                                   4 if width <= 1024 else 8, 3, ("x_ptr", "x_hat_ptr", "k_ptr"),
                                   out_ptrs=("out_ptr",) + (() if bound else ("dk_ptr",)),
                                   args={"D": width, "scale_stride": scale_stride}))
+    covered = full or rest or exhaustive
     aligned = specs if "aligned" in launches else []
+    if aligned and not covered:
+        aligned = [s for s in aligned if not s.constexprs.get("DESC")] + pairwise(
+            [s for s in aligned if s.constexprs.get("DESC")], configs=True)
     if "unaligned" in launches and not (full or rest):
         # the subset again for odd sizes and unaligned views: they must compile too (the
         # descriptor design takes only aligned buffers: odd sizes; the chain rule at the
         # unaligned launch's own width)
-        aligned = aligned + [
-            replace(s, launch="odd" if s.constexprs.get("DESC") else "unaligned",
-                    args={k: v for k, v in s.args.items() if k != "D"})
-            for s in specs if s.args.get("D", 768) == 768]
+        mirror = [replace(s, launch="odd" if s.constexprs.get("DESC") else "unaligned",
+                          args={k: v for k, v in s.args.items() if k != "D"})
+                  for s in specs if s.args.get("D", 768) == 768]
+        aligned = aligned + (mirror if exhaustive else pairwise(first_configs(mirror)))
     return aligned
 
 
@@ -522,6 +538,54 @@ def compile_one(spec: Spec) -> Result:
                   **values)
 
 
+#: What a specialization varies in besides its kernel, for ``pairwise``: the flag set (the
+#: width for the chain rule), the target (dtype, arch), the launch, the mode (the similarity
+#: kernel's (STORE_EXP, BOUNDED), the row kernel's WANT_GRAD, the chain rule's
+#: (WRITE_X_HAT, BOUNDED, scale_stride)) and the design (FASTCL_SIM=descriptor or not).
+def _factors(spec: Spec) -> dict:
+    c = spec.constexprs
+    mode = (c.get("STORE_EXP"), c.get("BOUNDED"), c.get("WANT_GRAD"), c.get("WRITE_X_HAT"),
+            spec.args.get("scale_stride"))
+    return {"flags": spec.variant, "target": (spec.dtype, spec.arch), "launch": spec.launch,
+            "mode": mode, "design": bool(c.get("DESC"))}
+
+
+def pairwise(specs: list[Spec], configs: bool = False) -> list[Spec]:
+    """A subset of ``specs`` in which, for each kernel, every pair of factor values that some
+    specialization of ``specs`` has (``_factors``: flag set × target, flag set × mode, flag
+    set × design, mode × target, target × launch, …) is compiled at least once, and each
+    flag set on each target in the default design (the one launched unless FASTCL_SIM says
+    otherwise); with ``configs``, each config of each design on each target too: every
+    kernel, flag set, mode and design on every target without the full product of flag
+    sets, modes, designs and configs. Greedy and deterministic: the earliest specialization
+    that covers the most pairs not yet covered (so after ``first_configs`` still the first
+    config of a list), in the order of ``specs``. What ``.ci/triton_range.sh`` compiles on
+    the older Tritons; the default run's unaligned launches and descriptor design, and the
+    other dtypes in ``tests/test_compile.py``."""
+    import itertools
+
+    def pairs(spec):
+        f = _factors(spec)
+        items = sorted((k, repr(v)) for k, v in f.items())
+        out = {(spec.kernel,) + a + b for a, b in itertools.combinations(items, 2)}
+        if not f["design"]:
+            out.add((spec.kernel, "default design", f["flags"], f["target"]))
+        if configs:
+            c = spec.constexprs
+            out.add((spec.kernel, "config", f["target"], f["design"], c.get("BLOCK_R"),
+                     c.get("BLOCK_D"), spec.num_warps, spec.num_stages, c.get("GROUP_R")))
+        return out
+
+    covers = [pairs(s) for s in specs]
+    need = set().union(*covers) if covers else set()
+    chosen = set()
+    while need:
+        best = max(range(len(specs)), key=lambda i: (len(covers[i] & need), -i))
+        chosen.add(best)
+        need -= covers[best]
+    return [s for i, s in enumerate(specs) if i in chosen]
+
+
 def _compile_many(specs: list[Spec]) -> list[Result]:
     return [compile_one(s) for s in specs]
 
@@ -581,8 +645,15 @@ def main(argv=None) -> int:
     p.add_argument("--first-config", action="store_true",
                    help="only the first config of each similarity list (the range check "
                         "on older Tritons, .ci/triton_range.sh)")
+    p.add_argument("--pairwise", action="store_true",
+                   help="only a subset that compiles every pair of flag set, target, launch, "
+                        "mode and design values at least once (after --first-config)")
     p.add_argument("--aligned-only", action="store_true",
                    help="only the aligned large-batch launch (not the unaligned one)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="the default subset in full: every config of the descriptor design, "
+                        "every config and mode of the unaligned launches (by default covering "
+                        "subsets, compile_check.pairwise)")
     p.add_argument("--sim-candidates", nargs="?", const="all",
                    choices=["all", "default", "descriptor"],
                    help="only every config the similarity kernel's lists are chosen from "
@@ -595,11 +666,15 @@ def main(argv=None) -> int:
                         None if args.sim_candidates == "all" else args.sim_candidates)
              if args.sim_candidates else
              specializations(args.full, tuple(args.arch), args.dtype, args.rest,
-                             ("aligned",) if args.aligned_only else ("aligned", "unaligned")))
+                             ("aligned",) if args.aligned_only else ("aligned", "unaligned"),
+                             # (--first-config, --pairwise: their own subsets of all of it)
+                             args.exhaustive or args.first_config or args.pairwise))
     if args.kernel:
         specs = [s for s in specs if s.kernel == args.kernel]
     if args.first_config:
         specs = first_configs(specs)
+    if args.pairwise:
+        specs = pairwise(specs)
     results = run(specs, args.jobs)
     print(report(results))
     if args.json:

@@ -13,13 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lower layers never import higher ones. Within a layer, imports are allowed (no cycles).
 LAYERS = [
-    ("fastcl.common", "fastcl.citations", "fastcl._switches", "fastcl._validation"),  # leaves
+    ("fastcl.common", "fastcl.citations", "fastcl._switches", "fastcl._validation",
+     "fastcl.files"),                                                        # leaves
     ("fastcl.kernels", "fastcl.reference"),                                  # kernels; the oracle
     ("fastcl.tiled",),                                                       # the tiled driver
     ("fastcl.functional",),                                                  # the public losses
-    ("fastcl", "fastcl.metrics", "fastcl.modules", "fastcl.objectives", "fastcl.encoders",
-     "fastcl.augment", "fastcl.distributed", "fastcl.data", "fastcl.checkpoint"),  # on the losses
-    ("fastcl.training", "fastcl.evaluate", "fastcl.integrations"),         # steps, eval, adapters
+    ("fastcl", "fastcl.metrics", "fastcl.modules", "fastcl.encoders",
+     "fastcl.augment", "fastcl.distributed", "fastcl.data"),                 # on the losses
+    ("fastcl.evaluate", "fastcl.integrations"),                              # eval, adapters
     ("fastcl.trainer",),                                                     # the trainer
 ]
 
@@ -105,10 +106,10 @@ def test_no_import_cycles():
             visit(name, [name])
 
 
-def test_one_dispatch_serves_every_step_driver():
-    """The method → loss choice is made in fastcl.objectives alone."""
-    for name in ("fastcl.training", "fastcl.distributed", "fastcl.trainer.loop"):
-        path = ROOT / (name.replace(".", "/") + ".py")
+def test_the_trainer_trains_with_the_sentence_transformers_losses_only():
+    """The method → loss choice is made once (fastcl.trainer.build picks the
+    sentence-transformers loss); the trainer itself calls no loss function."""
+    for path in sorted((ROOT / "fastcl" / "trainer").glob("*.py")):
         source = path.read_text(encoding="utf-8")
-        for loss in ("infonce(", "focal_infonce(", "dclr_loss(", "escl_loss("):
-            assert f"fastcl.{loss}" not in source and f" {loss}" not in source, (name, loss)
+        for loss in ("infonce(", "focal_infonce(", "dclr_loss(", "escl_loss(", "contrastive("):
+            assert f"fastcl.{loss}" not in source and f" {loss}" not in source, (path.name, loss)

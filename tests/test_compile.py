@@ -8,9 +8,15 @@ GPU needed), each as a launch specializes it (aligned large-batch arguments; the
 also odd, unaligned ones), and reads ptxas's report; these tests run it in a separate process
 (the kernels must be the jitted ones, and this process may have ``TRITON_INTERPRET=1``) and
 fail on any compile error, or on a register spill in the aligned launch. The default run
-covers every kernel and flag set (bf16 on sm_90, fp32 on sm_80), the similarity kernel's
-candidate design (``FASTCL_SIM=descriptor``) included; the ``slow`` run every dtype on both
-targets.
+covers every kernel, flag set, mode and config in use (bf16 on sm_90, fp32 on sm_80), and on
+covering subsets (``compile_check.pairwise``) the similarity kernel's candidate design
+(``FASTCL_SIM=descriptor``: each flag set on each target, each config of its lists there)
+and the unaligned launches (every kernel, flag set, mode and design; each flag set in each
+design on each target). The other dtypes on both targets
+compile the same way, the first config of each list (``--rest --first-config --pairwise``).
+The ``slow`` test (``pytest -m slow``) compiles what those two leave out: every config and
+mode of every dtype on both targets, and of the unaligned launches, and the descriptor
+design's every config with every flag set.
 """
 
 import json
@@ -97,16 +103,28 @@ def test_every_variant_and_kernel_is_covered(subset):
         return
     odd = {r["spec"]["variant"] for r in results if r["spec"]["launch"] == "odd"}
     assert set(VARIANTS) <= odd
-    # the descriptor design: every flag set, each config of its list
-    from fastcl.kernels.contrastive import sim_configs
+    # the descriptor design, aligned: every flag set on each target, each config of its lists
+    # there (the product: the slow test)
+    _assert_descriptor_lists(results, every_pair=False)
+
+
+def _assert_descriptor_lists(results, every_pair):
+    """The descriptor design's aligned launches: each config of each flag set's list on bf16
+    sm_90 and fp32 sm_80 (``every_pair``), or every flag set and each config of its lists on
+    each of them."""
+    from fastcl.kernels.contrastive import VARIANTS, sim_configs
     desc = {(r["spec"]["variant"], r["spec"]["dtype"], r["spec"]["arch"],
              tuple(r["spec"]["constexprs"][k] for k in ("BLOCK_R", "BLOCK_D"))
              + (r["spec"]["num_warps"], r["spec"]["num_stages"], r["spec"]["constexprs"]["GROUP_R"]))
-            for r in results if r["spec"]["constexprs"].get("DESC")}
+            for r in results if r["spec"]["constexprs"].get("DESC") and r["spec"]["launch"] == "aligned"}
     for variant, f in VARIANTS.items():
         for arch, dtype in ((90, "bfloat16"), (80, "float32")):
+            assert any(d[:3] == (variant, dtype, arch) for d in desc), (variant, dtype, arch)
             for config in sim_configs(f, dtype, arch, design="descriptor"):
-                assert (variant, dtype, arch, tuple(config)) in desc, (variant, dtype, arch, config)
+                if every_pair:
+                    assert (variant, dtype, arch, tuple(config)) in desc, (variant, dtype, arch, config)
+                else:
+                    assert any(d[1:] == (dtype, arch, tuple(config)) for d in desc), (dtype, arch, config)
 
 
 def test_the_aligned_launch_pipelines_the_k_loop(subset):
@@ -328,11 +346,51 @@ def test_engine_flags_are_known_variants():
     assert sorted(map(str, (flags(ep) for ep in eps))) == sorted(map(str, VARIANTS.values()))
 
 
+REST = {("float32", 90), ("bfloat16", 80), ("float16", 80), ("float16", 90)}
+
+
+def test_every_dtype_compiles_on_both_targets(tmp_path):
+    """Every dtype on sm_80 and sm_90 beyond the subset, without spills: each kernel and
+    flag set on each of them in the default design, each mode and the descriptor design
+    with each flag set somewhere (the first config of each list; the slow test has all)."""
+    from fastcl.kernels.compile_check import descriptor_supported
+    from fastcl.kernels.contrastive import VARIANTS
+    proc, results = _run_check(tmp_path, "--rest", "--first-config", "--pairwise")
+    assert not _problems(results), "\n".join(_problems(results))
+    assert proc.returncode == 0
+    specs = [r["spec"] for r in results]
+    assert {(s["dtype"], s["arch"]) for s in specs} == REST
+    default = {(s["kernel"], s["variant"], s["dtype"], s["arch"]) for s in specs
+               if not s["constexprs"].get("DESC")}
+    for dtype, arch in REST:
+        for kernel in ("_similarity_kernel", "_row_kernel"):
+            for variant in VARIANTS:
+                assert (kernel, variant, dtype, arch) in default, (kernel, variant, dtype, arch)
+        for width in (384, 768, 1536, 4096):
+            assert ("_tangent_kernel", f"d={width}", dtype, arch) in default
+    sims = [s for s in specs if s["kernel"] == "_similarity_kernel"]
+    modes = lambda v: {(s["constexprs"]["STORE_EXP"], s["constexprs"]["BOUNDED"])  # noqa: E731
+                       for s in sims if s["variant"] == v}
+    assert modes("infonce") == {(True, True), (True, False)}       # bounded, two-pass
+    assert modes("dclr-released") == {(False, False)}
+    if descriptor_supported():
+        assert {s["variant"] for s in sims if s["constexprs"]["DESC"]} == set(VARIANTS)
+
+
 @pytest.mark.slow
 def test_full_matrix_compiles_without_spills(tmp_path):
-    """Every dtype on sm_80 and sm_90 beyond the subset."""
+    """What the default run leaves out: every dtype on sm_80 and sm_90 beyond the subset, every
+    config and mode; the subset in full (``--exhaustive``): every config of the descriptor
+    design with every flag set, every config and mode of the unaligned launches."""
     proc, results = _run_check(tmp_path, "--rest")
     assert not _problems(results), "\n".join(_problems(results))
-    assert {(r["spec"]["dtype"], r["spec"]["arch"]) for r in results} >= {
-        ("float32", 90), ("bfloat16", 80), ("float16", 80), ("float16", 90)}
+    assert {(r["spec"]["dtype"], r["spec"]["arch"]) for r in results} >= REST
     assert proc.returncode == 0
+    (tmp_path / "subset").mkdir()
+    proc, results = _run_check(tmp_path / "subset", "--exhaustive")
+    assert not _problems(results), "\n".join(_problems(results))
+    assert proc.returncode == 0
+    from fastcl.kernels.compile_check import descriptor_supported, specializations
+    assert len(results) == len(specializations(exhaustive=True))
+    if descriptor_supported():
+        _assert_descriptor_lists(results, every_pair=True)

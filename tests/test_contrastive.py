@@ -11,7 +11,8 @@ tiled ``atol = rtol = 1e-5`` (``conftest.TOL``), Triton in the interpreter (on a
 tensors) ``atol = rtol = 1e-4``, as in tests/test_tiled.py and tests/test_triton.py; bf16
 inputs: loss within 2e-2 relative, gradients within 3e-2 of the largest entry. The Triton
 grid runs in Triton's interpreter on a CPU-only machine (tests/conftest.py): its shapes stay
-small, and the larger ones are marked ``slow``.
+small; the larger ones take every combination in the ``slow`` run (``pytest -m slow``) and a
+covering set of them (``COVERING``) in the default one.
 """
 
 import importlib.util
@@ -36,6 +37,9 @@ FEATURES = ("focal", "hard", "mask", "noise", "symmetric")
 #: Every subset of the features, by name ("plain" for none of them).
 COMBOS = [combo for r in range(len(FEATURES) + 1) for combo in itertools.combinations(FEATURES, r)]
 IDS = ["+".join(c) or "plain" for c in COMBOS]
+#: None of the features, all of them, and all but one: every pair of features is in one of
+#: them on, off, and one on with the other off (a covering array of strength 2).
+COVERING = [(), FEATURES] + [tuple(f for f in FEATURES if f != g) for g in FEATURES]
 
 TEMPERATURE = 0.1
 FOCAL_M, HARD_W, PHI = 0.3, 0.8, 0.2
@@ -155,7 +159,9 @@ def test_tiled_float64_is_exact():
 # Interpreter tiles are 16 rows × 16 columns, 16 wide in d; row blocks of 32 columns.
 # N = 1; N = 17 with M = 17 + 17 + 5 = 39 candidates (neither a multiple of 16) and d = 24.
 TRITON_SHAPES = [(1, 24), (17, 24)]
-TRITON_SLOW_SHAPES = [(5, 7), (33, 40)]
+# d = 7, below one tile; N = 33 and d = 40: three row and K tiles, up to M = 85 candidates
+# (hard negatives and noise: a third row block of 32)
+TRITON_MORE_SHAPES = [(5, 7), (33, 40)]
 
 
 @needs_triton
@@ -165,22 +171,41 @@ def test_triton_matches_reference(combo, shape):
     compare(Batch(*shape, device=TRITON_DEVICE), combo, "triton", TRITON_TOL)
 
 
-@needs_triton
-@pytest.mark.slow
-@pytest.mark.parametrize("shape", TRITON_SLOW_SHAPES, ids=[f"N{n}d{d}" for n, d in TRITON_SLOW_SHAPES])
-@pytest.mark.parametrize("combo", COMBOS, ids=IDS)
-def test_triton_matches_reference_more_shapes(combo, shape):
+def _more_shapes(combo, shape):
     compare(Batch(*shape, k_noise=19, device=TRITON_DEVICE), combo, "triton", TRITON_TOL,
             chunk_size=16)
 
 
 @needs_triton
-@pytest.mark.parametrize("combo", COMBOS, ids=IDS)
+@pytest.mark.parametrize("shape", TRITON_MORE_SHAPES, ids=[f"N{n}d{d}" for n, d in TRITON_MORE_SHAPES])
+@pytest.mark.parametrize("combo", COVERING, ids=["+".join(c) or "plain" for c in COVERING])
+def test_triton_matches_reference_more_shapes(combo, shape):
+    """The larger shapes on a covering set of combinations (every pair of features on
+    together, apart and off together); each combination alone is in the grid above."""
+    _more_shapes(combo, shape)
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", TRITON_MORE_SHAPES, ids=[f"N{n}d{d}" for n, d in TRITON_MORE_SHAPES])
+@pytest.mark.parametrize("combo", [c for c in COMBOS if c not in COVERING],
+                         ids=["+".join(c) or "plain" for c in COMBOS if c not in COVERING])
+def test_triton_matches_reference_more_shapes_every_combination(combo, shape):
+    _more_shapes(combo, shape)
+
+
+#: The combinations the descriptor design takes here (not the mask: see below), and one with it.
+DESCRIPTOR_COMBOS = [c for c in COMBOS if "mask" not in c] + [FEATURES]
+
+
+@needs_triton
+@pytest.mark.parametrize("combo", DESCRIPTOR_COMBOS, ids=["+".join(c) or "plain" for c in DESCRIPTOR_COMBOS])
 def test_triton_descriptor_design(combo, monkeypatch):
     """FASTCL_SIM=descriptor (the similarity kernel through tensor descriptors): every
-    combination at N = 17, d = 24 (96-byte rows) in chunks of 7; the mask's complementary
-    embeddings here are 6 wide (24-byte rows), which a descriptor cannot address: those
-    calls take the default path (tests/test_triton.py covers the mask with 8)."""
+    combination without the mask at N = 17, d = 24 (96-byte rows) in chunks of 7. The mask's
+    complementary embeddings here are 6 wide (24-byte rows), which a descriptor cannot
+    address: those calls take the default path, which the grid above runs for each of them
+    (one of them here: the fall-back; tests/test_triton.py covers the mask with 8)."""
     from fastcl.kernels import contrastive as kc
     monkeypatch.setenv("FASTCL_SIM", "descriptor")
     taken = []

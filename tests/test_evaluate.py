@@ -1,5 +1,6 @@
 """fastcl.evaluate: STS loaders (SentEval, STS-B and SICK layouts), the scoring protocol,
-poolers and the sentence-transformers export; integration on the packaged MiniLM."""
+poolers and the model folders the trainer saves (sentence-transformers' layout); integration on
+the packaged MiniLM."""
 
 import csv
 import json
@@ -16,7 +17,7 @@ from scipy.stats import spearmanr
 
 from fastcl import evaluate as ev
 from fastcl.encoders import (POOLERS, MLPHead, SentenceEncoder, dropout_rate, encode, load_backbone,
-                             load_encoder, save_sentence_encoder)
+                             load_encoder)
 
 DATA = Path(os.environ.get("FASTCL_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 needs_data = pytest.mark.skipif(not (DATA / "stsb" / "sts-dev.csv").is_file(),
@@ -35,8 +36,9 @@ def random_sentence(rng):
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))
 
 
-def make_tiny_model(folder, model_type="bert", seed=0):
-    """A 2-layer, width-32 random encoder and a word-level tokenizer over WORDS, saved to folder."""
+def make_tiny_model(folder, model_type="bert", seed=0, layers=2):
+    """A ``layers``-layer, width-32 random encoder and a word-level tokenizer over WORDS, saved
+    to folder. (On 2 layers avg_first_last and avg_top2 are the same pooler.)"""
     from transformers import BertConfig, BertModel, BertTokenizer, RobertaConfig, RobertaModel
 
     folder = Path(folder)
@@ -44,7 +46,7 @@ def make_tiny_model(folder, model_type="bert", seed=0):
     tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     tokenizer = BertTokenizer(vocab={t: i for i, t in enumerate(tokens)})
     assert tokenizer("the cat")["input_ids"] == [2, 5, 7, 3]  # a word-level vocabulary, no [UNK]
-    size = dict(vocab_size=5 + len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    size = dict(vocab_size=5 + len(WORDS), hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
                 intermediate_size=64, initializer_range=0.5)
     torch.manual_seed(seed)
     if model_type == "bert":
@@ -55,6 +57,18 @@ def make_tiny_model(folder, model_type="bert", seed=0):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def export(src, out, pooler, *, mlp_only_train=False):
+    """The model folder the trainer saves for ``pooler`` from the Hugging Face encoder (or
+    sentence-transformers folder) ``src``: its model with the pooler's modules, without the
+    training-only head, written by sentence-transformers' ``save_pretrained``."""
+    from fastcl.trainer.build import load_model
+    from fastcl.trainer.heads import without_training_heads
+
+    model = load_model(str(src), pooler, mlp_only_train=mlp_only_train, device="cpu")
+    without_training_heads(model).save_pretrained(str(out))
+    return Path(out)
 
 
 def write_sts_dir(root, seed=0, n=40, tasks=("stsb", "sick")):
@@ -256,12 +270,15 @@ def test_cli_writes_table_and_json(tiny, tmp_path, capsys):
         ev.main([str(tiny), "--sts-dir", str(sts)])
 
 
-def test_cli_reads_the_exported_pooler_and_reports_load_errors(tiny, tmp_path, capsys, offline):
+def test_cli_reads_the_exported_pooler_and_reports_load_errors(tmp_path, capsys, offline):
     sts = write_sts_dir(tmp_path / "sts", tasks=("stsb",))
-    backbone, tokenizer = load_backbone(tiny)
-    out = save_sentence_encoder(tmp_path / "export", backbone, tokenizer, "avg_top2")
+    src = make_tiny_model(tmp_path / "src", layers=3)  # avg_top2 is not avg_first_last here
+    out = export(src, tmp_path / "export", "avg_top2")
+    capsys.readouterr()
     result = ev.main([str(out), "--sts-dir", str(sts), "--tasks", "stsb"])
-    encoder, tok = load_encoder(tiny, "avg_top2")
+    source = out / "1_WeightedLayerPooling" / "config.json"
+    assert f"pooler avg_top2 (from {source})" in capsys.readouterr().err
+    encoder, tok = load_encoder(src, "avg_top2")
     assert result["scores"] == ev.evaluate(encoder, tok, None, sts, ["stsb"])["scores"]
     with pytest.raises(SystemExit, match="cannot load 'no-such-org/model'.*local path"):
         ev.main(["no-such-org/model", "--pooler", "avg", "--sts-dir", str(sts)])
@@ -350,30 +367,40 @@ def test_cls_without_head_or_model_pooler_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
-def test_export_loads_in_sentence_transformers_with_the_same_embeddings(tmp_path, model_type):
+def test_saved_models_give_sentence_transformers_embeddings(tmp_path, model_type):
+    """Every pooler's folder as the trainer saves it: evaluate's pooler and load_encoder
+    reproduce SentenceTransformer(folder).encode."""
     st = pytest.importorskip("sentence_transformers")
-    from transformers import AutoModel
 
-    src = make_tiny_model(tmp_path / "src", model_type)
-    backbone, tokenizer = load_backbone(src)
-    torch.manual_seed(1)
-    head = MLPHead(32, init_std=0.5)
+    src = make_tiny_model(tmp_path / "src", model_type, layers=3)
     sentences = ["the cat sat on the mat", "a dog runs", "big red house under the tree", "man"]
+    got = {}
     for pooler in POOLERS:
-        out = save_sentence_encoder(tmp_path / pooler, backbone, tokenizer, pooler, head)
-        encoder, tok = load_encoder(out, pooler)
-        ours = encode(encoder, tok, sentences)
-        theirs = torch.as_tensor(st.SentenceTransformer(str(out), device="cpu").encode(sentences))
+        out = export(src, tmp_path / pooler, pooler)
+        assert ev.saved_pooler(out) == pooler
+        encoder, tok = load_encoder(out, ev.saved_pooler(out))
+        got[pooler] = ours = encode(encoder, tok, sentences)
+        model = st.SentenceTransformer(str(out), device="cpu")
+        theirs = torch.as_tensor(model.encode(sentences))
         torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
-        assert json.loads((out / "fastcl_pooler.json").read_text())["pooler"] == pooler
-        if pooler == "cls":
-            # the head round-trips, and the model's own pooler holds it too (SimCSE's convention)
-            torch.testing.assert_close(encoder.head.dense.weight, head.dense.weight)
-            model = AutoModel.from_pretrained(out).eval()
-            feats = tok(sentences, padding=True, return_tensors="pt")
-            torch.testing.assert_close(model(**feats).pooler_output.detach(), ours, atol=1e-5, rtol=1e-5)
-    assert not (tmp_path / "avg" / "2_Dense").exists()
-    assert not any(p.name.startswith(".export") for p in (tmp_path / "avg").iterdir())
+        if pooler == "cls":  # the Dense head (Linear + Tanh) round-trips
+            torch.testing.assert_close(encoder.head.dense.weight, model[2].linear.weight)
+            torch.testing.assert_close(encoder.head.dense.bias, model[2].linear.bias)
+    # five poolers, five embeddings: none was read as another
+    for a in POOLERS:
+        for b in POOLERS[POOLERS.index(a) + 1:]:
+            assert not torch.allclose(got[a], got[b], atol=1e-3), (a, b)
+
+
+def test_a_model_trained_with_mlp_only_train_is_saved_without_its_head(tiny, tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+
+    out = export(tiny, tmp_path / "unsup", "cls", mlp_only_train=True)
+    assert ev.saved_pooler(out) == "cls_before_pooler"
+    sentences = ["the cat sat on the mat", "a dog runs"]
+    theirs = torch.as_tensor(st.SentenceTransformer(str(out), device="cpu").encode(sentences))
+    torch.testing.assert_close(theirs, encode(*load_encoder(out, "cls_before_pooler"), sentences),
+                               atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------
@@ -401,11 +428,11 @@ def test_minilm_on_stsb_dev():
 
 def test_minilm_export_matches_sentence_transformers(tmp_path):
     st = pytest.importorskip("sentence_transformers")
-    backbone, tokenizer = load_backbone(minilm_path())
     sentences = ["A man is playing a guitar.", "A woman slices a tomato.", "Stocks fell on Monday.",
                  "The cat sleeps on the warm windowsill while the rain keeps falling outside."]
-    for pooler in ("cls_before_pooler", "avg"):
-        out = save_sentence_encoder(tmp_path / pooler, backbone, tokenizer, pooler)
+    for pooler in POOLERS:  # a 6-layer model: avg_first_last weighs layers 1 and 6 only
+        out = export(minilm_path(), tmp_path / pooler, pooler)
+        assert ev.saved_pooler(out) == pooler
         encoder, tok = load_encoder(out, pooler)
         ours = encode(encoder, tok, sentences)
         theirs = torch.as_tensor(st.SentenceTransformer(str(out), device="cpu").encode(sentences))

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from fastcl import evaluate as ev
-from fastcl.encoders import encode, load_backbone, load_encoder, save_sentence_encoder
-from test_evaluate import DATA, make_tiny_model, minilm_path, needs_data, random_sentence, write_sts_dir
+from fastcl.encoders import encode, load_backbone, load_encoder
+from test_evaluate import (DATA, export, make_tiny_model, minilm_path, needs_data, random_sentence,
+                           write_sts_dir)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,9 +38,8 @@ def sts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_st_export(tiny, tmp_path_factory):
-    """The tiny model exported with pooler avg: loads in SentenceTransformer too."""
-    backbone, tokenizer = load_backbone(tiny)
-    return save_sentence_encoder(tmp_path_factory.mktemp("export") / "avg", backbone, tokenizer, "avg")
+    """The tiny model saved as the trainer saves it with pooler avg."""
+    return export(tiny, tmp_path_factory.mktemp("export") / "avg", "avg")
 
 
 def st_folder(folder, pooling: dict, after=(), before=(), lower_case=False):
@@ -133,9 +133,10 @@ def test_cli_reads_a_sentence_transformers_pooling_config(tmp_path, sts, capsys)
     ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, {}, r"pooling max \+ mean"),
     ({"pooling_mode_weightedmean_tokens": True}, {}, "pooling weightedmean"),
     ({"pooling_mode": "lasttoken"}, {}, "pooling lasttoken"),
-    ({"pooling_mode": "mean"}, {"after": [("2_Dense", "Dense")]}, "Dense after Pooling changes"),
-    ({"pooling_mode": "mean"}, {"before": [("1_WeightedLayerPooling", "WeightedLayerPooling")]},
-     "Transformer -> WeightedLayerPooling -> Pooling"),
+    ({"pooling_mode": "mean"}, {"after": [("2_Dense", "Dense")]}, "Dense after mean pooling has no"),
+    ({"pooling_mode": "cls"}, {"after": [("2_Normalize", "Normalize"), ("3_Dense", "Dense")]},
+     "Dense after Pooling changes"),
+    ({"pooling_mode": "mean"}, {"before": [("1_CNN", "CNN")]}, "Transformer -> CNN -> Pooling"),
     ({"pooling_mode": "mean"}, {"lower_case": True}, "lower-cases its input"),
 ])
 def test_what_fastcl_cannot_reproduce_is_a_clear_error(tmp_path, sts, pooling, modules, match):
@@ -149,14 +150,84 @@ def test_what_fastcl_cannot_reproduce_is_a_clear_error(tmp_path, sts, pooling, m
                     "--quiet"])["scores"]  # --pooler comes first
 
 
-def test_fastcl_pooler_json_comes_before_the_pooling_config(tiny, tmp_path, sts, capsys):
-    backbone, tokenizer = load_backbone(tiny)
-    out = save_sentence_encoder(tmp_path / "export", backbone, tokenizer, "avg_first_last")
-    # its sentence-transformers modules (WeightedLayerPooling) alone would be refused
-    with pytest.raises(ValueError, match="WeightedLayerPooling"):
+def _set_json(path: Path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _changed_export(tmp_path, change: str) -> Path:
+    """A model folder the trainer saved (a 3-layer model), then changed by hand."""
+    from safetensors.torch import save_file
+
+    src = make_tiny_model(tmp_path / "src", layers=3)
+    if change in ("activation", "mean pooling"):
+        out = export(src, tmp_path / "cls", "cls")
+        if change == "activation":
+            _set_json(out / "2_Dense" / "config.json",
+                      activation_function="torch.nn.modules.linear.Identity")
+        else:
+            _set_json(out / "1_Pooling" / "config.json", pooling_mode="mean")
+        return out
+    out = export(src, tmp_path / "layers", "avg_first_last")
+    layers = out / "1_WeightedLayerPooling"
+    weights = {"weights": [1.0, 0.0, 2.0], "layer start": [0.0, 1.0, 0.0, 1.0]}.get(change)
+    if weights is not None:
+        save_file({"layer_weights": torch.tensor(weights)}, str(layers / "model.safetensors"))
+    if change == "layer start":
+        _set_json(layers / "config.json", layer_start=0)
+    if change == "num_hidden_layers":
+        _set_json(layers / "config.json", num_hidden_layers=12)
+    if change == "cls pooling":
+        _set_json(out / "2_Pooling" / "config.json", pooling_mode="cls")
+    if change == "no hidden states":
+        _set_json(out / "config.json", output_hidden_states=False)
+    return out
+
+
+@pytest.mark.parametrize("change, match", [
+    ("weights", r"WeightedLayerPooling from layer 1 with weights \[1, 0, 2\] .* none of fastcl's poolers"),
+    ("layer start", r"from layer 0 with weights \[0, 1, 0, 1\]"),
+    ("num_hidden_layers", r"num_hidden_layers 12, the model has 3"),
+    ("cls pooling", r"cls pooling after WeightedLayerPooling has no fastcl pooler"),
+    ("no hidden states", r"output_hidden_states is off.*fastcl's avg, not avg_first_last"),
+    ("activation", r"this Dense is not the cls pooler's head"),
+    ("mean pooling", r"Dense after mean pooling has no fastcl pooler"),
+])
+def test_a_saved_model_changed_by_hand_is_a_clear_error(tmp_path, sts, change, match):
+    out = _changed_export(tmp_path, change)
+    with pytest.raises(ValueError, match=match):
         ev.sentence_transformers_pooler(out)
+    with pytest.raises(SystemExit) as err:
+        ev.main([str(out), "--sts-dir", str(sts), "--tasks", "stsb"])
+    assert isinstance(err.value.code, str) and "pass --pooler explicitly" in err.value.code
+
+
+def test_proportional_layer_weights_are_the_same_pooler(tmp_path):
+    """sentence-transformers divides by the weights' sum: [2, 0, 2] is avg_first_last too."""
+    st = pytest.importorskip("sentence_transformers")
+    from safetensors.torch import save_file
+
+    src = make_tiny_model(tmp_path / "src", layers=3)
+    out = export(src, tmp_path / "layers", "avg_first_last")
+    save_file({"layer_weights": torch.tensor([2.0, 0.0, 2.0])},
+              str(out / "1_WeightedLayerPooling" / "model.safetensors"))
+    assert ev.saved_pooler(out) == "avg_first_last"
+    sentences = ["the cat sat on the mat", "a dog runs", "big red house"]
+    theirs = torch.as_tensor(st.SentenceTransformer(str(out), device="cpu").encode(sentences))
+    torch.testing.assert_close(theirs, encode(*load_encoder(out, "avg_first_last"), sentences),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_fastcl_pooler_json_comes_before_the_pooling_config(tiny, tmp_path, sts, capsys):
+    """A folder an older fastcl exported records its pooler in fastcl_pooler.json."""
+    out = export(tiny, tmp_path / "export", "avg")
+    assert ev.sentence_transformers_pooler(out) == ("avg", out / "1_Pooling" / "config.json")
+    (out / "fastcl_pooler.json").write_text(json.dumps({"pooler": "cls_before_pooler"}))
+    capsys.readouterr()
     ev.main([str(out), "--sts-dir", str(sts), "--tasks", "stsb"])
-    assert f"pooler avg_first_last (from {out / 'fastcl_pooler.json'})" in capsys.readouterr().err
+    assert f"pooler cls_before_pooler (from {out / 'fastcl_pooler.json'})" in capsys.readouterr().err
+    (out / "fastcl_pooler.json").write_text(json.dumps({"pooling": "avg"}))
+    with pytest.raises(SystemExit, match="not a fastcl pooler record"):
+        ev.main([str(out), "--sts-dir", str(sts), "--tasks", "stsb"])
     assert ev.sentence_transformers_pooler(tiny) is None  # a plain Hugging Face folder
 
 
@@ -267,8 +338,7 @@ def test_evaluator_on_minilm_equals_evaluate_and_the_cli(sts_subset, tmp_path, c
     cli = ev.main([minilm_path(), "--sts-dir", str(sts_subset), "--tasks", *ev.DEV])
     assert "pooler avg (from" in capsys.readouterr().err
     # a fastcl export of it with another pooler, loaded by sentence-transformers
-    backbone, tokenizer = load_backbone(minilm_path())
-    out = save_sentence_encoder(tmp_path / "cls", backbone, tokenizer, "cls_before_pooler")
+    out = export(minilm_path(), tmp_path / "cls", "cls_before_pooler")
     got_cls = evaluator(st.SentenceTransformer(str(out), device="cpu"))
     want_cls = ev.evaluate(*load_encoder(out, "cls_before_pooler"), None, sts_subset, ev.DEV)
     for task in ev.DEV:

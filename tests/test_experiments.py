@@ -1,37 +1,88 @@
-"""experiments/compare.py end to end at a tiny budget (a tiny random encoder, synthetic STS data),
-and its resumability: a second invocation retrains and re-evaluates nothing."""
+"""experiments/compare.py and experiments/sweep.py end to end at a tiny budget (a tiny random
+encoder saved as a sentence-transformers model with mean pooling and Normalize, as the packaged
+all-MiniLM-L6-v2 is; synthetic STS data), and their resumability.
 
-import importlib
+The scripts run in this process, and so does each training: ``compare.run_train`` (one
+``train.py`` subprocess a run) is replaced by train.py's ``main`` on the same command line,
+which saves the start-up of a process per run. One test runs compare.py as a script."""
+
+import contextlib
+import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from test_evaluate import make_tiny_model, random_sentence, write_sts_dir
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from test_evaluate import make_tiny_model, random_sentence, write_sts_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-COMPARE = REPO / "experiments" / "compare.py"
+EXPERIMENTS = REPO / "experiments"
+COMPARE = EXPERIMENTS / "compare.py"
+if str(EXPERIMENTS) not in sys.path:
+    sys.path.insert(0, str(EXPERIMENTS))
+
+import compare  # noqa: E402
+import sweep  # noqa: E402
 
 
-def compare(*args, env=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    tic = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(COMPARE), *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout, time.perf_counter() - tic
+def make_start_model(root: Path) -> Path:
+    """A tiny encoder as a sentence-transformers folder: Transformer -> Pooling (mean) -> Normalize."""
+    from fastcl.integrations.sentence_transformers._base import SentenceTransformer
+    from fastcl.trainer.build import load_model
+    from fastcl.trainer.heads import Normalize
+
+    plain = make_tiny_model(root / "plain")
+    model = load_model(str(plain), "avg", device="cpu")
+    SentenceTransformer(modules=[*model, Normalize()], device="cpu").save_pretrained(str(root / "model"))
+    return root / "model"
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def trainings():
+    """train.py's main in place of its subprocess, on one thread; the commands it ran."""
+    from fastcl.trainer import main
+
+    calls = []
+
+    def run_train(cmd):
+        assert cmd[:2] == [sys.executable, str(REPO / "train.py")]
+        calls.append(cmd)
+        try:
+            return main(cmd[2:], prog="train.py")
+        except SystemExit as err:
+            print(err, file=sys.stderr)
+            return err.code if isinstance(err.code, int) else 1
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(compare, "run_train", run_train)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield calls
+    torch.set_num_threads(threads)
+    patch.undo()
+
+
+def run(script, *args) -> str:
+    """``script.main(args)`` in this process; its standard output (the trainer's included)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert script.main([str(a) for a in args]) == 0
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, trainings):
     root = tmp_path_factory.mktemp("compare")
     rng = random.Random(3)
-    make_tiny_model(root / "model")
+    make_start_model(root)
     write_sts_dir(root / "sts", n=30)
     wiki = root / "wiki"
     wiki.mkdir()
@@ -41,104 +92,233 @@ def setup(tmp_path_factory):
     (wiki / "b.txt").write_text("\n".join(b) + "\n")
     expected = len(dict.fromkeys(a + b))
     args = ["--methods", "simcse", "dclr", "--seeds", "0", "--steps", "2", "--batch-size", "4",
-            "--eval-steps", "1", "--model", root / "model", "--data-dir", wiki,
-            "--data-files", "a.txt", "b.txt", "--sts-dir", root / "sts",
+            "--lr", "1e-3", "--eval-steps", "1", "--model", root / "model", "--data-dir", wiki,
+            "--data-files", "a.txt", "b.txt", "--sts-dir", root / "sts", "--device", "cpu",
             "--work-dir", root / "work", "--results-dir", root / "results"]
-    out, _ = compare(*args)
+    out = run(compare, *args)
     return root, args, out, expected
 
 
-def test_compare_writes_results_and_no_weights(setup):
+def with_option(args, flag, *values):
+    """``args`` with ``flag`` set to ``values`` (replaced, or appended)."""
+    args = list(args)
+    if flag in args:
+        i = args.index(flag)
+        n = 1
+        while i + n < len(args) and not str(args[i + n]).startswith("--"):
+            n += 1
+        del args[i:i + n]
+    return args + [flag, *values]
+
+
+def test_compare_writes_results_and_no_weights(setup, trainings):
     root, _, out, expected = setup
     results, work = root / "results", root / "work"
     train_txt = (work / "data" / "train.txt").read_text().splitlines()
     assert len(train_txt) == expected and "the cut last line" not in train_txt
+    assert len(trainings) == 2 and all("--resume" not in cmd for cmd in trainings)
     for name in ("start", "simcse-seed0", "dclr-seed0"):
         r = json.loads((results / "runs" / f"{name}.json").read_text())
         assert set(r["scores"]) == {"stsb", "sickr"} and r["avg"] is not None
         assert r["alignment"] is not None and r["uniformity"] is not None
+        assert r["pooler"] == "avg"  # the start's own mean pooling, for every model
         if name != "start":
-            assert (work / "runs" / name / "model.safetensors").is_file()
-            assert [c["step"] for c in r["dev_curve"]] == [1, 2]
-            assert not (work / "runs" / name / "checkpoint.pt").exists()
+            run_dir = work / "runs" / name
+            assert r["model_dir"] == str(run_dir / "model")
+            assert (run_dir / "model" / "model.safetensors").is_file()
+            assert (run_dir / "model" / "modules.json").is_file()
+            assert [c["step"] for c in r["dev_curve"]] == [0, 1, 2]  # step 0: the start
+            assert all(c["alignment"] > 0 and c["uniformity"] < 0 for c in r["dev_curve"])
+            assert r["train_results"]["saved_step"] in (1, 2)
+            assert not list(run_dir.glob("checkpoint-*"))  # removed once the run finished
+            record = json.loads((work / "runs" / f"{name}.compare.json").read_text())
+            assert record["config"] == r["config"] and record["train_s"] > 0
+            cmd = r["train_command"]
+            assert "--save-steps 1" in cmd and "--pooler" not in cmd and "--resume" not in cmd
     dclr = json.loads((results / "runs" / "dclr-seed0.json").read_text())
-    assert "--complementary" in dclr["train_command"] and "simcse-seed0" in dclr["train_command"]
+    assert f"--complementary {work / 'runs' / 'simcse-seed0' / 'model'}" in dclr["train_command"]
     summary = json.loads((results / "summary.json").read_text())
     assert summary["order"] == ["start", "simcse", "dclr"]
+    assert summary["config"]["score_pooler"] == "avg" and summary["config"]["pooler"] is None
     assert summary["data"]["sentences"] == expected
     assert summary["command"].startswith("python experiments/compare.py --methods simcse dclr")
     assert summary["wall_s"] > 0 and set(summary["plots"]) == {"average.png", "uniformity_simcse_dclr.png"}
     table = (results / "results.md").read_text()
     assert "| SimCSE | 1 |" in table and "| DCLR | 1 |" in table and summary["command"] in table
+    assert "| start (before training) | 1 |" in table and "scored with the same pooler, `avg`" in table
     files = [p for p in results.rglob("*") if p.is_file()]
     assert files and all(p.suffix in {".json", ".md", ".png"} for p in files)
 
 
-def test_rerun_does_not_retrain(setup):
+def test_the_report_says_whether_training_improves_on_the_start(setup):
+    root = setup[0]
+    results = root / "results"
+    summary = json.loads((results / "summary.json").read_text())
+    start = json.loads((results / "runs" / "start.json").read_text())["avg"]
+    table = (results / "results.md").read_text()
+    assert "## Does training improve on the start?" in table
+    words = {"yes": "| **yes** (1 of 1 seeds better;", "no": "| **no** (0 of 1 seeds better;"}
+    for method, label in (("simcse", "SimCSE"), ("dclr", "DCLR")):
+        vs = summary["vs_start"][method]
+        run = json.loads((results / "runs" / f"{method}-seed0.json").read_text())
+        assert vs["test_avg_minus_start"] == {"0": pytest.approx(run["avg"] - start)}
+        assert vs["improves"] == ("yes" if run["avg"] > start else "no")
+        assert vs["dev"]["0"] == run["train_results"]["comparison"]
+        row = next(line for line in table.splitlines() if line.startswith(f"| {label} | {vs['test_avg_minus_start']['0']:+.2f} |"))
+        assert words[vs["improves"]] in row
+        assert (f"- {label}: training does not improve on the start" in table) == (vs["improves"] == "no")
+    assert compare.verdict_vs_start([0.5, -0.1]) == "mixed"
+    assert compare.verdict_vs_start([0.0, None]) == "no"  # a tie is no improvement
+    assert compare.verdict_vs_start([None]) == "n/a"
+
+
+def test_the_start_is_scored_as_the_trained_models(setup):
+    """The start's row and each run's step 0 are the same model, pooled the same way: the
+    start scored by compare.py's scoring on STS-B dev equals the dev score train.py logged
+    at step 0."""
+    root, args, _, _ = setup
+    ns = compare.build_parser().parse_args([str(a) for a in args])
+    score = compare.score(str(root / "model"), "avg", ns, {})
+    assert score["scores"]["stsb"] is not None
+    from fastcl.encoders import load_encoder
+    from fastcl.evaluate import evaluate, saved_pooler
+    assert saved_pooler(root / "model") == "avg"
+    encoder, tokenizer = load_encoder(str(root / "model"), "avg")
+    dev = evaluate(encoder, tokenizer, None, root / "sts", ["stsb-dev", "sickr-dev"])["scores"]
+    for name in ("simcse-seed0", "dclr-seed0"):
+        step0 = json.loads((root / "results" / "runs" / f"{name}.json").read_text())["dev_curve"][0]
+        assert step0["step"] == 0
+        assert step0["stsb-dev"] == pytest.approx(dev["stsb-dev"], abs=1e-4)
+        assert step0["sickr-dev"] == pytest.approx(dev["sickr-dev"], abs=1e-4)
+
+
+def test_rerun_does_not_retrain(setup, trainings):
     root, args, _, _ = setup
     watched = [p for p in (root / "work" / "runs").rglob("*") if p.is_file()]
     watched += list((root / "results" / "runs").glob("*.json"))
     before = {p: p.stat().st_mtime_ns for p in watched}
-    out, seconds = compare(*args)
+    count = len(trainings)
+    out = run(compare, *args)
     assert out.count("done, skipped") == 3 and "] training" not in out and "] evaluating" not in out
-    assert {p: p.stat().st_mtime_ns for p in watched} == before
-    assert seconds < 30
+    assert {p: p.stat().st_mtime_ns for p in watched} == before and len(trainings) == count
     # a run whose training finished but whose scores are missing is only re-evaluated
     (root / "results" / "runs" / "dclr-seed0.json").unlink()
-    model = root / "work" / "runs" / "dclr-seed0" / "model.safetensors"
+    model = root / "work" / "runs" / "dclr-seed0" / "model" / "model.safetensors"
     stamp = model.stat().st_mtime_ns
-    out, _ = compare(*args)
+    out = run(compare, *args)
     assert "[dclr-seed0] evaluating" in out and "[dclr-seed0] training" not in out
-    assert model.stat().st_mtime_ns == stamp
+    assert model.stat().st_mtime_ns == stamp and len(trainings) == count
 
 
-def test_other_settings_are_refused(setup):
+def test_other_settings_are_refused(setup, trainings):
     root, args, _, _ = setup
-    changed = [*args[:args.index("--steps")], "--steps", "3", *args[args.index("--steps") + 2:]]
-    proc = subprocess.run([sys.executable, str(COMPARE), *map(str, changed)], cwd=REPO,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode != 0 and "other settings" in proc.stderr + proc.stdout
+    count = len(trainings)
+    with pytest.raises(SystemExit, match="other settings"):
+        run(compare, *with_option(args, "--steps", "3"))
+    with pytest.raises(SystemExit, match="other settings"):
+        run(compare, *with_option(args, "--pooler", "cls"))
+    assert len(trainings) == count
+
+
+def test_a_run_without_compare_s_record_is_refused(setup, tmp_path, trainings):
+    """A finished run in the work dir that compare.py did not record (an older compare.py's,
+    say) is not scored as if it were one of this invocation's."""
+    root, args, _, _ = setup
+    work = tmp_path / "work"
+    shutil.copytree(root / "work" / "runs" / "simcse-seed0", work / "runs" / "simcse-seed0")
+    count = len(trainings)
+    with pytest.raises(SystemExit, match="without compare.py's record simcse-seed0.compare.json"):
+        run(compare, *with_option(with_option(args, "--work-dir", work), "--results-dir", tmp_path / "results"))
+    assert len(trainings) == count
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_or_starts_over(setup, tmp_path, trainings):
+    root, args, _, _ = setup
+    work, results = tmp_path / "work", tmp_path / "results"
+    args = with_option(with_option(with_option(args, "--methods", "simcse"), "--work-dir", work),
+                       "--results-dir", results)
+    out = run(compare, *args, "--keep-checkpoints")
+    run_dir = work / "runs" / "simcse-seed0"
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    first = json.loads((results / "runs" / "simcse-seed0.json").read_text())
+    same = json.loads((root / "results" / "runs" / "simcse-seed0.json").read_text())
+    assert first["scores"] == same["scores"]  # the same settings train the same model
+    first_s = json.loads((work / "runs" / "simcse-seed0.compare.json").read_text())["train_s"]
+
+    def interrupt(after_step: int, complete: bool):
+        """The run's folder as train.py leaves it when killed after ``after_step``'s checkpoint."""
+        for name in ("train_results.json", "model"):
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for path in run_dir.glob("checkpoint-*"):
+            if int(path.name.split("-")[1]) > after_step:
+                shutil.rmtree(path)
+            elif not complete:
+                (path / "fastcl_manifest.json").unlink()
+        (results / "runs" / "simcse-seed0.json").unlink()
+
+    # killed after step 1's checkpoint: continued with --resume, to the same model
+    interrupt(1, complete=True)
+    count = len(trainings)
+    out = run(compare, *args)
+    assert "[simcse-seed0] resuming" in out and len(trainings) == count + 1
+    assert trainings[-1][-1] == "--resume"
+    resumed = json.loads((results / "runs" / "simcse-seed0.json").read_text())
+    assert "--resume" not in resumed["train_command"]  # the run's own command, as recorded
+    assert [c["step"] for c in resumed["dev_curve"]] == [0, 1, 2]
+    assert resumed["scores"] == pytest.approx(first["scores"], abs=1e-6)
+    assert resumed["train_s"] > first_s  # both invocations' training
+    assert not list(run_dir.glob("checkpoint-*"))  # finished: removed without --keep-checkpoints
+
+    # killed while writing its first checkpoint (no manifest yet): trained again from the start
+    for name in ("train_results.json", "model"):
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    (results / "runs" / "simcse-seed0.json").unlink()
+    (run_dir / "checkpoint-1").mkdir()
+    (run_dir / "checkpoint-1" / "model.safetensors").write_bytes(b"cut")
+    out = run(compare, *args)
+    assert "[simcse-seed0] training" in out and "--resume" not in trainings[-1]
+    again = json.loads((results / "runs" / "simcse-seed0.json").read_text())
+    assert again["scores"] == pytest.approx(first["scores"], abs=1e-6)
+    assert not (run_dir / "checkpoint-1").exists()
+
+
+def test_compare_runs_as_a_script(setup):
+    """``python experiments/compare.py`` itself: the finished runs are found and skipped."""
+    root, args, _, _ = setup
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(COMPARE), *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("done, skipped") == 3 and "Does training improve on the start?" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------
 # experiments/sweep.py: compare.py's functions, runs and work dir
 
-SWEEP = REPO / "experiments" / "sweep.py"
-
-
-def sweep(*args):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SWEEP), *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 def sweep_args(root, results):
     # the same start, data, budget and work dir as the compare.py test: its SimCSE run is reused
-    return ["--seeds", "0", "--steps", "2", "--batch-size", "4", "--eval-steps", "1",
+    return ["--seeds", "0", "--steps", "2", "--batch-size", "4", "--lr", "1e-3", "--eval-steps", "1",
             "--model", root / "model", "--data-dir", root / "wiki", "--data-files", "a.txt", "b.txt",
-            "--sts-dir", root / "sts", "--work-dir", root / "work", "--results-dir", results,
-            "--phis", "0.5", "0.7", "--ms", "0.1", "--augments", "token_cutoff:0.2", "--diag-batches", "1"]
+            "--sts-dir", root / "sts", "--device", "cpu", "--work-dir", root / "work",
+            "--results-dir", results, "--phis", "0.5", "0.7", "--ms", "0.1",
+            "--augments", "token_cutoff:0.2", "--diag-batches", "1"]
 
 
-def test_sweep_dry_run_prints_the_plan_and_the_estimate():
-    out = sweep("--dry-run")
+def test_sweep_dry_run_prints_the_plan_and_the_estimate(tmp_path):
+    out = run(sweep, "--dry-run", "--work-dir", tmp_path / "work")
     for name in ("simcse-seed0", "dclr-phi0.5-seed1", "dclr-phi0.7-seed0", "focal-m0.1-seed0",
                  "focal-m0.5-seed1", "simcse-aug-feature_cutoff-seed0"):
         assert f"[{name}]" in out
     assert "--phi 0.6" in out and "--m 0.5" in out and "--augment feature_cutoff:0.2" in out
-    assert "estimate: total:" in out
-
+    assert "--save-steps 24" in out and "--pooler" not in out
+    assert f"--complementary {tmp_path / 'work' / 'runs' / 'simcse-seed1' / 'model'}" in out
+    assert "estimate: total:" in out and not (tmp_path / "work").exists()
 
 
 def test_sweep_verdict_needs_one_sign_and_more_than_the_spread():
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        verdict = importlib.import_module("sweep").verdict
-    finally:
-        sys.path.remove(str(REPO / "experiments"))
+    verdict = sweep.verdict
     assert verdict([0.5, 0.7], 0.3) == "better"
     assert verdict([-0.5, -0.7], 0.3) == "worse"
     assert verdict([0.5, 0.7], 0.8) == "within"      # the mean is inside the spread
@@ -146,10 +326,11 @@ def test_sweep_verdict_needs_one_sign_and_more_than_the_spread():
     assert verdict([2.0], 0.0) == "within"           # one seed has no spread
     assert verdict([0.4, None, 0.6], 0.2) == "better"  # a seed without a score is left out
 
-def test_sweep_end_to_end_and_resumable(setup):
+
+def test_sweep_end_to_end_and_resumable(setup, trainings):
     root = setup[0]
     results = root / "sweep-results"
-    out = sweep(*sweep_args(root, results))
+    out = run(sweep, *sweep_args(root, results))
     assert "[simcse-seed0] evaluating" in out and "[simcse-seed0] training" not in out  # reused
     summary = json.loads((results / "sweep.json").read_text())
     labels = [r["label"] for r in summary["rows"]]
@@ -160,7 +341,9 @@ def test_sweep_end_to_end_and_resumable(setup):
     combo = json.loads((results / "runs" / f"dclr-phi{summary['best_phi']:g}-focal0.3-seed0.json").read_text())
     assert "--focal-m 0.3" in combo["train_command"] and "--complementary" in combo["train_command"]
     aug = json.loads((results / "runs" / "simcse-aug-token_cutoff-seed0.json").read_text())
-    assert "--augment token_cutoff:0.2" in aug["train_command"]
+    assert "--augment token_cutoff:0.2" in aug["train_command"] and aug["pooler"] == "avg"
+    masked = json.loads((results / "runs" / "masked-seed0.json").read_text())
+    assert f"--complementary {root / 'work' / 'runs' / 'simcse-seed0' / 'model'}" in masked["command"]
     for r in summary["rows"]:
         assert r["avg"]["mean"] is not None and set(r["diff_to_simcse"]) == {"0"}
         if r["group"] == "phi":
@@ -171,7 +354,9 @@ def test_sweep_end_to_end_and_resumable(setup):
     table = (results / "sweep.md").read_text()
     assert "| DCLR φ=0.5 | 1 |" in table and summary["command"] in table
     assert all(p.suffix in {".json", ".md", ".png"} for p in results.rglob("*") if p.is_file())
-    again = sweep(*sweep_args(root, results))
+    count = len(trainings)
+    again = run(sweep, *sweep_args(root, results))
     log = again[:again.index("# Sensitivity sweep")]  # the progress lines, before the table
     assert "] training" not in log and "] evaluating" not in log and "[masked-seed0]" not in log, log
     assert log.count("done, skipped") == 7, log  # the start and six runs
+    assert len(trainings) == count

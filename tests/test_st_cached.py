@@ -295,10 +295,8 @@ def _gather_cases(model, guide, gather):
 def _gather_worker(rank, port, out, path):
     import torch.distributed as dist
 
-    from fastcl import distributed
-
     torch.set_num_threads(1)
-    distributed.join_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     model, guide = load_model(path).eval(), load_model(path).eval()
     model[0].model.embeddings.word_embeddings.weight.requires_grad_(False)  # as in `model` above
     rows = slice(rank * len(GLOBAL) // WORLD, (rank + 1) * len(GLOBAL) // WORLD)
@@ -307,9 +305,14 @@ def _gather_worker(rank, port, out, path):
     for name, (make, columns) in _gather_cases(model, guide, gather=True).items():
         want_loss, want = loss_and_grads(model, one[name][0](), columns)  # one process, whole batch
         loss, _ = loss_and_grads(model, make(), [c[rows] for c in columns], seed=rank)
-        distributed.average_gradients(model.parameters())  # as DistributedDataParallel does
+        for p in model.parameters():  # averaged over processes, as DistributedDataParallel does
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= WORLD
+        mean_loss = torch.tensor([float(loss)], dtype=torch.float64)
+        dist.all_reduce(mean_loss)
         got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        results[name] = {"loss": distributed.mean(float(loss)), "want_loss": float(want_loss),
+        results[name] = {"loss": float(mean_loss) / WORLD, "want_loss": float(want_loss),
                          "grads": {k: (got[k] - want[k]).abs().max().item() for k in want},
                          "keys": got.keys() == want.keys(),
                          "scale": max(g.abs().max().item() for g in want.values())}

@@ -40,7 +40,7 @@ def model_path():
 def test_public_names_are_those_of_the_single_module():
     assert fst.__all__ == ["FastInfoNCELoss", "FastFocalInfoNCELoss", "FastDCLRLoss", "FastESCLLoss",
                            "CachedFastInfoNCELoss", "CachedFastFocalInfoNCELoss", "CachedFastDCLRLoss",
-                           "CachedFastESCLLoss", "SentEvalSTSEvaluator"]
+                           "CachedFastESCLLoss", "AugmentedPositives", "SentEvalSTSEvaluator"]
     from fastcl.integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
     assert fst.SentEvalSTSEvaluator is SentEvalSTSEvaluator
     assert fst.GRADCACHE_BASE is not None

@@ -1,9 +1,12 @@
-"""train.py and fastcl.training: data formats, views per method, the loop, the export,
-interrupt and resume; integration with the packaged MiniLM on the shared wiki data."""
+"""fastcl-train on sentence-transformers' trainer: data formats, every method on a tiny BERT
+(plain and cached), the saved model, step 0 against the saved step, resume after SIGKILL,
+damaged checkpoints, the output folder's lock and guards; the packaged MiniLM on the shared
+data."""
 
 import csv
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,29 +18,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingfac
 import pytest
 import torch
 
-from fastcl import checkpoint, objectives, training
 from fastcl import data as data_io
-from fastcl.trainer import loop as train  # the trainer: main, its log, export, set-up
+from fastcl import files
+from fastcl.trainer import run as train  # main, the output folder, the saved model
 from fastcl.trainer.logs import read_log
-from fastcl.encoders import MLPHead, SentenceEncoder, encode, load_backbone, load_encoder
-from fastcl.evaluate import evaluate
 from test_evaluate import DATA, make_tiny_model, minilm_path, needs_data, random_sentence, write_sts_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-
+METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny BERT, a tiny RoBERTa and training / STS data over their vocabulary."""
-    import random
-
+    """A tiny BERT, a tiny RoBERTa, the BERT as a sentence-transformers model (mean pooling,
+    Normalize), and training / STS data over their vocabulary."""
     root = tmp_path_factory.mktemp("tiny")
     rng = random.Random(5)
     make_tiny_model(root / "bert")
     make_tiny_model(root / "roberta", model_type="roberta")
+    from sentence_transformers import SentenceTransformer
+    from fastcl.trainer.heads import Normalize, Pooling, Transformer
+    t = Transformer(str(root / "bert"))
+    SentenceTransformer(modules=[t, Pooling(t.get_embedding_dimension(), "mean"), Normalize()]).save(
+        str(root / "st"))
     lines = [random_sentence(rng) for _ in range(64)]
     lines[10:10] = ["", "   ", "\t"]
     (root / "train.txt").write_text("\n".join(lines) + "\n")
@@ -60,7 +65,7 @@ def base_args(tiny, out, method="simcse", steps=4, **extra):
     data = {"simcse-sup": tiny / "sup.csv"}.get(method, tiny / "train.txt")
     args = ["--method", method, "--model", str(tiny / "bert"), "--data", str(data),
             "--output-dir", str(out), "--batch-size", "4", "--max-steps", str(steps),
-            "--max-seq-len", "16", "--lr", "1e-3"]
+            "--max-seq-len", "16", "--lr", "1e-3", "--device", "cpu"]
     for key, value in extra.items():
         flag = "--" + key.replace("_", "-")
         args += [flag] if value is True else [flag, str(value)]
@@ -69,6 +74,32 @@ def base_args(tiny, out, method="simcse", steps=4, **extra):
 
 def step_records(out):
     return [r for r in read_log(Path(out)) if r["type"] == "step"]
+
+
+def losses(out):
+    return [(r["step"], r["loss"]) for r in step_records(out)]
+
+
+def trainer_process(argv, **env):
+    """``fastcl-train argv`` in a process of its own (one thread, offline)."""
+    environ = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+               **{k: str(v) for k, v in env.items()}}
+    return subprocess.Popen([sys.executable, "-m", "fastcl.trainer", *map(str, argv)], env=environ,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(out, n, proc, timeout=120):
+    """Until the log of ``out`` holds ``n`` step records (or ``proc`` has ended)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if (Path(out) / "train_log.jsonl").is_file() and len(step_records(out)) >= n:
+            return
+        time.sleep(0.02)
+
+
+def assert_plain_folder(folder):
+    links = [p for p in Path(folder).rglob("*") if p.is_symlink()]
+    assert not links, links
 
 
 # ---------------------------------------------------------------------------------------
@@ -132,553 +163,6 @@ def test_data_format_must_fit_the_method(tiny, tmp_path):
     assert len(data_io.read_training_data(tiny / "snli", "simcse-sup")) == 12
 
 
-# ---------------------------------------------------------------------------------------
-# Views
-
-def tiny_encoder(tiny, pooler="cls", family="bert"):
-    backbone, tokenizer = load_backbone(tiny / family)
-    head = MLPHead(32) if pooler == "cls" else None
-    return SentenceEncoder(backbone, pooler, head).train(), tokenizer
-
-
-SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "the man plays guitar", "red apple"]
-
-
-def test_duplicated_batch_gives_two_dropout_views(tiny):
-    encoder, tokenizer = tiny_encoder(tiny)
-    views = training.embed_views(objectives.Objective("simcse"), encoder, tokenizer, SENTENCES, 16)
-    assert views["anchors"].shape == views["positives"].shape == (4, 32)
-    assert not torch.allclose(views["anchors"], views["positives"])  # different dropout masks
-    with training.dropout_rate(encoder, 0.0):
-        views = training.embed_views(objectives.Objective("simcse"), encoder, tokenizer, SENTENCES, 16)
-    torch.testing.assert_close(views["anchors"], views["positives"])
-    assert views["anchors"].requires_grad
-
-
-def test_escl_sensitive_view_alone_uses_the_high_dropout(tiny):
-    encoder, tokenizer = tiny_encoder(tiny)
-    seen = []  # (rows, embedding dropout p, attention dropout p) per encoder forward
-    emb_dropout = encoder.backbone.embeddings.dropout
-    attention = encoder.backbone.encoder.layer[0].attention.self
-    emb_dropout.register_forward_pre_hook(lambda m, args: seen.append([args[0].shape[0], m.p]))
-    attention.register_forward_pre_hook(lambda m, args: seen[-1].append(m.dropout.p))
-    obj = objectives.Objective("escl", sensitive_dropout=0.45)
-    opt = torch.optim.SGD(encoder.parameters(), lr=0.0)
-    sched = training.linear_schedule(opt, 10)
-    out = training.train_step(obj, encoder, tokenizer, SENTENCES, opt, sched, max_length=16)
-    assert seen == [[8, 0.1, 0.1], [4, 0.45, 0.45]]
-    assert {m.p for m in encoder.modules() if isinstance(m, torch.nn.Dropout)} == {0.1}
-    assert torch.isfinite(torch.tensor(out["loss"]))
-
-
-def test_dclr_complementary_is_frozen_in_eval_mode(tiny):
-    encoder, tokenizer = tiny_encoder(tiny)
-    comp, comp_tok = load_encoder(tiny / "roberta", "avg")  # another family and pooler is fine
-    comp.train()  # the objective must switch it to eval itself
-    calls = []
-    comp.backbone.register_forward_pre_hook(
-        lambda m, args, kwargs: calls.append((m.training, torch.is_grad_enabled())), with_kwargs=True)
-    before = {k: v.clone() for k, v in comp.state_dict().items()}
-    obj = objectives.Objective("dclr", phi=0.5, complementary=comp.requires_grad_(False),
-                             complementary_tokenizer=comp_tok, generator=torch.Generator().manual_seed(0))
-    views = training.embed_views(obj, encoder, tokenizer, SENTENCES, 16)
-    c, c_pos = views["complementary"]
-    assert c is c_pos and not c.requires_grad and c.dtype == torch.float32
-    assert calls == [(False, False)]
-    loss = objectives.objective_loss(obj, views)
-    loss.backward()
-    assert all(p.grad is None for p in comp.parameters())
-    assert all(torch.equal(before[k], v) for k, v in comp.state_dict().items())
-    # with phi = 1 the complementary model can drop nothing: the unweighted loss
-    obj_none = objectives.Objective("dclr", phi=1.0, complementary=comp, complementary_tokenizer=comp_tok,
-                                  generator=torch.Generator().manual_seed(0))
-    obj_off = objectives.Objective("dclr", generator=torch.Generator().manual_seed(0))
-    views = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in views.items()}
-    unweighted = {k: v for k, v in views.items() if k != "complementary"}
-    torch.testing.assert_close(objectives.objective_loss(obj_none, views),
-                               objectives.objective_loss(obj_off, unweighted))
-    obj_half = objectives.Objective("dclr", phi=-1.0, generator=torch.Generator().manual_seed(0))
-    assert objectives.objective_loss(obj_half, views) < objectives.objective_loss(obj_off, unweighted)
-
-
-def test_dclr_complementary_released_mode(tiny):
-    """``complementary_mode="released"``, as the authors' code: dropout on, the duplicated
-    batch in one forward, c and c⁺ two dropout views; still no gradient, and eval mode after."""
-    encoder, tokenizer = tiny_encoder(tiny)
-    comp, comp_tok = load_encoder(tiny / "bert", "cls")       # the checkpoint's own pooler
-    calls = []
-    comp.backbone.register_forward_pre_hook(
-        lambda m, args, kwargs: calls.append((m.training, torch.is_grad_enabled(),
-                                              kwargs["input_ids"].shape[0])), with_kwargs=True)
-    obj = objectives.Objective("dclr", phi=0.5, complementary=comp.requires_grad_(False),
-                             complementary_tokenizer=comp_tok, complementary_mode="released",
-                             generator=torch.Generator().manual_seed(0))
-    c, c_pos = training.embed_views(obj, encoder, tokenizer, SENTENCES, 16)["complementary"]
-    assert calls == [(True, False, 2 * len(SENTENCES))]
-    assert c.shape == c_pos.shape == (len(SENTENCES), comp.backbone.config.hidden_size)
-    assert not torch.equal(c, c_pos) and not comp.training
-
-
-def test_supervised_views_from_triplets_and_pairs(tiny):
-    encoder, tokenizer = tiny_encoder(tiny)
-    obj = objectives.Objective("simcse-sup")
-    triplets = [("the cat", "a cat", "the dog"), ("red apple", "an apple", "blue house")]
-    views = training.embed_views(obj, encoder, tokenizer, triplets, 16)
-    assert set(views) == {"anchors", "positives", "negatives"}
-    assert views["negatives"].shape == (2, 32)
-    views = training.embed_views(obj, encoder, tokenizer, [t[:2] for t in triplets], 16)
-    assert set(views) == {"anchors", "positives"}
-    with pytest.raises(ValueError, match="simcse-sup takes"):
-        training.embed_views(obj, encoder, tokenizer, SENTENCES, 16)
-
-
-def test_dclr_defaults_follow_the_model_family(tiny):
-    parser = train.build_parser()
-    for family, phi, ratio in (("bert", 0.9, 1.0), ("roberta", 0.85, 2.5)):
-        args = train.resolve_args(parser, parser.parse_args(
-            ["--method", "dclr", "--model", "m", "--data", "d", "--output-dir", "o"]))
-        backbone, _ = load_backbone(tiny / family)
-        obj = train.make_objective(args, backbone, torch.device("cpu"))
-        assert (obj.phi, obj.noise_ratio, obj.noise_steps, obj.temperature) == (phi, ratio, 4, 0.05)
-    args = train.resolve_args(parser, parser.parse_args(
-        ["--method", "dclr", "--model", "m", "--data", "d", "--output-dir", "o", "--phi", "0.7"]))
-    assert train.make_objective(args, backbone, torch.device("cpu")).phi == 0.7
-    assert (args.batch_size, args.lr, args.select, args.mlp_only_train) == (128, 3e-5, "avg", True)
-
-
-# ---------------------------------------------------------------------------------------
-# End to end
-
-@pytest.mark.parametrize("method,family", [("simcse", "bert"), ("simcse-sup", "bert"), ("dclr", "bert"),
-                                           ("focal", "roberta"), ("escl", "bert")])
-def test_each_method_trains_and_exports(tiny, tmp_path, method, family):
-    st = pytest.importorskip("sentence_transformers")
-    from transformers import AutoModel
-
-    out = tmp_path / "out"
-    args = base_args(tiny, out, method, steps=4, sts_dir=tiny / "sts", eval_steps=2)
-    args[args.index("--model") + 1] = str(tiny / family)
-    if method == "dclr":
-        args += ["--complementary", str(tiny / "bert")]
-    assert train.main(args) == 0
-    steps = step_records(out)
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in steps)
-    assert steps[0]["lr"] == 1e-3 and steps[-1]["lr"] == pytest.approx(2.5e-4)  # linear decay
-    evals = [r for r in read_log(out) if r["type"] == "eval"]
-    assert [r["step"] for r in evals] == [2, 4]
-    assert {"stsb-dev", "alignment", "uniformity", "metric"} <= set(evals[0])
-    assert ("sickr-dev" in evals[0]) == (method == "dclr")  # DCLR selects on the mean of both
-    for name in ("dev_curve.png", "align_uniform.png", "config.json", "model.safetensors",
-                 "modules.json", "1_Pooling/config.json", "train_results.json"):
-        assert (out / name).is_file(), name
-    assert not (out / "checkpoint.pt").exists()  # a finished run removes it
-    pooler = "cls" if method == "simcse-sup" else "cls_before_pooler"
-    assert (out / "2_Dense").is_dir() == (pooler == "cls")
-    assert json.loads((out / "train_results.json").read_text())["eval_pooler"] == pooler
-    AutoModel.from_pretrained(out)
-    encoder, tok = load_encoder(out, pooler)
-    ours = encode(encoder, tok, SENTENCES)
-    theirs = torch.as_tensor(st.SentenceTransformer(str(out), device="cpu").encode(SENTENCES))
-    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
-
-
-def test_supervised_on_snli_folder(tiny, tmp_path):
-    out = tmp_path / "out"
-    args = base_args(tiny, out, "simcse-sup", steps=3)
-    args[args.index("--data") + 1] = str(tiny / "snli")
-    assert train.main(args + ["--hard-negative-weight", "0.5"]) == 0
-    assert len(step_records(out)) == 3
-
-
-def test_the_best_model_is_kept(tiny, tmp_path):
-    out = tmp_path / "out"
-    assert train.main(base_args(tiny, out, "simcse", steps=6, sts_dir=tiny / "sts", eval_steps=1,
-                                pooler="avg")) == 0
-    evals = [r for r in read_log(out) if r["type"] == "eval"]
-    best = max(evals, key=lambda r: r["metric"])
-    assert len({round(r["metric"], 6) for r in evals}) > 1, "scores should move at lr 1e-3"
-    summary = json.loads((out / "train_results.json").read_text())
-    assert summary["best_step"] == best["step"] and summary["best_metric"] == best["metric"]
-    encoder, tok = load_encoder(out, "avg")
-    again = evaluate(encoder, tok, None, tiny / "sts", ["stsb-dev"])["scores"]["stsb-dev"]
-    assert again == pytest.approx(best["stsb-dev"], abs=1e-6)
-
-
-def test_without_sts_dir_the_last_model_is_saved(tiny, tmp_path, capsys):
-    out = tmp_path / "out"
-    assert train.main(base_args(tiny, out, "focal", steps=3, keep_checkpoint=True)) == 0
-    printed = capsys.readouterr().out
-    assert printed.count("no --sts-dir: no dev evaluation") == 1
-    assert not [r for r in read_log(out) if r["type"] == "eval"]
-    last = checkpoint.read_checkpoint(out / "checkpoint.pt")["model"]
-    saved, _ = load_backbone(out)
-    for name, value in saved.state_dict().items():
-        torch.testing.assert_close(value, last[f"backbone.{name}"], rtol=0, atol=0)
-
-
-# ---------------------------------------------------------------------------------------
-# Interrupt and resume
-
-def interrupt_at(monkeypatch, step, action):
-    """Run ``action`` right after optimizer step ``step`` of the next training run."""
-    real = training.train_step
-    count = {"n": 0}
-
-    def wrapped(*args, **kwargs):
-        out = real(*args, **kwargs)
-        count["n"] += 1
-        if count["n"] == step:
-            action()
-        return out
-    monkeypatch.setattr(training, "train_step", wrapped)
-
-
-def assert_same_run(reference, resumed):
-    ref, res = step_records(reference), step_records(resumed)
-    assert [r["step"] for r in res] == [r["step"] for r in ref]
-    for a, b in zip(ref, res):  # exact: fp32 on CPU with the same seeds and states
-        assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"]), a["step"]
-    evals = lambda out: [(r["step"], r["stsb-dev"]) for r in read_log(out) if r["type"] == "eval"]
-    assert evals(reference) == evals(resumed)
-    a = checkpoint.read_checkpoint(reference / "checkpoint.pt")["model"]
-    b = checkpoint.read_checkpoint(resumed / "checkpoint.pt")["model"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_resume_after_sigterm_gives_the_same_losses(tiny, tmp_path, monkeypatch):
-    extra = dict(sts_dir=tiny / "sts", eval_steps=3, select="stsb", complementary=tiny / "bert",
-                 noise_steps=2, keep_checkpoint=True)  # assert_same_run reads the checkpoints
-    ref, cut = tmp_path / "reference", tmp_path / "interrupted"
-    handler = signal.getsignal(signal.SIGTERM)
-    assert train.main(base_args(tiny, ref, "dclr", steps=8, **extra)) == 0
-    with monkeypatch.context() as m:
-        interrupt_at(m, 5, lambda: os.kill(os.getpid(), signal.SIGTERM))
-        assert train.main(base_args(tiny, cut, "dclr", steps=8, **extra)) == 128 + signal.SIGTERM
-    assert [r["step"] for r in step_records(cut)] == [1, 2, 3, 4, 5]
-    assert checkpoint.read_checkpoint(cut / "checkpoint.pt")["state"]["step"] == 5
-    assert signal.getsignal(signal.SIGTERM) is handler  # handlers restored
-    assert train.main(base_args(tiny, cut, "dclr", steps=8, resume=True, **extra)) == 0
-    assert_same_run(ref, cut)
-
-
-def test_resume_from_a_periodic_checkpoint_after_a_crash(tiny, tmp_path, monkeypatch):
-    # 64 sentences in batches of 4: 16 steps an epoch, so the run crosses into a second epoch
-    args = lambda out, **more: base_args(tiny, out, "escl", steps=20, checkpoint_steps=7,
-                                         eval_steps=10, sts_dir=tiny / "sts", keep_checkpoint=True,
-                                         **more)
-    ref, cut = tmp_path / "reference", tmp_path / "crashed"
-    assert train.main(args(ref)) == 0
-
-    def crash():
-        raise RuntimeError("power cut")
-    with monkeypatch.context() as m:
-        interrupt_at(m, 17, crash)
-        with pytest.raises(RuntimeError, match="power cut"):
-            train.main(args(cut))
-    assert checkpoint.read_checkpoint(cut / "checkpoint.pt")["state"]["step"] == 14
-    assert train.main(args(cut, resume=True)) == 0
-    assert [r["step"] for r in step_records(cut)] == list(range(1, 21))
-    assert step_records(cut)[-1]["epoch"] == 1
-    assert_same_run(ref, cut)
-
-
-def test_resume_checks_its_inputs(tiny, tmp_path, capsys):
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit, match="--resume: no checkpoint at"):
-        train.main(base_args(tiny, out, resume=True))
-    assert train.main(base_args(tiny, out, steps=2, keep_checkpoint=True)) == 0
-    with pytest.raises(SystemExit):
-        train.main(base_args(tiny, out, steps=2))
-    assert "holds a checkpoint: pass --resume" in capsys.readouterr().err
-    args = base_args(tiny, out, steps=2, resume=True)
-    args[args.index("--lr") + 1] = "5e-4"
-    with pytest.raises(SystemExit, match=r"--resume needs the options.*--lr 0.0005 \(checkpoint: 0.001\)"):
-        train.main(args)
-
-
-def test_sigterm_to_a_training_process_writes_a_checkpoint(tiny, tmp_path):
-    out = tmp_path / "out"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *base_args(tiny, out, steps=100000)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            if (out / train.LOG).is_file() and len(step_records(out)) >= 3:
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()[0]
-        proc.send_signal(signal.SIGTERM)
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, output
-    assert "continue with --resume" in output
-    ckpt = checkpoint.read_checkpoint(out / "checkpoint.pt")
-    assert ckpt["state"]["step"] == step_records(out)[-1]["step"] >= 3
-    assert not [p for p in out.iterdir() if ".tmp" in p.name]
-
-
-# ---------------------------------------------------------------------------------------
-# Bad input
-
-@pytest.mark.parametrize("change,message", [
-    ({"batch_size": 1}, "--batch-size must be >= 2"),
-    ({"lr": -1}, "--lr must be > 0"),
-    ({"max_steps": 0}, "--max-steps must be >= 1"),
-    ({"temperature": 0}, "--temperature must be > 0"),
-    ({"phi": 0.9}, "--phi applies to --method dclr only"),
-    ({"rd_weight": 1.0}, "--rd-weight applies to --method escl only"),
-    ({"pooler": "avg", "mlp_only_train": True}, "apply to --pooler cls only"),
-    ({"sts_dir": "/nonexistent/sts"}, "--sts-dir: no such folder"),
-])
-def test_bad_options_name_the_option(tiny, tmp_path, capsys, change, message):
-    with pytest.raises(SystemExit) as err:
-        train.main(base_args(tiny, tmp_path / "o", **change))
-    assert err.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("change,message", [
-    ({"complementary_mode": "released"}, "--complementary-mode released needs --complementary"),
-    ({"complementary_pooler": "avg"}, "--complementary-pooler needs --complementary"),
-])
-def test_complementary_options_need_a_complementary_model(tiny, tmp_path, capsys, change, message):
-    with pytest.raises(SystemExit) as err:
-        train.main(base_args(tiny, tmp_path / "o", "dclr", **change))
-    assert err.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_hard_negative_weight_needs_a_hard_negative_column(tiny, tmp_path):
-    pairs = tmp_path / "pairs.csv"
-    pairs.write_text("sent0,sent1\n" + "".join(f"a{i} b,c{i} d\n" for i in range(8)))
-    args = base_args(tiny, tmp_path / "o", "simcse-sup", hard_negative_weight=0.5)
-    args[args.index("--data") + 1] = str(pairs)
-    with pytest.raises(SystemExit, match="--hard-negative-weight 0.5 weighs each anchor's hard "
-                                         "negative, but --data .* has pairs"):
-        train.main(args)
-
-@pytest.mark.parametrize("flag,value,message", [
-    ("--data", "missing.txt", "--data: no such file or folder"),
-    ("--model", "no-such-org/no-such-model", "--model: cannot load 'no-such-org/no-such-model'.*local path"),
-    ("--model", "./no/such/folder", "--model: no such model folder"),
-    ("--batch-size", "1000", "fewer than --batch-size 1000"),
-    ("--snli-splits", "dev", "--snli-splits applies to a SentEval SNLI folder"),
-])
-def test_bad_inputs_name_the_option(tiny, tmp_path, monkeypatch, flag, value, message):
-    from huggingface_hub import constants
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # fail at once, no network retries
-    args = base_args(tiny, tmp_path / "o")
-    if flag not in args:
-        args += [flag, "x"]
-    args[args.index(flag) + 1] = str(tmp_path / value) if value == "missing.txt" else value
-    with pytest.raises(SystemExit, match=message):
-        train.main(args)
-
-
-def test_dclr_select_avg_needs_sick_dev(tiny, tmp_path):
-    write_sts_dir(tmp_path / "sts", tasks=("stsb",))
-    with pytest.raises(SystemExit, match="sickr-dev: none of"):
-        train.main(base_args(tiny, tmp_path / "o", "dclr", sts_dir=tmp_path / "sts"))
-
-
-def test_help_documents_every_option(capsys):
-    with pytest.raises(SystemExit):
-        train.main(["--help"])
-    text = capsys.readouterr().out
-    for action in train.build_parser()._actions:
-        for flag in action.option_strings:
-            assert flag in text
-        assert action.help, action.option_strings
-
-
-# ---------------------------------------------------------------------------------------
-# Integration: a few steps of every method on the packaged MiniLM and the shared wiki data
-
-@needs_data
-@pytest.mark.parametrize("method", ["simcse", "simcse-sup", "dclr", "focal", "escl"])
-def test_minilm_few_steps_then_stsb_dev(method, tmp_path):
-    model = minilm_path()
-    wiki = DATA / "wiki" / "wiki1m_for_simcse.random10k.txt"
-    snli = DATA / "nli" / "snli_senteval"
-    if not wiki.is_file() or (method == "simcse-sup" and not (snli / "s1.dev").is_file()):
-        pytest.skip(f"shared training data not found under {DATA}")
-    # The first 300 STS-B dev pairs (and 150 SICK trial pairs) keep this test short; the
-    # evaluator's tests score the full dev set.
-    sts = tmp_path / "sts"
-    (sts / "stsb").mkdir(parents=True)
-    (sts / "sick").mkdir()
-    lines = (DATA / "stsb" / "sts-dev.csv").read_text(encoding="utf-8").split("\n")
-    (sts / "stsb" / "sts-dev.csv").write_text("\n".join(lines[:300]) + "\n", encoding="utf-8")
-    lines = (DATA / "sick" / "SICK_trial.txt").read_text(encoding="utf-8").split("\n")
-    (sts / "sick" / "SICK_trial.txt").write_text("\n".join(lines[:151]) + "\n", encoding="utf-8")
-    out = tmp_path / "out"
-    args = ["--method", method, "--model", model, "--data", str(snli if method == "simcse-sup" else wiki),
-            "--output-dir", str(out), "--max-steps", "2", "--batch-size", "8", "--max-seq-len", "32",
-            "--sts-dir", str(sts), "--eval-steps", "2", "--eval-batch-size", "128"]
-    if method == "simcse-sup":
-        args += ["--snli-splits", "dev"]
-    if method == "dclr":
-        args += ["--complementary", model]
-    assert train.main(args) == 0
-    steps = step_records(out)
-    assert len(steps) == 2 and all(0 < r["loss"] < 50 for r in steps)
-    (result,) = [r for r in read_log(out) if r["type"] == "eval"]
-    # all-MiniLM-L6-v2's CLS scores about 80 on STS-B dev; two small steps keep it there
-    assert 70 < result["stsb-dev"] < 95
-    assert result["alignment"] > 0 and result["uniformity"] < 0
-
-
-# ---------------------------------------------------------------------------------------
-# Errors inside the loop, bad data found at start, results that must stay valid
-
-def loop_args(tiny, out, **more):
-    return base_args(tiny, out, "simcse", steps=6, sts_dir=tiny / "sts", eval_steps=2,
-                     checkpoint_steps=100, pooler="avg", keep_checkpoint=True, **more)
-
-
-@pytest.fixture(scope="module")
-def loop_reference(tiny, tmp_path_factory):
-    out = tmp_path_factory.mktemp("loop") / "reference"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the tests that compare with it
-    try:
-        assert train.main(loop_args(tiny, out)) == 0
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
-
-def fail_on_call(monkeypatch, owner, name, n, error):
-    """Make ``owner.name`` raise ``error`` on its ``n``-th call."""
-    real = getattr(owner, name)
-    count = {"n": 0}
-
-    def wrapped(*args, **kwargs):
-        count["n"] += 1
-        if count["n"] == n:
-            raise error
-        return real(*args, **kwargs)
-    monkeypatch.setattr(owner, name, wrapped)
-
-
-@pytest.mark.parametrize("where,n", [("dev_evaluation", 2), ("export", 1)])
-def test_disk_full_in_evaluation_writes_an_emergency_checkpoint(tiny, tmp_path, monkeypatch,
-                                                                 loop_reference, capsys, where, n):
-    import errno
-    out = tmp_path / "out"
-    with monkeypatch.context() as m:
-        fail_on_call(m, train, where, n, OSError(errno.ENOSPC, "No space left on device"))
-        with pytest.raises(SystemExit, match="No space left on device"):
-            train.main(loop_args(tiny, out))
-    step = 2 * n  # evaluations at steps 2, 4, 6; the first one exports
-    assert checkpoint.read_checkpoint(out / "checkpoint.pt")["state"]["step"] == step
-    assert f"emergency checkpoint written to {out / 'checkpoint.pt'} at step {step}" in capsys.readouterr().err
-    assert train.main(loop_args(tiny, out, resume=True)) == 0
-    assert_same_run(loop_reference, out)
-    assert read_records(out, "eval") == read_records(loop_reference, "eval")
-
-
-def read_records(out, kind):
-    return [{k: v for k, v in r.items() if k != "examples_per_s"}
-            for r in read_log(out) if r["type"] == kind]
-
-
-def test_an_error_before_the_update_checkpoints_the_start_of_the_step(tiny, tmp_path, monkeypatch,
-                                                                      loop_reference):
-    out = tmp_path / "out"
-    with monkeypatch.context() as m:
-        fail_on_call(m, training, "objective_loss", 5, RuntimeError("out of memory"))
-        with pytest.raises(RuntimeError, match="out of memory"):
-            train.main(loop_args(tiny, out))
-    # step 5 had drawn its batch and dropout masks, not changed the model: it is redone
-    assert checkpoint.read_checkpoint(out / "checkpoint.pt")["state"]["step"] == 4
-    assert train.main(loop_args(tiny, out, resume=True)) == 0
-    assert_same_run(loop_reference, out)
-
-
-def test_an_error_writing_a_step_record_keeps_it_for_the_resume(tiny, tmp_path, monkeypatch,
-                                                                loop_reference):
-    out = tmp_path / "out"
-    real = train.append_log
-
-    def append(path, record, rank=0):
-        if record["type"] == "step" and record["step"] == 3:
-            raise OSError(28, "No space left on device")
-        real(path, record, rank)
-    with monkeypatch.context() as m:
-        m.setattr(train, "append_log", append)
-        with pytest.raises(SystemExit):
-            train.main(loop_args(tiny, out))
-    assert checkpoint.read_checkpoint(out / "checkpoint.pt")["state"]["step"] == 3
-    assert [r["step"] for r in step_records(out)] == [1, 2]
-    assert train.main(loop_args(tiny, out, resume=True)) == 0
-    assert_same_run(loop_reference, out)
-
-
-def test_a_malformed_dev_file_is_an_error_before_step_1(tiny, tmp_path):
-    sts = write_sts_dir(tmp_path / "sts")
-    bad = sts / "stsb" / "sts-dev.csv"
-    bad.write_text(bad.read_text() + "main-news\tf\t2012\t99\tnot-a-score\ta b\tc d\n")
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit, match=f"fastcl-train: error: {bad}:41: score 'not-a-score' is not a number"):
-        train.main(base_args(tiny, out, sts_dir=sts))
-    assert not step_records(out) and not (out / "checkpoint.pt").exists()
-
-
-def test_a_nan_dev_metric_is_never_the_best(tiny, tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    real = train.dev_evaluation
-    calls = {"n": 0}
-
-    def first_is_nan(run):
-        calls["n"] += 1
-        res = real(run)
-        return {**res, "stsb-dev": float("nan"), "metric": float("nan")} if calls["n"] == 1 else res
-    monkeypatch.setattr(train, "dev_evaluation", first_is_nan)
-    assert train.main(base_args(tiny, out, steps=4, sts_dir=tiny / "sts", eval_steps=2, pooler="avg")) == 0
-
-    def strict(text):
-        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON output"))
-    records = [strict(line) for line in (out / train.LOG).read_text().splitlines()]
-    evals = [r for r in records if r["type"] == "eval"]
-    assert [(r["step"], r["metric"], r["best"]) for r in evals][0] == (2, None, False)
-    assert evals[1]["best"] and evals[1]["metric"] is not None
-    summary = strict((out / "train_results.json").read_text())
-    assert summary["best_step"] == 4  # the step after the NaN could still be exported
-    encoder, tok = load_encoder(out, "avg")
-    assert evaluate(encoder, tok, None, tiny / "sts", ["stsb-dev"])["scores"]["stsb-dev"] == \
-        pytest.approx(evals[1]["stsb-dev"], abs=1e-6)
-
-
-
-def test_no_finite_dev_score_exports_nothing_and_fails(tiny, tmp_path, monkeypatch, capsys):
-    """Every dev score NaN: no model to export. The run says so and exits 1; the model an
-    earlier run left in the folder (--overwrite-output-dir) is not passed off as this one."""
-    out = tmp_path / "out"
-    args = base_args(tiny, out, steps=2, sts_dir=tiny / "sts", eval_steps=1, pooler="avg")
-    assert train.main(args) == 0 and (out / "config.json").exists()
-    real = train.dev_evaluation
-    monkeypatch.setattr(train, "dev_evaluation",
-                        lambda run: {**real(run), "stsb-dev": float("nan"), "metric": float("nan")})
-    assert train.main(args + ["--overwrite-output-dir"]) == 1
-    captured = capsys.readouterr()
-    assert "removed the model an earlier run exported" in captured.out
-    assert "no dev evaluation gave a finite score" in captured.err and "no model exported" in captured.err
-    assert not (out / "config.json").exists() and not (out / "train_results.json").exists()
-    assert (out / "checkpoint.pt").exists()
-
-def test_resume_with_another_sts_dir_is_refused(tiny, tmp_path):
-    out = tmp_path / "out"
-    assert train.main(base_args(tiny, out, steps=2, sts_dir=tiny / "sts", keep_checkpoint=True)) == 0
-    other = write_sts_dir(tmp_path / "other", seed=1)
-    with pytest.raises(SystemExit, match="--resume needs the options.*--sts-dir"):
-        train.main(base_args(tiny, out, steps=2, sts_dir=other, resume=True))
-
-
 def test_a_csv_with_an_unbalanced_quote_is_an_error(tmp_path):
     path = tmp_path / "nli.csv"
     path.write_text('sent0,sent1,hard_neg\na,"b, he said,c\nd,e,f\ng,h,i\n')
@@ -695,3 +179,392 @@ def test_non_utf8_data_names_the_file(tmp_path):
         method = "simcse-sup" if name.endswith(".csv") else "simcse"
         with pytest.raises(ValueError, match=f"--data: {tmp_path / name} is not UTF-8 text"):
             data_io.read_training_data(tmp_path / name, method)
+# ---------------------------------------------------------------------------------------
+# Every method, plain and cached; the saved model
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("cached", [False, True], ids=["plain", "cached"])
+def test_each_method_trains_and_saves_a_plain_model(tiny, tmp_path, method, cached):
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    from fastcl.evaluate import saved_pooler
+    from fastcl.encoders import encode, load_encoder
+
+    out = tmp_path / method
+    extra = {"complementary": tiny / "bert"} if method == "dclr" else {}
+    if cached:
+        extra["mini_batch_size"] = 3
+    assert train.main(base_args(tiny, out, method, steps=2, **extra)) == 0
+    assert [s for s, _ in losses(out)] == [1, 2] and all(v > 0 for _, v in losses(out))
+    model_dir = out / train.MODEL_DIR
+    assert_plain_folder(model_dir)
+    modules = [m["type"].rsplit(".", 1)[1] for m in json.loads((model_dir / "modules.json").read_text())]
+    # a plain encoder gets the method's pooler: cls + MLP, the MLP dropped after unsupervised training
+    assert modules == (["Transformer", "Pooling", "Dense"] if method == "simcse-sup" else ["Transformer", "Pooling"])
+    sentences = ["a b c", "d e f g", "h"]
+    st = SentenceTransformer(str(model_dir), device="cpu").encode(sentences, convert_to_tensor=True)
+    encoder, tokenizer = load_encoder(str(model_dir), saved_pooler(str(model_dir)))
+    ours = encode(encoder, tokenizer, sentences)
+    torch.testing.assert_close(st, ours, atol=1e-5, rtol=1e-5)
+    if method != "simcse-sup":  # the raw CLS state of AutoModel is the embedding
+        auto = AutoModel.from_pretrained(str(model_dir)).eval()
+        batch = tokenizer(sentences, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            cls = auto(**batch).last_hidden_state[:, 0]
+        torch.testing.assert_close(cls, ours, atol=1e-5, rtol=1e-5)
+    saved = json.loads((out / train.RESULTS).read_text())
+    assert saved["steps"] == 2 and saved["saved_step"] == 2
+
+
+def test_cached_equals_plain_step_for_step(tiny, tmp_path):
+    """--mini-batch-size changes the memory, not the numbers (eval-free dropout replay)."""
+    assert train.main(base_args(tiny, tmp_path / "plain", steps=3)) == 0
+    assert train.main(base_args(tiny, tmp_path / "cached", steps=3, mini_batch_size=4)) == 0
+    assert losses(tmp_path / "plain") == losses(tmp_path / "cached")
+
+
+def test_a_sentence_transformers_model_keeps_its_pooling(tiny, tmp_path):
+    out = tmp_path / "st"
+    assert train.main(base_args(tiny, out, steps=2, model=tiny / "st")) == 0
+    modules = [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "model" / "modules.json").read_text())]
+    assert modules == ["Transformer", "Pooling", "Normalize"]
+    pooling = json.loads((out / "model" / "1_Pooling" / "config.json").read_text())
+    assert pooling["pooling_mode"] == "mean"
+    # --pooler chooses otherwise
+    out = tmp_path / "cls"
+    assert train.main(base_args(tiny, out, steps=2, model=tiny / "st", pooler="cls_before_pooler")) == 0
+    modules = [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "model" / "modules.json").read_text())]
+    assert modules == ["Transformer", "Pooling"]
+    assert json.loads((out / "model" / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "cls"
+
+
+def test_step_zero_is_evaluated_and_compared_with_the_saved_step(tiny, tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert train.main(base_args(tiny, out, steps=4, sts_dir=tiny / "sts", eval_steps=2)) == 0
+    evals = [r for r in read_log(out) if r["type"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    assert all(isinstance(r["stsb-dev"], float) and "stsb-dev_alignment" in r for r in evals)
+    saved = json.loads((out / train.RESULTS).read_text())
+    best = max((r["stsb-dev"], -r["step"]) for r in evals if r["step"] > 0)
+    assert saved["saved_step"] == -best[1]
+    cmp = saved["comparison"]
+    assert cmp["step0"] == evals[0]["stsb-dev"] and cmp["best"] == best[0]
+    card = (out / "model" / "README.md").read_text()
+    assert "| base model (before training) | 0 |" in card and f"| saved model (best step) | {saved['saved_step']} |" in card
+    err = capsys.readouterr().err
+    assert ("did not improve on the base model" in err) == (not cmp["improved"])
+    assert ("**Training did not improve on the base model**" in card) == (not cmp["improved"])
+    assert (out / "dev_curve.png").is_file() and (out / "loss_curve.png").is_file()
+
+
+def test_the_comparison_says_when_training_made_the_model_worse():
+    records = [{"type": "eval", "step": 0, "stsb-dev": 80.0, "avg": 70.0},
+               {"type": "eval", "step": 2, "stsb-dev": 75.0, "avg": 71.0}]
+    assert train.comparison(records, "stsb", 2)["improved"] is False
+    assert train.comparison(records, "avg", 2)["improved"] is True
+    assert train.comparison(records, "stsb", 4) is None
+    assert "did not improve" in train._card_section(train.comparison(records, "stsb", 2), "stsb")
+
+
+# ---------------------------------------------------------------------------------------
+# Resume and checkpoints
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory):
+    """The step losses of a run never stopped, in a process of its own as the runs it is
+    compared with (the thread set-up of this process can change the last bits)."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    proc = trainer_process(base_args(tiny, out, steps=8, save_steps=2))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return losses(out)
+
+
+def test_sigkill_at_a_random_step_then_resume_gives_the_same_losses(tiny, tmp_path, uninterrupted):
+    """Two real processes: the first is SIGKILLed once its log reaches a random step, the
+    second resumes from the newest complete checkpoint; the step losses are those of a run
+    that was never stopped."""
+    out = tmp_path / "killed"
+    argv = base_args(tiny, out, steps=8, save_steps=2)
+    kill_at = random.Random().randint(3, 7)
+    first = trainer_process(argv)
+    wait_for_steps(out, kill_at, first)
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    assert first.returncode == -signal.SIGKILL, f"ended before step {kill_at}"
+    second = trainer_process(argv + ["--resume"])
+    _, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err[-3000:]
+    assert losses(out) == uninterrupted, f"killed at step {kill_at}"
+
+
+def test_sigterm_checkpoints_the_step_then_resume_gives_the_same_losses(tiny, tmp_path, uninterrupted):
+    out = tmp_path / "term"
+    argv = base_args(tiny, out, steps=8, save_steps=4)  # the stop writes a checkpoint of its own
+    first = trainer_process(argv)
+    wait_for_steps(out, 2, first)
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by signal 15 after step" in err and not (out / train.RESULTS).exists()
+    stopped_at = max(s for s, _ in losses(out))
+    assert (out / f"checkpoint-{stopped_at}" / files.MANIFEST).is_file()
+    second = trainer_process(argv + ["--resume"])
+    _, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err[-3000:]
+    assert losses(out) == uninterrupted
+
+
+@pytest.fixture(scope="module")
+def stopped(tiny, tmp_path_factory):
+    """A run of 4 steps killed after training, before its model was saved: checkpoint-2 and
+    checkpoint-4 on disk. Returns (its folder, its options)."""
+    out = tmp_path_factory.mktemp("stopped") / "out"
+    argv = base_args(tiny, out, steps=4, save_steps=2)
+    proc = trainer_process(argv, FASTCL_CRASH_AT="model-stage")
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    return out, argv
+
+
+def copy_run(stopped, where):
+    import shutil
+    out, argv = stopped
+    shutil.copytree(out, where)
+    return where, [str(where) if a == str(out) else a for a in argv]
+
+
+def test_a_checkpoint_torn_by_a_crash_is_removed_and_the_one_before_resumed(stopped, tmp_path, capsys):
+    out, argv = copy_run(stopped, tmp_path / "torn")
+    (out / "checkpoint-4" / files.MANIFEST).unlink()  # as a kill before its manifest leaves it
+    before = dict(losses(out))
+    assert train.main(argv + ["--resume"]) == 0
+    assert f"removed {out / 'checkpoint-4'}: a checkpoint whose writing was interrupted" in capsys.readouterr().err
+    starts = [r for r in read_log(out) if r["type"] == "start"]
+    assert starts[-1]["step"] == 2 and starts[-1]["resumed"]
+    again = dict(losses(out))  # steps 3 and 4 redone (here in this process: to the last bits aside)
+    assert sorted(again) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert again[step] == pytest.approx(before[step], rel=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(stopped, tmp_path, damage):
+    out, argv = copy_run(stopped, tmp_path / "bad")
+    target = out / "checkpoint-4" / "optimizer.pt"
+    data = bytearray(target.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(bytes(data[:-7]))
+    else:
+        target.unlink()
+    with pytest.raises(SystemExit, match=r"checkpoint-4/optimizer.pt is (damaged|missing)"):
+        train.main(argv + ["--resume"])
+
+
+def test_resume_checks_its_options(tiny, stopped, tmp_path):
+    out, argv = copy_run(stopped, tmp_path / "r")
+    with pytest.raises(SystemExit, match=r"--resume needs the options.*--lr 0.01 \(checkpoint: 0.001\)"):
+        train.main(argv + ["--resume", "--lr", "1e-2"])
+    with pytest.raises(SystemExit, match="holds an unfinished run.*--resume"):
+        train.main(argv)
+    with pytest.raises(SystemExit, match="holds no fastcl run"):
+        train.main(base_args(tiny, tmp_path / "none", resume=True))
+    assert train.main(argv + ["--resume"]) == 0
+    with pytest.raises(SystemExit, match="has finished"):
+        train.main(argv + ["--resume"])
+
+
+# ---------------------------------------------------------------------------------------
+# The output folder: one run at a time, nothing foreign removed, no link followed
+
+def test_a_second_run_on_a_folder_in_use_is_refused(tiny, tmp_path, uninterrupted):
+    out = tmp_path / "busy"
+    argv = base_args(tiny, out, steps=8, save_steps=2)
+    first = trainer_process(argv)
+    wait_for_steps(out, 1, first)
+    first.send_signal(signal.SIGSTOP)  # held mid-run while the second one starts
+    try:
+        second = trainer_process(argv + ["--resume"])
+        _, err = second.communicate(timeout=120)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert second.returncode == 1
+    assert f"in use by another run (lock {out / files.LOCK}, held by pid {first.pid}" in err
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    assert losses(out) == uninterrupted  # the first run, untouched by the second
+
+
+def test_a_stale_lock_is_taken_over(tiny, tmp_path, capsys):
+    out = tmp_path / "stale"
+    out.mkdir()
+    (out / files.LOCK).write_text("pid 999999 on elsewhere\n")  # a killed run's file, no lock held
+    assert train.main(base_args(tiny, out, steps=1)) == 0
+    assert "took over the lock of a run that is no longer running (pid 999999 on elsewhere)" in capsys.readouterr().err
+
+
+def test_a_folder_that_is_not_a_fastcl_run_is_refused(tiny, tmp_path):
+    import shutil
+    out = tmp_path / "model_copy"
+    shutil.copytree(tiny / "bert", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit, match="is not empty and holds no fastcl run.*--allow-nonempty-output-dir"):
+        train.main(base_args(tiny, out, steps=1))
+    with pytest.raises(SystemExit, match="is not empty and holds no fastcl run"):
+        train.main(base_args(tiny, out, steps=1, overwrite_output_dir=True))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert train.main(base_args(tiny, out, steps=1, allow_nonempty_output_dir=True)) == 0
+    assert all((out / name).read_bytes() == data for name, data in before.items())
+    # a foreign folder holding a name the run writes is refused even then
+    other = tmp_path / "other"
+    (other / "model").mkdir(parents=True)
+    (other / "model" / "mine.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="is not a fastcl run but holds model, which a run would write over"):
+        train.main(base_args(tiny, other, steps=1, allow_nonempty_output_dir=True))
+    assert (other / "model" / "mine.txt").read_text() == "keep"
+
+
+def test_a_finished_run_is_only_replaced_when_asked_and_links_are_never_followed(tiny, tmp_path):
+    out = tmp_path / "done"
+    assert train.main(base_args(tiny, out, steps=1)) == 0
+    with pytest.raises(SystemExit, match=r"holds a finished run \(train_results.json\).*--overwrite-output-dir"):
+        train.main(base_args(tiny, out, steps=1))
+    # links out of the folder, where the model and a checkpoint were
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    import shutil
+    shutil.rmtree(out / "model")
+    os.symlink(victim, out / "model")
+    os.symlink(victim, out / "checkpoint-9")
+    os.symlink(victim, out / "runs")
+    assert train.main(base_args(tiny, out, steps=1, overwrite_output_dir=True)) == 0
+    assert (victim / "precious.txt").read_text() == "keep me"
+    assert not (out / "model").is_symlink() and (out / "model" / "modules.json").is_file()
+
+
+def test_a_full_disk_for_the_plots_still_ends_the_run_cleanly(tiny, tmp_path, monkeypatch, capsys):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(train, "write_plots", full)
+    out = tmp_path / "full"
+    assert train.main(base_args(tiny, out, steps=1)) == 0
+    assert "the plots were not written ([Errno 28] No space left on device)" in capsys.readouterr().err
+    assert (out / train.RESULTS).is_file() and (out / "model" / "modules.json").is_file()
+
+
+def test_an_interrupted_swap_is_finished_at_the_next_start(tmp_path):
+    out = tmp_path / "o"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "a").write_text("old")
+    stage = files.stage_dir(out / "model")
+    (stage / "a").write_text("new")
+    env = dict(os.environ, FASTCL_CRASH_AT="swap")
+    code = ("import sys; from fastcl import files; "
+            f"files.swap_in({str(stage)!r}, {str(out / 'model')!r})")
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == -signal.SIGKILL
+    assert not (out / "model").exists()  # between the two renames
+    messages = files.recover_swaps(out)
+    assert (out / "model" / "a").read_text() == "old" and any("restored" in m for m in messages)
+    assert not list(out.glob(".*"))
+
+
+# ---------------------------------------------------------------------------------------
+# Options
+
+@pytest.mark.parametrize("change,message", [
+    ({"batch_size": 1}, "--batch-size must be >= 2"),
+    ({"temperature": 0}, "--temperature must be > 0"),
+    ({"phi": 0.5}, "--phi applies to --method dclr only"),
+    ({"focal_m": 0.2, "method": "focal"}, "--method focal takes its margin as --m"),
+    ({"gradient_accumulation_steps": 3}, "must be a multiple of --gradient-accumulation-steps"),
+    ({"sts_dir": "SAME", "save_steps": 3, "eval_steps": 2}, "--save-steps 3 must be a multiple of --eval-steps 2"),
+    ({"warmup_ratio": 0.1, "warmup_steps": 2}, "give one"),
+    ({"early_stopping_patience": 2}, "--early-stopping-patience needs --sts-dir"),
+    ({"mlp_only_train": True, "pooler": "avg"}, "--mlp-only-train/--no-mlp-only-train apply to --pooler cls only"),
+])
+def test_bad_options_name_the_option(tiny, tmp_path, capsys, change, message):
+    change = dict(change)
+    method = change.pop("method", "simcse")
+    if change.get("sts_dir") == "SAME":
+        change["sts_dir"] = tiny / "sts"
+    with pytest.raises(SystemExit) as err:
+        train.main(base_args(tiny, tmp_path / "o", method, **change))
+    assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_complementary_options_need_a_complementary_model(tiny, tmp_path, capsys):
+    for flag, value in (("complementary_pooler", "avg"), ("complementary_mode", "released")):
+        with pytest.raises(SystemExit):
+            train.main(base_args(tiny, tmp_path / "o", "dclr", **{flag: value}))
+        assert "needs --complementary" in capsys.readouterr().err
+
+
+def test_the_training_arguments_follow_the_options(tiny, tmp_path):
+    from fastcl.trainer import build, cli
+
+    parser = cli.build_parser()
+    args = cli.resolve_args(parser, cli.parse_args(parser, base_args(
+        tiny, tmp_path / "o", "simcse-sup", sts_dir=tiny / "sts", batch_size=8,
+        gradient_accumulation_steps=2, warmup_ratio=0.1, lr_scheduler_type="cosine", save_total_limit=3,
+        report_to="tensorboard", precision="fp32")))
+    a = build.build_arguments(args)
+    assert (a.per_device_train_batch_size, a.gradient_accumulation_steps) == (4, 2)
+    assert a.warmup_steps == 0.1 and a.lr_scheduler_type == "cosine" and a.save_total_limit == 3
+    assert a.report_to == ["tensorboard"] and a.eval_on_start and a.load_best_model_at_end
+    assert a.metric_for_best_model == "eval_dev_stsb-dev" and a.dataloader_drop_last
+    assert a.batch_sampler == "no_duplicates"  # simcse-sup: duplicate texts are false negatives
+    assert args.batch_sampler == "no_duplicates"
+
+
+def test_help_documents_every_option(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--save-total-limit", "--lr-scheduler-type", "--gradient-accumulation-steps",
+                 "--batch-sampler", "--early-stopping-patience", "--report-to", "--push-to-hub",
+                 "--allow-nonempty-output-dir", "--mini-batch-size", "recipe:NAME"):
+        assert flag in text
+
+
+# ---------------------------------------------------------------------------------------
+# Two processes
+
+def test_two_gloo_processes_train_and_save(tiny, tmp_path):
+    """DCLR, cached, on two processes: the gather, the noise broadcast and GradCache together."""
+    out = tmp_path / "ddp"
+    argv = base_args(tiny, out, "dclr", steps=2, batch_size=8, mini_batch_size=3)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(29500 + os.getpid() % 1000), "-m", "fastcl.trainer", *map(str, argv)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (start,) = [r for r in read_log(out) if r["type"] == "start"]
+    assert start["processes"] == 2
+    assert [s for s, _ in losses(out)] == [1, 2]
+    assert (out / "model" / "modules.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------
+# The packaged MiniLM
+
+@needs_data
+def test_minilm_keeps_its_mean_pooling_and_is_scored_at_step_0(tmp_path):
+    out = tmp_path / "minilm"
+    wiki = DATA / "wiki" / "wiki1m_for_simcse.random10k.txt"
+    if not wiki.is_file():
+        pytest.skip(f"no Wikipedia sample at {wiki}")
+    assert train.main(["--method", "simcse", "--model", minilm_path(), "--data", str(wiki),
+                       "--output-dir", str(out), "--sts-dir", str(DATA), "--batch-size", "16",
+                       "--max-steps", "1", "--eval-steps", "10", "--device", "cpu"]) == 0  # step 0 only
+    modules = [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "model" / "modules.json").read_text())]
+    assert modules == ["Transformer", "Pooling", "Normalize"]
+    (step0,) = [r for r in read_log(out) if r["type"] == "eval" and r["step"] == 0]
+    assert step0["stsb-dev"] > 80  # all-MiniLM-L6-v2 as its users use it
+
+

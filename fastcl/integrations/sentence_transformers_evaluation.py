@@ -50,6 +50,8 @@ class SentEvalSTSEvaluator(SentenceEvaluator):
             the pairs with gold score ≥ 4).
         write_csv: append the scores to ``<output_path>/senteval_sts_results[_<name>].csv``
             when the trainer gives an output path.
+        max_seq_length: the model's input limit while it is evaluated (None: the model's
+            own); a trainer that cuts training inputs shorter evaluates at full length.
 
     Calling it returns ``{f"{name}_{task}": score, ..., f"{name}_avg": average}`` (plus
     ``{name}_{task}_alignment`` / ``_uniformity`` with ``metrics=True``). The primary metric
@@ -59,7 +61,8 @@ class SentEvalSTSEvaluator(SentenceEvaluator):
     """
 
     def __init__(self, sts_dir, tasks=DEV, *, name: str = "senteval", batch_size: int = 64,
-                 show_progress_bar: bool = False, metrics: bool = False, write_csv: bool = True):
+                 show_progress_bar: bool = False, metrics: bool = False, write_csv: bool = True,
+                 max_seq_length: int | None = None):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -71,14 +74,21 @@ class SentEvalSTSEvaluator(SentenceEvaluator):
         self.show_progress_bar = show_progress_bar
         self.metrics = metrics
         self.write_csv = write_csv
+        self.max_seq_length = max_seq_length
         self.greater_is_better = True
         self.primary_metric = "avg" if len(self.tasks) > 1 else self.tasks[0]
         self.csv_file = "senteval_sts_results" + (f"_{name}" if name else "") + ".csv"
 
     def embed(self, model, sentences):
         """The model's embeddings of ``sentences`` (N×d, float32 numpy)."""
-        return model.encode(sentences, batch_size=self.batch_size,
-                            show_progress_bar=self.show_progress_bar, convert_to_numpy=True)
+        limit = model.max_seq_length
+        if self.max_seq_length is not None:
+            model.max_seq_length = self.max_seq_length
+        try:
+            return model.encode(sentences, batch_size=self.batch_size,
+                                show_progress_bar=self.show_progress_bar, convert_to_numpy=True)
+        finally:
+            model.max_seq_length = limit
 
     def __call__(self, model, output_path: str | None = None, epoch: int = -1,
                  steps: int = -1) -> dict:

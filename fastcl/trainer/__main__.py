@@ -2,6 +2,6 @@
 
 import sys
 
-from .loop import main
+from .run import main
 
 sys.exit(main(prog="python -m fastcl.trainer"))

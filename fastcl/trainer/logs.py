@@ -1,6 +1,10 @@
 """The trainer's records: ``train_log.jsonl`` (one JSON object per step and evaluation) and
 the plots drawn from it. Every write that replaces a file goes through a temporary file and
-``os.replace``, so a crash leaves the previous version whole."""
+``os.replace``, so a crash leaves the previous version whole.
+
+A record is ``{"type": "step" | "eval" | "summary", "step", "epoch", ...}`` with what
+transformers logged (``loss``, ``learning_rate``, ``grad_norm``; an evaluation's scores under
+their task names: ``stsb-dev``, ``sickr-dev``, ``avg``, ``stsb-dev_alignment`` ...)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import math
 import os
 from pathlib import Path
 
-from ..encoders import fsync_dir
+from ..files import replace_text
 
 LOG = "train_log.jsonl"
 TEMPORARY = (f".{LOG}.tmp", ".dev_curve.tmp.png", ".align_uniform.tmp.png", ".loss_curve.tmp.png")
@@ -52,19 +56,6 @@ def read_log(out: Path) -> list:
     return records
 
 
-def replace_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through ``.<name>.tmp``, fsync and ``os.replace``, then fsync
-    the folder: a crash or a power loss leaves the previous version or this one, whole (the
-    finished run's results are written this way before its checkpoint is removed)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def truncate_log(out: Path, step: int) -> list:
     """Drop records of steps after ``step`` (they are redone after a resume), atomically.
     Returns the records kept."""
@@ -87,9 +78,10 @@ def moving_average(values: list, window: int) -> list:
     return means
 
 
-def write_plots(out: Path, records: list) -> None:
+def write_plots(out: Path, records: list, select: str = "stsb-dev") -> None:
     """loss_curve.png (the step losses and their moving average), and with evaluations
-    dev_curve.png (dev Spearman over steps) and align_uniform.png (Wang & Isola's metrics)."""
+    dev_curve.png (dev Spearman over steps, the best by ``select`` marked) and
+    align_uniform.png (Wang & Isola's metrics on STS-B dev)."""
     trained = [r for r in records if r.get("type") == "step"]
     evals = [r for r in records if r.get("type") == "eval"]
     if not trained and not evals:
@@ -117,17 +109,17 @@ def write_plots(out: Path, records: list) -> None:
         if key in evals[0]:
             ax.plot(steps, [_nan(r.get(key)) for r in evals], marker="o", label=key)
     if "sickr-dev" in evals[0]:
-        ax.plot(steps, [_nan(r["metric"]) for r in evals], linestyle="--", label="mean (selects)")
-    scored = [r for r in evals if r["metric"] is not None]
+        ax.plot(steps, [_nan(r.get("avg")) for r in evals], linestyle="--", label="mean")
+    scored = [r for r in evals if r.get(select) is not None]
     if scored:
-        best = max(scored, key=lambda r: r["metric"])
+        best = max(scored, key=lambda r: r[select])
         ax.axvline(best["step"], color="grey", linestyle=":", label=f"best (step {best['step']})")
     ax.set(xlabel="step", ylabel="Spearman x100", title="dev STS")
     ax.legend()
     _save_figure(fig, out / "dev_curve.png")
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for ax, key in zip(axes, ("alignment", "uniformity")):
-        ax.plot(steps, [_nan(r[key]) for r in evals], marker="o")
+        ax.plot(steps, [_nan(r.get(f"stsb-dev_{key}")) for r in evals], marker="o")
         ax.set(xlabel="step", ylabel=key, title=f"{key} on STS-B dev (lower is better)")
     _save_figure(fig, out / "align_uniform.png")
 

@@ -19,6 +19,9 @@ dropout gives the two views.
 ``CachedFastFocalInfoNCELoss`` ``CachedMultipleNegativesRankingLoss``, with activation
 ``CachedFastDCLRLoss``         memory set by ``mini_batch_size`` instead of the batch
 ``CachedFastESCLLoss``
+``AugmentedPositives``         wraps any of the above: the positive column also
+                               augmented (ConSERT's cutoffs, token shuffling, word
+                               deletion; :mod:`fastcl.augment`), dropout still on
 =============================  ======================================================
 
 **Cached losses.** Pass 1 embeds each column in mini-batches of ``mini_batch_size``
@@ -51,17 +54,19 @@ generator. Every process must hold the same number of examples per step
 processes the option does nothing.
 
 **Layout**, one loss per module, as sentence-transformers' ``losses/``: ``infonce``,
-``focal_infonce``, ``dclr``, ``escl`` and their ``cached_*`` forms; ``_base`` holds what they
-share (the sentence-transformers imports, the column checks, the gather, the two-pass
-forward) and ``_gradcache`` the fallback GradCache. Each loss's docstring gives its formula,
-Args, Inputs, Relations and an Example; its ``citation`` property, the BibTeX of its paper
-(from :mod:`fastcl.citations`; the cached losses add GradCache's). Import the classes from
-here: ``from fastcl.integrations.sentence_transformers import FastInfoNCELoss``.
+``focal_infonce``, ``dclr``, ``escl`` and their ``cached_*`` forms, ``augment`` (the
+wrapper); ``_base`` holds what they share (the sentence-transformers imports, the column
+checks, the gather, the two-pass forward) and ``_gradcache`` the fallback GradCache. Each
+loss's docstring gives its formula, Args, Inputs, Relations and an Example; its ``citation``
+property, the BibTeX of its paper (from :mod:`fastcl.citations`; the cached losses add
+GradCache's). Import the classes from here:
+``from fastcl.integrations.sentence_transformers import FastInfoNCELoss``.
 """
 
 # GRADCACHE_BASE: the GradCache implementation the cached losses run on, sentence-transformers'
 # own ``CachedLossMixin`` (≥ 5.7.0) or fastcl's fallback (:class:`._gradcache.GradCache`).
 from ._base import GRADCACHE_BASE
+from .augment import AugmentedPositives
 from .cached_dclr import CachedFastDCLRLoss
 from .cached_escl import CachedFastESCLLoss
 from .cached_focal_infonce import CachedFastFocalInfoNCELoss
@@ -74,4 +79,4 @@ from fastcl.integrations.sentence_transformers_evaluation import SentEvalSTSEval
 
 __all__ = ["FastInfoNCELoss", "FastFocalInfoNCELoss", "FastDCLRLoss", "FastESCLLoss",
            "CachedFastInfoNCELoss", "CachedFastFocalInfoNCELoss", "CachedFastDCLRLoss",
-           "CachedFastESCLLoss", "SentEvalSTSEvaluator"]
+           "CachedFastESCLLoss", "AugmentedPositives", "SentEvalSTSEvaluator"]

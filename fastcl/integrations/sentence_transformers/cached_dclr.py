@@ -33,7 +33,8 @@ class CachedFastDCLRLoss(Cached, FastDCLRLoss):
         phi, noise_ratio, noise_steps, noise_lr, noise_std, temperature, formulation,
             generator: as :class:`FastDCLRLoss`.
         {cached_args}
-        gather_across_devices, backend, chunk_size, focal_m: as :class:`FastDCLRLoss`.
+        gather_across_devices, backend, chunk_size, focal_m, guide_dropout: as
+            :class:`FastDCLRLoss`.
 
     Inputs:
         {inputs}
@@ -61,10 +62,12 @@ class CachedFastDCLRLoss(Cached, FastDCLRLoss):
                  temperature: float = common.TEMPERATURE, formulation: str = "paper",
                  generator: torch.Generator | None = None, *, mini_batch_size: int = 32,
                  show_progress_bar: bool = False, gather_across_devices: bool = False,
-                 backend: str = "auto", chunk_size: int | None = None, focal_m: float | None = None):
+                 backend: str = "auto", chunk_size: int | None = None, focal_m: float | None = None,
+                 guide_dropout: bool = False):
         FastDCLRLoss.__init__(self, model, guide, phi, noise_ratio, noise_steps, noise_lr, noise_std,
                               temperature, formulation, generator, backend=backend, chunk_size=chunk_size,
-                              gather_across_devices=gather_across_devices, focal_m=focal_m)
+                              gather_across_devices=gather_across_devices, focal_m=focal_m,
+                              guide_dropout=guide_dropout)
         self._init_cache(mini_batch_size, show_progress_bar)
 
     def _pass_one_inputs(self, sentence_features):

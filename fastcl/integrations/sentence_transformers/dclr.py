@@ -36,7 +36,10 @@ class FastDCLRLoss(FastLoss):
     Args:
         model: the SentenceTransformer model to train.
         guide: the frozen SentenceTransformer whose cosines drop false negatives (DCLR's
-            complementary model); it may be ``model`` itself.
+            complementary model); it may be ``model`` itself. None: no instance weighting
+            (α = 1 everywhere), the noise negatives only.
+        guide_dropout: run the guide with its dropout on, as the authors' released code
+            does (each column then gets its own dropout view); False: eval mode, the paper.
         phi: the guide's cosine threshold φ in [-1, 1].
         noise_ratio: noise negatives per example (K = ``noise_ratio``·N; 0: none).
         noise_steps: gradient-ascent steps on the noise.
@@ -75,29 +78,30 @@ class FastDCLRLoss(FastLoss):
     """
 
     _config = ("phi", "noise_ratio", "noise_steps", "noise_lr", "noise_std", "temperature",
-               "formulation", "focal_m", "gather_across_devices", "backend")
+               "formulation", "focal_m", "guide_dropout", "gather_across_devices", "backend")
     _column_counts = (2, 2)
 
-    def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, phi: float = common.PHI,
+    def __init__(self, model: SentenceTransformer, guide: SentenceTransformer | None, phi: float = common.PHI,
                  noise_ratio: float = common.NOISE_RATIO, noise_steps: int = common.NOISE_STEPS,
                  noise_lr: float = common.NOISE_LR, noise_std: float = common.NOISE_STD,
                  temperature: float = common.TEMPERATURE, formulation: str = "paper",
                  generator: torch.Generator | None = None, backend: str = "auto",
                  chunk_size: int | None = None, gather_across_devices: bool = False,
-                 focal_m: float | None = None):
+                 focal_m: float | None = None, guide_dropout: bool = False):
         super().__init__(model)
-        if not isinstance(guide, SentenceTransformer):
+        if guide is not None and not isinstance(guide, SentenceTransformer):
             raise TypeError(f"guide must be a SentenceTransformer (the frozen model whose cosines drop "
-                            f"DCLR's false negatives; it may be the model itself), got "
+                            f"DCLR's false negatives; it may be the model itself; None for none), got "
                             f"{type(guide).__name__}")
-        self.guide, self.focal_m = guide, focal_m
+        self.guide, self.focal_m, self.guide_dropout = guide, focal_m, bool(guide_dropout)
         self.phi, self.noise_ratio, self.noise_steps = phi, noise_ratio, noise_steps
         self.noise_lr, self.noise_std, self.temperature = noise_lr, noise_std, temperature
         self.formulation, self.generator = formulation, generator
         self.backend, self.chunk_size = backend, chunk_size
         self.gather_across_devices = gather_across_devices
-        self.must_retokenize = (model.tokenizer.get_vocab() != guide.tokenizer.get_vocab()
-                                or (guide.max_seq_length or 0) < (model.max_seq_length or 0))
+        self.must_retokenize = guide is not None and (
+            model.tokenizer.get_vocab() != guide.tokenizer.get_vocab()
+            or (guide.max_seq_length or 0) < (model.max_seq_length or 0))
         self.tokenizer = model.tokenizer  # kept: the trainer may wrap self.model (DDP) later
 
     def _guide_forward(self, features):
@@ -112,9 +116,11 @@ class FastDCLRLoss(FastLoss):
 
     def _guide_embeddings(self, sentence_features, mini_batch_size: int | None = None):
         """The guide's embeddings of each column (eval mode, no gradients), in forwards of at
-        most ``mini_batch_size`` inputs (one per column by default)."""
+        most ``mini_batch_size`` inputs (one per column by default); None without a guide."""
+        if self.guide is None:
+            return None
         was_training = self.guide.training
-        self.guide.eval()
+        self.guide.train(self.guide_dropout)
         try:
             with torch.no_grad():
                 columns = []

@@ -1,0 +1,405 @@
+"""One training run on ``SentenceTransformerTrainer``, and what fastcl adds to it.
+
+sentence-transformers and transformers do the training: the loop, precision, accumulation,
+scheduling, the batch sampler, several processes, callbacks, trackers, checkpoints
+(``OUT/checkpoint-N``: model, optimizer, scheduler, every process's random states) and resume.
+fastcl adds:
+
+- **its losses and evaluator**: :mod:`.build`; the dev evaluation runs at step 0 too, so the
+  base model as its users use it is the first record, and a run that makes it worse says so
+  (on the console and in the model card);
+- **one run per folder**: an exclusive lock (:class:`fastcl.files.OutputLock`); a non-empty
+  folder that is not a fastcl run is refused (``--allow-nonempty-output-dir`` trains there
+  without removing anything), a finished run is not overwritten without
+  ``--overwrite-output-dir``, and nothing is ever removed through a link;
+- **checkpoints that prove they are whole**: each ``checkpoint-N`` gets a manifest of its
+  files' SHA-256, written last, before older checkpoints are rotated out. ``--resume`` takes
+  the newest complete checkpoint (a newer one a crash left incomplete is removed) and refuses
+  a damaged one, naming the file;
+- **the saved model**: ``OUT/model``, a plain sentence-transformers folder (no links, SimCSE's
+  training-only MLP dropped, the model's own input limit), staged beside it and swapped in
+  whole (:func:`fastcl.files.swap_in`);
+- **a stop that keeps the work**: the first SIGINT/SIGTERM ends training after the step in
+  progress with a checkpoint of that step;
+- ``train_log.jsonl`` (every logged step and evaluation) and its plots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from .. import files
+from ..files import MANIFEST, LockedError, OutputLock, DamagedError
+from . import build
+from .cli import CONFIG_FILE, METHOD_OPTIONS, RUN_DEFINING, build_parser, parse_args, resolve_args, write_config
+from .heads import without_training_heads
+from .logs import LOG, append_log, json_safe, read_log, truncate_log, write_plots
+
+PROG = "fastcl-train"
+MODEL_DIR = "model"
+RESULTS = "train_results.json"   # written last: a finished run
+CHECKPOINT_PREFIX = "checkpoint-"
+# What a fastcl run writes at the top of its folder, besides checkpoint-N/.
+OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, "loss_curve.png", "dev_curve.png", "align_uniform.png",
+       "runs", "eval", files.LOCK)
+
+
+def _trainer_class():
+    try:
+        from sentence_transformers.sentence_transformer.trainer import SentenceTransformerTrainer
+    except ImportError:  # pragma: no cover - older releases
+        from sentence_transformers import SentenceTransformerTrainer
+    try:  # transformers ≥ 5: a function; before, the trainer's method
+        from transformers.trainer_utils import rotate_checkpoints
+    except ImportError:  # pragma: no cover - older releases
+        rotate_checkpoints = None
+
+    class Trainer(SentenceTransformerTrainer):
+        """sentence-transformers' trainer whose checkpoints carry a manifest: written once the
+        checkpoint is complete, before the rotation removes older checkpoints, so a crash at
+        any point leaves at least one complete checkpoint."""
+
+        def _save_checkpoint(self, model, trial):
+            limit, self.args.save_total_limit = self.args.save_total_limit, None
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self.args.save_total_limit = limit
+            folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
+            if self.args.should_save:
+                files.crash_point("checkpoint-manifest")
+                files.write_manifest(folder)
+            if self.args.world_size > 1:
+                import torch.distributed as dist
+                dist.barrier()
+            if self.args.should_save and rotate_checkpoints is not None:
+                rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+            elif self.args.should_save:  # pragma: no cover - older releases
+                self._rotate_checkpoints(use_mtime=False, output_dir=str(folder.parent))
+
+    return Trainer
+
+
+def _log_callback(out: Path):
+    from transformers import TrainerCallback
+
+    class TrainLog(TrainerCallback):
+        """Each record transformers logs, as one line of ``train_log.jsonl`` (main process)."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or not logs:
+                return
+            kind = "eval" if any(k.startswith("eval_") for k in logs) else (
+                "step" if "loss" in logs else "summary")
+            record = {"type": kind, "step": state.global_step, "epoch": state.epoch}
+            for key, value in logs.items():
+                name = key[len(f"eval_{build.DEV}_"):] if key.startswith(f"eval_{build.DEV}_") else key
+                record[name] = value
+            append_log(out, record)
+
+    return TrainLog()
+
+
+def _stop_callback():
+    import signal
+
+    import torch
+    from transformers import TrainerCallback
+
+    class GracefulStop(TrainerCallback):
+        """The first SIGINT/SIGTERM ends training after the step in progress with a checkpoint
+        of that step (``--resume`` continues it); a second one acts as usual. With several
+        processes they agree on it every step, so all stop at the same step."""
+
+        signum = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self._previous = {}
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+                except ValueError:  # not the main thread: no handlers
+                    pass
+
+        def _handle(self, signum, frame):
+            self.signum = signum
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            signum = self.signum or 0
+            if args.world_size > 1:
+                import torch.distributed as dist
+                flag = torch.tensor([signum], device=args.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                signum = int(flag.item())
+            if signum:
+                self.signum = signum
+                control.should_save = True
+                control.should_training_stop = True
+
+        def on_train_end(self, args, state, control, **kwargs):
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+
+    return GracefulStop()
+
+
+# ---------------------------------------------------------------------------------------
+# The output folder
+
+def checkpoints(out: Path) -> list:
+    """``(step, folder)`` of every ``checkpoint-N`` folder in ``out`` (not links), by step."""
+    found = []
+    for path in out.glob(f"{CHECKPOINT_PREFIX}*"):
+        step = path.name[len(CHECKPOINT_PREFIX):]
+        if step.isdigit() and path.is_dir() and not path.is_symlink():
+            found.append((int(step), path))
+    return sorted(found)
+
+
+def _say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+def prepare_output(args, out: Path) -> OutputLock:
+    """Check and lock ``out`` for this run (main process); returns the held lock."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir {out} is a file, not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    entries = [p.name for p in out.iterdir() if p.name != files.LOCK]
+    ours = (out / CONFIG_FILE).is_file()
+    if args.resume and not ours:
+        raise FileNotFoundError(f"--resume: {out} holds no fastcl run ({CONFIG_FILE} is missing)")
+    if entries and not ours:
+        if not args.allow_nonempty_output_dir:
+            shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
+            raise ValueError(f"--output-dir {out} is not empty and holds no fastcl run ({shown}); "
+                             "choose an empty or new folder, or pass --allow-nonempty-output-dir "
+                             "to train there (nothing in it is removed)")
+        taken = sorted(n for n in entries if n in OWN or n.startswith(CHECKPOINT_PREFIX))
+        if taken:
+            raise ValueError(f"--output-dir {out} is not a fastcl run but holds {', '.join(taken)}, "
+                             "which a run would write over; choose another folder")
+    lock = OutputLock(out).acquire()
+    try:
+        if lock.previous:
+            _say(f"took over the lock of a run that is no longer running ({lock.previous})")
+        for message in files.recover_swaps(out):
+            _say(message)
+        finished = (out / RESULTS).is_file()
+        saved = checkpoints(out)
+        if args.resume:
+            if finished:
+                raise ValueError(f"--resume: the run in {out} has finished ({RESULTS}); "
+                                 "--overwrite-output-dir trains there again")
+            _check_same_run(args, out)
+        elif ours and (finished or saved) and not args.overwrite_output_dir:
+            what = f"a finished run ({RESULTS})" if finished else \
+                f"an unfinished run ({saved[-1][1].name})"
+            raise ValueError(f"--output-dir {out} holds {what}: choose another folder, "
+                             + ("" if finished else "pass --resume to continue it, ")
+                             + "or pass --overwrite-output-dir to train there again")
+        if not args.resume and ours:
+            # a fresh run: no model, checkpoint or record of the earlier one stays
+            for name in OWN:
+                if name != files.LOCK:
+                    files.remove_inside(out / name, out)
+            for _step, path in saved:
+                files.remove_inside(path, out)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _check_same_run(args, out: Path) -> None:
+    """A resume repeats the options that define the run's steps (local paths compared as
+    absolute paths)."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((out / CONFIG_FILE).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"--resume: {out / CONFIG_FILE} cannot be read ({err})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"--resume: {out / CONFIG_FILE} is not a mapping of options")
+    parser = build_parser()
+    diff = []
+    for name in RUN_DEFINING:
+        if name in METHOD_OPTIONS and args.method not in METHOD_OPTIONS[name][0]:
+            continue  # not saved: another method's option
+        now = getattr(args, name, None)
+        if now is not None and name in ("model", "data", "complementary", "sts_dir") and Path(now).exists():
+            now = str(Path(now).resolve())
+        then = saved.get(name, parser.get_default(name))
+        if isinstance(now, tuple):
+            now = list(now)
+        if then != now and not (then is None and now == parser.get_default(name)):
+            diff.append(f"--{name.replace('_', '-')} {now!r} (checkpoint: {then!r})")
+    if diff:
+        raise ValueError("--resume needs the options of the interrupted run: " + "; ".join(diff))
+
+
+def resume_point(out: Path, main_process: bool) -> Path:
+    """The newest complete checkpoint of ``out``. The main process verifies it (a damaged one
+    is an error naming the file) and removes newer incomplete ones; the others take the newest
+    with a manifest."""
+    for step, path in reversed(checkpoints(out)):
+        if not main_process:
+            if (path / MANIFEST).is_file():
+                return path
+            continue
+        if files.verify_manifest(path):
+            return path
+        _say(f"removed {path}: a checkpoint whose writing was interrupted")
+        files.remove_inside(path, out)
+    raise FileNotFoundError(f"--resume: no complete checkpoint in {out}")
+
+
+# ---------------------------------------------------------------------------------------
+# The end of a run
+
+def _evaluations(records: list, metric: str) -> list:
+    return [(r["step"], r[metric]) for r in records
+            if r.get("type") == "eval" and isinstance(r.get(metric), (int, float))]
+
+
+def comparison(records: list, select: str, saved_step: int | None) -> dict | None:
+    """Step 0 (the base model) against the saved step, by the selection metric; None when
+    either has no finite score."""
+    metric = "stsb-dev" if select == "stsb" else "avg"
+    scores = dict(_evaluations(records, metric))
+    start, saved = scores.get(0), scores.get(saved_step)
+    if start is None or saved is None or not math.isfinite(saved):
+        return None
+    return {"metric": metric, "step0": start, "best": saved, "best_step": saved_step,
+            "improved": saved > start}
+
+
+def _card_section(cmp: dict | None, select: str) -> str:
+    if cmp is None:
+        return ""
+    name = "STS-B dev" if select == "stsb" else "the mean of STS-B dev and SICK-R dev"
+    verdict = ("Training improved on the base model." if cmp["improved"] else
+               "**Training did not improve on the base model**: the base model scores higher "
+               "than every trained step.")
+    return ("\n## fastcl: the base model and the saved step\n\n"
+            f"Selection metric: {name}, Spearman ×100 (SentEval's protocol).\n\n"
+            "| model | step | score |\n| --- | --- | --- |\n"
+            f"| base model (before training) | 0 | {cmp['step0']:.2f} |\n"
+            f"| saved model (best step) | {cmp['best_step']} | {cmp['best']:.2f} |\n\n{verdict}\n")
+
+
+def save_model(model, args, out: Path, cmp: dict | None) -> Path:
+    """Write the trained model to ``out/MODEL_DIR`` (staged, swapped in whole)."""
+    final = without_training_heads(model)
+    final.max_seq_length = args.model_max_seq_length
+    target = out / MODEL_DIR
+    stage = files.stage_dir(target)
+    final.save_pretrained(str(stage))
+    files.crash_point("model-stage")
+    section = _card_section(cmp, args.select)
+    if section and (stage / "README.md").is_file():
+        with open(stage / "README.md", "a", encoding="utf-8") as f:
+            f.write(section)
+    files.swap_in(stage, target)
+    return target
+
+
+def main(argv=None, prog: str = PROG) -> int:
+    """The trainer's command line (``fastcl-train``, ``python -m fastcl.trainer``,
+    ``train.py``); returns the exit status."""
+    parser = build_parser(prog)
+    args = resolve_args(parser, parse_args(parser, argv))
+    out = Path(args.output_dir)
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    lock = None
+    try:
+        if main_process:
+            lock = prepare_output(args, out)
+        checkpoint = str(resume_point(out, main_process)) if args.resume else None
+        return _train(args, out, checkpoint, main_process)
+    except (ValueError, OSError, LockedError, DamagedError) as err:
+        raise SystemExit(f"{prog}: error: {err}") from err
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
+    import transformers
+    from transformers import EarlyStoppingCallback
+
+    from ..integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
+
+    transformers.set_seed(args.seed)  # the head's initialization
+    device = "cpu" if args.device == "cpu" else None
+    dataset, skipped, source = build.build_dataset(args)
+    model = build.build_model(args, device=device)
+    loss = build.build_loss(args, model, device=device)
+    training_args = build.build_arguments(args)
+    evaluator = None
+    if args.sts_dir:
+        # parsed now: a missing or malformed dev file is an error before step 1, naming it
+        evaluator = SentEvalSTSEvaluator(args.sts_dir, ("stsb-dev", "sickr-dev"), name=build.DEV,
+                                         batch_size=args.eval_batch_size, metrics=True,
+                                         max_seq_length=args.model_max_seq_length)
+    if main_process:
+        if checkpoint:
+            truncate_log(out, int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):]))
+        write_config(out, args)
+        append_log(out, {"type": "start", "step": int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):])
+                         if checkpoint else 0, "resumed": bool(checkpoint), "examples": len(dataset),
+                         "skipped": skipped, "processes": build.world_size(),
+                         "args": {k: v for k, v in vars(args).items() if k != "config"}})
+        pooling = args.pooler_used or "the base model's own modules"
+        print(f"{args.method}: {len(dataset)} examples from {source}"
+              + (f" ({skipped} skipped)" if skipped else "")
+              + f", batches of {args.batch_size}, pooling: {pooling}"
+              + ("" if args.sts_dir else "; no --sts-dir: no dev evaluation, the last model is saved"),
+              flush=True)
+    stop = _stop_callback()
+    callbacks = [_log_callback(out), stop]
+    if args.early_stopping_patience:
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping_patience))
+    trainer = _trainer_class()(model=model, args=training_args, train_dataset=dataset, loss=loss,
+                               evaluator=evaluator, callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    if stop.signum:
+        if main_process:
+            _say(f"stopped by signal {stop.signum} after step {trainer.state.global_step}: "
+                 f"{out / (CHECKPOINT_PREFIX + str(trainer.state.global_step))} written, continue "
+                 "with --resume")
+        return 128 + stop.signum
+    if not main_process:
+        return 0
+    records = read_log(out)
+    # with --sts-dir the trainer has loaded the best evaluated step's checkpoint
+    best = getattr(trainer.state, "best_global_step", None)
+    if best is None and trainer.state.best_model_checkpoint:  # older transformers
+        best = int(Path(trainer.state.best_model_checkpoint).name[len(CHECKPOINT_PREFIX):])
+    saved_step = (best if args.sts_dir else None) or trainer.state.global_step
+    cmp = comparison(records, args.select, saved_step) if args.sts_dir else None
+    target = save_model(trainer.model, args, out, cmp)
+    summary = {"method": args.method, "steps": trainer.state.global_step, "saved_step": saved_step,
+               "select": args.select if args.sts_dir else None, "comparison": cmp,
+               "model": str(target)}
+    files.replace_text(out / RESULTS, json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
+    try:
+        write_plots(out, records, "stsb-dev" if args.select == "stsb" else "avg")
+    except OSError as err:  # the model and results are saved: a missing plot is no failure
+        _say(f"warning: the plots were not written ({err})")
+    print(f"model saved to {target} (step {saved_step})")
+    if cmp is not None and not cmp["improved"]:
+        _say(f"warning: training did not improve on the base model: {cmp['metric']} "
+             f"{cmp['step0']:.2f} at step 0, at best {cmp['best']:.2f} (step {cmp['best_step']}); "
+             "the model card says so")
+    if args.push_to_hub:
+        from ..integrations.sentence_transformers._base import SentenceTransformer
+        SentenceTransformer(str(target)).push_to_hub(args.hub_model_id or out.resolve().name)
+    return 0
