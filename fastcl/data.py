@@ -249,7 +249,12 @@ def utf8_errors(path: Path, arg: str | None = None):
 def text_lines(path: Path, arg: str | None = None) -> list:
     """Lines of a UTF-8 file split on LF only, a CR before the LF dropped (CRLF files)."""
     with utf8_errors(path, arg), open(path, encoding="utf-8", newline="") as f:
-        lines = f.read().split("\n")
+        text = f.read()
+    if "\n" not in text and text.rstrip("\r").count("\r") >= 1:
+        # classic Mac line ends: read as LF-split text it would be one long line
+        raise ValueError(f"{arg + ': ' if arg else ''}{path} ends its lines with CR only (no LF): it "
+                         "would read as one line; convert it to LF or CRLF line ends")
+    lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the newline that ends the last line does not start another
     return [line[:-1] if line.endswith("\r") else line for line in lines]

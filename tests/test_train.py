@@ -173,6 +173,15 @@ def test_a_csv_with_an_unbalanced_quote_is_an_error(tmp_path):
         data_io.read_csv_triplets(path)
 
 
+def test_a_file_with_cr_only_line_ends_is_an_error_not_one_line(tmp_path):
+    path = tmp_path / "mac.txt"
+    path.write_bytes(b"first sentence\rsecond sentence\rthird\r")
+    with pytest.raises(ValueError, match=f"--data: {path} ends its lines with CR only"):
+        data_io.read_sentences(path)
+    path.write_bytes(b"one line, a CR inside\r\n")  # CRLF stays fine
+    assert data_io.read_sentences(path).dataset["text"] == ["one line, a CR inside"]
+
+
 def test_non_utf8_data_names_the_file(tmp_path):
     for name, text in (("t.txt", b"one\ntwo \xe9t\xe9\n"), ("n.csv", b"sent0,sent1\nx,caf\xe9\n")):
         (tmp_path / name).write_bytes(text)
