@@ -387,6 +387,24 @@ def test_resume_checks_its_options(tiny, stopped, tmp_path):
         train.main(argv + ["--resume"])
 
 
+def test_a_dclr_resume_is_not_refused_for_its_family_defaults(tiny, tmp_path):
+    """phi and the noise ratio are resolved from the model after the options are checked; the
+    saved config holds them resolved, a resume's options do not yet."""
+    from fastcl.trainer import cli
+
+    out = tmp_path / "dclr"
+    out.mkdir()
+    parser = cli.build_parser()
+    argv = base_args(tiny, out, "dclr", steps=2, complementary=tiny / "bert")
+    first = cli.resolve_args(parser, cli.parse_args(parser, argv))
+    first.phi, first.noise_ratio = 0.9, 1.0
+    cli.write_config(out, first)
+    again = cli.resolve_args(parser, cli.parse_args(parser, argv + ["--resume"]))
+    train._check_same_run(again, out)  # no error
+    with pytest.raises(ValueError, match=r"--phi 0.5 \(checkpoint: 0.9\)"):
+        train._check_same_run(cli.resolve_args(parser, cli.parse_args(parser, argv + ["--phi", "0.5"])), out)
+
+
 # ---------------------------------------------------------------------------------------
 # The output folder: one run at a time, nothing foreign removed, no link followed
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .. import common
 from ..data import read_training_data
 from ..encoders import _hub_error, _looks_like_path
+from .cli import FAMILY_DEFAULTS
 from .heads import pooling_modules
 
 # The name the dev evaluator's metrics carry: eval_<DEV>_<task>, eval_<DEV>_avg.
@@ -156,8 +156,6 @@ def build_loss(args, model, device: str | None = None):
             if getattr(args, name) is None:
                 setattr(args, name, roberta_value if roberta else bert_value)
         guide = None
-        if args.complementary and (Path(args.complementary) / "fastcl_config.yaml").is_file():
-            args.complementary = str(Path(args.complementary) / "model")  # a fastcl-train output folder
         if args.complementary:
             guide = load_model(args.complementary, _guide_pooler(args), device=device,
                                arg="--complementary")
@@ -176,10 +174,6 @@ def _guide_pooler(args) -> str | None:
     if args.complementary_pooler:
         return args.complementary_pooler
     return None if _is_sentence_transformers_folder(args.complementary) else "cls_before_pooler"
-
-
-FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),
-                   "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
 
 
 def precision(args) -> str:

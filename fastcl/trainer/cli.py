@@ -303,6 +303,8 @@ def resolve_args(parser, args) -> argparse.Namespace:
             args.augment = augment.parse(args.augment).spec  # canonical: NAME:rate
         except ValueError as err:
             parser.error(f"--{err}")
+    if args.complementary and (Path(args.complementary) / CONFIG_FILE).is_file():
+        args.complementary = str(Path(args.complementary) / "model")  # a fastcl-train output folder
     if args.method == "dclr" and args.complementary is None:
         # options of the complementary model do nothing without one: an error, not a no-op
         _require(parser, args.complementary_pooler is None,

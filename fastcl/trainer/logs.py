@@ -30,10 +30,8 @@ def json_safe(value):
     return value
 
 
-def append_log(out: Path, record: dict, rank: int = 0) -> dict | None:
-    """Append ``record`` to the log (rank 0 only); returns it as written (``json_safe``)."""
-    if rank:
-        return None
+def append_log(out: Path, record: dict) -> dict:
+    """Append ``record`` to the log; returns it as written (``json_safe``)."""
     safe = json_safe(record)
     with open(out / LOG, "a", encoding="utf-8") as f:
         f.write(json.dumps(safe, allow_nan=False) + "\n")

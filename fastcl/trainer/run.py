@@ -35,7 +35,8 @@ from pathlib import Path
 from .. import files
 from ..files import MANIFEST, LockedError, OutputLock, DamagedError
 from . import build
-from .cli import CONFIG_FILE, METHOD_OPTIONS, RUN_DEFINING, build_parser, parse_args, resolve_args, write_config
+from .cli import (CONFIG_FILE, FAMILY_DEFAULTS, RUN_DEFINING, build_parser, effective_config,
+                  parse_args, resolve_args, write_config)
 from .heads import without_training_heads
 from .logs import LOG, append_log, json_safe, read_log, truncate_log, write_plots
 
@@ -45,7 +46,7 @@ RESULTS = "train_results.json"   # written last: a finished run
 CHECKPOINT_PREFIX = "checkpoint-"
 # What a fastcl run writes at the top of its folder, besides checkpoint-N/.
 OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, "loss_curve.png", "dev_curve.png", "align_uniform.png",
-       "runs", "eval", files.LOCK)
+       "runs", "eval")
 
 
 def _trainer_class():
@@ -162,6 +163,11 @@ def checkpoints(out: Path) -> list:
     return sorted(found)
 
 
+def step_of(checkpoint) -> int:
+    """N of a ``checkpoint-N`` folder."""
+    return int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):])
+
+
 def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
@@ -207,8 +213,7 @@ def prepare_output(args, out: Path) -> OutputLock:
         if not args.resume and ours:
             # a fresh run: no model, checkpoint or record of the earlier one stays
             for name in OWN:
-                if name != files.LOCK:
-                    files.remove_inside(out / name, out)
+                files.remove_inside(out / name, out)
             for _step, path in saved:
                 files.remove_inside(path, out)
     except BaseException:
@@ -218,8 +223,8 @@ def prepare_output(args, out: Path) -> OutputLock:
 
 
 def _check_same_run(args, out: Path) -> None:
-    """A resume repeats the options that define the run's steps (local paths compared as
-    absolute paths)."""
+    """A resume repeats the options that define the run's steps, compared as
+    :func:`.cli.effective_config` saves them."""
     import yaml
 
     try:
@@ -229,18 +234,14 @@ def _check_same_run(args, out: Path) -> None:
     if not isinstance(saved, dict):
         raise ValueError(f"--resume: {out / CONFIG_FILE} is not a mapping of options")
     parser = build_parser()
+    now = effective_config(args)  # as it is saved: paths absolute, no other method's options
     diff = []
     for name in RUN_DEFINING:
-        if name in METHOD_OPTIONS and args.method not in METHOD_OPTIONS[name][0]:
-            continue  # not saved: another method's option
-        now = getattr(args, name, None)
-        if now is not None and name in ("model", "data", "complementary", "sts_dir") and Path(now).exists():
-            now = str(Path(now).resolve())
-        then = saved.get(name, parser.get_default(name))
-        if isinstance(now, tuple):
-            now = list(now)
-        if then != now and not (then is None and now == parser.get_default(name)):
-            diff.append(f"--{name.replace('_', '-')} {now!r} (checkpoint: {then!r})")
+        given, then = now.get(name), saved.get(name, parser.get_default(name))
+        # a family default (DCLR's phi, noise ratio) is resolved once the model is loaded
+        if given == then or given is None and (then is None or name in FAMILY_DEFAULTS):
+            continue
+        diff.append(f"--{name.replace('_', '-')} {given!r} (checkpoint: {then!r})")
     if diff:
         raise ValueError("--resume needs the options of the interrupted run: " + "; ".join(diff))
 
@@ -351,10 +352,9 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
                                          max_seq_length=args.model_max_seq_length)
     if main_process:
         if checkpoint:
-            truncate_log(out, int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):]))
+            truncate_log(out, step_of(checkpoint))
         write_config(out, args)
-        append_log(out, {"type": "start", "step": int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):])
-                         if checkpoint else 0, "resumed": bool(checkpoint), "examples": len(dataset),
+        append_log(out, {"type": "start", "step": step_of(checkpoint) if checkpoint else 0, "resumed": bool(checkpoint), "examples": len(dataset),
                          "skipped": skipped, "processes": build.world_size(),
                          "args": {k: v for k, v in vars(args).items() if k != "config"}})
         pooling = args.pooler_used or "the base model's own modules"
@@ -382,7 +382,7 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     # with --sts-dir the trainer has loaded the best evaluated step's checkpoint
     best = getattr(trainer.state, "best_global_step", None)
     if best is None and trainer.state.best_model_checkpoint:  # older transformers
-        best = int(Path(trainer.state.best_model_checkpoint).name[len(CHECKPOINT_PREFIX):])
+        best = step_of(trainer.state.best_model_checkpoint)
     saved_step = (best if args.sts_dir else None) or trainer.state.global_step
     cmp = comparison(records, args.select, saved_step) if args.sts_dir else None
     target = save_model(trainer.model, args, out, cmp)
