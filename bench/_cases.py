@@ -15,6 +15,13 @@ escl           ``escl_loss(h, h⁺, h_sensitive)``                              
 noise          ``dclr_noise(h, h⁺, K)``: the DCLR noise update alone, 4 steps,   K = N
                K = N, no graph (reference: an autograd graph per step, as
                the released code does it)
+gist           GISTEmbedLoss's objective on triplets: ``contrastive(h, h⁺, h⁻,    3N (+ N on
+               directions=layout.gist(), guide=(g, g⁺, g⁻))``, a frozen          the positive's
+               384-wide guide, margin 0 (anchor–positive, –negative, –anchor     side)
+               and positive–positive scores in one softmax)
+matryoshka     ``infonce(h, h⁺, matryoshka_dims=(d, 2d/3, d/3, d/6, d/12))``:    N
+               the loss of five prefix widths, summed (MatryoshkaLoss around
+               MNRL); fastcl computes them in one pass over d
 =============  ==============================================================  ===========
 
 Implementations: ``fastcl`` (``backend="auto"``: Triton on CUDA, tiled elsewhere),
@@ -22,7 +29,11 @@ Implementations: ``fastcl`` (``backend="auto"``: Triton on CUDA, tiled elsewhere
 matrices through autograd), ``compiled`` (``torch.compile`` of the same function in
 :mod:`fastcl.reference`) and ``mnrl`` (sentence-transformers'
 ``MultipleNegativesRankingLoss.compute_loss_from_embeddings`` on the same embeddings,
-scale 20 = 1/τ; infonce and infonce-hard only, the objectives it computes).
+scale 20 = 1/τ; infonce and infonce-hard only, the objectives it computes) and
+``gistembed`` (sentence-transformers' ``GISTEmbedLoss`` on the same embeddings and guide
+embeddings, its own code from the embeddings on: gist only). For matryoshka, ``mnrl`` is
+``MatryoshkaLoss`` around MNRL (MNRL on each normalized prefix, summed) and ``wrapped`` is
+``MatryoshkaLoss`` around fastcl's loss (one fused loss per width, summed).
 
 A call is forward + ``loss.backward()`` (the noise update has no backward: it returns the
 noise). Useful FLOPs count the GEMM work an ideal implementation cannot avoid:
@@ -53,17 +64,28 @@ from dataclasses import dataclass, field
 import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
 from fastcl.common import FOCAL_M, NOISE_STEPS, PHI, TEMPERATURE
 
-OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl", "noise")
-IMPLS = ("fastcl", "tiled", "reference", "compiled", "mnrl")
-MNRL_OBJECTIVES = ("infonce", "infonce-hard")
+OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl", "noise", "gist", "matryoshka")
+IMPLS = ("fastcl", "tiled", "reference", "compiled", "mnrl", "gistembed", "wrapped")
+MNRL_OBJECTIVES = ("infonce", "infonce-hard", "matryoshka")
+#: The implementations that compute only some objectives: the sentence-transformers losses.
+ONLY_FOR = {"mnrl": MNRL_OBJECTIVES, "gistembed": ("gist",), "wrapped": ("matryoshka",)}
+
+
+def matryoshka_dims(d: int) -> tuple[int, ...]:
+    """The five widths of the matryoshka objective: 768, 512, 256, 128, 64 at d = 768."""
+    return tuple(sorted({d, max(1, 2 * d // 3), max(1, d // 3), max(1, d // 6), max(1, d // 12)},
+                        reverse=True))
 COMPLEMENTARY_DIM = 384
 
 _FUNCTIONS = {"infonce": "infonce", "infonce-hard": "infonce", "focal": "focal_infonce",
-              "dclr": "dclr_loss", "escl": "escl_loss", "noise": "dclr_noise"}
+              "dclr": "dclr_loss", "escl": "escl_loss", "noise": "dclr_noise", "gist": "contrastive",
+              "matryoshka": "contrastive"}
 
 
 def num_candidates(objective: str, n: int) -> int:
     """M: the candidate columns of the main loss (the noise count K for ``noise``)."""
+    if objective == "gist":
+        return 3 * n
     return 2 * n if objective in ("infonce-hard", "dclr") else n
 
 
@@ -75,7 +97,9 @@ def useful_flops(objective: str, n: int, d: int) -> float:
     flops = 6.0 * n * m * d
     if objective == "dclr":
         flops += 2.0 * n * n * COMPLEMENTARY_DIM + NOISE_STEPS * 4.0 * n * n * d
-    return flops
+    if objective == "gist":   # the positive's N scores, and the guide's 4N cosines per row
+        flops += 6.0 * n * n * d + 2.0 * n * 4 * n * COMPLEMENTARY_DIM
+    return flops    # matryoshka: one loss at full width, the floor of a one-pass computation
 
 
 def _mnrl():
@@ -92,6 +116,36 @@ def _mnrl():
         raise RuntimeError("this sentence-transformers has no embedding-level entry point "
                            "(compute_loss_from_embeddings)")
     return loss
+
+
+def _gistembed():
+    """sentence-transformers' GISTEmbedLoss from the embeddings on: its ``forward`` with the
+    model's and the guide's forwards replaced by the given embeddings (each column's
+    "features" are ``{"model": h, "guide": g}``), margin 0, every block on."""
+    import torch
+    try:
+        from sentence_transformers.sentence_transformer.losses import gist_embed as module
+    except ImportError as err:
+        raise RuntimeError("gistembed needs sentence-transformers 6's module layout (its loss "
+                           "embeds through embed_columns)") from err
+    loss = module.GISTEmbedLoss.__new__(module.GISTEmbedLoss)
+    torch.nn.Module.__init__(loss)
+    loss.model, loss.guide = "model", "guide"
+    loss.temperature, loss.margin_strategy, loss.margin = TEMPERATURE, "absolute", 0.0
+    loss.contrast_anchors = loss.contrast_positives = True
+    loss.gather_across_devices, loss.must_retokenize = False, False
+    loss.similarity_fct = torch.nn.CosineSimilarity(dim=-1)
+    loss.cross_entropy_loss = torch.nn.CrossEntropyLoss()
+
+    def call(columns, guide_columns):
+        features = [{"model": x, "guide": g} for x, g in zip(columns, guide_columns)]
+        own = module.embed_columns
+        module.embed_columns = lambda model, feats: [f[model] for f in feats]
+        try:
+            return loss(features, None)
+        finally:
+            module.embed_columns = own
+    return call
 
 
 @dataclass
@@ -127,8 +181,11 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
         raise ValueError(f"unknown objective {objective!r}")
     if impl not in IMPLS:
         raise ValueError(f"unknown implementation {impl!r}")
-    if impl == "mnrl" and objective not in MNRL_OBJECTIVES:
-        raise ValueError(f"MultipleNegativesRankingLoss does not compute {objective}")
+    if impl in ONLY_FOR and objective not in ONLY_FOR[impl]:
+        raise ValueError(f"{impl} does not compute {objective}")
+    if impl == "compiled" and objective in ("gist", "matryoshka"):
+        raise ValueError(f"compiled compiles the reference's functions, which take no {objective} "
+                         "options")
 
     tdtype = getattr(torch, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -168,13 +225,40 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
         noise = torch.randn(n, d, generator=gen, device=device, dtype=torch.float32)
         args.append(n)
         kwargs.update(noise=noise, steps=NOISE_STEPS)
+    elif objective == "matryoshka":
+        kwargs["matryoshka_dims"] = matryoshka_dims(d)
+    elif objective == "gist":
+        negatives = randn(n, d)
+        leaves.append(negatives)
+        args.append(negatives)
+        g = randn(n, COMPLEMENTARY_DIM, grad=False)
+        guide = (g, (g.float() + 0.5 * randn(n, COMPLEMENTARY_DIM, grad=False).float()).to(tdtype),
+                 randn(n, COMPLEMENTARY_DIM, grad=False))
+        kwargs.update(directions=fastcl.layout.gist(), guide=guide, guide_margin=0.0)
 
     name = _FUNCTIONS[objective]
     note = ""
-    if impl == "mnrl":
+    if impl == "mnrl" and objective == "matryoshka":
+        loss_fn, dims = _mnrl(), kwargs["matryoshka_dims"]
+        backend = "mnrl"
+        unit = torch.nn.functional.normalize   # MatryoshkaLoss's shrink: prefix, then normalize
+        fn = lambda *xs, **_: sum(loss_fn.compute_loss_from_embeddings([unit(x[:, :k], dim=-1) for x in xs],
+                                                                      None) for k in dims)
+        kwargs = {}
+    elif impl == "wrapped":
+        dims = kwargs.pop("matryoshka_dims")
+        backend = fastcl.resolve_backend("auto", anchors)
+        fn = lambda *xs, **kw: sum(fastcl.infonce(*(x[:, :k] for x in xs), **kw) for k in dims)
+        note = "one fused loss per width, summed (MatryoshkaLoss around FastInfoNCELoss)"
+    elif impl == "mnrl":
         loss_fn = _mnrl()
         backend = "mnrl"
         fn = lambda *xs, **_: loss_fn.compute_loss_from_embeddings(list(xs), None)
+        kwargs = {}
+    elif impl == "gistembed":
+        gist_fn, guide = _gistembed(), kwargs["guide"]
+        backend = "gistembed"
+        fn = lambda *xs, **_: gist_fn(list(xs), list(guide))
         kwargs = {}
     elif impl == "compiled":
         backend = "compiled"

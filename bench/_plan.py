@@ -6,7 +6,7 @@ the end-to-end step of ``_e2e.py``, every implementation)."""
 
 from __future__ import annotations
 
-from _cases import IMPLS, MNRL_OBJECTIVES, OBJECTIVES, num_candidates
+from _cases import IMPLS, ONLY_FOR, OBJECTIVES, num_candidates
 from _e2e import IMPLS as E2E_IMPLS
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -20,7 +20,9 @@ def sweep(objectives, impls, ns, ds, dtypes, **extra):
             for objective in objectives:
                 for n in ns:
                     for impl in impls:
-                        if impl == "mnrl" and objective not in MNRL_OBJECTIVES:
+                        if impl in ONLY_FOR and objective not in ONLY_FOR[impl]:
+                            continue
+                        if impl == "compiled" and objective in ("gist", "matryoshka"):
                             continue
                         out.append({"kind": "case", "objective": objective, "impl": impl, "n": n,
                                     "m": num_candidates(objective, n), "d": d, "dtype": dtype,

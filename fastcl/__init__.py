@@ -9,6 +9,7 @@ Module wrappers: ``fastcl.InfoNCE``, ``fastcl.FocalInfoNCE``, ``fastcl.DCLRLoss`
 ``fastcl.ESCLLoss``. The literal full-matrix oracle lives in ``fastcl.reference``.
 """
 
+from . import layout
 from ._validation import set_input_checks
 from .functional import (contrastive, dclr_loss, dclr_noise, escl_loss, focal_infonce, infonce,
                          resolve_backend)
@@ -20,5 +21,5 @@ __version__ = "0.2.0"
 __all__ = [
     "contrastive", "infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss", "alignment",
     "uniformity", "InfoNCE", "FocalInfoNCE", "DCLRLoss", "ESCLLoss", "set_input_checks",
-    "resolve_backend",
+    "resolve_backend", "layout",
 ]

@@ -41,6 +41,15 @@ ESCL = """
 """
 
 # Cached two-pass encoding (the trainer's --mini-batch-size, the Cached* losses).
+GIST = """
+@article{solatorio2024gistembed,
+    title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
+    author={Solatorio, Aivin V.},
+    journal={arXiv preprint arXiv:2402.16829},
+    year={2024}
+}
+"""
+
 GRADCACHE = """
 @inproceedings{gao2021scaling,
     title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},

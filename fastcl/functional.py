@@ -7,6 +7,7 @@ Backends: ``"reference"`` (:mod:`fastcl.reference`, full matrices), ``"tiled"``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as check
-from . import common, reference, tiled
+from . import common, layout, reference, tiled
 from .tiled import Epilogue
 
 __all__ = ["contrastive", "infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss",
@@ -104,6 +105,11 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                 noise_std: float = common.NOISE_STD, noise_temperature: float | None = None,
                 generator: torch.Generator | None = None, formulation: Formulation = "paper",
                 symmetric: bool = False, anchor_offset: int | None = None,
+                directions: tuple[str, ...] = ("query_to_doc",), partition_mode: str = "joint",
+                hardness_mode: str | None = None, hardness_strength: float = 0.0,
+                anchor_candidates: Tensor | None = None, guide: tuple | None = None,
+                guide_margin: float = 0.0, margin_strategy: str = "absolute",
+                duplicate_ids: tuple | None = None, matryoshka_dims=None, matryoshka_weights=None,
                 backend: Backend = "auto", chunk_size: int | None = None) -> Tensor:
     r"""The composable objective: InfoNCE with any set of the features below, on every backend.
 
@@ -152,6 +158,40 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     ``complementary``/``phi`` and the noise options only: ``focal_m``, ``negatives``,
     ``hard_negative_weight`` or ``symmetric`` with it raise a ``ValueError`` naming them.
 
+    **directions, partition_mode** (sentence-transformers' ``MultipleNegativesRankingLoss``;
+    :mod:`fastcl.layout` states every rule). Each row may score more than its anchor against
+    the candidates: ``"query_to_query"`` adds the anchors ``h_j`` (j ≠ i) as candidates of
+    anchor i; ``"doc_to_query"`` scores its positive ``h⁺_i`` against every anchor;
+    ``"doc_to_doc"`` scores ``h⁺_i`` against the positives and negatives of the other rows.
+    With ``partition_mode="joint"`` (the default) every score of row i shares one softmax,
+    ``ℓ_i = −l_{i,p(i)} + log Σ e^l``; with ``"per_direction"`` (``query_to_doc`` and
+    ``doc_to_query`` only) ``ℓ_i = −l_{i,p(i)} + ½(LSE^{→}_i + LSE^{←}_i)``. The positive's
+    scores never see the noise, ``negatives``' log-weight or the DCLR mask; focal applies to
+    them (all as negatives).
+
+    **hardness_mode, hardness_strength β** (MNRL's, after Lan et al. 2025): ``β·sg(s_ij)`` is
+    added to the logits of the anchor's ``"in_batch_negatives"`` (the other rows' positives
+    and negatives), its own ``"hard_negatives"`` or ``"all_negatives"``; no gradient flows
+    through it (the logit's slope stays that of ``s/τ``).
+
+    **guide** (GISTEmbedLoss's false-negative filter): a frozen model's embeddings
+    ``(g_anchors, g_positives, g_negatives or None, g_anchor_candidates or None)`` of the
+    same rows; with ``γ_i = cos(g_i, g⁺_{p(i)})`` and ``θ_i = γ_i − guide_margin``
+    (``margin_strategy="absolute"``) or ``γ_i − |γ_i|·guide_margin`` (``"relative"``), every
+    score whose guide cosine is ``> θ_i`` leaves the softmax, except the positive (and, on
+    the positive's side, its own anchor). The noise is never filtered.
+
+    **duplicate_ids** ``(positive_ids, negative_ids or None, anchor_ids or None)``: integer
+    ids of the candidates' texts (e.g. a hash of their token ids); a candidate whose id
+    equals that of the row's positive leaves the softmax (the same exceptions as the guide).
+
+    **matryoshka_dims** ``(d_1, …, d_K)`` with ``matryoshka_weights`` ``(w_1, …, w_K)`` (all 1
+    by default): ``L = Σ_k w_k·L(x[:, :d_k])``, the loss of every prefix of the embeddings
+    (their own cosines), as sentence-transformers' ``MatryoshkaLoss`` around this loss. The
+    tiled path computes every width in one pass over d (:func:`fastcl.tiled.matryoshka_forward`).
+    It takes focal, the hard negatives' log-weight, the DCLR mask and ``symmetric``; with the
+    options above it runs one pass per width; not the noise or ``formulation="released"``.
+
     Args:
         anchors: (N, d) first view.
         positives: (N, d) second view (N_b rows with ``anchor_offset``); row i is anchor
@@ -176,11 +216,26 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
             batch that ``positives``, ``negatives`` and ``complementary[1]`` hold (global
             negatives across processes; as in :func:`infonce`). The noise update then sees
             only these anchors (:func:`dclr_loss` says how to share one ``Z``).
-        backend: "auto", "reference", "tiled" or "triton".
+        directions, partition_mode: as above (MNRL's names and defaults); ``directions`` may
+            also be a :class:`fastcl.layout.Layout`, e.g. ``fastcl.layout.gist()`` for
+            GISTEmbedLoss's blocks (then ``partition_mode`` stays "joint").
+        hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives".
+        hardness_strength: β ≥ 0 (0: off).
+        anchor_candidates: the whole batch's anchors (N_b rows) for ``"query_to_query"`` and
+            ``"doc_to_query"`` when ``anchor_offset`` is given, or any rows that anchor i
+            finds at row i (default: ``anchors``).
+        guide, guide_margin, margin_strategy: the guide's filter (above).
+        duplicate_ids: the texts' ids (above).
+        matryoshka_dims, matryoshka_weights: the prefix widths and their weights (above).
+        backend: "auto", "reference", "tiled" or "triton". The Triton kernels do not compute
+            ``directions`` beyond ``("query_to_doc",)``, ``hardness_mode``, ``guide``,
+            ``duplicate_ids`` or ``matryoshka_dims`` yet: ``"auto"`` runs those on the tiled
+            path.
         chunk_size: anchor rows per chunk in the tiled path (default: from a memory budget).
 
     Returns the scalar loss (float32 for 16-bit inputs); gradients flow to ``anchors``,
-    ``positives`` and ``negatives`` (never to ``complementary`` or ``Z``).
+    ``positives``, ``negatives`` and ``anchor_candidates`` (never to ``complementary``,
+    ``guide`` or ``Z``).
 
     References: Gao, Yao & Chen, "SimCSE", EMNLP 2021; Hou & Li, "Improving Contrastive
     Learning of Sentence Embeddings with Focal-InfoNCE", Findings of EMNLP 2023; Zhou et al.,
@@ -209,6 +264,27 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                 f"formulation='released' is DCLR as the authors' code computes it and combines "
                 f"with complementary, phi and the noise options only; got {', '.join(others)} "
                 f"as well: use formulation='paper' to combine them")
+    rules = _rules(anchors, positives, negatives, anchor_offset, directions, partition_mode,
+                   hardness_mode, hardness_strength, anchor_candidates, guide, guide_margin,
+                   margin_strategy, duplicate_ids)
+    if rules:
+        others = [name for name, on in (("symmetric", symmetric),
+                                         ("formulation='released'", formulation == "released"))
+                  if on]
+        if others:
+            raise ValueError(f"{' and '.join(others)} cannot be combined with directions, "
+                             f"hardness_mode, guide or duplicate_ids (symmetric=True is "
+                             f"directions=('query_to_doc', 'doc_to_query'), "
+                             f"partition_mode='per_direction')")
+    matryoshka = _matryoshka(matryoshka_dims, matryoshka_weights, anchors.shape[1])
+    if matryoshka is not None:
+        others = [name for name, on in (
+            ("formulation='released'", formulation == "released"),
+            ("noise", noise is not None or common.noise_count(noise_ratio, n_pos, formulation) > 0))
+            if on]
+        if others:
+            raise ValueError(f"matryoshka_dims does not combine with {' or '.join(others)}")
+        rules = {**rules, "matryoshka": matryoshka}
     noise_temperature = temperature if noise_temperature is None else noise_temperature
     num = None if noise is not None else common.noise_count(noise_ratio, n_pos, formulation)
     steps, lr, std, noise_temperature, noise = _noise_args(
@@ -220,18 +296,21 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                         phi=phi, noise=noise, noise_ratio=noise_ratio, noise_steps=steps,
                         noise_lr=lr, noise_std=std, noise_temperature=noise_temperature,
                         generator=generator, formulation=formulation, symmetric=symmetric,
-                        anchor_offset=anchor_offset, backend=resolve_backend(backend, anchors),
-                        chunk_size=chunk_size)
+                        anchor_offset=anchor_offset,
+                        backend=_backend_for_rules(backend, anchors, rules),
+                        chunk_size=chunk_size, **rules)
 
 
 def _contrastive(anchors, positives, negatives=None, *, temperature, focal_m=None,
                  hard_negative_weight=0.0, complementary=None, phi=common.PHI, noise=None,
                  noise_ratio=0.0, noise_steps=common.NOISE_STEPS, noise_lr=common.NOISE_LR,
                  noise_std=common.NOISE_STD, noise_temperature=None, generator=None,
-                 formulation="paper", symmetric=False, anchor_offset=0, backend, chunk_size=None):
+                 formulation="paper", symmetric=False, anchor_offset=0, backend, chunk_size=None,
+                 **rules):
     """:func:`contrastive` on checked arguments and a resolved backend: what every public
     loss but ESCL runs. Autocast is off inside, on every backend: the loss depends on the
-    inputs' dtype only (autocast would round the cosine GEMMs, hence the logits, to 16 bits)."""
+    inputs' dtype only (autocast would round the cosine GEMMs, hence the logits, to 16 bits).
+    ``rules``: what :func:`_rules` returns."""
     with common.autocast_off(anchors.device):
         return _contrastive_on(
             anchors, positives, negatives, temperature=temperature, focal_m=focal_m,
@@ -239,21 +318,38 @@ def _contrastive(anchors, positives, negatives=None, *, temperature, focal_m=Non
             noise=noise, noise_ratio=noise_ratio, noise_steps=noise_steps, noise_lr=noise_lr,
             noise_std=noise_std, noise_temperature=noise_temperature, generator=generator,
             formulation=formulation, symmetric=symmetric, anchor_offset=anchor_offset,
-            backend=backend, chunk_size=chunk_size)
+            backend=backend, chunk_size=chunk_size, **rules)
 
 
 def _contrastive_on(anchors, positives, negatives, *, temperature, focal_m, hard_negative_weight,
                     complementary, phi, noise, noise_ratio, noise_steps, noise_lr, noise_std,
                     noise_temperature, generator, formulation, symmetric, anchor_offset, backend,
-                    chunk_size):
+                    chunk_size, **rules):
     noise_temperature = temperature if noise_temperature is None else noise_temperature
-    if backend == "reference":
+    if backend == "reference" and "matryoshka" not in rules:
         return reference.contrastive(
             anchors, positives, negatives, temperature=temperature, focal_m=focal_m,
             hard_negative_weight=hard_negative_weight, complementary=complementary, phi=phi,
             noise=noise, noise_ratio=noise_ratio, noise_steps=noise_steps, noise_lr=noise_lr,
             noise_std=noise_std, noise_temperature=noise_temperature, generator=generator,
-            formulation=formulation, symmetric=symmetric, anchor_offset=anchor_offset)
+            formulation=formulation, symmetric=symmetric, anchor_offset=anchor_offset, **rules)
+    if "matryoshka" in rules:
+        rules = dict(rules)
+        dims, weights = rules.pop("matryoshka")
+        if rules:   # with the layout's rules: one pass per width
+            return sum(w * _contrastive_on(
+                *_prefixes(k, anchors, positives, negatives), temperature=temperature,
+                focal_m=focal_m, hard_negative_weight=hard_negative_weight,
+                complementary=complementary, phi=phi, noise=None, noise_ratio=0.0,
+                noise_steps=0, noise_lr=noise_lr, noise_std=noise_std,
+                noise_temperature=noise_temperature, generator=None, formulation=formulation,
+                symmetric=symmetric, anchor_offset=anchor_offset, backend=backend,
+                chunk_size=chunk_size, **_prefix_rules(k, rules)) for k, w in zip(dims, weights))
+        return _matryoshka_loss(anchors, positives, negatives, backend, (dims, weights),
+                                temperature=temperature, focal_m=focal_m,
+                                hard_negative_weight=hard_negative_weight,
+                                complementary=complementary, phi=phi, symmetric=symmetric,
+                                anchor_offset=anchor_offset, chunk_size=chunk_size)
     engine = _engine(backend)
     blocks = [positives] + ([] if negatives is None else [negatives])
     num = (noise.shape[0] if noise is not None
@@ -269,6 +365,9 @@ def _contrastive_on(anchors, positives, negatives, *, temperature, focal_m, hard
     ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
                   phi=phi if masked else None, complementary=complementary,
                   formulation=formulation, chunk_size=chunk_size, anchor_offset=anchor_offset)
+    if rules:
+        rows, blocks, ep = _with_rules(ep, anchors, positives, negatives, blocks, rules)
+        return tiled.contrastive_loss(ep, rows, *blocks, engine=engine)
     loss = tiled.contrastive_loss(ep, anchors, *blocks, engine=engine)
     if symmetric:
         # the reverse direction: positives against the anchors, focal and the transposed mask
@@ -277,6 +376,238 @@ def _contrastive_on(anchors, positives, negatives, *, temperature, focal_m, hard
                            chunk_size=chunk_size)
         loss = 0.5 * (loss + tiled.contrastive_loss(reverse, positives, anchors, engine=engine))
     return loss
+
+
+def _rules(anchors, positives, negatives, anchor_offset, directions, partition_mode,
+           hardness_mode, hardness_strength, anchor_candidates, guide, guide_margin,
+           margin_strategy, duplicate_ids) -> dict:
+    """The checked options of :mod:`fastcl.layout` as the keyword arguments the backends take,
+    or ``{}`` when none is on (plain InfoNCE's layout, no hardness, guide or ids)."""
+    n, n_pos = anchors.shape[0], positives.shape[0]
+    n_neg = 0 if negatives is None else negatives.shape[0]
+    if isinstance(directions, layout.Layout):
+        if partition_mode != "joint":
+            raise ValueError("partition_mode goes with directions given by name; a Layout says "
+                             "its own (Layout.joint)")
+        lay = directions
+    else:
+        lay = layout.from_directions(directions, partition_mode)
+    if hardness_mode is not None:
+        check.choice("hardness_mode", hardness_mode, layout.HARDNESS_MODES)
+    hardness_strength = check.finite("hardness_strength", hardness_strength)
+    if hardness_strength < 0:
+        raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+    guide_margin = check.finite("guide_margin", guide_margin)
+    check.choice("margin_strategy", margin_strategy, layout.MARGIN_STRATEGIES)
+    if lay.plain and hardness_mode is None and guide is None and duplicate_ids is None:
+        if anchor_candidates is not None:
+            raise ValueError("anchor_candidates is read only with directions that score the "
+                             "anchors ('query_to_query', 'doc_to_query')")
+        return {}
+    grouped = (hardness_mode is not None and hardness_strength) or (
+        lay.positive_to_negatives and lay.exclude_own)
+    if grouped and n_neg % n_pos:
+        raise ValueError(f"hardness_mode and 'doc_to_doc' need the negatives as whole columns "
+                         f"(a multiple of the {n_pos} positives, row j of each belonging to "
+                         f"anchor j), got {n_neg} negatives")
+    if lay.scores_anchors:
+        if anchor_candidates is None:
+            if n != n_pos:
+                raise ValueError("directions that score the anchors need anchor_candidates (the "
+                                 "whole batch's anchors) when anchor_offset is given")
+            anchor_candidates = anchors
+        else:
+            anchor_candidates = check.embeddings("anchor_candidates", anchor_candidates,
+                                                 width=anchors.shape[1], like=anchors,
+                                                 scale_free=True)
+            if anchor_candidates.shape[0] not in (n, n_pos):
+                raise ValueError(f"anchor_candidates has {anchor_candidates.shape[0]} rows: it "
+                                 f"holds the whole batch's anchors ({n_pos}) or these anchors ({n})")
+    elif anchor_candidates is not None:
+        raise ValueError("anchor_candidates is read only with directions that score the "
+                         "anchors ('query_to_query', 'doc_to_query')")
+    n_a = 0 if anchor_candidates is None or not lay.scores_anchors else anchor_candidates.shape[0]
+    if guide is not None:
+        guide = _guide(guide, n, n_pos, n_neg, n_a, anchors.device)
+    if duplicate_ids is not None:
+        duplicate_ids = _duplicate_ids(duplicate_ids, n_pos, n_neg, n_a, anchors.device)
+    return dict(layout=lay, anchor_candidates=anchor_candidates if n_a else None,
+                hardness_mode=hardness_mode if hardness_strength else None,
+                hardness_strength=hardness_strength, guide=guide, guide_margin=guide_margin,
+                margin_strategy=margin_strategy, duplicate_ids=duplicate_ids)
+
+
+def _matryoshka(dims, weights, d):
+    """``matryoshka_dims`` and ``matryoshka_weights`` checked: ``((d_1 < … < d_K), (w_k…))``
+    sorted by width, or None when ``dims`` is None."""
+    if dims is None:
+        if weights is not None:
+            raise ValueError("matryoshka_weights needs matryoshka_dims")
+        return None
+    if isinstance(dims, (int, str)) or not len(dims):
+        raise TypeError(f"matryoshka_dims must be a non-empty sequence of widths, got {dims!r}")
+    dims = [check.non_negative_int("matryoshka_dims", x) for x in dims]
+    if min(dims) < 1 or max(dims) > d:
+        raise ValueError(f"matryoshka_dims must lie in [1, {d}] (the embeddings' width), got {dims}")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"matryoshka_dims has a width twice: {dims}")
+    weights = [1.0] * len(dims) if weights is None else [check.finite("matryoshka_weights", w)
+                                                          for w in weights]
+    if len(weights) != len(dims):
+        raise ValueError(f"matryoshka_weights has {len(weights)} entries for {len(dims)} widths")
+    pairs = sorted(zip(dims, weights))
+    return tuple(x for x, _ in pairs), tuple(w for _, w in pairs)
+
+
+def _prefixes(k, *tensors):
+    """The first ``k`` columns of each tensor (None stays None)."""
+    return [None if x is None else x[:, :k] for x in tensors]
+
+
+def _prefix_rules(k, rules):
+    """``rules`` with the anchors block cut to its first ``k`` columns (the guide and the ids
+    belong to the texts, not to a width)."""
+    out = dict(rules)
+    if out.get("anchor_candidates") is not None:
+        out["anchor_candidates"] = out["anchor_candidates"][:, :k]
+    return out
+
+
+def _matryoshka_loss(anchors, positives, negatives, backend, matryoshka, *, temperature, focal_m,
+                     hard_negative_weight, complementary, phi, symmetric, anchor_offset,
+                     chunk_size):
+    """``Σ_k w_k·L(x[:, :d_k])``: the reference loss of each prefix (the literal sum), or the
+    tiled path's one pass over every width (:func:`fastcl.tiled.matryoshka_forward`)."""
+    dims, weights = matryoshka
+    if backend == "reference":
+        return sum(w * reference.contrastive(
+            *_prefixes(k, anchors, positives, negatives), temperature=temperature,
+            focal_m=focal_m, hard_negative_weight=hard_negative_weight, complementary=complementary,
+            phi=phi, symmetric=symmetric, anchor_offset=anchor_offset) for k, w in zip(dims, weights))
+    blocks = [positives] + ([] if negatives is None else [negatives])
+    ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
+                  phi=phi if complementary is not None else None, complementary=complementary,
+                  chunk_size=chunk_size, anchor_offset=anchor_offset, matryoshka=matryoshka)
+    loss = tiled.contrastive_loss(ep, anchors, *blocks)
+    if symmetric:
+        reverse = dataclasses.replace(
+            ep, hard_negative_weight=0.0, anchor_offset=0,
+            complementary=None if complementary is None else (complementary[1], complementary[0]))
+        loss = 0.5 * (loss + tiled.contrastive_loss(reverse, positives, anchors))
+    return loss
+
+
+def _guide(guide, n, n_pos, n_neg, n_a, device):
+    """``guide=(g_anchors, g_positives, g_negatives, g_anchor_candidates)`` checked: the last
+    two may be left out or None where there are no negatives or no anchors block (the anchors
+    block's default: g_anchors, when those are its rows)."""
+    if not isinstance(guide, (tuple, list)) or not 2 <= len(guide) <= 4:
+        raise TypeError("guide must be a tuple (g_anchors, g_positives[, g_negatives"
+                        "[, g_anchor_candidates]])")
+    parts = list(guide) + [None] * (4 - len(guide))
+    names = ("guide[0] (anchors)", "guide[1] (positives)", "guide[2] (negatives)",
+             "guide[3] (anchor candidates)")
+    if parts[3] is None and n_a == n:
+        parts[3] = parts[0]
+    rows = (n, n_pos, n_neg, n_a)
+    out = []
+    for name, x, want in zip(names, parts, rows):
+        if x is None:
+            if want:
+                raise ValueError(f"{name} is missing: the guide embeds every candidate block "
+                                 f"({want} rows here)")
+            out.append(None)
+            continue
+        x = check.embeddings(name, x, rows=want, width=out[0].shape[1] if out else None,
+                             scale_free=True)
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
+        if out and x.dtype != out[0].dtype:
+            raise TypeError(f"{name} is {x.dtype} but guide[0] is {out[0].dtype}")
+        out.append(x.detach() if want else None)
+    return tuple(out)
+
+
+def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
+    """``duplicate_ids=(positive_ids, negative_ids, anchor_ids)`` checked: 1-D integer tensors
+    with one id per candidate row (None where the block is absent)."""
+    if not isinstance(ids, (tuple, list)) or not 1 <= len(ids) <= 3:
+        raise TypeError("duplicate_ids must be a tuple (positive_ids[, negative_ids[, anchor_ids]])")
+    parts = list(ids) + [None] * (3 - len(ids))
+    out = []
+    for name, x, want in zip(("duplicate_ids[0] (positives)", "duplicate_ids[1] (negatives)",
+                              "duplicate_ids[2] (anchor candidates)"), parts, (n_pos, n_neg, n_a)):
+        if x is None:
+            if want:
+                raise ValueError(f"{name} is missing: {want} candidates need an id each")
+            out.append(None)
+            continue
+        if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got "
+                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.dim() != 1 or x.shape[0] != want:
+            raise ValueError(f"{name} must have shape ({want},), got {tuple(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
+        out.append(x.to(torch.long) if want else None)
+    return tuple(out)
+
+
+def _backend_for_rules(backend, anchors, rules) -> str:
+    """The backend for a call with ``rules``: the Triton kernels do not apply them yet, so
+    ``"auto"`` takes the tiled path and ``"triton"`` is refused with the reason."""
+    be = resolve_backend(backend, anchors)
+    if rules and be == "triton":
+        if backend == "triton":
+            raise ValueError("backend='triton' does not compute directions beyond "
+                             "('query_to_doc',), hardness_mode, guide, duplicate_ids or "
+                             "matryoshka_dims yet; use backend='tiled' (the same numbers, "
+                             "without the N×M matrix)")
+        be = "tiled"
+    return be
+
+
+def _with_rules(ep, anchors, positives, negatives, blocks, rules):
+    """The tiled driver's inputs for a call with ``rules`` (:func:`_rules`): the rows
+    (``[anchors; own positives]`` with a positive side), the candidate blocks with the
+    anchors block last, and the epilogue with the column blocks, the guide's unit rows and
+    thresholds, the ids."""
+    lay, anchor_candidates, guide, duplicate_ids = (
+        rules["layout"], rules["anchor_candidates"], rules["guide"], rules["duplicate_ids"])
+    hardness_mode = rules["hardness_mode"]
+    n, n_pos = anchors.shape[0], positives.shape[0]
+    offset = ep.anchor_offset
+    n_neg = 0 if negatives is None else negatives.shape[0]
+    n_noise = sum(b.shape[0] for b in blocks) - n_pos - n_neg
+    n_a = 0 if anchor_candidates is None else anchor_candidates.shape[0]
+    own = positives[offset:offset + n]
+    rows = torch.cat([anchors, own]) if lay.positive_side else anchors
+    blocks = list(blocks) + ([anchor_candidates] if n_a else [])
+    g_rows = g_cols = theta = ids = None
+    if guide is not None:
+        acc = common.accumulate_dtype(anchors.dtype)
+        unit = lambda x: torch.nn.functional.normalize(common.wide(x), dim=1, eps=common.EPS).to(acc)
+        g_anchors, g_positives, g_negatives, g_cands = guide
+        u_anchors, u_positives = unit(g_anchors), unit(g_positives)
+        u_own = u_positives[offset:offset + n]
+        theta = layout.guide_threshold((u_anchors * u_own).sum(dim=1), rules["guide_margin"],
+                                       rules["margin_strategy"])
+        g_rows = torch.cat([u_anchors, u_own]) if lay.positive_side else u_anchors
+        parts = [u_positives] + ([unit(g_negatives)] if n_neg else [])
+        parts.append(u_anchors.new_zeros(n_noise, u_anchors.shape[1]))   # never filtered
+        parts += [unit(g_cands)] if n_a else []
+        g_cols = torch.cat(parts)
+    if duplicate_ids is not None:
+        pos_ids, neg_ids, anchor_ids = duplicate_ids
+        parts = [pos_ids] + ([neg_ids] if n_neg else [])
+        parts.append(pos_ids.new_zeros(n_noise))                          # never compared
+        parts += [anchor_ids] if n_a else []
+        ids = (torch.cat(parts), pos_ids[offset:offset + n])
+    ep = dataclasses.replace(
+        ep, layout=lay, blocks=(n_pos, n_neg, n_noise, n_a),
+        hardness=(hardness_mode, rules["hardness_strength"]) if hardness_mode is not None else None,
+        guide=None if guide is None else (g_rows, g_cols, theta), ids=ids)
+    return rows, blocks, ep
 
 
 def _check_hard_negatives(hard_negative_weight, negatives, n_pos):

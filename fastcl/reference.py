@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .common import (EPS, accumulate_dtype, draw_noise, noise_count, project_out_radial,  # noqa: F401
                      relative_difference, row_cosine, safe_direction, shrink_huge_rows, wide)
+from .layout import PLAIN, guide_threshold
 from .common import (ESCL_MARGINS, ESCL_RD, ESCL_WEIGHT, FOCAL_M, NOISE_LR, NOISE_RATIO, NOISE_STD,
                      NOISE_STEPS, PHI, TEMPERATURE)
 
@@ -56,10 +57,7 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
     n = anchors.shape[0]
     sim = cosine_matrix(anchors, candidates)
     is_positive = _at(n, sim.shape[1], anchor_offset, sim.device)
-    if focal_m is None:
-        logits = sim / temperature
-    else:
-        logits = torch.where(is_positive, sim * sim, sim * (sim + focal_m)) / temperature
+    logits = _modulated(sim, is_positive, temperature, focal_m)
     if hard_negative_weight:
         # the mask in the logits' dtype: a bool tensor times a float is float32, which would
         # round w (by ~1e-8) in a float64 loss
@@ -74,11 +72,20 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
     return F.cross_entropy(logits, labels)
 
 
+def _modulated(sim, is_positive, temperature, focal_m):
+    """Logits from cosines: ``s/τ``, or focal ``s²/τ`` on the positive and ``s(s+m)/τ`` elsewhere."""
+    if focal_m is None:
+        return sim / temperature
+    return torch.where(is_positive, sim * sim, sim * (sim + focal_m)) / temperature
+
+
 def contrastive(anchors, positives, negatives=None, *, temperature=TEMPERATURE, focal_m=None,
                 hard_negative_weight=0.0, complementary=None, phi=PHI, noise=None,
                 noise_ratio=0.0, noise_steps=NOISE_STEPS, noise_lr=NOISE_LR, noise_std=NOISE_STD,
                 noise_temperature=None, generator=None, formulation="paper", symmetric=False,
-                anchor_offset=0):
+                anchor_offset=0, layout=PLAIN, anchor_candidates=None, hardness_mode=None,
+                hardness_strength=0.0, guide=None, guide_margin=0.0, margin_strategy="absolute",
+                duplicate_ids=None):
     """Every feature at once (:func:`fastcl.contrastive` states the math).
 
     Candidates ``k = [h⁺ (N_pos rows); negatives (K rows); Z (K_z rows)]``, logits
@@ -86,7 +93,9 @@ def contrastive(anchors, positives, negatives=None, *, temperature=TEMPERATURE, 
     elsewhere; ``+ w`` at column ``N_pos + i``; α from ``complementary`` on the in-batch
     block; cross-entropy over the kept columns (``"released"``: the authors' BCE).
     ``symmetric`` averages with the positives scored against the anchors (focal and the
-    transposed mask apply there; negatives, w and Z do not).
+    transposed mask apply there; negatives, w and Z do not). A ``layout`` other than
+    :data:`fastcl.layout.PLAIN`, ``hardness_mode``, ``guide`` or ``duplicate_ids`` take
+    :func:`_sides` (:mod:`fastcl.layout` states the rules).
     """
     n_pos = positives.shape[0]
     blocks = [positives] + ([] if negatives is None else [negatives.to(positives.dtype)])
@@ -104,6 +113,14 @@ def contrastive(anchors, positives, negatives=None, *, temperature=TEMPERATURE, 
         keep = dclr_weights(*complementary, candidates.shape[0] - n_pos, phi=phi,
                             temperature=temperature, formulation=formulation,
                             anchor_offset=anchor_offset)
+    if not (layout.plain and hardness_mode is None and guide is None and duplicate_ids is None):
+        return _sides(anchors, positives, candidates, negatives, keep, temperature=temperature,
+                      focal_m=focal_m, hard_negative_weight=hard_negative_weight,
+                      anchor_offset=anchor_offset, layout=layout,
+                      anchor_candidates=anchors if anchor_candidates is None else anchor_candidates,
+                      hardness_mode=hardness_mode, hardness_strength=hardness_strength,
+                      guide=guide, guide_margin=guide_margin, margin_strategy=margin_strategy,
+                      duplicate_ids=duplicate_ids)
     loss = _direction(anchors, candidates, n_pos, temperature=temperature, focal_m=focal_m,
                       hard_negative_weight=hard_negative_weight, keep=keep,
                       formulation=formulation, anchor_offset=anchor_offset)
@@ -117,6 +134,119 @@ def contrastive(anchors, positives, negatives=None, *, temperature=TEMPERATURE, 
                              formulation=formulation, anchor_offset=0)
         loss = 0.5 * (loss + reverse)
     return loss
+
+
+def _sides(anchors, positives, candidates, negatives, keep, *, temperature, focal_m,
+           hard_negative_weight, anchor_offset, layout, anchor_candidates, hardness_mode,
+           hardness_strength, guide, guide_margin, margin_strategy, duplicate_ids):
+    """The loss with a positive side and the drops of :mod:`fastcl.layout`, written out block
+    by block as sentence-transformers' MNRL and GISTEmbedLoss do: a score matrix per block
+    with ``-inf`` where an entry is dropped, the blocks side by side, one log-sum-exp per row
+    (or one per side, averaged)."""
+    n, n_pos = anchors.shape[0], positives.shape[0]
+    n_neg = 0 if negatives is None else negatives.shape[0]
+    dev = anchors.device
+    rows = torch.arange(n, device=dev)
+    g = rows + anchor_offset                                 # each row's positive column
+    # the anchors block: the row's own column (the whole batch's anchors, or these anchors)
+    own_anchor = g if anchor_candidates.shape[0] == n_pos else rows
+    own_positive = positives[anchor_offset:anchor_offset + n]
+    documents = candidates[:n_pos + n_neg]                 # positives and negatives
+    doc_group = torch.arange(n_pos + n_neg, device=dev) % n_pos
+
+    theta = None
+    if guide is not None:
+        g_anchors, g_positives, g_negatives, g_anchor_cands = guide
+        g_documents = g_positives if g_negatives is None else torch.cat([g_positives, g_negatives])
+        theta = guide_threshold(torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset),
+                                guide_margin, margin_strategy)[:, None]
+    if duplicate_ids is not None:
+        pos_ids, neg_ids, anchor_ids = duplicate_ids
+        doc_ids = pos_ids if neg_ids is None else torch.cat([pos_ids, neg_ids])
+        key = pos_ids[g][:, None]                          # the text of the row's positive
+
+    def drop(scores, guide_rows, guide_cols, ids, protect):
+        """``scores`` with the guide's false negatives and the duplicates set to -inf, the
+        entries in ``protect`` kept."""
+        out = torch.zeros_like(scores, dtype=torch.bool)
+        if guide is not None:
+            out |= cosine_matrix(guide_rows, guide_cols) > theta
+        if duplicate_ids is not None:
+            out |= ids[None, :] == key
+        if protect is not None:
+            out &= ~protect
+        return scores.masked_fill(out, float("-inf"))
+
+    # anchor side: documents (and the noise), then the anchors block
+    sim = cosine_matrix(anchors, candidates)
+    is_positive = _at(n, sim.shape[1], anchor_offset, dev)
+    logits = _modulated(sim, is_positive, temperature, focal_m)
+    if hard_negative_weight:
+        logits = logits + hard_negative_weight * _at(n, sim.shape[1], n_pos + anchor_offset,
+                                                     dev).to(logits.dtype)
+    if hardness_mode is not None and hardness_strength:
+        own = doc_group[None, :] == g[:, None]
+        is_negative_block = torch.arange(n_pos + n_neg, device=dev)[None, :] >= n_pos
+        where = {"in_batch_negatives": ~own,
+                 "hard_negatives": own & is_negative_block,
+                 "all_negatives": ~is_positive[:, :n_pos + n_neg]}[hardness_mode]
+        penalty = torch.zeros_like(logits)
+        penalty[:, :n_pos + n_neg] = torch.where(where, hardness_strength * sim[:, :n_pos + n_neg].detach(), 0.0)
+        logits = logits + penalty
+    if keep is not None:
+        logits = logits.masked_fill(~keep, float("-inf"))
+    docs_part = drop(logits[:, :n_pos + n_neg], g_anchors if guide is not None else None,
+                     g_documents if guide is not None else None,
+                     doc_ids if duplicate_ids is not None else None, is_positive[:, :n_pos + n_neg])
+    anchor_side = [docs_part, logits[:, n_pos + n_neg:]]   # the noise is never dropped
+    if layout.anchor_to_anchors:
+        aa = _modulated(cosine_matrix(anchors, anchor_candidates), _none(n, anchor_candidates), temperature, focal_m)
+        if layout.exclude_own:
+            aa = aa.masked_fill(_at_cols(own_anchor, aa.shape[1]), float("-inf"))
+        anchor_side.append(drop(aa, g_anchors if guide is not None else None,
+                                g_anchor_cands if guide is not None else None,
+                                anchor_ids if duplicate_ids is not None else None, None))
+    positive_logit = logits[rows, g]
+
+    # positive side: the anchors block, then the documents
+    positive_side = []
+    if layout.positive_to_anchors:
+        # the anchor's own column is the positive pair seen from the positive: s²/τ with focal
+        pa = _modulated(cosine_matrix(own_positive, anchor_candidates),
+                        _at_cols(own_anchor, anchor_candidates.shape[0]), temperature, focal_m)
+        positive_side.append(drop(pa, g_positives[g] if guide is not None else None,
+                                  g_anchor_cands if guide is not None else None,
+                                  anchor_ids if duplicate_ids is not None else None,
+                                  _at_cols(own_anchor, pa.shape[1])))
+    if layout.positive_to_positives or layout.positive_to_negatives:
+        width = n_pos + (n_neg if layout.positive_to_negatives else 0)
+        pd = _modulated(cosine_matrix(own_positive, documents[:width]), _none(n, documents[:width]),
+                        temperature, focal_m)
+        if layout.exclude_own:
+            pd = pd.masked_fill(doc_group[None, :width] == g[:, None], float("-inf"))
+        positive_side.append(drop(pd, g_positives[g] if guide is not None else None,
+                                  g_documents[:width] if guide is not None else None,
+                                  doc_ids[:width] if duplicate_ids is not None else None, None))
+
+    lse_a = torch.logsumexp(torch.cat(anchor_side, dim=1), dim=1)
+    if not positive_side:
+        return (lse_a - positive_logit).mean()
+    lse_p = torch.logsumexp(torch.cat(positive_side, dim=1), dim=1)
+    if layout.joint:
+        return (torch.logaddexp(lse_a, lse_p) - positive_logit).mean()
+    return (0.5 * (lse_a + lse_p) - positive_logit).mean()
+
+
+def _none(n, columns):
+    """No positive in these columns: (n × columns) all False."""
+    return torch.zeros(n, columns.shape[0], dtype=torch.bool, device=columns.device)
+
+
+def _at_cols(cols, width):
+    """(len(cols) × width) bool, True at ``[i, cols[i]]``."""
+    out = torch.zeros(cols.shape[0], width, dtype=torch.bool, device=cols.device)
+    out[torch.arange(cols.shape[0], device=cols.device), cols] = True
+    return out
 
 
 def infonce(anchors, positives, negatives=None, *, temperature=TEMPERATURE,

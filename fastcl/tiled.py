@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .common import EPS, accumulate_dtype
+from .layout import PLAIN, Layout, column_blocks, column_groups, hardness_columns, visible_blocks
 
 #: Default bytes for the per-chunk R×M work buffers (all of them together). On a GPU a chunk
 #: must also be large, for the GEMMs and to keep each chunk's launches behind the GPU's work:
@@ -57,6 +58,27 @@ class Epilogue:
     anchor_offset: int = 0                 # anchors are rows [offset, offset+N) of a larger batch
     chunk_size: int | None = None
     memory_budget: int | None = None       # bytes; None: DEFAULT_MEMORY_BUDGET for the device
+    # The rules of fastcl.layout. With a positive side the anchors handed to the driver are
+    # 2N rows, [anchors; their own positives]: rows i and N + i are the two sides of row i.
+    layout: Layout = PLAIN
+    blocks: tuple[int, int, int, int] | None = None  # (N_b, K, K_z, N_a): the column blocks
+    hardness: tuple[str, float] | None = None        # MNRL's (hardness_mode, hardness_strength)
+    guide: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    #      (guide unit rows of the 2N (or N) anchor rows, of the M columns, θ (N,)), float32+
+    ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (column text ids (M,), row keys (N,))
+    # Matryoshka: ((d_1 < … < d_K), (w_1, …, w_K)), the loss Σ_k w_k·L(x[:, :d_k]) in one pass
+    matryoshka: tuple[tuple[int, ...], tuple[float, ...]] | None = None
+
+    @property
+    def paired(self) -> bool:
+        """Whether the anchors are ``[anchors; positives]``, two sides per row."""
+        return self.layout.positive_side
+
+    @property
+    def sided(self) -> bool:
+        """Whether the chunk needs :func:`_layout_drops` (any rule of :mod:`fastcl.layout`)."""
+        return not (self.layout.plain and self.hardness is None and self.guide is None
+                    and self.ids is None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,7 +233,7 @@ class Chunk:
 
 
 def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
-    """The epilogue in PyTorch ops, in place on one R×M buffer.
+    """The epilogue in PyTorch ops, in place on one R×M buffer (2R×M with a positive side).
 
     Writes each row's loss ℓ_i (before the mean) into ``c.loss_out`` and returns H, where
     ``H_ij = ∂ℓ_i/∂s_ij · ginv_k_j`` (matmul dtype; ``None`` if not ``want_grad``). The driver
@@ -228,22 +250,39 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
 
     logits = _mm(c.q, c.keys.T, acc)                   # R×M raw dots → cosines → logits
     logits.mul_(c.inv_q[:, None]).mul_(c.inv_k[None, :])
+    layout_drop = penalty = None
+    if ep.sided:
+        layout_drop, hard = _layout_drops(ep, c)
+        if hard is not None:                           # MNRL's β·sg(s): no slope of its own
+            penalty = logits[:r].mul(hard).mul_(ep.hardness[1])
+            del hard
     if ep.focal_m is not None:
+        # the positive side's own anchor (its mirror) is the positive pair too: s²/τ there
+        mirror = _mirror(ep, c) if ep.layout.positive_to_anchors else None
         pos_cos = logits[ar, diag].clone()
+        mirror_cos = None if mirror is None else logits[mirror].clone()
         cos = logits.clone()
         logits.add_(ep.focal_m).mul_(cos).mul_(inv_t)      # s(s+m)/τ on negatives
         logits[ar, diag] = pos_cos * pos_cos * inv_t       # s²/τ on the positive
+        if mirror is not None:
+            logits[mirror] = mirror_cos * mirror_cos * inv_t
     else:
         logits.mul_(inv_t)
     if ep.hard_negative_weight:
         logits[ar, n_pos + diag] += ep.hard_negative_weight
+    if penalty is not None:
+        logits[:r].add_(penalty)
+        del penalty
     drop = None
     if ep.complementary is not None:
         c_cos = _mm(c.comp_q, c.comp_k.T, acc)
         drop = (c_cos * inv_t > 20 * ep.phi) if released else (c_cos >= ep.phi)
         del c_cos
         drop[ar, diag] = False                         # the positive is never dropped
-        logits[:, :n_pos].masked_fill_(drop, 0.0 if released else float("-inf"))
+        logits[:r, :n_pos].masked_fill_(drop, 0.0 if released else float("-inf"))
+    if layout_drop is not None:
+        logits.masked_fill_(layout_drop, float("-inf"))
+        del layout_drop
     # the released code gives the other columns (DCLR's noise) a complementary cosine of 0,
     # so its test drops all of them when 0/τ > 20φ, i.e. φ < 0
     drop_rest = released and ep.complementary is not None and 0.0 > 20 * ep.phi
@@ -251,12 +290,20 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         logits[:, n_pos:] = 0.0
     pos_logit = logits[ar, diag].clone() if ep.positives else 0.0
 
-    # Row log-sum-exp, leaving the softmax in the buffer.
-    row_max = logits.amax(dim=1, keepdim=True)
-    probs = logits.sub_(row_max).exp_()
-    row_sum = probs.sum(dim=1, keepdim=True)
+    # Row log-sum-exp, leaving the softmax in the buffer. Two sides in one softmax: rows i
+    # and R + i share the maximum and the sum; else each side's own, and a row's loss takes
+    # the mean of the two log-sum-exps (so each side's softmax enters the gradient halved).
+    joint = ep.paired and ep.layout.joint
+    view = logits.view(2, r, m) if joint else logits.view(1, -1, m)
+    row_max = view.amax(dim=(0, 2), keepdim=True)
+    probs = view.sub_(row_max).exp_()
+    row_sum = probs.sum(dim=(0, 2), keepdim=True)
     probs.div_(row_sum)
-    lse = row_max.squeeze(1) + row_sum.squeeze(1).log()
+    lse = (row_max + row_sum.log()).reshape(-1)
+    probs = logits                                     # the buffer, as R'×M
+    if ep.paired and not joint:
+        lse = 0.5 * (lse[:r] + lse[r:])
+        probs.mul_(0.5)
 
     if released:
         # BCE on the softmax, mean over all N·M entries; log p and log(1−p) clamped at −100
@@ -293,9 +340,62 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
             # g'(s) = (2s + m)/τ off the positive, 2s/τ on it
             slope = cos.mul_(2.0).add_(ep.focal_m)
             slope[ar, diag] -= ep.focal_m
+            if mirror is not None:
+                slope[mirror] -= ep.focal_m
             grad.mul_(slope)
     grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
     return grad.to(c.q.dtype)
+
+
+def _mirror(ep: Epilogue, c: Chunk):
+    """(rows, columns) of each positive-side row's own anchor in the anchors block."""
+    n_pos, n_neg, n_noise, n_anchor = ep.blocks
+    r = c.r1 - c.r0
+    ar = torch.arange(r, device=c.q.device)
+    own = ar + (c.first_pos if n_anchor == n_pos else c.r0)
+    return r + ar, n_pos + n_neg + n_noise + own
+
+
+def _layout_drops(ep: Epilogue, c: Chunk):
+    """The entries a chunk's rows drop under :mod:`fastcl.layout`'s rules, (R'×M) bool with
+    R' = 2R when the rows have a positive side (rows R + i), and where MNRL's hardness term
+    applies to the anchor side, (R×M) bool or None."""
+    n_pos, n_neg, n_noise, n_anchor = ep.blocks
+    r, m, dev = c.r1 - c.r0, c.keys.shape[0], c.q.device
+    block = column_blocks(n_pos, n_neg, n_noise, n_anchor, dev)
+    group = column_groups(n_pos, n_neg, n_noise, n_anchor, dev)
+    local = torch.arange(c.r0, c.r1, device=dev)
+    g = local - c.r0 + c.first_pos                     # each row's positive column = its group
+    own_anchor = g if n_anchor == n_pos else local     # its column in the anchors block
+    cols = torch.arange(m, device=dev)
+    anchors_block = (block == 3)[None, :]
+    sides = []
+    for side in range(2 if ep.paired else 1):
+        drop = ~torch.isin(block, torch.tensor(visible_blocks(ep.layout, side), dtype=block.dtype,
+                                                 device=dev))[None, :].expand(r, m)
+        mine = anchors_block & (group[None, :] == own_anchor[:, None])
+        if ep.layout.exclude_own:
+            own = mine if side == 0 else ((block <= 1)[None, :] & (group[None, :] == g[:, None]))
+            drop = drop | own
+        # the guide's filter and duplicates never drop the noise or the pair's own entry
+        filtered = None
+        if ep.guide is not None:
+            guide_rows, guide_cols, theta = ep.guide
+            first = side * c.n
+            rows = guide_rows[first + c.r0:first + c.r1]
+            filtered = _mm(rows, guide_cols.T, theta.dtype) > theta[c.r0:c.r1, None]
+        if ep.ids is not None:
+            col_ids, key = ep.ids
+            same = col_ids[None, :] == key[c.r0:c.r1, None]
+            filtered = same if filtered is None else filtered | same
+        if filtered is not None:
+            protect = (cols[None, :] == g[:, None]) if side == 0 else mine
+            drop = drop | (filtered & ~protect & (block != 2)[None, :])
+        sides.append(drop)
+    hard = None
+    if ep.hardness is not None and ep.hardness[1]:
+        hard = hardness_columns(ep.hardness[0], block, group, g, g)
+    return (sides[0] if len(sides) == 1 else torch.cat(sides)), hard
 
 
 def _acc_and_cast_bytes(dtype: torch.dtype) -> tuple[int, int]:
@@ -309,7 +409,10 @@ def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> in
     GEMM dtype, the mask's R×N slices."""
     acc, cast = _acc_and_cast_bytes(dtype)
     mask = n_pos * (acc + 1) if ep.complementary is not None else 0
-    return m * (acc * _slices(ep) + cast) + mask
+    sides = 2 if ep.paired else 1
+    # the layout's masks: a few bool slices per side, the guide's cosines, the hardness term
+    rules = m * (4 + acc * (ep.guide is not None) + acc * (ep.hardness is not None)) if ep.sided else 0
+    return sides * (m * (acc * _slices(ep) + cast) + rules) + mask
 
 
 torch_chunk.row_bytes = _torch_row_bytes
@@ -349,7 +452,10 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with ``None`` where ``need`` says no
     gradient is wanted. ``gemm_dtype`` overrides the dtype the chunk GEMMs read
     (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's 16-bit buffers."""
-    n, d = anchors.shape
+    if ep.matryoshka is not None:
+        return matryoshka_forward(ep, anchors, candidates, need, gemm_dtype)
+    n_rows, d = anchors.shape
+    n = n_rows // 2 if ep.paired else n_rows      # loss rows: two sides each when paired
     in_dtype, device = anchors.dtype, anchors.device
     acc = accumulate_dtype(in_dtype)
     dtype = gemm_dtype or matmul_dtype(in_dtype, device)
@@ -378,7 +484,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     # fp16 keeps them in the accumulate dtype until backward has applied the incoming scale:
     # at scale 1 (before a loss scaler's 2¹⁶) fp16 would flush most of a gradient of ~1/N.
     grad_dtype = acc if in_dtype == torch.float16 else in_dtype
-    dq = torch.empty(n, d, dtype=grad_dtype, device=device) if need_q else None
+    dq = torch.empty(n_rows, d, dtype=grad_dtype, device=device) if need_q else None
     comp = None
     if ep.complementary is not None:
         comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
@@ -391,15 +497,23 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        q = anchors[r0:r1].to(dtype).contiguous()
-        chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q[r0:r1], inv_k,
+        # a chunk's rows: [r0, r1), and with a positive side also [n + r0, n + r1)
+        take = ((lambda x: x[r0:r1]) if not ep.paired else
+                (lambda x: torch.cat([x[r0:r1], x[n + r0:n + r1]])))
+        q = take(anchors).to(dtype).contiguous()
+        inv_q_c = take(inv_q)
+        chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q_c, inv_k,
                       ginv_k, loss_out=row_loss[r0:r1], comp_q=comp[0][r0:r1] if comp else None,
                       comp_k=comp[1] if comp else None)
         h = engine(ep, chunk, need_q or need_k)
         if h is not None:
-            _chunk_gradients(h, q, keys, inv_q[r0:r1], norm_q[r0:r1], w[r0:r1],
-                             dq[r0:r1] if need_q else None, dk, tangent, acc,
+            dq_c = None
+            if need_q:
+                dq_c = dq[r0:r1] if not ep.paired else torch.empty_like(q, dtype=dq.dtype)
+            _chunk_gradients(h, q, keys, inv_q_c, take(norm_q), take(w), dq_c, dk, tangent, acc,
                              ep.anchor_offset + r0)
+            if need_q and ep.paired:
+                dq[r0:r1], dq[n + r0:n + r1] = dq_c[:r1 - r0], dq_c[r1 - r0:]
         # this chunk's R×M buffer is released before the next chunk allocates its own: the
         # peak is one buffer, not two
         del h
@@ -417,6 +531,133 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
         else:
             dk = _tangent_(dk.mul_(col_scale[:, None]), keys, norm_k, rows).to(out_dtype)
         grads += [part if want else None for part, want in zip(dk.split(sizes), need[1:])]
+    else:
+        grads += [None] * len(candidates)
+    return loss, grads
+
+
+def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None):
+    r"""Matryoshka in one pass: ``L = Σ_k w_k·L_k``, ``L_k`` the loss of the prefixes
+    ``x[:, :d_k]`` (their own cosines ``s^k``), with one GEMM over d per product instead of
+    one per dimension. Same contract as :func:`contrastive_forward`.
+
+    The widths split d into bands ``(d_{k−1}, d_k]``. Forward: the prefix dot products grow
+    band by band, ``D^k = D^{k−1} + Q_band K_bandᵀ``, and each ``k`` turns its cosines
+    ``s^k = D^k / (‖q^k‖‖k^k‖)`` (prefix norms) into its row loss and ``A^k = ∂L/∂s^k``. By
+    the chain rule through the prefix cosines,
+
+    .. math:: rac{∂L}{∂q_i}\Big|_{band} = \Big(\sum_{k: d_k ≥ band} Ã^k\Big) K_{band}
+              − \sum_{k: d_k ≥ band} rac{c^k_i}{‖q^k_i‖^2} q_{i,band},\quad
+              Ã^k_{ij} = rac{A^k_{ij}}{‖q^k_i‖‖k^k_j‖},\ c^k_i = \sum_j A^k_{ij} s^k_{ij}
+
+    (and the same for the keys with ``Ãᵀ`` and column sums): the sums ``B = Σ_{k ≥ band}
+    Ã^k``, formed from the widest width down, take one GEMM per band for each gradient.
+    A chunk holds the K matrices Ã^k, so its rows come from a budget of K + 3 slices. The
+    anchors' and candidates' own features: focal modulation, the hard negative's
+    log-weight, DCLR's mask (one for every width: the complementary model's cosines)."""
+    n, d = anchors.shape
+    in_dtype, device = anchors.dtype, anchors.device
+    acc = accumulate_dtype(in_dtype)
+    dtype = gemm_dtype or matmul_dtype(in_dtype, device)
+    sizes = [c.shape[0] for c in candidates]
+    m, n_pos = sum(sizes), sizes[0]
+    need_q, need_k = bool(need[0]), any(need[1:])
+    dims, weights = ep.matryoshka
+    bands = list(zip((0,) + dims[:-1], dims))
+    keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype).contiguous()
+    q_all = anchors.to(dtype)
+
+    def prefix_norms(x):                        # (rows, K): ‖x[:, :d_k]‖ in acc
+        parts = torch.stack([x[:, lo:hi].to(acc).square().sum(dim=1) for lo, hi in bands], dim=1)
+        return parts.cumsum(dim=1).sqrt_()
+
+    norm_q, norm_k = prefix_norms(anchors), prefix_norms(keys)
+    inv_q, inv_k = 1.0 / norm_q.clamp_min(EPS), 1.0 / norm_k.clamp_min(EPS)
+    # the radial term of x/max(‖x‖, EPS) exists only where the norm was not clamped
+    radial_q = (norm_q > EPS).to(acc) * inv_q * inv_q
+    radial_k = (norm_k > EPS).to(acc) * inv_k * inv_k
+    dq = torch.zeros(n, d, dtype=acc, device=device) if need_q else None
+    dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
+    col_c = torch.zeros(m, len(dims), dtype=acc, device=device)
+    row_loss = torch.zeros(n, dtype=acc, device=device)
+    comp = None
+    if ep.complementary is not None:
+        comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
+                for x in ep.complementary]
+    inv_t = 1.0 / ep.temperature
+    row_bytes = m * torch.finfo(acc).bits // 8 * (len(dims) + 3 + (ep.focal_m is not None))
+    rows = rows_per_chunk(n, m, ep, row_bytes, device.type, 16, _free_bytes(device))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        r = r1 - r0
+        q = q_all[r0:r1]
+        ar = torch.arange(r, device=device)
+        diag = ar + ep.anchor_offset + r0
+        drop = None
+        if comp is not None:
+            drop = _mm(comp[0][r0:r1], comp[1].T, acc) >= ep.phi
+            drop[ar, diag] = False
+        dots, scaled = None, []
+        row_c = torch.zeros(r, len(dims), dtype=acc, device=device)
+        for k, (lo, hi) in enumerate(bands):
+            part = _mm(q[:, lo:hi], keys[:, lo:hi].T, acc)
+            dots = part if dots is None else dots.add_(part)
+            s = dots * inv_q[r0:r1, k, None] * inv_k[None, :, k]
+            if ep.focal_m is not None:
+                logits = (s + ep.focal_m) * s
+                logits[ar, diag] = s[ar, diag].square()
+                logits.mul_(inv_t)
+            else:
+                logits = s * inv_t
+            if ep.hard_negative_weight:
+                logits[ar, n_pos + diag] += ep.hard_negative_weight
+            if drop is not None:
+                logits[:, :n_pos].masked_fill_(drop, float("-inf"))
+            pos = logits[ar, diag].clone()
+            row_max = logits.amax(dim=1, keepdim=True)
+            p = logits.sub_(row_max).exp_()
+            total = p.sum(dim=1, keepdim=True)
+            p.div_(total)
+            row_loss[r0:r1] += weights[k] * ((row_max.squeeze(1) + total.squeeze(1).log()) - pos)
+            a = p                                    # ∂L/∂s^k in place: w_k (p − δ) g'(s)/N
+            a[ar, diag] -= 1.0
+            if ep.focal_m is not None:
+                slope = s.mul(2.0).add_(ep.focal_m)
+                slope[ar, diag] -= ep.focal_m
+                a.mul_(slope)
+            a.mul_(weights[k] * inv_t / n)
+            a_s = a * s
+            row_c[:, k] = a_s.sum(dim=1)
+            col_c[:, k] += a_s.sum(dim=0)
+            del a_s, s
+            scaled.append(a.mul_(inv_q[r0:r1, k, None]).mul_(inv_k[None, :, k]))
+        # the widest width down: B = Σ_{k ≥ band} Ã^k, one GEMM per band and gradient
+        total_b = None
+        for k in reversed(range(len(bands))):
+            lo, hi = bands[k]
+            total_b = scaled[k] if total_b is None else total_b.add_(scaled[k])
+            scaled[k] = None
+            b = total_b.to(dtype)
+            if need_q:
+                dq[r0:r1, lo:hi] = _mm(b, keys[:, lo:hi], acc)
+            if need_k:
+                _accumulate_mm(dk[:, lo:hi], b.T, q[:, lo:hi])
+        if need_q:
+            coef = row_c * radial_q[r0:r1]                      # (r, K)
+            for k, (lo, hi) in enumerate(bands):
+                # band k takes the radial terms of every width that covers it
+                dq[r0:r1, lo:hi].addcmul_(q[:, lo:hi].to(acc), coef[:, k:].sum(dim=1, keepdim=True),
+                                          value=-1.0)
+    if need_k:
+        coef = col_c * radial_k
+        for k, (lo, hi) in enumerate(bands):
+            dk[:, lo:hi].addcmul_(keys[:, lo:hi].to(acc), coef[:, k:].sum(dim=1, keepdim=True),
+                                  value=-1.0)
+    loss = (row_loss.sum(dtype=torch.float64) / n).to(acc)
+    out_dtype = acc if in_dtype == torch.float16 else in_dtype
+    grads = [dq.to(out_dtype) if need_q else None]
+    if need_k:
+        grads += [part.to(out_dtype) if want else None for part, want in zip(dk.split(sizes), need[1:])]
     else:
         grads += [None] * len(candidates)
     return loss, grads

@@ -10,6 +10,21 @@ import fastcl
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Hypothesis's profiles (tests/test_properties.py): "ci", bounded and derandomized, the
+# default; "long" (>= 20,000 examples over that file). Registered here, where hypothesis's
+# plugin finds them before it reads `pytest --hypothesis-profile long`.
+try:
+    from hypothesis import HealthCheck, settings as _hypothesis
+
+    _common = dict(deadline=None, database=None, print_blob=True,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                          HealthCheck.data_too_large])
+    _hypothesis.register_profile("ci", max_examples=500, derandomize=True, **_common)
+    _hypothesis.register_profile("long", max_examples=8000, **_common)
+    _hypothesis.load_profile(os.environ.get("FASTCL_HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis is a dev extra: the property tests skip without it
+    pass
+
 # Tolerances for the tiled path against the reference (values and gradients).
 TOL = {
     torch.float64: dict(atol=1e-10, rtol=1e-8),

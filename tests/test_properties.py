@@ -36,36 +36,26 @@ below 1e-45, a cosine gap ≥ 103·τ_u, possible from τ_u ≈ 0.02 down) stays
 moves it by lr. That matters where lr is not small next to ‖z‖, or where the row, negligible
 in L_U, dominates the loss: focal's logits s(s + m)/τ are largest at s = −1.
 
-Profiles: ``ci`` (the default: bounded, derandomized, ≤ 90 s on a 2-core CPU) and ``long``
-(≥ 20,000 examples over the file). Select one with ``pytest --hypothesis-profile long`` —
-hypothesis's plugin looks the name up before test modules are imported, so this file must
-then also be loaded as a plugin: ``pytest -p tests.test_properties tests/test_properties.py
---hypothesis-profile long`` — or with ``FASTCL_HYPOTHESIS_PROFILE=long``.
+Profiles (registered in ``conftest.py``): ``ci`` (the default: bounded, derandomized,
+≤ 90 s on a 2-core CPU) and ``long`` (≥ 20,000 examples over the file):
+``pytest tests/test_properties.py --hypothesis-profile long`` (or
+``FASTCL_HYPOTHESIS_PROFILE=long``).
 """
 
 import importlib.util
 import math
-import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
+hypothesis = pytest.importorskip("hypothesis", reason="needs hypothesis (the dev extra)")
+from hypothesis import assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 import fastcl
 from fastcl import reference
 from fastcl.common import EPS
 
-# ------------------------------------------------------------------ profiles
-
-_COMMON = dict(deadline=None, database=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                      HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=500, derandomize=True, **_COMMON)  # ≈ 45 s
-settings.register_profile("long", max_examples=8000, **_COMMON)      # 21,280 over the file
-if settings.get_current_profile_name() == "default":
-    settings.load_profile(os.environ.get("FASTCL_HYPOTHESIS_PROFILE", "ci"))
-
+# ------------------------------------------------------------------ profiles (conftest.py)
 
 def _examples(share: float) -> settings:
     """This test's share of the profile's examples (the Triton interpreter is slow)."""
@@ -344,3 +334,67 @@ def test_alignment_and_uniformity_match_float64(b, alpha, t):
         want = fastcl.uniformity(x.double(), t=t).item()
         got = fastcl.uniformity(x, t=t).item()
         assert math.isfinite(got) and abs(got - want) <= tol * (1 + abs(want))
+
+
+@st.composite
+def layouts(draw):
+    """A draw of :mod:`fastcl.layout`'s options: MNRL's directions and partition, GIST's
+    blocks, hardness, a guide with a margin, duplicate ids from few values (so that they
+    collide), focal, a slice of a larger batch (anchor_offset), whole negative columns."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    n_pos = draw(st.integers(1, 9))
+    offset = draw(st.integers(0, n_pos - 1)) if draw(st.booleans()) else None
+    n = n_pos if offset is None else draw(st.integers(1, n_pos - offset))
+    d = draw(st.sampled_from([1, 2, 5, 13]))
+    cols = draw(st.integers(0, 2))
+    if draw(st.booleans()):
+        lay = fastcl.layout.gist(draw(st.booleans()), draw(st.booleans()))
+    else:
+        dirs = ("query_to_doc",) + tuple(x for x in ("query_to_query", "doc_to_query", "doc_to_doc")
+                                         if draw(st.booleans()))
+        per = draw(st.booleans()) and set(dirs) <= {"query_to_doc", "doc_to_query"}
+        lay = fastcl.layout.from_directions(dirs, "per_direction" if per else "joint")
+    rand = lambda rows, width=d: torch.randn(rows, width, generator=gen, dtype=torch.float64)  # noqa: E731
+    batch = rand(n_pos)
+    a = (batch[offset or 0:(offset or 0) + n] if draw(st.booleans()) else rand(n)).requires_grad_()
+    p = (batch + 0.5 * rand(n_pos)).requires_grad_()
+    neg = rand(cols * n_pos).requires_grad_() if cols else None
+    cands = None                            # the anchors block: the anchors themselves
+    if lay.scores_anchors and offset is not None:
+        # the whole batch's anchors, or (GIST's block) this process's own
+        cands = a if not lay.exclude_own and draw(st.booleans()) else rand(n_pos).requires_grad_()
+    kw = dict(directions=lay, temperature=draw(st.sampled_from([0.05, 0.3, 1.0])),
+              anchor_offset=offset, anchor_candidates=cands)
+    if draw(st.booleans()) and cols:
+        kw.update(hardness_mode=draw(st.sampled_from(fastcl.layout.HARDNESS_MODES)),
+                  hardness_strength=draw(st.sampled_from([0.5, 3.0])))
+    if draw(st.booleans()):
+        kw["focal_m"] = draw(st.sampled_from([0.0, 0.3, -0.5]))
+    n_a = 0 if not lay.scores_anchors else (n if cands is None or cands is a else n_pos)
+    if draw(st.booleans()):
+        width = draw(st.sampled_from([2, 7]))
+        kw.update(guide=(rand(n, width), rand(n_pos, width), rand(cols * n_pos, width) if cols else None,
+                         rand(n_a, width) if n_a and cands is not None else None),
+                  guide_margin=draw(st.sampled_from([-0.3, 0.0, 0.2])),
+                  margin_strategy=draw(st.sampled_from(fastcl.layout.MARGIN_STRATEGIES)))
+    if draw(st.booleans()):
+        ids = lambda rows: torch.randint(0, 3, (rows,), generator=gen)  # noqa: E731
+        kw["duplicate_ids"] = (ids(n_pos), ids(cols * n_pos) if cols else None, ids(n_a) if n_a else None)
+    return a, p, neg, kw, draw(st.integers(1, max(1, n)))
+
+
+@_examples(0.3)
+@given(prob=layouts())
+def test_layout_rules_tiled_matches_the_reference(prob):
+    """Every rule of fastcl.layout, alone and together, in float64: the tiled path (its own
+    chunk masks, chunks of any size) against the reference (whole matrices, block by block)."""
+    a, p, neg, kw, chunk = prob
+    leaves = [x for x in (a, p, neg, kw.get("anchor_candidates")) if x is not None]
+    leaves = list({id(x): x for x in leaves}.values())
+    want = fastcl.contrastive(a, p, neg, backend="reference", **kw)
+    got = fastcl.contrastive(a, p, neg, backend="tiled", chunk_size=chunk, **kw)
+    assert torch.isfinite(want)
+    scale = 1 + (1 + abs(kw.get("focal_m") or 0)) / kw["temperature"]
+    assert abs(got.item() - want.item()) <= 1e-9 * scale
+    for x, y in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
+        assert (x - y).abs().max() <= 1e-9 * scale * (1 + y.abs().max())

@@ -40,7 +40,7 @@ SENTENCES = ["the cat sat on the mat and the dog ran in",
              "a sad woman sleeps",
              "the small blue house",
              "a fast dog eats bread under the big tree"]
-GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
+GRAD_TOL = dict(atol=1e-7, rtol=1e-5)
 
 
 @pytest.fixture(autouse=True)
@@ -108,8 +108,15 @@ def step(model, loss, seed=3):
 
 
 def same(a, b):
-    return (torch.allclose(a[0], b[0], **GRAD_TOL) and a[1].keys() == b[1].keys()
-            and all(torch.allclose(a[1][k], b[1][k], **GRAD_TOL) for k in a[1]))
+    """Equal losses and gradients up to float32 rounding, measured against the largest
+    gradient entry of the model: mini-batches trimmed to other widths pad and sum in another
+    order, which moves entries by ~1e-6 of that scale (also those whose exact value is 0,
+    such as the attention keys' bias)."""
+    if not (torch.allclose(a[0], b[0], **GRAD_TOL) and a[1].keys() == b[1].keys()):
+        return False
+    scale = max(float(g.abs().max()) for g in b[1].values())
+    return all(float((a[1][k] - b[1][k]).abs().max()) <= GRAD_TOL["rtol"] * scale + GRAD_TOL["atol"]
+               for k in a[1])
 
 
 def fresh_copy(tiny, model):

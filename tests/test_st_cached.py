@@ -27,8 +27,9 @@ from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
 import fastcl.integrations.sentence_transformers as fst  # noqa: E402
 from fastcl.encoders import dropout_rate  # noqa: E402
 from fastcl.integrations.sentence_transformers import (  # noqa: E402
-    CachedFastDCLRLoss, CachedFastESCLLoss, CachedFastFocalInfoNCELoss, CachedFastInfoNCELoss,
-    FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastInfoNCELoss)
+    CachedFastDCLRLoss, CachedFastESCLLoss, CachedFastFocalInfoNCELoss, CachedFastGISTEmbedLoss,
+    CachedFastInfoNCELoss, FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastGISTEmbedLoss,
+    FastInfoNCELoss)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,9 +195,12 @@ def test_no_grad_gives_the_loss_of_the_plain_path(model, guide):
 def test_arguments_and_config(model, guide):
     loss = CachedFastInfoNCELoss(model, 20.0, st.util.cos_sim, 8)  # CMNRL's positional order
     assert loss.mini_batch_size == 8 and loss.scale == 20.0
-    assert loss.get_config_dict() == {"scale": 20.0, "symmetric": False, "hard_negative_weight": 0.0,
-                                      "focal_m": None, "gather_across_devices": False, "backend": "auto",
-                                      "mini_batch_size": 8}
+    assert loss.get_config_dict() == {
+        "scale": 20.0, "directions": ("query_to_doc",), "partition_mode": "joint", "hardness_mode": None,
+        "hardness_strength": 0.0, "symmetric": False, "hard_negative_weight": 0.0, "focal_m": None,
+        "mask_duplicates": False, "matryoshka_dims": None, "matryoshka_weights": None,
+        "gather_across_devices": False, "backend": "auto", "mini_batch_size": 8,
+        "mini_batch_num_tokens": None}
     assert "gao2021scaling" in loss.citation and "gao2021simcse" in loss.citation
     assert loss.uses_gradient_cache is True  # backward runs from a hook (what wrapper losses check)
     with pytest.raises(ValueError, match="mini_batch_size"):
@@ -289,6 +293,20 @@ def _gather_cases(model, guide, gather):
                                                    temperature=0.5, generator=gen(), mini_batch_size=3,
                                                    **kw), two),
         "cached-escl": (lambda: CachedFastESCLLoss(model, weight=0.5, mini_batch_size=3, **kw), two),
+        # MNRL's options: the anchors block is the whole batch's; the text ids travel too
+        "infonce-directions": (lambda: FastInfoNCELoss(
+            model, 10.0, directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
+            hardness_mode="in_batch_negatives", hardness_strength=1.0, mask_duplicates=True, **kw), three),
+        "cached-infonce-per-direction": (lambda: CachedFastInfoNCELoss(
+            model, 10.0, mini_batch_size=3, directions=("query_to_doc", "doc_to_query"),
+            partition_mode="per_direction", **kw), two),
+        # GIST scores each process's own anchors against each other (contrast_anchors), as
+        # GISTEmbedLoss: that block is not the one-process batch's, so it is left out here
+        "gist": (lambda: FastGISTEmbedLoss(model, guide, temperature=0.05, margin=0.02,
+                                           contrast_anchors=False, **kw), three),
+        "cached-gist": (lambda: CachedFastGISTEmbedLoss(model, guide, temperature=0.05, margin=0.02,
+                                                        contrast_anchors=False, mini_batch_size=3,
+                                                        **kw), three),
     }
 
 
@@ -329,7 +347,7 @@ def test_gather_across_devices_two_processes_equal_one(tmp_path):
     mp.spawn(_gather_worker, args=(port, str(tmp_path), path), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         results = torch.load(tmp_path / f"rank{rank}.pt")
-        assert len(results) == 9
+        assert len(results) == 13
         for name, r in results.items():
             assert r["loss"] == pytest.approx(r["want_loss"], rel=1e-5, abs=1e-6), (name, rank)
             assert r["keys"] and r["scale"] > 1e-3, (name, rank)

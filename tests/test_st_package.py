@@ -28,6 +28,8 @@ LOSSES = {  # class: (module, the BibTeX key of its paper)
     "CachedFastFocalInfoNCELoss": ("cached_focal_infonce", "hou2023focal"),
     "CachedFastDCLRLoss": ("cached_dclr", "zhou2022debiased"),
     "CachedFastESCLLoss": ("cached_escl", "liu2023equivariant"),
+    "FastGISTEmbedLoss": ("gist", "solatorio2024gistembed"),
+    "CachedFastGISTEmbedLoss": ("cached_gist", "solatorio2024gistembed"),
 }
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the examples load; the packaged copy here
 
@@ -39,8 +41,9 @@ def model_path():
 
 def test_public_names_are_those_of_the_single_module():
     assert fst.__all__ == ["FastInfoNCELoss", "FastFocalInfoNCELoss", "FastDCLRLoss", "FastESCLLoss",
-                           "CachedFastInfoNCELoss", "CachedFastFocalInfoNCELoss", "CachedFastDCLRLoss",
-                           "CachedFastESCLLoss", "AugmentedPositives", "SentEvalSTSEvaluator"]
+                           "FastGISTEmbedLoss", "CachedFastInfoNCELoss", "CachedFastFocalInfoNCELoss",
+                           "CachedFastDCLRLoss", "CachedFastESCLLoss", "CachedFastGISTEmbedLoss",
+                           "AugmentedPositives", "SentEvalSTSEvaluator"]
     from fastcl.integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
     assert fst.SentEvalSTSEvaluator is SentEvalSTSEvaluator
     assert fst.GRADCACHE_BASE is not None

@@ -580,14 +580,27 @@ def test_two_gloo_processes_train_and_save(tiny, tmp_path):
 # ---------------------------------------------------------------------------------------
 # The packaged MiniLM
 
+def _sts_slice(root, pairs=300):
+    """The first ``pairs`` pairs of the real STS-B dev and SICK trial files (the dev sets the
+    trainer scores), in the evaluator's layout: the full sets' scores are test_evaluate's."""
+    root = Path(root)
+    for task, name, header in (("stsb", "sts-dev.csv", 0), ("sick", "SICK_trial.txt", 1)):
+        (root / task).mkdir(parents=True)
+        with open(DATA / task / name, "rb") as f:
+            lines = f.read().splitlines(keepends=True)
+        (root / task / name).write_bytes(b"".join(lines[:header + pairs]))
+    return root
+
+
 @needs_data
 def test_minilm_keeps_its_mean_pooling_and_is_scored_at_step_0(tmp_path):
     out = tmp_path / "minilm"
     wiki = DATA / "wiki" / "wiki1m_for_simcse.random10k.txt"
     if not wiki.is_file():
         pytest.skip(f"no Wikipedia sample at {wiki}")
+    sts = _sts_slice(tmp_path / "sts")
     assert train.main(["--method", "simcse", "--model", minilm_path(), "--data", str(wiki),
-                       "--output-dir", str(out), "--sts-dir", str(DATA), "--batch-size", "16",
+                       "--output-dir", str(out), "--sts-dir", str(sts), "--batch-size", "16",
                        "--max-steps", "1", "--eval-steps", "10", "--device", "cpu"]) == 0  # step 0 only
     modules = [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "model" / "modules.json").read_text())]
     assert modules == ["Transformer", "Pooling", "Normalize"]

@@ -35,6 +35,7 @@ SUPERVISED = ("simcse-sup",)
 METHOD_OPTIONS = {
     "hard_negative_weight": (("simcse-sup",), 0.0),
     "focal_m": (("simcse", "simcse-sup", "dclr"), None),
+    "mask_duplicates": (("simcse", "simcse-sup", "dclr", "focal"), None),   # on for simcse-sup
     "phi": (("dclr",), None),
     "noise_ratio": (("dclr",), None),
     "noise_steps": (("dclr",), common.NOISE_STEPS),
@@ -236,6 +237,10 @@ def build_parser(prog: str = "fastcl-train") -> argparse.ArgumentParser:
     g = p.add_argument_group("objective")
     g.add_argument("--temperature", type=float, default=common.TEMPERATURE,
                    help=f"softmax temperature (default {common.TEMPERATURE})")
+    g.add_argument("--mask-duplicates", action=argparse.BooleanOptionalAction, default=None,
+                   help="drop every candidate whose text equals that of the anchor's positive (a "
+                        "duplicate sentence is no negative; default: on for simcse-sup, off for "
+                        "simcse, dclr and focal; escl does not take it)")
     g.add_argument("--hard-negative-weight", type=float, default=None,
                    help="simcse-sup: log-weight added to each anchor's hard-negative logit (default 0)")
     g.add_argument("--phi", type=float, default=None,
@@ -332,6 +337,8 @@ def resolve_args(parser, args) -> argparse.Namespace:
             setattr(args, name, recipe[name])
     if args.batch_sampler is None:
         args.batch_sampler = "no_duplicates" if supervised else "batch_sampler"
+    if args.mask_duplicates is None and args.method in METHOD_OPTIONS["mask_duplicates"][0]:
+        args.mask_duplicates = supervised
     if args.save_steps is None:
         args.save_steps = args.eval_steps if args.sts_dir else 250
     pos = lambda v: v is not None and v > 0 and math.isfinite(v)  # noqa: E731

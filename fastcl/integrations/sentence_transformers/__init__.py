@@ -15,10 +15,13 @@ dropout gives the two views.
                                embeddings (like ``GISTEmbedLoss``'s guide)
 ``FastESCLLoss``               ESCL; the high-dropout view is a third forward of the
                                anchors with every dropout at ``sensitive_dropout``
+``FastGISTEmbedLoss``          drop-in for ``GISTEmbedLoss`` (a guide's per-row
+                               false-negative filter, applied inside the tiles)
 ``CachedFastInfoNCELoss``      each of the above, cached (GradCache): a drop-in for
-``CachedFastFocalInfoNCELoss`` ``CachedMultipleNegativesRankingLoss``, with activation
-``CachedFastDCLRLoss``         memory set by ``mini_batch_size`` instead of the batch
-``CachedFastESCLLoss``
+``CachedFastFocalInfoNCELoss`` ``CachedMultipleNegativesRankingLoss`` (and
+``CachedFastDCLRLoss``         ``CachedGISTEmbedLoss``), with activation memory set by
+``CachedFastESCLLoss``         ``mini_batch_size`` instead of the batch
+``CachedFastGISTEmbedLoss``
 ``AugmentedPositives``         wraps any of the above: the positive column also
                                augmented (ConSERT's cutoffs, token shuffling, word
                                deletion; :mod:`fastcl.augment`), dropout still on
@@ -53,10 +56,17 @@ generator. Every process must hold the same number of examples per step
 (``dataloader_drop_last=True``). Without an initialized process group of two or more
 processes the option does nothing.
 
+**Duplicate texts.** ``mask_duplicates=True`` (InfoNCE, focal, DCLR, GIST; plain and
+cached) hashes each row's token ids (:func:`._base.text_ids`) before any forward and drops
+every candidate whose text equals that of the anchor's positive: a sentence that occurs
+twice in a batch is not a negative of itself, and dropout hides such pairs from any check
+on embeddings.
+
 **Layout**, one loss per module, as sentence-transformers' ``losses/``: ``infonce``,
-``focal_infonce``, ``dclr``, ``escl`` and their ``cached_*`` forms, ``augment`` (the
-wrapper); ``_base`` holds what they share (the sentence-transformers imports, the column
-checks, the gather, the two-pass forward) and ``_gradcache`` the fallback GradCache. Each
+``focal_infonce``, ``dclr``, ``escl``, ``gist`` and their ``cached_*`` forms, ``augment``
+(the wrapper); ``_base`` holds what they share (the sentence-transformers imports, the
+column checks, the gather, the guide's embeddings, the text ids, the two-pass forward) and
+``_gradcache`` the fallback GradCache. Each
 loss's docstring gives its formula, Args, Inputs, Relations and an Example; its ``citation``
 property, the BibTeX of its paper (from :mod:`fastcl.citations`; the cached losses add
 GradCache's). Import the classes from here:
@@ -70,13 +80,16 @@ from .augment import AugmentedPositives
 from .cached_dclr import CachedFastDCLRLoss
 from .cached_escl import CachedFastESCLLoss
 from .cached_focal_infonce import CachedFastFocalInfoNCELoss
+from .cached_gist import CachedFastGISTEmbedLoss
 from .cached_infonce import CachedFastInfoNCELoss
 from .dclr import FastDCLRLoss
 from .escl import FastESCLLoss
 from .focal_infonce import FastFocalInfoNCELoss
+from .gist import FastGISTEmbedLoss
 from .infonce import FastInfoNCELoss
 from fastcl.integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
 
 __all__ = ["FastInfoNCELoss", "FastFocalInfoNCELoss", "FastDCLRLoss", "FastESCLLoss",
-           "CachedFastInfoNCELoss", "CachedFastFocalInfoNCELoss", "CachedFastDCLRLoss",
-           "CachedFastESCLLoss", "AugmentedPositives", "SentEvalSTSEvaluator"]
+           "FastGISTEmbedLoss", "CachedFastInfoNCELoss", "CachedFastFocalInfoNCELoss",
+           "CachedFastDCLRLoss", "CachedFastESCLLoss", "CachedFastGISTEmbedLoss",
+           "AugmentedPositives", "SentEvalSTSEvaluator"]

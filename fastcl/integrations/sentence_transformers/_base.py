@@ -5,7 +5,12 @@
   raises no DeprecationWarning;
 - :class:`FastLoss`: the model, the input checks (column count, no empty column, made before
   any forward), the embedding of the columns, the config sentence-transformers logs, and the
-  in-batch loss of the InfoNCE family with ``gather_across_devices``;
+  in-batch loss of the InfoNCE family with ``gather_across_devices``, MNRL's directions and
+  hardness, a guide's filter and duplicate masking;
+- :class:`Guided`: a frozen guide model's embeddings of the columns (DCLR's complementary
+  model, GIST's guide), re-tokenized when its vocabulary differs;
+- :func:`text_ids`: one integer per input row, equal for equal token sequences (duplicate
+  masking);
 - :class:`Cached`: the two-pass (GradCache) forward that the ``CachedFast*`` losses mix in
   before their plain loss, on sentence-transformers' ``CachedLossMixin`` when the release has
   it (≥ 5.7.0), else on fastcl's own implementation of the same contract (:mod:`._gradcache`).
@@ -22,7 +27,7 @@ from torch import Tensor, nn
 
 import fastcl
 from fastcl import _validation as check
-from fastcl import citations, distributed
+from fastcl import citations, distributed, layout
 
 try:
     try:  # sentence-transformers ≥ 5.4: the model class in its own module
@@ -35,7 +40,7 @@ except ImportError as err:  # pragma: no cover - exercised by a subprocess test
         "fastcl.integrations.sentence_transformers needs the sentence-transformers package: "
         "pip install sentence-transformers (or pip install 'fastcl[dev]')") from err
 
-from ._gradcache import batch_rows
+from ._gradcache import batch_rows, minibatch, minibatch_ranges
 
 try:  # sentence-transformers ≥ 6 shares one forward across like columns
     from sentence_transformers.base.losses.merged_forward import embed_columns
@@ -52,8 +57,8 @@ except ImportError:  # older releases: fastcl's implementation of the same contr
     def has_static_embedding_input(model) -> bool:
         return False
 
-__all__ = ["GRADCACHE_BASE", "Cached", "FastLoss", "SentenceTransformer", "cos_sim", "documented",
-           "embed_columns", "gather_rows", "number"]
+__all__ = ["GRADCACHE_BASE", "Cached", "FastLoss", "Guided", "SentenceTransformer", "cos_sim",
+           "documented", "embed_columns", "gather_rows", "matryoshka", "number", "text_ids"]
 
 # The sections every loss's docstring shares in form, written once (see `documented`).
 _INPUTS = {
@@ -97,7 +102,7 @@ _EXAMPLE = """::
     trainer.train()"""
 _GUIDE = '\n    guide = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")'
 _CACHED_ARGS = """mini_batch_size: encoder inputs per forward; sets the activation memory, not the
-    numbers.
+    numbers (mini_batch_num_tokens, where a loss takes it, packs by tokens instead).
 show_progress_bar: a progress bar over each pass's mini-batches."""
 
 
@@ -128,6 +133,25 @@ def number(name: str, value, *, positive: bool = False) -> float:
     return check.positive(name, value) if positive else check.finite(name, value)
 
 
+def matryoshka(dims, weights) -> tuple:
+    """``matryoshka_dims`` and ``matryoshka_weights`` of a loss, checked where it is built (the
+    widths against the embeddings' width at the first call): tuples, or (None, None)."""
+    if dims is None:
+        if weights is not None:
+            raise ValueError("matryoshka_weights needs matryoshka_dims")
+        return None, None
+    if isinstance(dims, (int, str)) or not len(dims):
+        raise TypeError(f"matryoshka_dims must be a non-empty sequence of widths, got {dims!r}")
+    dims = tuple(dims)
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in dims):
+        raise ValueError(f"matryoshka_dims must be positive integers, got {dims}")
+    if weights is not None:
+        weights = tuple(number("matryoshka_weights", w) for w in weights)
+        if len(weights) != len(dims):
+            raise ValueError(f"matryoshka_weights has {len(weights)} entries for {len(dims)} widths")
+    return dims, weights
+
+
 def gather_rows(*columns: Tensor) -> tuple[int, list[Tensor]]:
     """This process's first row in the global batch and, for each local column, the rows of
     every process in rank order. Columns that require grad keep it (the gather's backward
@@ -150,6 +174,36 @@ def gather_rows(*columns: Tensor) -> tuple[int, list[Tensor]]:
     return dist.get_rank() * n, out
 
 
+#: The multiplier of :func:`text_ids`' polynomial hash (a large odd 64-bit constant).
+_HASH_BASE = 0x9E3779B97F4A7C15
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def text_ids(features: dict[str, Tensor]) -> Tensor:
+    """One int64 id per input row, the same for rows with the same token sequence (padding
+    left out, on either side): ``Σ_t (token_t + 1)·B^t`` over the row's attended tokens
+    (t counts those only), in 64-bit arithmetic that wraps, plus a term in the length. Equal
+    texts tokenized alike get equal ids in every column, mini-batch and process; two
+    different rows collide with probability ~2⁻⁶⁴."""
+    if "input_ids" not in features:
+        raise ValueError("mask_duplicates compares the texts' token ids, but the inputs have no "
+                         "input_ids (a model that does not tokenize text)")
+    tokens = features["input_ids"].to(torch.long)
+    mask = features.get("attention_mask")
+    mask = torch.ones_like(tokens) if mask is None else (mask != 0).to(torch.long)
+    width = tokens.shape[1]
+    powers = [1]
+    for _ in range(width - 1):
+        powers.append(powers[-1] * _HASH_BASE % (1 << 64))
+    powers = torch.tensor([_signed(x) for x in powers], dtype=torch.long, device=tokens.device)
+    position = (mask.cumsum(dim=1) - 1).clamp_min(0)   # among the attended tokens
+    # integer products and sums wrap modulo 2⁶⁴ (two's complement) on every device
+    return ((tokens + 1) * mask * powers[position]).sum(dim=1) + mask.sum(dim=1) * _signed(_HASH_BASE >> 1)
+
+
 class FastLoss(nn.Module):
     """Shared plumbing: the input checks, embedding the columns, the config
     sentence-transformers logs (the attributes named in ``_config``)."""
@@ -163,9 +217,31 @@ class FastLoss(nn.Module):
         super().__init__()
         self.model = model
 
+    #: drop candidates with the same text as the anchor's positive (:func:`text_ids`)
+    mask_duplicates = False
+
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        embeddings = embed_columns(self.model, self._features(sentence_features))
-        return self.compute_loss_from_embeddings(embeddings, labels)  # defined by each loss
+        features = self._features(sentence_features)
+        inputs = self._feature_inputs(features)
+        embeddings = embed_columns(self.model, features)
+        return self.compute_loss_from_embeddings(embeddings, labels, **inputs)  # defined by each loss
+
+    def _feature_inputs(self, sentence_features) -> dict:
+        """Loss inputs read from the features before any forward (a model may write into
+        them): each column's text ids when ``mask_duplicates`` is on."""
+        if not self.mask_duplicates:
+            return {}
+        return {"duplicate_ids": [text_ids(f) for f in sentence_features]}
+
+    def _ids(self, duplicate_ids):
+        """``duplicate_ids`` as given to ``compute_loss_from_embeddings``: required exactly when
+        ``mask_duplicates`` is on."""
+        if self.mask_duplicates and duplicate_ids is None:
+            raise ValueError(f"{type(self).__name__}(mask_duplicates=True) compares the texts: call "
+                             "the loss on the tokenized features, or pass duplicate_ids (one "
+                             "integer tensor per column, e.g. text_ids(features)) to "
+                             "compute_loss_from_embeddings")
+        return duplicate_ids if self.mask_duplicates else None
 
     def get_config_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._config}
@@ -189,30 +265,85 @@ class FastLoss(nn.Module):
         return (bool(self.gather_across_devices) and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size() > 1)
 
+    def _rules(self) -> dict:
+        """The options of :mod:`fastcl.layout` this loss hands to :func:`fastcl.contrastive`."""
+        return {}
+
+    #: whether the anchors block holds this process's anchors only (GIST's anchor–anchor
+    #: block), not the whole batch's (MNRL's query_to_query), under gather_across_devices
+    _local_anchor_block = False
+
     def _in_batch_loss(self, embeddings, *, temperature: float, focal_m: float | None,
-                       symmetric: bool = False) -> Tensor:
+                       symmetric: bool = False, guide=None, duplicate_ids=None) -> Tensor:
         """:func:`fastcl.contrastive` over columns (anchor, positive[, negative...]) with this
-        loss's ``hard_negative_weight``, ``backend`` and ``chunk_size``; with
-        ``gather_across_devices``, every process's positives and negatives as candidates."""
+        loss's ``hard_negative_weight``, ``backend``, ``chunk_size`` and :meth:`_rules`;
+        ``guide`` and ``duplicate_ids``: a guide's embeddings and the text ids of each column,
+        in the same order. With ``gather_across_devices``, every process's positives,
+        negatives (and anchors, where the rules score them) are the candidates."""
         anchors, positives, *negatives = self._columns(embeddings, type(self).__name__)
         if self.hard_negative_weight and len(negatives) != 1:
             raise ValueError("hard_negative_weight needs exactly one negative column, "
                              f"got {len(negatives)}")
+        rules = self._rules()
+        lay = rules.get("directions", layout.PLAIN)
+        if not isinstance(lay, layout.Layout):
+            lay = layout.from_directions(lay, rules.get("partition_mode", "joint"))
         kw = dict(temperature=temperature, focal_m=focal_m, backend=self.backend,
-                  chunk_size=self.chunk_size)
-        hard = dict(hard_negative_weight=self.hard_negative_weight)
+                  chunk_size=self.chunk_size, hard_negative_weight=self.hard_negative_weight,
+                  **rules)
+        cat = lambda parts: torch.cat(parts) if parts else None
+        g_anchors, g_positives, *g_negatives = guide if guide is not None else (None, None)
+        i_anchors, i_positives, *i_negatives = (duplicate_ids if duplicate_ids is not None
+                                                else (None, None))
         if not self._gathering():
-            return fastcl.contrastive(anchors, positives, torch.cat(negatives) if negatives else None,
-                                      symmetric=symmetric, **hard, **kw)
-        # each negative column gathered on its own, so row offset + i stays anchor i's own
-        offset, (all_positives, *gathered) = gather_rows(
-            positives, *negatives, *([anchors] if symmetric else []))
-        all_anchors = gathered.pop() if symmetric else None
-        loss = fastcl.contrastive(anchors, all_positives, torch.cat(gathered) if gathered else None,
-                                  anchor_offset=offset, **hard, **kw)
-        if symmetric:  # positives → anchors: each process scores its own positives
-            loss = 0.5 * (loss + fastcl.contrastive(positives, all_anchors, anchor_offset=offset, **kw))
-        return loss
+            return fastcl.contrastive(
+                anchors, positives, cat(negatives), symmetric=symmetric,
+                guide=None if guide is None else (g_anchors, g_positives, cat(g_negatives)),
+                duplicate_ids=None if duplicate_ids is None else (
+                    i_positives, cat(i_negatives), i_anchors if lay.scores_anchors else None),
+                **kw)
+        # Each negative column gathered on its own, so that row offset + i stays anchor i's
+        # own; 1-D ids travel as one-column tensors. The anchors block is the whole batch's
+        # (MNRL) or this process's (GIST).
+        whole_anchors = (lay.scores_anchors and not self._local_anchor_block) or symmetric
+        columns = {"positives": positives, "negatives": negatives,
+                   "anchors": [anchors] if whole_anchors else []}
+        if guide is not None:
+            columns.update(g_positives=g_positives, g_negatives=g_negatives,
+                           g_anchors=[g_anchors] if whole_anchors else [])
+        if duplicate_ids is not None:
+            columns.update(i_positives=i_positives[:, None], i_negatives=[i[:, None] for i in i_negatives],
+                           i_anchors=[i_anchors[:, None]] if whole_anchors else [])
+        names = [k for k, v in columns.items() for _ in (v if isinstance(v, list) else [v])]
+        flat = [x for v in columns.values() for x in (v if isinstance(v, list) else [v])]
+        offset, gathered = gather_rows(*flat)
+        got: dict = {}
+        for name, x in zip(names, gathered):
+            got.setdefault(name, []).append(x)
+        one = lambda name: got[name][0] if got.get(name) else None
+        ids = lambda name: [x[:, 0] for x in got.get(name, [])]
+        if symmetric:   # each process scores its own positives against every anchor
+            plain = {k: v for k, v in kw.items() if k != "hard_negative_weight"}
+            forward = fastcl.contrastive(anchors, one("positives"), cat(got.get("negatives", [])),
+                                         anchor_offset=offset, **kw)
+            return 0.5 * (forward + fastcl.contrastive(positives, one("anchors"), anchor_offset=offset,
+                                                       **plain))
+        cands = None
+        if lay.scores_anchors:
+            cands = one("anchors") if not self._local_anchor_block else anchors
+        g = None
+        if guide is not None:
+            g = (g_anchors, one("g_positives"), cat(got.get("g_negatives", [])),
+                 (one("g_anchors") if not self._local_anchor_block else g_anchors)
+                 if lay.scores_anchors else None)
+        i = None
+        if duplicate_ids is not None:
+            i = (ids("i_positives")[0], cat(ids("i_negatives")),
+                 ((ids("i_anchors") or [None])[0] if not self._local_anchor_block else i_anchors)
+                 if lay.scores_anchors else None)
+        return fastcl.contrastive(anchors, one("positives"), cat(got.get("negatives", [])),
+                                  anchor_offset=offset, anchor_candidates=cands, guide=g,
+                                  duplicate_ids=i, **kw)
 
     @staticmethod
     def _columns(embeddings, name, at_least=2, at_most=None):
@@ -223,6 +354,55 @@ class FastLoss(nn.Module):
         return embeddings
 
 
+class Guided:
+    """A frozen guide model's embeddings of the input columns, for losses mixed with
+    :class:`FastLoss` (DCLR's complementary model, GIST's guide). If the guide's tokenizer
+    differs from the model's (or it reads shorter inputs), the text is decoded and tokenized
+    again for it, as sentence-transformers' GISTEmbedLoss does. (No class-level ``guide``: a
+    module registered by ``nn.Module.__setattr__`` would be shadowed by it.)"""
+
+    def _init_guide(self, model, guide, what: str, guide_dropout: bool = False) -> None:
+        if guide is not None and not isinstance(guide, SentenceTransformer):
+            raise TypeError(f"guide must be a SentenceTransformer ({what}), got {type(guide).__name__}")
+        self.guide, self.guide_dropout = guide, bool(guide_dropout)
+        self.must_retokenize = guide is not None and (
+            model.tokenizer.get_vocab() != guide.tokenizer.get_vocab()
+            or (guide.max_seq_length or 0) < (model.max_seq_length or 0))
+        self.tokenizer = model.tokenizer  # kept: the trainer may wrap self.model (DDP) later
+
+    def _guide_forward(self, features):
+        if self.must_retokenize:
+            texts = self.tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
+            features = {k: v.to(self.guide.device) if torch.is_tensor(v) else v
+                        for k, v in self.guide.preprocess(texts).items()}
+        else:
+            # a shallow copy: a model writes its outputs into the feature dict it is given
+            features = dict(features)
+        return self.guide(features)["sentence_embedding"]
+
+    def _guide_embeddings(self, sentence_features, mini_batch_size: int | None = None):
+        """The guide's embeddings of each column (eval mode unless ``guide_dropout``, no
+        gradients), in forwards of at most ``mini_batch_size`` inputs (one per column by
+        default); None without a guide."""
+        if self.guide is None:
+            return None
+        was_training = self.guide.training
+        self.guide.train(self.guide_dropout)
+        try:
+            with torch.no_grad():
+                columns = []
+                for features in sentence_features:
+                    ranges = minibatch_ranges(features, mini_batch_size or batch_rows(features))
+                    if len(ranges) == 1:
+                        columns.append(self._guide_forward(features))
+                    else:
+                        columns.append(torch.cat([self._guide_forward(minibatch(features, begin, end))
+                                                  for begin, end in ranges]))
+                return [e.detach() for e in columns]
+        finally:
+            self.guide.train(was_training)
+
+
 class Cached(GRADCACHE_BASE):
     """The two-pass forward around a Fast* loss; mixed in before it. Subclasses may add
     columns to embed (:meth:`_views`) and loss inputs computed once in pass 1
@@ -230,23 +410,35 @@ class Cached(GRADCACHE_BASE):
 
     _pass_one: dict = {}
 
-    def _init_cache(self, mini_batch_size: int, show_progress_bar: bool) -> None:
-        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
-            raise ValueError(f"mini_batch_size must be a positive int, got {mini_batch_size!r}")
-        if has_static_embedding_input(self.model):
-            raise ValueError(f"{type(self).__name__} cannot split a StaticEmbedding model's inputs into "
-                             "mini-batches; use the loss without caching")
-        self.mini_batch_size, self.show_progress_bar = mini_batch_size, show_progress_bar
-
     def _views(self, sentence_features: list) -> list:
         return sentence_features
 
     def _pass_one_inputs(self, sentence_features: list) -> dict:
         return {}
 
+    def _init_cache(self, mini_batch_size: int, show_progress_bar: bool,
+                    mini_batch_num_tokens: int | None = None) -> None:
+        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size must be a positive int, got {mini_batch_size!r}")
+        if mini_batch_num_tokens is not None:
+            if (isinstance(mini_batch_num_tokens, bool) or not isinstance(mini_batch_num_tokens, int)
+                    or mini_batch_num_tokens < 1):
+                raise ValueError(f"mini_batch_num_tokens must be a positive int or None, got "
+                                 f"{mini_batch_num_tokens!r}")
+            if "mini_batch_num_tokens" not in getattr(GRADCACHE_BASE, "__annotations__", {}):
+                raise ValueError("mini_batch_num_tokens needs sentence-transformers' own GradCache "
+                                 "with token budgets (sentence-transformers >= 6.2); this release "
+                                 "takes mini_batch_size only")
+        if has_static_embedding_input(self.model):
+            raise ValueError(f"{type(self).__name__} cannot split a StaticEmbedding model's inputs into "
+                             "mini-batches; use the loss without caching")
+        self.mini_batch_size, self.show_progress_bar = mini_batch_size, show_progress_bar
+        self.mini_batch_num_tokens = mini_batch_num_tokens
+
     def forward(self, sentence_features, labels=None):
         sentence_features = self._features(sentence_features)
-        self._pass_one = self._pass_one_inputs(sentence_features)
+        self._pass_one = {**self._feature_inputs(sentence_features),
+                          **self._pass_one_inputs(sentence_features)}
         try:
             return self.forward_cached(self._views(sentence_features), labels)
         finally:

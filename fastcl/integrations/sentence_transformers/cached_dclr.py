@@ -33,7 +33,8 @@ class CachedFastDCLRLoss(Cached, FastDCLRLoss):
         phi, noise_ratio, noise_steps, noise_lr, noise_std, temperature, formulation,
             generator: as :class:`FastDCLRLoss`.
         {cached_args}
-        gather_across_devices, backend, chunk_size, focal_m, guide_dropout: as
+        mini_batch_num_tokens: as :class:`CachedFastInfoNCELoss`.
+        gather_across_devices, backend, chunk_size, focal_m, guide_dropout, mask_duplicates: as
             :class:`FastDCLRLoss`.
 
     Inputs:
@@ -63,12 +64,13 @@ class CachedFastDCLRLoss(Cached, FastDCLRLoss):
                  generator: torch.Generator | None = None, *, mini_batch_size: int = 32,
                  show_progress_bar: bool = False, gather_across_devices: bool = False,
                  backend: str = "auto", chunk_size: int | None = None, focal_m: float | None = None,
-                 guide_dropout: bool = False):
+                 guide_dropout: bool = False, mask_duplicates: bool = False,
+                 mini_batch_num_tokens: int | None = None):
         FastDCLRLoss.__init__(self, model, guide, phi, noise_ratio, noise_steps, noise_lr, noise_std,
                               temperature, formulation, generator, backend=backend, chunk_size=chunk_size,
                               gather_across_devices=gather_across_devices, focal_m=focal_m,
-                              guide_dropout=guide_dropout)
-        self._init_cache(mini_batch_size, show_progress_bar)
+                              guide_dropout=guide_dropout, mask_duplicates=mask_duplicates)
+        self._init_cache(mini_batch_size, show_progress_bar, mini_batch_num_tokens)
 
     def _pass_one_inputs(self, sentence_features):
         return {"complementary": self._guide_embeddings(sentence_features, self.mini_batch_size)}

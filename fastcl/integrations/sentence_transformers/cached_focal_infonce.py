@@ -29,7 +29,8 @@ class CachedFastFocalInfoNCELoss(Cached, FastFocalInfoNCELoss):
         model: the SentenceTransformer model to train.
         temperature, m: as :class:`FastFocalInfoNCELoss`.
         {cached_args}
-        gather_across_devices, backend, chunk_size, hard_negative_weight: as
+        mini_batch_num_tokens: as :class:`CachedFastInfoNCELoss`.
+        gather_across_devices, backend, chunk_size, hard_negative_weight, mask_duplicates: as
             :class:`FastFocalInfoNCELoss`.
 
     Inputs:
@@ -55,8 +56,10 @@ class CachedFastFocalInfoNCELoss(Cached, FastFocalInfoNCELoss):
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  m: float = common.FOCAL_M, *, mini_batch_size: int = 32, show_progress_bar: bool = False,
                  gather_across_devices: bool = False, backend: str = "auto", chunk_size: int | None = None,
-                 hard_negative_weight: float = 0.0):
+                 hard_negative_weight: float = 0.0, mask_duplicates: bool = False,
+                 mini_batch_num_tokens: int | None = None):
         FastFocalInfoNCELoss.__init__(self, model, temperature, m, backend=backend, chunk_size=chunk_size,
                                       gather_across_devices=gather_across_devices,
-                                      hard_negative_weight=hard_negative_weight)
-        self._init_cache(mini_batch_size, show_progress_bar)
+                                      hard_negative_weight=hard_negative_weight,
+                                      mask_duplicates=mask_duplicates)
+        self._init_cache(mini_batch_size, show_progress_bar, mini_batch_num_tokens)

@@ -35,15 +35,19 @@ class CachedFastInfoNCELoss(Cached, FastInfoNCELoss):
             mini_batch_size``).
         similarity_fct: ``sentence_transformers.util.cos_sim`` only.
         {cached_args}
-        gather_across_devices, symmetric, hard_negative_weight, backend, chunk_size, focal_m:
-            as :class:`FastInfoNCELoss`.
+        mini_batch_num_tokens: pack the mini-batches by their number of (non-padding) tokens
+            instead, at most this many each (sentence-transformers' own packing, replayed
+            exactly in pass 2). None: ``mini_batch_size`` decides.
+        gather_across_devices, directions, partition_mode, hardness_mode, hardness_strength,
+            symmetric, hard_negative_weight, focal_m, mask_duplicates, matryoshka_dims,
+            matryoshka_weights, backend, chunk_size: as :class:`FastInfoNCELoss`.
 
     Inputs:
         {inputs}
 
     Relations:
-        - Replaces ``CachedMultipleNegativesRankingLoss`` (same ``scale``, columns,
-          ``mini_batch_size`` and numbers; ``mini_batch_num_tokens`` not taken yet).
+        - Replaces ``CachedMultipleNegativesRankingLoss`` (same ``scale``, columns, options,
+          ``mini_batch_size``, ``mini_batch_num_tokens`` and numbers).
         - :class:`FastInfoNCELoss` is the same loss in one forward per column: faster while
           the activations fit.
         - :class:`CachedFastFocalInfoNCELoss`, :class:`CachedFastDCLRLoss` and
@@ -58,15 +62,21 @@ class CachedFastInfoNCELoss(Cached, FastInfoNCELoss):
         {example}
     """
 
-    _config = FastInfoNCELoss._config + ("mini_batch_size",)
+    _config = FastInfoNCELoss._config + ("mini_batch_size", "mini_batch_num_tokens")
 
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
-                 similarity_fct=cos_sim, mini_batch_size: int = 32, *, show_progress_bar: bool = False,
-                 gather_across_devices: bool = False, symmetric: bool = False,
-                 hard_negative_weight: float = 0.0, backend: str = "auto", chunk_size: int | None = None,
-                 focal_m: float | None = None):
-        FastInfoNCELoss.__init__(self, model, scale, similarity_fct, symmetric=symmetric,
-                                 hard_negative_weight=hard_negative_weight, backend=backend,
-                                 chunk_size=chunk_size, gather_across_devices=gather_across_devices,
-                                 focal_m=focal_m)
-        self._init_cache(mini_batch_size, show_progress_bar)
+                 similarity_fct=cos_sim, mini_batch_size: int = 32,
+                 mini_batch_num_tokens: int | None = None, gather_across_devices: bool = False,
+                 directions: tuple[str, ...] = ("query_to_doc",), partition_mode: str = "joint",
+                 show_progress_bar: bool = False, hardness_mode: str | None = None,
+                 hardness_strength: float = 0.0, *, symmetric: bool = False,
+                 hard_negative_weight: float = 0.0, focal_m: float | None = None,
+                 mask_duplicates: bool = False, matryoshka_dims=None, matryoshka_weights=None,
+                 backend: str = "auto", chunk_size: int | None = None):
+        FastInfoNCELoss.__init__(self, model, scale, similarity_fct, gather_across_devices, directions,
+                                 partition_mode, hardness_mode, hardness_strength, symmetric=symmetric,
+                                 hard_negative_weight=hard_negative_weight, focal_m=focal_m,
+                                 mask_duplicates=mask_duplicates, matryoshka_dims=matryoshka_dims,
+                                 matryoshka_weights=matryoshka_weights, backend=backend,
+                                 chunk_size=chunk_size)
+        self._init_cache(mini_batch_size, show_progress_bar, mini_batch_num_tokens)

@@ -8,15 +8,14 @@ import torch.distributed as dist
 import fastcl
 from fastcl import citations, common
 
-from ._base import FastLoss, SentenceTransformer, documented, embed_columns, gather_rows
-from ._gradcache import batch_rows, minibatch, minibatch_ranges
+from ._base import FastLoss, Guided, SentenceTransformer, documented, embed_columns, gather_rows
 
 __all__ = ["FastDCLRLoss"]
 
 
 @documented(inputs="pairs", data="unsupervised",
             loss="FastDCLRLoss(model, guide, phi=0.9, noise_ratio=1.0)")
-class FastDCLRLoss(FastLoss):
+class FastDCLRLoss(Guided, FastLoss):
     r"""DCLR (Zhou et al., 2022): noise negatives and instance weighting by a frozen guide.
 
     The ``guide`` (a trained SimCSE model in the paper) embeds both columns in eval mode
@@ -54,6 +53,8 @@ class FastDCLRLoss(FastLoss):
         gather_across_devices: N is the global batch, and the noise is the same on every
             process (see :mod:`fastcl.integrations.sentence_transformers`).
         focal_m: Focal-InfoNCE's modulation on top (paper formulation only). None: off.
+        mask_duplicates: drop every in-batch candidate with the same text as the anchor's
+            positive (paper formulation), as :class:`FastInfoNCELoss`.
 
     Inputs:
         {inputs}
@@ -78,7 +79,8 @@ class FastDCLRLoss(FastLoss):
     """
 
     _config = ("phi", "noise_ratio", "noise_steps", "noise_lr", "noise_std", "temperature",
-               "formulation", "focal_m", "guide_dropout", "gather_across_devices", "backend")
+               "formulation", "focal_m", "guide_dropout", "mask_duplicates", "gather_across_devices",
+               "backend")
     _column_counts = (2, 2)
 
     def __init__(self, model: SentenceTransformer, guide: SentenceTransformer | None, phi: float = common.PHI,
@@ -87,71 +89,46 @@ class FastDCLRLoss(FastLoss):
                  temperature: float = common.TEMPERATURE, formulation: str = "paper",
                  generator: torch.Generator | None = None, backend: str = "auto",
                  chunk_size: int | None = None, gather_across_devices: bool = False,
-                 focal_m: float | None = None, guide_dropout: bool = False):
+                 focal_m: float | None = None, guide_dropout: bool = False,
+                 mask_duplicates: bool = False):
         super().__init__(model)
-        if guide is not None and not isinstance(guide, SentenceTransformer):
-            raise TypeError(f"guide must be a SentenceTransformer (the frozen model whose cosines drop "
-                            f"DCLR's false negatives; it may be the model itself; None for none), got "
-                            f"{type(guide).__name__}")
-        self.guide, self.focal_m, self.guide_dropout = guide, focal_m, bool(guide_dropout)
+        self.mask_duplicates = bool(mask_duplicates)
+        self._init_guide(model, guide, "the frozen model whose cosines drop DCLR's false "
+                         "negatives; it may be the model itself; None for none", guide_dropout)
+        self.focal_m = focal_m
         self.phi, self.noise_ratio, self.noise_steps = phi, noise_ratio, noise_steps
         self.noise_lr, self.noise_std, self.temperature = noise_lr, noise_std, temperature
         self.formulation, self.generator = formulation, generator
         self.backend, self.chunk_size = backend, chunk_size
         self.gather_across_devices = gather_across_devices
-        self.must_retokenize = guide is not None and (
-            model.tokenizer.get_vocab() != guide.tokenizer.get_vocab()
-            or (guide.max_seq_length or 0) < (model.max_seq_length or 0))
-        self.tokenizer = model.tokenizer  # kept: the trainer may wrap self.model (DDP) later
-
-    def _guide_forward(self, features):
-        if self.must_retokenize:
-            texts = self.tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
-            features = {k: v.to(self.guide.device) if torch.is_tensor(v) else v
-                        for k, v in self.guide.preprocess(texts).items()}
-        else:
-            # a shallow copy: a model writes its outputs into the feature dict it is given
-            features = dict(features)
-        return self.guide(features)["sentence_embedding"]
-
-    def _guide_embeddings(self, sentence_features, mini_batch_size: int | None = None):
-        """The guide's embeddings of each column (eval mode, no gradients), in forwards of at
-        most ``mini_batch_size`` inputs (one per column by default); None without a guide."""
-        if self.guide is None:
-            return None
-        was_training = self.guide.training
-        self.guide.train(self.guide_dropout)
-        try:
-            with torch.no_grad():
-                columns = []
-                for features in sentence_features:
-                    ranges = minibatch_ranges(features, mini_batch_size or batch_rows(features))
-                    if len(ranges) == 1:
-                        columns.append(self._guide_forward(features))
-                    else:
-                        columns.append(torch.cat([self._guide_forward(minibatch(features, begin, end))
-                                                  for begin, end in ranges]))
-                return [e.detach() for e in columns]
-        finally:
-            self.guide.train(was_training)
 
     def forward(self, sentence_features, labels=None):
         sentence_features = self._features(sentence_features)
+        inputs = self._feature_inputs(sentence_features)
         guide = self._guide_embeddings(sentence_features)
         embeddings = embed_columns(self.model, sentence_features)
-        return self.compute_loss_from_embeddings(embeddings, labels, complementary=guide)
+        return self.compute_loss_from_embeddings(embeddings, labels, complementary=guide, **inputs)
 
-    def compute_loss_from_embeddings(self, embeddings, labels=None, complementary=None):
+    def compute_loss_from_embeddings(self, embeddings, labels=None, complementary=None,
+                                     duplicate_ids=None):
         anchors, positives = self._columns(embeddings, type(self).__name__, 2, 2)
         kw = dict(phi=self.phi, temperature=self.temperature, formulation=self.formulation,
                   focal_m=self.focal_m, backend=self.backend, chunk_size=self.chunk_size)
+        ids = self._ids(duplicate_ids)
         if not self._gathering():
+            if ids is not None:
+                kw["duplicate_ids"] = (ids[1],)
             return fastcl.contrastive(anchors, positives, complementary=complementary,
                                       noise_ratio=self.noise_ratio, noise_steps=self.noise_steps,
                                       noise_lr=self.noise_lr, noise_std=self.noise_std,
                                       generator=self.generator, **kw)
         guide_pos = [complementary[1].detach()] if complementary is not None else []
-        offset, (positives, all_anchors, *guide_pos) = gather_rows(positives, anchors.detach(), *guide_pos)
+        extra = [ids[1][:, None]] if ids is not None else []
+        offset, (positives, all_anchors, *rest) = gather_rows(positives, anchors.detach(), *guide_pos,
+                                                              *extra)
+        if ids is not None:
+            kw["duplicate_ids"] = (rest.pop()[:, 0],)
+        guide_pos = rest
         # the noise of one process on the whole batch; rank 0's copy for every process
         num = common.noise_count(self.noise_ratio, positives.shape[0], self.formulation)
         noise = fastcl.dclr_noise(all_anchors, positives.detach(), num, steps=self.noise_steps,

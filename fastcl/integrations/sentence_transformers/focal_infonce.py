@@ -34,6 +34,8 @@ class FastFocalInfoNCELoss(FastLoss):
             (see :mod:`fastcl.integrations.sentence_transformers`).
         hard_negative_weight: a log-weight added to the logit of each anchor's own hard
             negative; needs exactly one negative column. 0: off.
+        mask_duplicates: drop every candidate whose text equals that of the anchor's
+            positive, as :class:`FastInfoNCELoss`.
 
     Inputs:
         {inputs}
@@ -55,17 +57,21 @@ class FastFocalInfoNCELoss(FastLoss):
         {example}
     """
 
-    _config = ("temperature", "m", "hard_negative_weight", "gather_across_devices", "backend")
+    _config = ("temperature", "m", "hard_negative_weight", "mask_duplicates", "gather_across_devices",
+               "backend")
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  m: float = common.FOCAL_M, backend: str = "auto", chunk_size: int | None = None,
-                 gather_across_devices: bool = False, hard_negative_weight: float = 0.0):
+                 gather_across_devices: bool = False, hard_negative_weight: float = 0.0,
+                 mask_duplicates: bool = False):
         super().__init__(model)
         self.temperature, self.m, self.backend, self.chunk_size = temperature, m, backend, chunk_size
         self.gather_across_devices, self.hard_negative_weight = gather_across_devices, hard_negative_weight
+        self.mask_duplicates = bool(mask_duplicates)
 
-    def compute_loss_from_embeddings(self, embeddings, labels=None):
-        return self._in_batch_loss(embeddings, temperature=self.temperature, focal_m=self.m)
+    def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
+        return self._in_batch_loss(embeddings, temperature=self.temperature, focal_m=self.m,
+                                   duplicate_ids=self._ids(duplicate_ids))
 
     @property
     def citation(self) -> str:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fastcl import citations, common
+from fastcl import citations, common, layout
 
-from ._base import FastLoss, SentenceTransformer, cos_sim, documented, number
+from ._base import FastLoss, SentenceTransformer, cos_sim, documented, matryoshka, number
 
 __all__ = ["FastInfoNCELoss"]
 
@@ -20,7 +20,11 @@ class FastInfoNCELoss(FastLoss):
     .. math:: L = \frac1N\sum_i\Big[-s\cos(a_i, p_i) + \log\sum_j e^{s\cos(a_i, c_j)}\Big]
 
     :func:`fastcl.contrastive` computes it without the N×M similarity matrix: on the same
-    embeddings, the loss and gradients of MNRL.
+    embeddings, the loss and gradients of MNRL, with MNRL's options: ``directions`` (the
+    anchors as candidates of each other, each positive scored against the anchors or the
+    other documents), ``partition_mode`` (one softmax per row over every direction, or one
+    per direction averaged) and ``hardness_mode``/``hardness_strength`` (``+β·sg(cos)`` on
+    the chosen negatives' logits); :mod:`fastcl.layout` states each rule.
 
     Args:
         model: the SentenceTransformer model to train.
@@ -30,7 +34,8 @@ class FastInfoNCELoss(FastLoss):
             computes (taken for MNRL's signature).
         symmetric: also the reverse direction (each positive against every anchor), the two
             averaged: MNRL's ``directions=("query_to_doc", "doc_to_query"),
-            partition_mode="per_direction"``.
+            partition_mode="per_direction"`` (kept as an alias; it also composes with
+            ``focal_m``, the positive scored s² in both directions).
         hard_negative_weight: a log-weight ``w`` added to the logit of each anchor's own hard
             negative (supervised SimCSE); needs exactly one negative column. 0: off.
         backend: ``"auto"``, ``"reference"``, ``"tiled"`` or ``"triton"``, as
@@ -40,6 +45,21 @@ class FastInfoNCELoss(FastLoss):
             (see :mod:`fastcl.integrations.sentence_transformers`), as MNRL's option.
         focal_m: Focal-InfoNCE's modulation on top: positive logit ``s·cos²``, every other
             ``s·cos(cos + m)``. None: off.
+        directions: MNRL's tuple of ``"query_to_doc"`` (required), ``"query_to_query"``,
+            ``"doc_to_query"``, ``"doc_to_doc"``.
+        partition_mode: ``"joint"`` (one softmax over every direction) or
+            ``"per_direction"`` (``query_to_doc`` and ``doc_to_query`` only).
+        hardness_mode: None, ``"in_batch_negatives"``, ``"hard_negatives"`` or
+            ``"all_negatives"``: which negatives get ``hardness_strength·sg(cos)`` added to
+            their logit.
+        hardness_strength: that β ≥ 0 (0: off).
+        mask_duplicates: drop every candidate whose text (token ids) equals that of the
+            anchor's positive: a duplicate sentence in the batch is no negative.
+        matryoshka_dims: widths ``(d_1, …, d_K)``: the loss becomes ``Σ_k w_k·L(x[:, :d_k])``,
+            ``MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), matryoshka_dims,
+            matryoshka_weights)``, computed in one pass over the width (with MNRL's options
+            other than the defaults: one pass per width). None: off.
+        matryoshka_weights: the ``w_k`` (default: all 1).
 
     Inputs:
         {inputs}
@@ -47,9 +67,10 @@ class FastInfoNCELoss(FastLoss):
         Unsupervised SimCSE: the same sentence in both columns; dropout makes the two views.
 
     Relations:
-        - Replaces ``MultipleNegativesRankingLoss`` (the same ``scale``, columns and numbers;
-          cosine similarity only). MNRL's ``directions``, ``partition_mode`` and
-          ``hardness_mode`` are not taken yet.
+        - Replaces ``MultipleNegativesRankingLoss`` (the same ``scale``, columns, options and
+          numbers; cosine similarity only), and with ``matryoshka_dims`` the
+          ``MatryoshkaLoss`` around it (``MatryoshkaLoss(model, FastInfoNCELoss(model), dims)``
+          works too, at one loss per width).
         - :class:`CachedFastInfoNCELoss` is this loss with GradCache, for batches whose
           encoder activations do not fit in memory.
         - :class:`FastFocalInfoNCELoss` is this loss with ``focal_m`` and a temperature;
@@ -63,25 +84,54 @@ class FastInfoNCELoss(FastLoss):
         {example}
     """
 
-    _config = ("scale", "symmetric", "hard_negative_weight", "focal_m", "gather_across_devices",
-               "backend")
+    _config = ("scale", "directions", "partition_mode", "hardness_mode", "hardness_strength",
+               "symmetric", "hard_negative_weight", "focal_m", "mask_duplicates",
+               "matryoshka_dims", "matryoshka_weights", "gather_across_devices", "backend")
 
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
-                 similarity_fct=cos_sim, symmetric: bool = False, hard_negative_weight: float = 0.0,
-                 backend: str = "auto", chunk_size: int | None = None, gather_across_devices: bool = False,
-                 focal_m: float | None = None):
+                 similarity_fct=cos_sim, gather_across_devices: bool = False,
+                 directions: tuple[str, ...] = ("query_to_doc",), partition_mode: str = "joint",
+                 hardness_mode: str | None = None, hardness_strength: float = 0.0, *,
+                 symmetric: bool = False, hard_negative_weight: float = 0.0,
+                 focal_m: float | None = None, mask_duplicates: bool = False,
+                 matryoshka_dims=None, matryoshka_weights=None,
+                 backend: str = "auto", chunk_size: int | None = None):
         super().__init__(model)
         if similarity_fct is not cos_sim:
             raise ValueError("FastInfoNCELoss computes cosine similarity: similarity_fct must be "
                              "sentence_transformers.util.cos_sim")
         self.scale = number("scale", scale, positive=True)
-        self.similarity_fct, self.symmetric = similarity_fct, symmetric
+        self.directions = tuple(directions) if not isinstance(directions, str) else directions
+        layout.from_directions(self.directions, partition_mode)       # checked here, by name
+        if hardness_mode is not None and hardness_mode not in layout.HARDNESS_MODES:
+            raise ValueError(f"hardness_mode must be None or one of {layout.HARDNESS_MODES}, "
+                             f"got {hardness_mode!r}")
+        self.partition_mode, self.hardness_mode = partition_mode, hardness_mode
+        self.hardness_strength = number("hardness_strength", hardness_strength)
+        if self.hardness_strength < 0:
+            raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+        if symmetric and (self.directions != ("query_to_doc",) or partition_mode != "joint"):
+            raise ValueError("symmetric=True is directions=('query_to_doc', 'doc_to_query'), "
+                             "partition_mode='per_direction': give one or the other")
+        self.similarity_fct, self.symmetric = similarity_fct, bool(symmetric)
         self.hard_negative_weight, self.backend, self.chunk_size = hard_negative_weight, backend, chunk_size
         self.gather_across_devices, self.focal_m = gather_across_devices, focal_m
+        self.mask_duplicates = bool(mask_duplicates)
+        self.matryoshka_dims, self.matryoshka_weights = matryoshka(matryoshka_dims, matryoshka_weights)
 
-    def compute_loss_from_embeddings(self, embeddings, labels=None):
+    def _rules(self) -> dict:
+        return dict(directions=self.directions, partition_mode=self.partition_mode,
+                    hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength,
+                    matryoshka_dims=self.matryoshka_dims, matryoshka_weights=self.matryoshka_weights)
+
+    def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
         return self._in_batch_loss(embeddings, temperature=1.0 / self.scale, focal_m=self.focal_m,
-                                   symmetric=self.symmetric)
+                                   symmetric=self.symmetric, duplicate_ids=self._ids(duplicate_ids))
+
+    @property
+    def temperature(self) -> float:
+        """τ = 1/scale, as MNRL's property."""
+        return 1.0 / self.scale
 
     @property
     def citation(self) -> str:

@@ -1,0 +1,438 @@
+"""fastcl's drop-ins for the sentence-transformers losses users train with today, held to
+those losses on the same model and batch:
+
+- ``FastInfoNCELoss`` / ``CachedFastInfoNCELoss`` with MNRL's ``directions``,
+  ``partition_mode``, ``hardness_mode`` and ``hardness_strength`` (and CachedMNRL's
+  ``mini_batch_num_tokens``) against ``(Cached)MultipleNegativesRankingLoss``;
+- ``FastGISTEmbedLoss`` / ``CachedFastGISTEmbedLoss`` against ``(Cached)GISTEmbedLoss``;
+- duplicate masking: the text ids, what they drop, and how many duplicates real NLI
+  batches hold.
+
+The two-process (gloo) checks of the same losses are in ``test_st_cached.py``.
+"""
+
+import itertools
+import logging
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastcl
+
+st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
+from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
+    CachedGISTEmbedLoss, CachedMultipleNegativesRankingLoss, GISTEmbedLoss,
+    MultipleNegativesRankingLoss)
+
+from fastcl.integrations.sentence_transformers import (  # noqa: E402
+    CachedFastDCLRLoss, CachedFastGISTEmbedLoss, CachedFastInfoNCELoss, FastDCLRLoss,
+    FastFocalInfoNCELoss, FastGISTEmbedLoss, FastInfoNCELoss)
+from fastcl.integrations.sentence_transformers._base import text_ids  # noqa: E402
+from test_st_cached import (ANCHORS, NEGATIVES, POSITIVES, assert_same, features,  # noqa: E402,F401
+                            guide, load_model, loss_and_grads, model)
+
+DATA = Path(os.environ.get("FASTCL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+SNLI = DATA / "nli" / "snli_senteval"
+
+DIRECTIONS = ["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
+HARDNESS = [None, "in_batch_negatives", "hard_negatives", "all_negatives"]
+
+
+def _direction_sets():
+    for r in range(4):
+        for extra in itertools.combinations(DIRECTIONS[1:], r):
+            yield ("query_to_doc",) + extra
+
+
+def _options():
+    """Every (directions, partition_mode) MNRL takes."""
+    for dirs in _direction_sets():
+        yield dirs, "joint"
+        if set(dirs) <= {"query_to_doc", "doc_to_query"}:
+            yield dirs, "per_direction"
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    # MNRL warns when a hardness_mode comes with strength 0; the tests build that on purpose
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    yield
+
+
+def _embeddings(columns, n=7, d=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, d, generator=g, dtype=torch.float64)
+    cols = [base, base + 0.7 * torch.randn(n, d, generator=g, dtype=torch.float64)]
+    cols += [base + 1.2 * torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(columns - 2)]
+    return [c.requires_grad_() for c in cols]
+
+
+# ---------------------------------------------------------------------------------------
+# MNRL's options
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+@pytest.mark.parametrize("columns", [2, 3, 4])
+def test_every_mnrl_option_gives_mnrl(model, backend, columns):
+    """Each directions set and partition mode, with and without each hardness mode, on the
+    same embeddings (float64): the loss and the gradient of every column."""
+    embs = _embeddings(columns)
+    for (dirs, mode), hardness in itertools.product(_options(), HARDNESS):
+        kw = dict(directions=dirs, partition_mode=mode, hardness_mode=hardness,
+                  hardness_strength=0.8 if hardness else 0.0)
+        ours = FastInfoNCELoss(model, 7.0, backend=backend, chunk_size=3, **kw)
+        theirs = MultipleNegativesRankingLoss(model, 7.0, **kw)
+        got = ours.compute_loss_from_embeddings(embs, None)
+        want = theirs.compute_loss_from_embeddings(embs, None)
+        for a, b in zip(torch.autograd.grad(got, embs), torch.autograd.grad(want, embs)):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10, msg=f"{kw}")
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12, msg=f"{kw}")
+
+
+def test_every_option_on_the_model_and_cached(model):
+    """Parameter gradients of a real model in eval mode: all four directions with hardness, and
+    the per-direction pair, plain and cached (mini-batches of 3, or packed by 40 tokens)
+    against MNRL and CachedMNRL."""
+    model.eval()
+    columns = [ANCHORS, POSITIVES, NEGATIVES]
+    for kw in (dict(directions=tuple(DIRECTIONS), hardness_mode="in_batch_negatives", hardness_strength=2.0),
+               dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
+                    hardness_mode="hard_negatives", hardness_strength=1.0)):
+        want = loss_and_grads(model, MultipleNegativesRankingLoss(model, 10.0, **kw), columns)
+        assert want[0] > 0.05
+        assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, **kw), columns), want, f"{kw}")
+        for size, tokens in ((3, None), (32, 40)):
+            theirs = loss_and_grads(model, CachedMultipleNegativesRankingLoss(
+                model, 10.0, mini_batch_size=size, mini_batch_num_tokens=tokens, **kw), columns)
+            ours = loss_and_grads(model, CachedFastInfoNCELoss(
+                model, 10.0, mini_batch_size=size, mini_batch_num_tokens=tokens, **kw), columns)
+            assert_same(ours, theirs, f"{kw} size={size} tokens={tokens}")
+            assert_same(ours, want, f"{kw} size={size} tokens={tokens}")
+
+
+def test_token_budget_packs_the_mini_batches(model):
+    """mini_batch_num_tokens decides the forwards of pass 1 (and pass 2 replays them)."""
+    model.eval()
+    sizes = []
+    loss = CachedFastInfoNCELoss(model, 10.0, mini_batch_size=32, mini_batch_num_tokens=30)
+    hook = model[0].register_forward_hook(lambda m, a, out: sizes.append(len(a[0]["input_ids"])))
+    try:
+        loss_and_grads(model, loss, [ANCHORS, POSITIVES])
+    finally:
+        hook.remove()
+    assert 1 < max(sizes) < len(ANCHORS), sizes            # more than one, fewer than all per forward
+    assert len(sizes) % 2 == 0 and sizes[:len(sizes) // 2] == sizes[len(sizes) // 2:]   # replayed
+
+
+def test_options_are_checked_where_the_loss_is_built(model):
+    with pytest.raises(ValueError, match="query_to_doc"):
+        FastInfoNCELoss(model, directions=("doc_to_query",))
+    with pytest.raises(ValueError, match="per_direction"):
+        FastInfoNCELoss(model, directions=("query_to_doc", "doc_to_doc"), partition_mode="per_direction")
+    with pytest.raises(ValueError, match="hardness_mode"):
+        FastInfoNCELoss(model, hardness_mode="hardest")
+    with pytest.raises(ValueError, match="hardness_strength"):
+        FastInfoNCELoss(model, hardness_mode="hard_negatives", hardness_strength=-1.0)
+    with pytest.raises(ValueError, match="symmetric"):
+        FastInfoNCELoss(model, symmetric=True, directions=("query_to_doc", "query_to_query"))
+    with pytest.raises(ValueError, match="mini_batch_num_tokens"):
+        CachedFastInfoNCELoss(model, mini_batch_num_tokens=0)
+    with pytest.raises(TypeError, match="string"):
+        fastcl.contrastive(*_embeddings(2), directions="query_to_doc")
+
+
+def test_triton_refuses_what_its_kernels_lack_and_auto_runs_tiled():
+    a, p = _embeddings(2)
+    kw = dict(directions=("query_to_doc", "query_to_query"))
+    with pytest.raises(ValueError, match="backend='triton' does not compute directions"):
+        fastcl.contrastive(a.float(), p.float(), backend="triton", **kw)   # the interpreter here
+    torch.testing.assert_close(fastcl.contrastive(a, p, backend="auto", **kw),
+                               fastcl.contrastive(a, p, backend="reference", **kw))
+
+
+# ---------------------------------------------------------------------------------------
+# GISTEmbedLoss
+
+@pytest.fixture(scope="module")
+def other_guide():
+    """A guide that disagrees with the model: MiniLM with noise on its weights."""
+    g = load_model().eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in g.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    return g
+
+
+def _masked_share(model, guide_model, columns, margin):
+    """The share of anchor–positive guide cosines above the row's threshold (absolute)."""
+    with torch.no_grad():
+        a, p = (guide_model.encode(c, convert_to_tensor=True) for c in columns[:2])
+        cos = torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(p, dim=1).T
+    return float((cos > cos.diagonal()[:, None] - margin).float().mean())
+
+
+@pytest.mark.parametrize("backend,strategy,margin", [
+    ("tiled", "absolute", 0.0), ("tiled", "absolute", 0.05), ("tiled", "relative", 0.1),
+    ("reference", "absolute", 0.05)])
+def test_gist_equals_gistembedloss(model, other_guide, strategy, margin, backend):
+    """Every contrast flag with pairs and triplets: loss and parameter gradients."""
+    model.eval()
+    triplets = [ANCHORS, POSITIVES, NEGATIVES]
+    assert 0.05 < _masked_share(model, other_guide, triplets, 0.05) < 0.95   # the filter acts
+    for contrast_anchors, contrast_positives, cols in ((True, True, 3), (False, True, 2),
+                                                       (True, False, 2), (False, False, 3)):
+        kw = dict(temperature=0.05, margin_strategy=strategy, margin=margin,
+                  contrast_anchors=contrast_anchors, contrast_positives=contrast_positives)
+        columns = triplets[:cols]
+        want = loss_and_grads(model, GISTEmbedLoss(model, other_guide, **kw), columns)
+        got = loss_and_grads(model, FastGISTEmbedLoss(model, other_guide, backend=backend, chunk_size=4,
+                                                      **kw), columns)
+        assert_same(got, want, f"{kw} columns={cols}")
+
+
+def test_cached_gist_equals_cached_gistembedloss(model, other_guide):
+    model.eval()
+    columns = [ANCHORS, POSITIVES, NEGATIVES]
+    kw = dict(temperature=0.05, margin=0.05)
+    want = loss_and_grads(model, GISTEmbedLoss(model, other_guide, **kw), columns)
+    theirs = loss_and_grads(model, CachedGISTEmbedLoss(model, other_guide, mini_batch_size=4, **kw), columns)
+    ours = loss_and_grads(model, CachedFastGISTEmbedLoss(model, other_guide, mini_batch_size=4, **kw), columns)
+    assert_same(ours, theirs, "cached")
+    assert_same(ours, want, "cached vs plain GIST")
+
+
+def test_gist_composes_with_focal_and_noise():
+    """The guide's filter on any objective: with focal and DCLR's noise negatives, the tiled
+    path equals the reference (the noise is never filtered)."""
+    a, p, n = _embeddings(3, n=9)
+    g = [x.detach() + 0.3 * torch.randn_like(x) for x in (a, p, n)]
+    kw = dict(guide=tuple(g), guide_margin=0.1, focal_m=0.3, temperature=0.1,
+              noise=torch.randn(5, a.shape[1], dtype=a.dtype), noise_steps=2,
+              directions=fastcl.layout.gist(True, True))
+    ref = fastcl.contrastive(a, p, n, backend="reference", **kw)
+    got = fastcl.contrastive(a, p, n, backend="tiled", chunk_size=4, **kw)
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-12)
+    for x, y in zip(torch.autograd.grad(got, (a, p, n)), torch.autograd.grad(ref, (a, p, n))):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-10)
+
+
+def test_gist_needs_its_guide(model):
+    with pytest.raises(TypeError, match="guide"):
+        FastGISTEmbedLoss(model, None)
+    with pytest.raises(ValueError, match="guide's embeddings"):
+        FastGISTEmbedLoss(model, model).compute_loss_from_embeddings(_embeddings(2), None)
+    with pytest.raises(ValueError, match="margin_strategy"):
+        FastGISTEmbedLoss(model, model, margin_strategy="ratio")
+
+
+# ---------------------------------------------------------------------------------------
+# duplicate masking
+
+def test_text_ids_are_equal_exactly_for_equal_texts(model):
+    one = dict(model.preprocess(["a b c", "a b", "a b c", "x"]))
+    two = dict(model.preprocess(["a b c d e f g h", "a b"]))            # another padded width
+    i, j = text_ids(one), text_ids(two)
+    assert i[0] == i[2] and i[1] == j[1] and len({*i.tolist(), j[0].item()}) == 4
+    model.tokenizer.padding_side = "left"
+    try:
+        left = text_ids(dict(model.preprocess(["a b", "a b c d e f"])))
+    finally:
+        model.tokenizer.padding_side = "right"
+    assert left[0] == i[1]                                             # padding on either side
+
+
+def _duplicated_batch():
+    anchors = ANCHORS[:4] + [ANCHORS[1], ANCHORS[2]]                   # rows 4, 5 repeat 1, 2
+    positives = POSITIVES[:4] + [POSITIVES[1], POSITIVES[2]]
+    return anchors, positives
+
+
+def test_duplicates_leave_the_softmax(model):
+    """With mask_duplicates, a batch whose rows 4 and 5 repeat rows 1 and 2 gives the
+    reference loss with those pairs dropped; without duplicates it is MNRL itself."""
+    model.eval()
+    anchors, positives = _duplicated_batch()
+    ids = [text_ids(f) for f in features(model, [anchors, positives])]
+    embs = [model.encode(c, convert_to_tensor=True).clone().requires_grad_() for c in (anchors, positives)]
+    loss = FastInfoNCELoss(model, 10.0, mask_duplicates=True)
+    got = loss.compute_loss_from_embeddings(embs, None, duplicate_ids=ids)
+    want = fastcl.contrastive(*embs, temperature=0.1, backend="reference", duplicate_ids=(ids[1],))
+    torch.testing.assert_close(got, want)
+    # by hand: row i's softmax over the positives whose text differs from its own positive's
+    sim = fastcl.reference.cosine_matrix(*embs) * 10.0
+    same = torch.tensor([[positives[i] == positives[j] and i != j for j in range(6)] for i in range(6)])
+    by_hand = torch.nn.functional.cross_entropy(sim.masked_fill(same, float("-inf")), torch.arange(6))
+    torch.testing.assert_close(got, by_hand)
+    assert got < MultipleNegativesRankingLoss(model, 10.0).compute_loss_from_embeddings(embs, None)
+    # no duplicates: nothing dropped
+    clean = [ANCHORS, POSITIVES]
+    want = loss_and_grads(model, MultipleNegativesRankingLoss(model, 10.0), clean)
+    assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, mask_duplicates=True), clean), want)
+
+
+def test_duplicates_every_loss_plain_and_cached(model, guide):
+    """Each loss with mask_duplicates: the cached form equals the plain one, and the mask
+    changes the loss on a batch with duplicates."""
+    model.eval()
+    anchors, positives = _duplicated_batch()
+    cols = [anchors, positives]
+    gen = lambda: torch.Generator().manual_seed(2)  # noqa: E731
+    pairs = {
+        "infonce": (lambda **k: FastInfoNCELoss(model, 10.0, directions=tuple(DIRECTIONS), **k),
+                    lambda **k: CachedFastInfoNCELoss(model, 10.0, directions=tuple(DIRECTIONS),
+                                                      mini_batch_size=3, **k)),
+        "dclr": (lambda **k: FastDCLRLoss(model, guide, phi=0.8, noise_steps=1, generator=gen(), **k),
+                 lambda **k: CachedFastDCLRLoss(model, guide, phi=0.8, noise_steps=1, generator=gen(),
+                                                mini_batch_size=3, **k)),
+        "gist": (lambda **k: FastGISTEmbedLoss(model, guide, temperature=0.05, margin=-0.5, **k),
+                 lambda **k: CachedFastGISTEmbedLoss(model, guide, temperature=0.05, margin=-0.5,
+                                                     mini_batch_size=3, **k)),
+    }
+    for name, (plain, cached) in pairs.items():
+        masked = loss_and_grads(model, plain(mask_duplicates=True), cols)
+        assert_same(loss_and_grads(model, cached(mask_duplicates=True), cols), masked, name)
+        assert not torch.isclose(masked[0], loss_and_grads(model, plain(), cols)[0]), name
+    focal = FastFocalInfoNCELoss(model, mask_duplicates=True)
+    with pytest.raises(ValueError, match="duplicate_ids"):
+        focal.compute_loss_from_embeddings(_embeddings(2), None)
+
+
+@pytest.mark.skipif(not (SNLI / "s1.dev").exists(), reason=f"needs the SNLI sample in {SNLI}")
+def test_real_nli_batches_hold_duplicates_and_the_ids_find_each():
+    """Supervised SimCSE's (premise, entailment, contradiction) triplets from SNLI, shuffled
+    into a batch of 512: the (row, candidate) pairs that mask_duplicates drops — a positive or
+    hard negative with the same text as another row's positive ("A man is outside.") — found
+    from the token ids are exactly those found by comparing the strings, and there are some."""
+    from transformers import BertTokenizerFast
+
+    from fastcl.data import read_snli
+    rows = read_snli(SNLI, ["dev"]).dataset
+    anchor, positive, negative = rows.column_names
+    order = list(range(len(rows)))
+    random.Random(0).shuffle(order)
+    batch = rows.select(order[:512])
+    texts = {c: [t.lower() for t in batch[c]] for c in (positive, negative)}
+    vocab = sorted({w for c in texts for t in texts[c] for w in t.split()})
+    tok = BertTokenizerFast.from_pretrained(_write_vocab(vocab))
+    ids = {c: text_ids(dict(tok(texts[c], padding=True, return_tensors="pt"))) for c in texts}
+    candidates = texts[positive] + texts[negative]
+    cand_ids = torch.cat([ids[positive], ids[negative]])
+    n = len(texts[positive])
+    by_string = sum(1 for i, key in enumerate(texts[positive]) for j, t in enumerate(candidates)
+                    if t == key and j != i)
+    same = cand_ids[None, :] == ids[positive][:, None]
+    same[torch.arange(n), torch.arange(n)] = False                 # the positive itself stays
+    assert int(same.sum()) == by_string > 0
+    print(f"SNLI dev, a shuffled batch of 512 triplets: {by_string} (row, candidate) pairs "
+          f"have the text of the row's positive")
+
+
+def _write_vocab(words):
+    import tempfile
+    folder = tempfile.mkdtemp()
+    with open(os.path.join(folder, "vocab.txt"), "w", encoding="utf-8") as f:
+        f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words))
+    return folder
+
+
+def test_duplicate_ids_are_checked():
+    a, p = _embeddings(2)
+    with pytest.raises(TypeError, match="integer"):
+        fastcl.contrastive(a, p, duplicate_ids=(torch.zeros(7),))
+    with pytest.raises(ValueError, match=r"shape \(7,\)"):
+        fastcl.contrastive(a, p, duplicate_ids=(torch.zeros(6, dtype=torch.long),))
+    with pytest.raises(ValueError, match="anchor candidates"):
+        fastcl.contrastive(a, p, directions=("query_to_doc", "query_to_query"),
+                           duplicate_ids=(torch.arange(7),))
+    with pytest.raises(ValueError, match="released"):
+        fastcl.contrastive(a, p, formulation="released", duplicate_ids=(torch.arange(7),))
+
+
+# ---------------------------------------------------------------------------------------
+# Matryoshka in one pass
+
+DIMS = (384, 256, 128, 64, 32)
+
+
+def test_one_pass_matryoshka_equals_the_literal_sum():
+    """The tiled path's one pass over the width against the reference's sum of prefix losses,
+    with each feature it takes (float64, values and gradients)."""
+    g = torch.Generator().manual_seed(1)
+    n, d = 9, 24
+    a = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    p = (a.detach() + 0.8 * torch.randn(n, d, generator=g, dtype=torch.float64)).requires_grad_()
+    neg = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    comp = (torch.randn(n, 5, generator=g, dtype=torch.float64),
+            torch.randn(n, 5, generator=g, dtype=torch.float64))
+    for kw, negs in ((dict(), None), (dict(focal_m=0.3), neg), (dict(hard_negative_weight=0.7), neg),
+                     (dict(complementary=comp, phi=0.2), neg), (dict(symmetric=True, focal_m=-0.2), None)):
+        for dims, w in (((24, 16, 8, 4), None), ((3,), (2.0,)), ((24, 1, 7), (1.0, 0.5, 0.25))):
+            args = dict(matryoshka_dims=dims, matryoshka_weights=w, temperature=0.1, **kw)
+            leaves = [a, p] + ([neg] if negs is not None else [])
+            want = fastcl.contrastive(a, p, negs, backend="reference", **args)
+            got = fastcl.contrastive(a, p, negs, backend="tiled", chunk_size=4, **args)
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+            for x, y in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
+                torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-10)
+
+
+def test_matryoshka_equals_matryoshkaloss_around_mnrl(model):
+    """FastInfoNCELoss(matryoshka_dims=...) and its cached form against sentence-transformers'
+    MatryoshkaLoss around MNRL and CachedMNRL; MatryoshkaLoss around fastcl's losses too."""
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
+    model.eval()
+    columns = [ANCHORS, POSITIVES, NEGATIVES]
+    weights = (1.0, 0.5, 0.5, 0.25, 0.25)
+    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0), DIMS,
+                                                weights), columns)
+    ours = loss_and_grads(model, FastInfoNCELoss(model, 10.0, matryoshka_dims=DIMS,
+                                                 matryoshka_weights=weights), columns)
+    assert_same(ours, want, "one pass")
+    cached = loss_and_grads(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4, matryoshka_dims=DIMS,
+                                                         matryoshka_weights=weights), columns)
+    assert_same(cached, want, "cached one pass")
+    theirs = loss_and_grads(model, MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(
+        model, 10.0, mini_batch_size=4), DIMS, weights), columns)
+    assert_same(cached, theirs, "cached vs MatryoshkaLoss(CachedMNRL)")
+    wrapped = loss_and_grads(model, MatryoshkaLoss(model, FastInfoNCELoss(model, 10.0), DIMS, weights), columns)
+    assert_same(wrapped, want, "MatryoshkaLoss(FastInfoNCELoss)")
+    wrapped = loss_and_grads(model, MatryoshkaLoss(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4),
+                                                   DIMS, weights), columns)
+    assert_same(wrapped, want, "MatryoshkaLoss(CachedFastInfoNCELoss)")
+
+
+def test_matryoshka_with_mnrl_options_and_gist(model, other_guide):
+    """With MNRL's options or GIST's filter the widths take a pass each: the same numbers as
+    MatryoshkaLoss around the sentence-transformers loss."""
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
+    model.eval()
+    columns = [ANCHORS, POSITIVES, NEGATIVES]
+    kw = dict(directions=tuple(DIRECTIONS), hardness_mode="all_negatives", hardness_strength=1.0)
+    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0, **kw),
+                                                DIMS[:3]), columns)
+    assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, matryoshka_dims=DIMS[:3], **kw), columns),
+                want, "mnrl options")
+    want = loss_and_grads(model, MatryoshkaLoss(model, GISTEmbedLoss(model, other_guide, temperature=0.05),
+                                                DIMS[:3]), columns)
+    got = loss_and_grads(model, FastGISTEmbedLoss(model, other_guide, temperature=0.05,
+                                                  matryoshka_dims=DIMS[:3]), columns)
+    assert_same(got, want, "gist")
+
+
+def test_matryoshka_arguments_are_checked(model):
+    a, p = _embeddings(2)
+    with pytest.raises(ValueError, match=r"\[1, 12\]"):
+        fastcl.contrastive(a, p, matryoshka_dims=(12, 13))
+    with pytest.raises(ValueError, match="twice"):
+        fastcl.contrastive(a, p, matryoshka_dims=(6, 6))
+    with pytest.raises(ValueError, match="entries"):
+        fastcl.contrastive(a, p, matryoshka_dims=(6, 3), matryoshka_weights=(1.0,))
+    with pytest.raises(ValueError, match="noise"):
+        fastcl.contrastive(a, p, matryoshka_dims=(6,), noise_ratio=1.0)
+    with pytest.raises(ValueError, match="positive integers"):
+        FastInfoNCELoss(model, matryoshka_dims=(64, 0))
+    with pytest.raises(ValueError, match="backend='triton' does not compute"):
+        fastcl.contrastive(a.float(), p.float(), matryoshka_dims=(6,), backend="triton")
