@@ -64,7 +64,8 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
         if x.device != like.device:
             raise ValueError(f"{name} is on {x.device} but {like_name} "
                              f"{'are' if plural else 'is'} on {like.device}")
-    if _CHECK_FINITE and x.numel() and not x.is_meta:
+    # (under torch.compile the values cannot be read while tracing: the fused op tests them)
+    if _CHECK_FINITE and x.numel() and not x.is_meta and not torch.compiler.is_compiling():
         amax = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=1)  # NaN propagates
         bad, huge = torch.stack([~torch.isfinite(amax).all(),
                                  (amax > huge_row_limit(x.dtype, x.shape[1])).any()]).tolist()
@@ -132,7 +133,9 @@ def finite(name: str, value) -> float:
         value = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a real number, got {value!r}") from None
-    if not math.isfinite(value):
+    # comparisons rather than math.isfinite: under torch.compile(dynamic=True) a number may be
+    # symbolic, which comparisons take (as guards) and math.isfinite does not
+    if not (value == value and abs(value) != math.inf):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
 

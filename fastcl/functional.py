@@ -383,6 +383,9 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
            margin_strategy, duplicate_ids) -> dict:
     """The checked options of :mod:`fastcl.layout` as the keyword arguments the backends take,
     or ``{}`` when none is on (plain InfoNCE's layout, no hardness, guide or ids)."""
+    if (directions == ("query_to_doc",) and partition_mode == "joint" and hardness_mode is None
+            and guide is None and duplicate_ids is None and anchor_candidates is None):
+        return {}          # the plain layout, decided without building one (torch.compile)
     n, n_pos = anchors.shape[0], positives.shape[0]
     n_neg = 0 if negatives is None else negatives.shape[0]
     if isinstance(directions, layout.Layout):

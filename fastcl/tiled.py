@@ -60,7 +60,7 @@ class Epilogue:
     memory_budget: int | None = None       # bytes; None: DEFAULT_MEMORY_BUDGET for the device
     # The rules of fastcl.layout. With a positive side the anchors handed to the driver are
     # 2N rows, [anchors; their own positives]: rows i and N + i are the two sides of row i.
-    layout: Layout = PLAIN
+    layout: Layout | None = None                     # None: fastcl.layout.PLAIN
     blocks: tuple[int, int, int, int] | None = None  # (N_b, K, K_z, N_a): the column blocks
     hardness: tuple[str, float] | None = None        # MNRL's (hardness_mode, hardness_strength)
     guide: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -72,12 +72,12 @@ class Epilogue:
     @property
     def paired(self) -> bool:
         """Whether the anchors are ``[anchors; positives]``, two sides per row."""
-        return self.layout.positive_side
+        return self.layout is not None and self.layout.positive_side
 
     @property
     def sided(self) -> bool:
         """Whether the chunk needs :func:`_layout_drops` (any rule of :mod:`fastcl.layout`)."""
-        return not (self.layout.plain and self.hardness is None and self.guide is None
+        return not ((self.layout or PLAIN).plain and self.hardness is None and self.guide is None
                     and self.ids is None)
 
 
@@ -258,7 +258,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
             del hard
     if ep.focal_m is not None:
         # the positive side's own anchor (its mirror) is the positive pair too: s²/τ there
-        mirror = _mirror(ep, c) if ep.layout.positive_to_anchors else None
+        mirror = _mirror(ep, c) if ep.paired and ep.layout.positive_to_anchors else None
         pos_cos = logits[ar, diag].clone()
         mirror_cos = None if mirror is None else logits[mirror].clone()
         cos = logits.clone()
@@ -371,10 +371,10 @@ def _layout_drops(ep: Epilogue, c: Chunk):
     anchors_block = (block == 3)[None, :]
     sides = []
     for side in range(2 if ep.paired else 1):
-        drop = ~torch.isin(block, torch.tensor(visible_blocks(ep.layout, side), dtype=block.dtype,
+        drop = ~torch.isin(block, torch.tensor(visible_blocks(ep.layout or PLAIN, side), dtype=block.dtype,
                                                  device=dev))[None, :].expand(r, m)
         mine = anchors_block & (group[None, :] == own_anchor[:, None])
-        if ep.layout.exclude_own:
+        if (ep.layout or PLAIN).exclude_own:
             own = mine if side == 0 else ((block <= 1)[None, :] & (group[None, :] == g[:, None]))
             drop = drop | own
         # the guide's filter and duplicates never drop the noise or the pair's own entry
@@ -602,35 +602,35 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
         for k, (lo, hi) in enumerate(bands):
             part = _mm(q[:, lo:hi], keys[:, lo:hi].T, acc)
             dots = part if dots is None else dots.add_(part)
-            s = dots * inv_q[r0:r1, k, None] * inv_k[None, :, k]
+            del part
+            # every pass over the R×M slice counts (they, not the GEMMs, bound the time):
+            # the logits straight from the dots, the softmax from one fused log-sum-exp
             if ep.focal_m is not None:
-                logits = (s + ep.focal_m) * s
+                s = torch.mul(dots, inv_q[r0:r1, k, None]).mul_(inv_k[None, :, k])
+                logits = (s + ep.focal_m).mul_(s)
                 logits[ar, diag] = s[ar, diag].square()
                 logits.mul_(inv_t)
             else:
-                logits = s * inv_t
+                logits = torch.mul(dots, (inv_q[r0:r1, k] * inv_t)[:, None]).mul_(inv_k[None, :, k])
             if ep.hard_negative_weight:
                 logits[ar, n_pos + diag] += ep.hard_negative_weight
             if drop is not None:
                 logits[:, :n_pos].masked_fill_(drop, float("-inf"))
             pos = logits[ar, diag].clone()
-            row_max = logits.amax(dim=1, keepdim=True)
-            p = logits.sub_(row_max).exp_()
-            total = p.sum(dim=1, keepdim=True)
-            p.div_(total)
-            row_loss[r0:r1] += weights[k] * ((row_max.squeeze(1) + total.squeeze(1).log()) - pos)
-            a = p                                    # ∂L/∂s^k in place: w_k (p − δ) g'(s)/N
+            lse = torch.logsumexp(logits, dim=1)
+            row_loss[r0:r1] += weights[k] * (lse - pos)
+            a = logits.sub_(lse[:, None]).exp_()    # p, then ∂L/∂s^k = w_k (p − δ) g'(s)/N
             a[ar, diag] -= 1.0
             if ep.focal_m is not None:
-                slope = s.mul(2.0).add_(ep.focal_m)
+                slope = s.mul_(2.0).add_(ep.focal_m)
                 slope[ar, diag] -= ep.focal_m
                 a.mul_(slope)
-            a.mul_(weights[k] * inv_t / n)
-            a_s = a * s
-            row_c[:, k] = a_s.sum(dim=1)
-            col_c[:, k] += a_s.sum(dim=0)
-            del a_s, s
-            scaled.append(a.mul_(inv_q[r0:r1, k, None]).mul_(inv_k[None, :, k]))
+                del s, slope
+            # Ã^k = ∂L/∂s^k /(‖q^k‖‖k^k‖), and Σ_j ∂L/∂s_ij · s_ij = Σ_j Ã_ij D_ij
+            a.mul_((inv_q[r0:r1, k] * (weights[k] * inv_t / n))[:, None]).mul_(inv_k[None, :, k])
+            row_c[:, k] = torch.linalg.vecdot(a, dots, dim=1)
+            col_c[:, k] += torch.linalg.vecdot(a, dots, dim=0)
+            scaled.append(a)
         # the widest width down: B = Σ_{k ≥ band} Ã^k, one GEMM per band and gradient
         total_b = None
         for k in reversed(range(len(bands))):
@@ -722,14 +722,124 @@ def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):
     """Differentiable entry point used by :mod:`fastcl.functional`. Autocast is off inside
     (for the inputs' device type): the chunk GEMMs read the dtype :func:`matmul_dtype`
     chooses, and autocast would round the cosines, hence the logits and log-sum-exp, to 16
-    bits."""
+    bits. Under ``torch.compile`` the call is the custom op ``fastcl::tiled_contrastive``
+    (one node of the graph, shapes from its fake kernel), where it can be one."""
     from .common import autocast_off
     with autocast_off(anchors.device):
+        if torch.compiler.is_compiling() and not ep.sided:
+            return _as_op(ep, engine, anchors, candidates)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (anchors, *candidates)):
             return TiledContrastive.apply(ep, engine, anchors, *candidates)
         # No graph wanted (evaluation, no_grad): the loss alone, no gradient work at all.
         return contrastive_forward(ep, anchors, candidates, need=(False,) * (1 + len(candidates)),
                                    engine=engine)[0]
+
+
+# --------------------------------------------------------------------------- custom op
+# For torch.compile: the driver as one opaque op (its chunk loop and host-side choices never
+# traced), its gradient computed in the forward as TiledContrastive does, backward a scale.
+# The epilogue travels as schema types; the layout's rules (ep.sided) are not among them.
+
+def _engine_by_name(name: str):
+    if name == "triton":
+        from .kernels.contrastive import triton_chunk
+        return triton_chunk
+    return torch_chunk
+
+
+def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the gradients the driver returns (float16 ones stay in float32)."""
+    return accumulate_dtype(dtype) if dtype == torch.float16 else dtype
+
+
+@torch.library.custom_op("fastcl::tiled_contrastive", mutates_args=())
+def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
+                         complementary: list[torch.Tensor], temperature: float,
+                         focal_m: float | None, hard_negative_weight: float, phi: float,
+                         formulation: str, anchor_offset: int, chunk_size: int | None,
+                         matryoshka: str, engine: str, need: int, scan: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``(loss, ∂L/∂anchors, [∂L/∂candidates…])`` of :func:`contrastive_forward` (empty
+    tensors where ``need``, a bit per input, says no). ``matryoshka``: ``"d:w,d:w…"`` or "".
+    ``scan``: test the inputs for NaN/Inf here (the traced caller could not read them)."""
+    need = _bits(need, 1 + len(candidates))
+    if scan:
+        for name, x in (("anchors", anchors), *((f"candidates[{i}]", c) for i, c in enumerate(candidates))):
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(f"fastcl.tiled_contrastive: {name} contains NaN or Inf values")
+    ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
+                  phi=phi if complementary else None,
+                  complementary=tuple(complementary) if complementary else None,
+                  formulation=formulation, anchor_offset=anchor_offset, chunk_size=chunk_size,
+                  matryoshka=_widths(matryoshka))
+    loss, grads = contrastive_forward(ep, anchors, tuple(candidates), need, engine=_engine_by_name(engine))
+    empty = lambda x: x.new_empty(0, dtype=_grad_dtype(x.dtype))  # noqa: E731
+    # the candidates' gradients are views of one M×d tensor; an op's outputs may not alias
+    dks = [g if g is None or i == 0 else g.clone() for i, g in enumerate(grads[1:])]
+    return (loss, grads[0] if grads[0] is not None else empty(anchors),
+            [g if g is not None else empty(c) for g, c in zip(dks, candidates)])
+
+
+def _bits(mask: int, count: int) -> list[bool]:
+    return [bool(mask >> i & 1) for i in range(count)]
+
+
+def _widths(text: str):
+    """``"d:w,d:w…"`` as ``((d…), (w…))``; "" as None (the op's schema has no nested types)."""
+    if not text:
+        return None
+    pairs = [item.split(":") for item in text.split(",")]
+    return tuple(int(d) for d, _ in pairs), tuple(float(w) for _, w in pairs)
+
+
+@tiled_contrastive_op.register_fake
+def _(anchors, candidates, complementary, temperature, focal_m, hard_negative_weight, phi,
+      formulation, anchor_offset, chunk_size, matryoshka, engine, need, scan):
+    need = _bits(need, 1 + len(candidates))
+
+    def grad(x, want):
+        return x.new_empty(x.shape if want else (0,), dtype=_grad_dtype(x.dtype))
+    return (anchors.new_empty((), dtype=accumulate_dtype(anchors.dtype)), grad(anchors, need[0]),
+            [grad(c, want) for c, want in zip(candidates, need[1:])])
+
+
+def _op_setup(ctx, inputs, output):
+    _, dq, dks = output
+    ctx.save_for_backward(dq, *dks)
+    ctx.need = _bits(inputs[-2], 1 + len(inputs[1]))
+    ctx.dtypes = [inputs[0].dtype] + [c.dtype for c in inputs[1]]
+    ctx.complementary = len(inputs[2])
+
+
+def _op_backward(ctx, grad_loss, grad_dq, grad_dks):
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "fastcl's fused backends (tiled, triton) compute the gradient in the forward "
+            "pass and cannot be differentiated twice (backward with create_graph=True); "
+            "use backend='reference' for higher-order gradients")
+    dq, *dks = ctx.saved_tensors
+    scaled = [None if not want else (g * grad_loss.to(g.dtype)).to(dtype)
+              for g, want, dtype in zip([dq, *dks], ctx.need, ctx.dtypes)]
+    # one entry per input: anchors, the candidates and the complementary pair (lists), and
+    # nothing for the 11 numbers and strings
+    return (scaled[0], scaled[1:], [None] * ctx.complementary) + (None,) * 11
+
+
+tiled_contrastive_op.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+def _as_op(ep: Epilogue, engine, anchors, candidates):
+    """:func:`contrastive_loss` through ``fastcl::tiled_contrastive``."""
+    from . import _validation
+    want = torch.is_grad_enabled()
+    need = sum(1 << i for i, t in enumerate((anchors, *candidates)) if want and t.requires_grad)
+    widths = "" if ep.matryoshka is None else ",".join(f"{d}:{float(w)!r}" for d, w in zip(*ep.matryoshka))
+    loss, _, _ = tiled_contrastive_op(
+        anchors, list(candidates), list(ep.complementary or ()), float(ep.temperature),
+        None if ep.focal_m is None else float(ep.focal_m), float(ep.hard_negative_weight),
+        float(ep.phi or 0.0), ep.formulation, int(ep.anchor_offset), ep.chunk_size, widths,
+        "triton" if engine is not torch_chunk else "torch", need, _validation._CHECK_FINITE)
+    return loss
 
 
 @torch.no_grad()

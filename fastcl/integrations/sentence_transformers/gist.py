@@ -96,9 +96,10 @@ class FastGISTEmbedLoss(Guided, FastLoss):
         self.mask_duplicates, self.backend, self.chunk_size = bool(mask_duplicates), backend, chunk_size
         self.hard_negative_weight = 0.0
         self.matryoshka_dims, self.matryoshka_weights = matryoshka(matryoshka_dims, matryoshka_weights)
+        self._layout = layout.gist(self.contrast_anchors, self.contrast_positives)
 
     def _rules(self) -> dict:
-        return dict(directions=layout.gist(self.contrast_anchors, self.contrast_positives),
+        return dict(directions=self._layout,
                     guide_margin=self.margin, margin_strategy=self.margin_strategy,
                     matryoshka_dims=self.matryoshka_dims, matryoshka_weights=self.matryoshka_weights)
 

@@ -1,0 +1,142 @@
+"""fastcl's losses under torch.compile: the tiled driver is one custom op
+(``fastcl::tiled_contrastive``, :mod:`fastcl.tiled`), so a compiled step traces it without a
+graph break, reuses its graph for other batch sizes (dynamic shapes), and gives the eager
+numbers; its NaN test still runs, inside the op."""
+
+import logging
+import os
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch._dynamo.testing import CompileCounter
+
+import fastcl
+
+from conftest import make
+
+
+def _inputs(n=24, d=16, k=24):
+    a = make(n, d, seed=1)
+    p = make(n, d, seed=2)
+    x = make(k, d, seed=3)
+    return a, p, x
+
+
+COMP = (torch.randn(24, 8, generator=torch.Generator().manual_seed(4)),
+        torch.randn(24, 8, generator=torch.Generator().manual_seed(5)))
+
+CASES = {
+    "infonce": lambda a, p, x, be: fastcl.infonce(a, p, backend=be),
+    "hard": lambda a, p, x, be: fastcl.infonce(a, p, x, hard_negative_weight=0.5, backend=be),
+    "focal": lambda a, p, x, be: fastcl.focal_infonce(a, p, x, backend=be),
+    "dclr-mask": lambda a, p, x, be: fastcl.contrastive(a, p, complementary=COMP, phi=0.3, backend=be),
+    "symmetric": lambda a, p, x, be: fastcl.contrastive(a, p, symmetric=True, focal_m=0.2, backend=be),
+    "matryoshka": lambda a, p, x, be: fastcl.contrastive(a, p, x, matryoshka_dims=(16, 8, 4),
+                                                         backend="tiled"),
+}
+
+
+@pytest.mark.parametrize("name,backend", [(name, be) for name in sorted(CASES)
+                                          for be in ("tiled", "triton") if (name, be) != ("matryoshka", "triton")])
+def test_no_graph_break_inside_the_losses(name, backend):
+    """torch._dynamo.explain over the public call: one graph, no break (Triton in its
+    interpreter on a CPU-only machine; matryoshka runs tiled whatever the backend)."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("triton needs a GPU or the interpreter")
+    dynamo.reset()
+    a, p, x = _inputs()
+    explained = dynamo.explain(lambda a, p, x: CASES[name](a, p, x, backend))(a, p, x)
+    assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("name", ["infonce", "hard", "focal", "matryoshka"])
+def test_compiled_equals_eager_and_compiles_once_for_every_batch_size(name):
+    dynamo.reset()
+    counter = CompileCounter()
+    fn = torch.compile(lambda a, p, x: CASES[name](a, p, x, "tiled"), backend=counter, dynamic=True)
+    for n in (24, 40, 17):
+        a, p, x = _inputs(n, 16, n)
+        got = fn(a, p, x)
+        grads = torch.autograd.grad(got, (a, p, x), allow_unused=True)
+        want = CASES[name](a, p, x, "tiled")
+        wants = torch.autograd.grad(want, (a, p, x), allow_unused=True)
+        torch.testing.assert_close(got, want)
+        for g, w in zip(grads, wants):
+            assert (g is None) == (w is None)
+            if g is not None:
+                torch.testing.assert_close(g, w)
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
+
+
+def test_aot_autograd_through_the_op_and_its_nan_test():
+    """aot_eager runs the op's fake kernel and its registered backward; bad values are still
+    refused, by the op, at run time."""
+    dynamo.reset()
+    fn = torch.compile(lambda a, p: fastcl.infonce(a, p, backend="tiled"), backend="aot_eager", dynamic=True)
+    a, p, _ = _inputs()
+    loss = fn(a, p)
+    loss.backward()
+    ref_a, ref_p = a.detach().clone().requires_grad_(), p.detach().clone().requires_grad_()
+    fastcl.infonce(ref_a, ref_p, backend="tiled").backward()
+    torch.testing.assert_close(a.grad, ref_a.grad)
+    torch.testing.assert_close(p.grad, ref_p.grad)
+    bad = a.detach().clone()
+    bad[3, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fn(bad.requires_grad_(), p)
+
+
+def test_the_op_refuses_double_backward():
+    a, p, _ = _inputs()
+    loss = fastcl.tiled.tiled_contrastive_op(a, [p], [], 0.05, None, 0.0, 0.0, "paper", 0, None, "",
+                                             "torch", 0b11, True)[0]
+    (g,) = torch.autograd.grad(loss, a)
+    torch.testing.assert_close(loss, fastcl.infonce(a, p, backend="tiled"))
+    with pytest.raises(RuntimeError, match="differentiated twice"):
+        loss = fastcl.tiled.tiled_contrastive_op(a, [p], [], 0.05, None, 0.0, 0.0, "paper", 0, None,
+                                                 "", "torch", 0b11, True)[0]
+        torch.autograd.grad(loss, a, create_graph=True)
+
+
+st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
+
+
+def test_sentence_transformers_losses_trace_without_a_break(tmp_path):
+    from test_evaluate import make_tiny_model
+
+    from fastcl.integrations.sentence_transformers import FastGISTEmbedLoss, FastInfoNCELoss
+    model = st.SentenceTransformer(str(make_tiny_model(tmp_path / "bert")), device="cpu")
+    a, p, x = _inputs()
+    for loss in (FastInfoNCELoss(model, backend="tiled"),
+                 FastInfoNCELoss(model, matryoshka_dims=(16, 8), backend="tiled")):
+        dynamo.reset()
+        explained = dynamo.explain(lambda a, p, x: loss.compute_loss_from_embeddings([a, p, x]))(a, p, x)
+        assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
+    assert FastGISTEmbedLoss(model, model)._layout is not None   # built once, not per call
+
+
+def test_trainer_two_steps_with_torch_compile(tmp_path):
+    """SentenceTransformerTrainer with torch_compile=True (the aot_eager backend: no C++
+    toolchain needed) trains two steps with fastcl's loss."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    from fastcl.integrations.sentence_transformers import FastInfoNCELoss
+    from test_evaluate import make_tiny_model, random_sentence
+    import random
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    model = st.SentenceTransformer(str(make_tiny_model(tmp_path / "bert")), device="cpu")
+    rng = random.Random(0)
+    sentences = [random_sentence(rng) for _ in range(16)]
+    data = Dataset.from_dict({"anchor": sentences, "positive": sentences})
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, report_to="none",
+        save_strategy="no", use_cpu=True, torch_compile=True, torch_compile_backend="aot_eager",
+        dataloader_drop_last=True, seed=0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    result = SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
+                                        loss=FastInfoNCELoss(model, backend="tiled")).train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
