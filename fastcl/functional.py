@@ -109,7 +109,9 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                 hardness_mode: str | None = None, hardness_strength: float = 0.0,
                 anchor_candidates: Tensor | None = None, guide: tuple | None = None,
                 guide_margin: float = 0.0, margin_strategy: str = "absolute",
-                duplicate_ids: tuple | None = None, matryoshka_dims=None, matryoshka_weights=None,
+                duplicate_ids: tuple | None = None,
+                matryoshka_dims: tuple[int, ...] | None = None,
+                matryoshka_weights: tuple[float, ...] | None = None,
                 backend: Backend = "auto", chunk_size: int | None = None) -> Tensor:
     r"""The composable objective: InfoNCE with any set of the features below, on every backend.
 

@@ -617,17 +617,25 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
             if drop is not None:
                 logits[:, :n_pos].masked_fill_(drop, float("-inf"))
             pos = logits[ar, diag].clone()
-            lse = torch.logsumexp(logits, dim=1)
-            row_loss[r0:r1] += weights[k] * (lse - pos)
-            a = logits.sub_(lse[:, None]).exp_()    # p, then ∂L/∂s^k = w_k (p − δ) g'(s)/N
-            a[ar, diag] -= 1.0
+            # the row log-sum-exp by hand (torch's makes four passes on a CPU) and the
+            # softmax's 1/Σ folded into the row factor below: e = exp(l − max), p = e/Σ
+            row_max = logits.amax(dim=1, keepdim=True)
+            e = logits.sub_(row_max).exp_()
+            total = e.sum(dim=1)
+            row_loss[r0:r1] += weights[k] * (row_max.squeeze(1) + total.log() - pos)
+            # Ã^k = ∂L/∂s^k /(‖q^k‖‖k^k‖) with ∂L/∂s^k = w_k (p − δ) g'(s)/N
+            row = inv_q[r0:r1, k] * (weights[k] * inv_t / n)
             if ep.focal_m is not None:
+                a = e.mul_((1.0 / total)[:, None])
+                a[ar, diag] -= 1.0
                 slope = s.mul_(2.0).add_(ep.focal_m)
                 slope[ar, diag] -= ep.focal_m
-                a.mul_(slope)
+                a.mul_(slope).mul_(row[:, None]).mul_(inv_k[None, :, k])
                 del s, slope
-            # Ã^k = ∂L/∂s^k /(‖q^k‖‖k^k‖), and Σ_j ∂L/∂s_ij · s_ij = Σ_j Ã_ij D_ij
-            a.mul_((inv_q[r0:r1, k] * (weights[k] * inv_t / n))[:, None]).mul_(inv_k[None, :, k])
+            else:
+                a = e.mul_((row / total)[:, None]).mul_(inv_k[None, :, k])
+                a[ar, diag] -= row * inv_k[diag, k]
+            # Σ_j ∂L/∂s_ij · s_ij = Σ_j Ã_ij D_ij (the radial terms of the chain rule)
             row_c[:, k] = torch.linalg.vecdot(a, dots, dim=1)
             col_c[:, k] += torch.linalg.vecdot(a, dots, dim=0)
             scaled.append(a)
