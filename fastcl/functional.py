@@ -169,7 +169,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     ``ℓ_i = −l_{i,p(i)} + log Σ e^l``; with ``"per_direction"`` (``query_to_doc`` and
     ``doc_to_query`` only) ``ℓ_i = −l_{i,p(i)} + ½(LSE^{→}_i + LSE^{←}_i)``. The positive's
     scores never see the noise, ``negatives``' log-weight or the DCLR mask; focal applies to
-    them (all as negatives).
+    them: ``s²/τ`` on the row's own anchor (the positive pair, as ``symmetric`` has it),
+    ``s(s+m)/τ`` on every other score.
 
     **hardness_mode, hardness_strength β** (MNRL's, after Lan et al. 2025): ``β·sg(s_ij)`` is
     added to the logits of the anchor's ``"in_batch_negatives"`` (the other rows' positives
