@@ -445,15 +445,18 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
 
 def _matryoshka(dims, weights, d):
     """``matryoshka_dims`` and ``matryoshka_weights`` checked: ``((d_1 < … < d_K), (w_k…))``
-    sorted by width, or None when ``dims`` is None."""
+    sorted by width, or None when ``dims`` is None (``d``: the embeddings' width, None where
+    it is not known yet)."""
     if dims is None:
         if weights is not None:
             raise ValueError("matryoshka_weights needs matryoshka_dims")
         return None
     if isinstance(dims, (int, str)) or not len(dims):
         raise TypeError(f"matryoshka_dims must be a non-empty sequence of widths, got {dims!r}")
-    dims = [check.non_negative_int("matryoshka_dims", x) for x in dims]
-    if min(dims) < 1 or max(dims) > d:
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in dims):
+        raise ValueError(f"matryoshka_dims must be positive integers, got {list(dims)}")
+    dims = list(dims)
+    if d is not None and max(dims) > d:
         raise ValueError(f"matryoshka_dims must lie in [1, {d}] (the embeddings' width), got {dims}")
     if len(set(dims)) != len(dims):
         raise ValueError(f"matryoshka_dims has a width twice: {dims}")

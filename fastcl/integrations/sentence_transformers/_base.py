@@ -134,22 +134,14 @@ def number(name: str, value, *, positive: bool = False) -> float:
 
 
 def matryoshka(dims, weights) -> tuple:
-    """``matryoshka_dims`` and ``matryoshka_weights`` of a loss, checked where it is built (the
-    widths against the embeddings' width at the first call): tuples, or (None, None)."""
+    """``matryoshka_dims`` and ``matryoshka_weights`` of a loss, checked where it is built by
+    :func:`fastcl.contrastive`'s own check (the widths against the embeddings' width at the
+    first call) and kept as given: tuples, or (None, None)."""
+    from fastcl.functional import _matryoshka
+    _matryoshka(dims, weights, None)
     if dims is None:
-        if weights is not None:
-            raise ValueError("matryoshka_weights needs matryoshka_dims")
         return None, None
-    if isinstance(dims, (int, str)) or not len(dims):
-        raise TypeError(f"matryoshka_dims must be a non-empty sequence of widths, got {dims!r}")
-    dims = tuple(dims)
-    if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in dims):
-        raise ValueError(f"matryoshka_dims must be positive integers, got {dims}")
-    if weights is not None:
-        weights = tuple(number("matryoshka_weights", w) for w in weights)
-        if len(weights) != len(dims):
-            raise ValueError(f"matryoshka_weights has {len(weights)} entries for {len(dims)} widths")
-    return dims, weights
+    return tuple(dims), None if weights is None else tuple(float(w) for w in weights)
 
 
 def gather_rows(*columns: Tensor) -> tuple[int, list[Tensor]]:
@@ -362,6 +354,17 @@ class Guided:
     differs from the model's (or it reads shorter inputs), the text is decoded and tokenized
     again for it, as sentence-transformers' GISTEmbedLoss does. (No class-level ``guide``: a
     module registered by ``nn.Module.__setattr__`` would be shadowed by it.)"""
+
+    #: the keyword of ``compute_loss_from_embeddings`` that takes the guide's embeddings
+    _guide_argument = "guide_embeddings"
+
+    def forward(self, sentence_features, labels=None):
+        """:class:`FastLoss`'s forward with the guide's embeddings of the same columns."""
+        features = self._features(sentence_features)
+        inputs = self._feature_inputs(features)
+        inputs[self._guide_argument] = self._guide_embeddings(features)
+        embeddings = embed_columns(self.model, features)
+        return self.compute_loss_from_embeddings(embeddings, labels, **inputs)
 
     def _init_guide(self, model, guide, what: str, guide_dropout: bool = False) -> None:
         if guide is not None and not isinstance(guide, SentenceTransformer):

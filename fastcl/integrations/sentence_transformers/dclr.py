@@ -8,7 +8,7 @@ import torch.distributed as dist
 import fastcl
 from fastcl import citations, common
 
-from ._base import FastLoss, Guided, SentenceTransformer, documented, embed_columns, gather_rows
+from ._base import FastLoss, Guided, SentenceTransformer, documented, gather_rows
 
 __all__ = ["FastDCLRLoss"]
 
@@ -82,6 +82,7 @@ class FastDCLRLoss(Guided, FastLoss):
                "formulation", "focal_m", "guide_dropout", "mask_duplicates", "gather_across_devices",
                "backend")
     _column_counts = (2, 2)
+    _guide_argument = "complementary"
 
     def __init__(self, model: SentenceTransformer, guide: SentenceTransformer | None, phi: float = common.PHI,
                  noise_ratio: float = common.NOISE_RATIO, noise_steps: int = common.NOISE_STEPS,
@@ -101,13 +102,6 @@ class FastDCLRLoss(Guided, FastLoss):
         self.formulation, self.generator = formulation, generator
         self.backend, self.chunk_size = backend, chunk_size
         self.gather_across_devices = gather_across_devices
-
-    def forward(self, sentence_features, labels=None):
-        sentence_features = self._features(sentence_features)
-        inputs = self._feature_inputs(sentence_features)
-        guide = self._guide_embeddings(sentence_features)
-        embeddings = embed_columns(self.model, sentence_features)
-        return self.compute_loss_from_embeddings(embeddings, labels, complementary=guide, **inputs)
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, complementary=None,
                                      duplicate_ids=None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastcl import citations, layout
 
-from ._base import FastLoss, Guided, SentenceTransformer, documented, embed_columns, matryoshka, number
+from ._base import FastLoss, Guided, SentenceTransformer, documented, matryoshka, number
 
 __all__ = ["FastGISTEmbedLoss"]
 
@@ -76,6 +76,7 @@ class FastGISTEmbedLoss(Guided, FastLoss):
                "focal_m", "mask_duplicates", "matryoshka_dims", "matryoshka_weights",
                "gather_across_devices", "backend")
     _local_anchor_block = True    # GISTEmbedLoss's anchor–anchor block: this process's anchors
+    _guide_argument = "guide_embeddings"
 
     def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, temperature: float = 0.01,
                  margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
@@ -102,13 +103,6 @@ class FastGISTEmbedLoss(Guided, FastLoss):
         return dict(directions=self._layout,
                     guide_margin=self.margin, margin_strategy=self.margin_strategy,
                     matryoshka_dims=self.matryoshka_dims, matryoshka_weights=self.matryoshka_weights)
-
-    def forward(self, sentence_features, labels=None):
-        features = self._features(sentence_features)
-        inputs = self._feature_inputs(features)
-        guide = self._guide_embeddings(features)
-        embeddings = embed_columns(self.model, features)
-        return self.compute_loss_from_embeddings(embeddings, labels, guide_embeddings=guide, **inputs)
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, guide_embeddings=None,
                                      duplicate_ids=None):
