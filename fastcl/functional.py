@@ -230,10 +230,10 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         guide, guide_margin, margin_strategy: the guide's filter (above).
         duplicate_ids: the texts' ids (above).
         matryoshka_dims, matryoshka_weights: the prefix widths and their weights (above).
-        backend: "auto", "reference", "tiled" or "triton". The Triton kernels do not compute
-            ``directions`` beyond ``("query_to_doc",)``, ``hardness_mode``, ``guide``,
-            ``duplicate_ids`` or ``matryoshka_dims`` yet: ``"auto"`` runs those on the tiled
-            path.
+        backend: "auto", "reference", "tiled" or "triton". The Triton kernels compute the
+            directions, hardness, guide and duplicate ids with InfoNCE, focal and the noise,
+            not ``matryoshka_dims`` nor those options beside ``hard_negative_weight`` or the
+            DCLR mask: ``"auto"`` runs those on the tiled path, ``"triton"`` refuses them.
         chunk_size: anchor rows per chunk in the tiled path (default: from a memory budget).
 
     Returns the scalar loss (float32 for 16-bit inputs); gradients flow to ``anchors``,
@@ -300,7 +300,9 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                         noise_lr=lr, noise_std=std, noise_temperature=noise_temperature,
                         generator=generator, formulation=formulation, symmetric=symmetric,
                         anchor_offset=anchor_offset,
-                        backend=_backend_for_rules(backend, anchors, rules),
+                        backend=_backend_for_rules(
+                            backend, anchors, rules, hard_negative_weight=hard_negative_weight,
+                            complementary=complementary),
                         chunk_size=chunk_size, **rules)
 
 
@@ -562,18 +564,28 @@ def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
     return tuple(out)
 
 
-def _backend_for_rules(backend, anchors, rules) -> str:
-    """The backend for a call with ``rules``: the Triton kernels do not apply them yet, so
-    ``"auto"`` takes the tiled path and ``"triton"`` is refused with the reason."""
+def _backend_for_rules(backend, anchors, rules, *, hard_negative_weight=0.0,
+                       complementary=None) -> str:
+    """The backend for a call with ``rules``: the Triton kernels apply the layout's rules,
+    the guide and the ids on InfoNCE and focal (with DCLR's noise too), not Matryoshka nor
+    the rules beside a hard-negative weight or DCLR's mask (the released formulation takes
+    no rules at all); for those ``"auto"`` takes the tiled path and ``"triton"`` is refused with the reason."""
     be = resolve_backend(backend, anchors)
-    if rules and be == "triton":
-        if backend == "triton":
-            raise ValueError("backend='triton' does not compute directions beyond "
-                             "('query_to_doc',), hardness_mode, guide, duplicate_ids or "
-                             "matryoshka_dims yet; use backend='tiled' (the same numbers, "
-                             "without the N×M matrix)")
-        be = "tiled"
-    return be
+    if not rules or be != "triton":
+        return be
+    layout_rules = set(rules) - {"matryoshka"}
+    lacking = [name for name, on in (
+        ("matryoshka_dims", "matryoshka" in rules),
+        ("hard_negative_weight", layout_rules and bool(hard_negative_weight)),
+        ("complementary (DCLR's mask)", layout_rules and complementary is not None)) if on]
+    if not lacking:
+        return be
+    if backend == "triton":
+        beside = (" beside directions beyond ('query_to_doc',), hardness_mode, guide or "
+                  "duplicate_ids" if lacking != ["matryoshka_dims"] else "")
+        raise ValueError(f"backend='triton' does not compute {' or '.join(lacking)}{beside} "
+                         "yet; use backend='tiled' (the same numbers, without the N×M matrix)")
+    return "tiled"
 
 
 def _with_rules(ep, anchors, positives, negatives, blocks, rules):

@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field, replace
 #: Triton's names for the dtypes fastcl's kernels take.
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHS = (80, 90)
-FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps", "bound"}
+FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps", "bound", "hard_beta"}
 
 #: The integer arguments of the launches compiled, by name (the kernels share their names),
 #: and whether their buffers start on a 16-byte boundary. ``aligned``: the second chunk of
@@ -63,12 +63,19 @@ FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps", "bound"}
 #: 1000 anchors of width 130 from a view one element in, with an anchor offset (the default
 #: design: the descriptor designs refuse such inputs). ``odd``: 1000 anchors of width 768,
 #: aligned buffers (what the descriptor design takes with sizes not divisible by 16).
+#: Without the layout's rules the launcher passes R_half = R and zeros for the other rule
+#: integers; with them (RULES), those of a paired chunk of MNRL's four directions with
+#: in-batch hardness: half the rows a side, the anchors block after the positives.
+_NO_RULES = dict(anchor_base=0, n_neg=0, n_noise=0, vis0=0, vis1=0, rule_bits=0, hard_mode=0,
+                 paired=0, joint=0)
+RULES_ARGS = dict(vis0=9, vis1=9, rule_bits=1, hard_mode=1, paired=1, joint=1)
 LAUNCHES = {
     "aligned": dict(aligned=True, R=4096, M=32768, D=768, DC=768, first_pos=4096, n_pos=32768,
-                    T=256),
+                    T=256, n_ck=32768, R_half=4096, **_NO_RULES),
     "unaligned": dict(aligned=False, R=1000, M=1000, D=130, DC=130, first_pos=1000,
-                      n_pos=1000, T=8),
-    "odd": dict(aligned=True, R=1000, M=1000, D=768, DC=768, first_pos=1000, n_pos=1000, T=8),
+                      n_pos=1000, T=8, n_ck=1000, R_half=1000, **_NO_RULES),
+    "odd": dict(aligned=True, R=1000, M=1000, D=768, DC=768, first_pos=1000, n_pos=1000, T=8,
+                n_ck=1000, R_half=1000, **_NO_RULES),
 }
 
 
@@ -94,7 +101,7 @@ class Spec:
         desc = self.constexprs.get("DESC")
         flags = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}"
                          for k, v in self.constexprs.items()
-                         if k not in ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "PREC", "DESC")
+                         if k not in FLAG_NAMES + ("PREC", "DESC")
                          and (k != "GROUP_R" or desc))
         return (f"{self.kernel}[{self.variant}] {self.dtype} sm_{self.arch} "
                 f"w{self.num_warps} s{self.num_stages} {flags}"
@@ -133,6 +140,9 @@ class Result:
         return not self.ok or (self.spills > 0 and not self.spills_allowed)
 
 
+#: The flags a variant's name says (left out of a specialization's name).
+FLAG_NAMES = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES", "GUIDE")
+
 #: The representative subset: every kernel and flag set, on these (arch, dtype) pairs.
 SUBSET = ((90, "bfloat16"), (80, "float32"))
 
@@ -161,12 +171,14 @@ def descriptor_supported() -> bool:
 
 def modes(f: dict, dtype: str) -> list[tuple[bool, bool]]:
     """The (store_exp, bounded) modes the similarity kernel is launched in for a flag set
-    and dtype: the bounded design where it can apply (not the released DCLR, not float16),
+    and dtype: the bounded design where it can apply (not the released DCLR, not the
+    layout's rules, not float16),
     and the two-pass design's mode (where the bound is too wide, or it cannot apply)."""
     from . import contrastive as kc
 
     two_pass = [(kc.stores_exp(f), False)]
-    return ([] if f["RELEASED"] or dtype == "float16" else [(True, True)]) + two_pass
+    bounded = not (f["RELEASED"] or f.get("RULES") or dtype == "float16")
+    return ([(True, True)] if bounded else []) + two_pass
 
 
 def candidates(archs=ARCHS, dtypes=None, design=None) -> list[Spec]:
@@ -229,7 +241,8 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
             for want_grad in (True, False):
                 specs.append(Spec(
                     "_row_kernel", variant, dtype, arch,
-                    dict(f, STORE_EXP=exp, WANT_GRAD=want_grad, TILE_M=kc.SIM_BLOCK_M, **row),
+                    dict(kc.row_flags(f), STORE_EXP=exp, WANT_GRAD=want_grad,
+                         TILE_M=kc.SIM_BLOCK_M, **row),
                     kc.ROW_BLOCK.get("num_warps", 4), 3,
                     ("g_ptr",) + (("t_ptr",) if exp else ())))
         # the bounded design's rows: loss, 1/Z and the positive's coefficient from the partials
@@ -388,13 +401,16 @@ def first_configs(specs: list[Spec]) -> list[Spec]:
 
 def _int_args(spec: Spec) -> dict:
     values = {k: v for k, v in LAUNCHES[spec.launch].items() if k != "aligned"}
-    if spec.kernel == "_similarity_kernel" and not spec.constexprs.get("MASK"):
-        values["DC"] = 0                   # the launcher passes no complementary width
+    if spec.constexprs.get("RULES"):
+        values.update(RULES_ARGS, R_half=values["R"] // 2, anchor_base=values["first_pos"])
+    second = spec.constexprs.get("MASK") or spec.constexprs.get("GUIDE")
+    if spec.kernel == "_similarity_kernel" and not second:
+        values["DC"] = values["n_ck"] = 0  # the launcher passes no complementary width
     values.update(spec.args)
     values.setdefault("scale_stride", 1)   # one weight a row (0: one scalar for all)
     for name, source in SAME_AS.items():
         values.setdefault(name, values[source])
-    if spec.kernel == "_similarity_kernel" and not spec.constexprs.get("MASK"):
+    if spec.kernel == "_similarity_kernel" and not second:
         values["stride_cq"] = values["stride_ck"] = values["D"]   # q and keys stand in
     return values
 
@@ -405,7 +421,8 @@ def _specialize(fn, spec: Spec):
     integers equal to 1 from what the launch would pass."""
     import torch
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                   "i64": torch.int64}
     aligned = LAUNCHES[spec.launch]["aligned"]
     ints = _int_args(spec)
     sig, constexprs, attrs = {}, dict(spec.constexprs), {}
@@ -416,7 +433,8 @@ def _specialize(fn, spec: Spec):
         if name.endswith("_ptr"):
             out_dtype = "fp32" if spec.dtype == "float16" else DTYPES[spec.dtype]
             kind = (DTYPES[spec.dtype] if name in spec.gemm_ptrs else
-                    out_dtype if name in spec.out_ptrs else "fp32")
+                    out_dtype if name in spec.out_ptrs else
+                    "i64" if name.endswith("_ids_ptr") else "fp32")   # duplicate ids
             sig[name] = "*" + kind
             # a buffer at a 16-byte boundary, or one element past it
             mark = _launch_specialization(torch.empty(16, dtype=torch_dtype[kind])[0 if aligned else 1:])[1]

@@ -6,7 +6,11 @@ module replaces the PyTorch epilogue with two kernels:
 ``_similarity_kernel``  a grid of R×128 tiles: s = (q·kᵀ)·inv‖q‖·inv‖k‖ accumulated over d
                         in BLOCK_D steps (fp32), the logit transform (temperature, focal,
                         hard-negative log-weight), the DCLR mask computed in the tile from the
-                        complementary embeddings, and each tile's (max, Σexp) of its rows.
+                        complementary embeddings, :mod:`fastcl.layout`'s rules (RULES: the
+                        blocks each side of a row scores and its drops from the column
+                        index, MNRL's hardness term, the text ids; GUIDE: GIST's guide
+                        cosines, a second tile product, against each row's threshold), and
+                        each tile's (max, Σexp) of its rows.
                         It stores either ``e = exp(l − tile max)`` in the GEMM dtype (where
                         the gradient needs nothing but the softmax: InfoNCE, hard negatives,
                         the paper's DCLR, the noise update) or the fp32 cosines (focal needs
@@ -15,7 +19,10 @@ module replaces the PyTorch epilogue with two kernels:
                         combines the tile partials into the row log-sum-exp, writes the row
                         loss, and turns the stored row into the gradient in place —
                         ``H_ij = ∂ℓ_i/∂s_ij · c·inv‖k_j‖`` — in one pass (two for the released
-                        DCLR, whose BCE needs Σ_j first).
+                        DCLR, whose BCE needs Σ_j first). With RULES the chunk's rows are
+                        ``[anchors; their positives]`` when a layout has a positive side:
+                        rows i and R/2 + i share one log-sum-exp (joint) or each keep
+                        their own (per direction).
 
 The two gradient GEMMs ``H K`` and ``Hᵀ(w⊙Q)`` then run on the raw inputs (cuBLAS on a
 GPU), with the row weights ``w_i = inv‖q_i‖ / (N·c)`` applied outside the 16-bit buffer:
@@ -44,11 +51,21 @@ import triton.language as tl
 
 from fastcl._switches import autotune_pinned, sim_design
 from fastcl.common import EPS
+from fastcl.layout import PLAIN, visible_blocks
 
 
 #: A cosine never exceeds 1: this value in the stored s marks a dropped in-batch negative.
 #: A constexpr: a plain module global cannot be read inside a jitted function.
 DROPPED = tl.constexpr(4.0)
+
+#: The positive column of a row that has none (the positive side of a paired row): no
+#: column index and no ``n_pos + column`` ever equals it.
+NO_POSITIVE = tl.constexpr(-(2**30))
+
+#: Bits of the kernels' ``rule_bits`` (the rules of :mod:`fastcl.layout`).
+EXCLUDE_OWN = tl.constexpr(1)     # MNRL's self and own-document exclusions
+NEG_GROUPED = tl.constexpr(2)     # negative j belongs to group j mod N_b (K a multiple of N_b)
+HAS_IDS = tl.constexpr(4)         # duplicate masking: compare the text ids
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -104,6 +121,54 @@ def _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL
         else:
             l = tl.where(dropped, float("-inf"), l)
     return l, dropped
+
+
+@triton.jit
+def _rule_rows(rows, R_half, first_pos, anchor_base):
+    """What :mod:`fastcl.layout` needs of each chunk row: its side (the rows are
+    ``[anchors; their positives]`` when paired, R_half each), its index within the side,
+    its group ``g`` (= its positive's column) and its own column's group in the anchors
+    block."""
+    side1 = rows >= R_half
+    i = tl.where(side1, rows - R_half, rows)
+    return side1, i, first_pos + i, anchor_base + i
+
+
+@triton.jit
+def _rule_columns(cols, n_pos, n_neg, n_noise, rule_bits):
+    """Each column's block (0 positives, 1 negatives, 2 noise, 3 anchors) and group
+    (``fastcl.layout.column_groups``: −1 for noise and ungrouped negatives)."""
+    first_noise = n_pos + n_neg
+    first_anchor = first_noise + n_noise
+    block = ((cols >= n_pos).to(tl.int32) + (cols >= first_noise).to(tl.int32)
+             + (cols >= first_anchor).to(tl.int32))
+    neg_group = tl.where((rule_bits & NEG_GROUPED) != 0, (cols - n_pos) % n_pos, -1)
+    group = tl.where(block == 0, cols,
+                     tl.where(block == 1, neg_group, tl.where(block == 3, cols - first_anchor, -1)))
+    return block, group
+
+
+@triton.jit
+def _rule_masks(side1, g, own_anchor, cols, block, group, vis0, vis1, rule_bits, hard_mode):
+    """The index rules of a tile (``fastcl.tiled._layout_drops``): the entries the layout
+    drops (blocks a side does not score; with EXCLUDE_OWN the anchor side's own anchor
+    column and the positive side's own documents), the entries the guide and the ids may not
+    drop (the positive on the anchor side, the own anchor on the positive side), MNRL's
+    hardness columns (anchor side; mode 1 in-batch negatives, 2 hard negatives, 3 all) and
+    the positive side's own anchor (its mirror: focal takes s² there)."""
+    side = side1[:, None]
+    vis = tl.where(side, vis1, vis0)
+    drop = ((vis >> block[None, :]) & 1) == 0
+    own_group = group[None, :] == g[:, None]
+    docs = (block <= 1)[None, :]
+    mine = (block == 3)[None, :] & (group[None, :] == own_anchor[:, None])
+    drop = drop | (tl.where(side, docs & own_group, mine) & ((rule_bits & EXCLUDE_OWN) != 0))
+    protect = tl.where(side, mine, cols[None, :] == g[:, None])
+    hard = tl.where(hard_mode == 1, docs & ~own_group,
+                    tl.where(hard_mode == 2, (block == 1)[None, :] & own_group,
+                             docs & (cols[None, :] != g[:, None])))
+    hard = hard & (hard_mode > 0) & ~side
+    return drop, protect, hard, side & mine
 
 
 @triton.jit
@@ -190,11 +255,14 @@ def _positive(cols, rows_g, POSITIVES: tl.constexpr):
 def _similarity_kernel(
     q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr,
     t_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, pos_sg_ptr,
-    R, M, D, DC, first_pos, n_pos,
+    theta_ptr, col_ids_ptr, row_ids_ptr,
+    R, M, D, DC, first_pos, n_pos, n_ck,
+    R_half, anchor_base, n_neg, n_noise, vis0, vis1, rule_bits, hard_mode,
     stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
-    inv_t, focal_m, hard_w, phi, bound,
+    inv_t, focal_m, hard_w, phi, bound, hard_beta,
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, BOUNDED: tl.constexpr, PREC: tl.constexpr,
+    POSITIVES: tl.constexpr, RULES: tl.constexpr, GUIDE: tl.constexpr,
+    STORE_EXP: tl.constexpr, BOUNDED: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     DESC: tl.constexpr, GROUP_R: tl.constexpr,
 ):
@@ -205,10 +273,10 @@ def _similarity_kernel(
     if DESC:
         q_desc = _make_descriptor(q_ptr, [R, D], [stride_q, 1], [BLOCK_R, BLOCK_D])
         k_desc = _make_descriptor(k_ptr, [M, D], [stride_k, 1], [BLOCK_M, BLOCK_D])
-        if MASK:                           # the complementary positives: n_pos rows
+        if MASK or GUIDE:                  # the complementary positives (n_pos rows), the guide's columns
             cq_desc = _make_descriptor(cq_ptr, [R, DC], [stride_cq, 1],
                                                 [BLOCK_R, BLOCK_D])
-            ck_desc = _make_descriptor(ck_ptr, [n_pos, DC], [stride_ck, 1],
+            ck_desc = _make_descriptor(ck_ptr, [n_ck, DC], [stride_ck, 1],
                                                 [BLOCK_M, BLOCK_D])
         # the store clips at the buffer's bounds: no mask
         t_desc = _make_descriptor(t_ptr, [R, M], [stride_t, 1], [BLOCK_R, BLOCK_M])
@@ -219,21 +287,26 @@ def _similarity_kernel(
     _similarity_tile(
         pid_r, pid_m, q_desc, k_desc, inv_q_ptr, inv_k_ptr, cq_desc, ck_desc,
         t_desc, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, pos_sg_ptr,
-        R, M, D, DC, first_pos, n_pos,
+        theta_ptr, col_ids_ptr, row_ids_ptr,
+        R, M, D, DC, first_pos, n_pos, n_ck,
+        R_half, anchor_base, n_neg, n_noise, vis0, vis1, rule_bits, hard_mode,
         stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
-        inv_t, focal_m, hard_w, phi, bound, FOCAL, HARD, MASK, RELEASED, POSITIVES, STORE_EXP,
-        BOUNDED, PREC, BLOCK_R, BLOCK_M, BLOCK_D, DESC)
+        inv_t, focal_m, hard_w, phi, bound, hard_beta, FOCAL, HARD, MASK, RELEASED, POSITIVES,
+        RULES, GUIDE, STORE_EXP, BOUNDED, PREC, BLOCK_R, BLOCK_M, BLOCK_D, DESC)
 
 
 @triton.jit
 def _similarity_tile(
     pid_r, pid_m, q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr,
     t_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, pos_sg_ptr,
-    R, M, D, DC, first_pos, n_pos,
+    theta_ptr, col_ids_ptr, row_ids_ptr,
+    R, M, D, DC, first_pos, n_pos, n_ck,
+    R_half, anchor_base, n_neg, n_noise, vis0, vis1, rule_bits, hard_mode,
     stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
-    inv_t, focal_m, hard_w, phi, bound,
+    inv_t, focal_m, hard_w, phi, bound, hard_beta,
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, BOUNDED: tl.constexpr, PREC: tl.constexpr,
+    POSITIVES: tl.constexpr, RULES: tl.constexpr, GUIDE: tl.constexpr,
+    STORE_EXP: tl.constexpr, BOUNDED: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr,
 ):
     """One R×128 tile of the chunk: cosines, logits, the DCLR mask, the stored tile and its
@@ -247,7 +320,12 @@ def _similarity_tile(
     GEMMs: ``H = E/Z − δ·(1 − p_ii)·slope·ginv``, with Z and p_ii per row (``_row_finish``).
     Else the (max, Σexp) partials of each tile, for the row kernel."""
     rows, cols, row_ok, col_ok = _tile_at(pid_r, pid_m, R, M, BLOCK_R, BLOCK_M)
-    rows_g = first_pos + rows              # global anchor index = its positive's column
+    if RULES:
+        # paired rows: the positive side (rows ≥ R_half) has no positive column
+        side1, i_side, g, own_anchor = _rule_rows(rows, R_half, first_pos, anchor_base)
+        rows_g = tl.where(side1, NO_POSITIVE, g)
+    else:
+        rows_g = first_pos + rows          # global anchor index = its positive's column
 
     row0 = pid_r * BLOCK_R
     col0 = pid_m * BLOCK_M
@@ -264,7 +342,7 @@ def _similarity_tile(
     l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
     # Without the mask the positives are written before e exists, so that l need not stay
     # live beside it (the mask never drops a positive; with it, that order costs registers)
-    if POSITIVES and not MASK:
+    if POSITIVES and not (MASK or RULES):
         _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
                         first_pos, M, pos_ptr, pos_sg_ptr, inv_t, FOCAL, BOUNDED, BLOCK_R, BLOCK_M)
 
@@ -274,7 +352,7 @@ def _similarity_tile(
         if DESC:
             cacc = _tile_dot_desc(cq_ptr, ck_ptr, row0, col0, DC, PREC, BLOCK_R, BLOCK_M, BLOCK_D)
         else:
-            cacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_pos, DC, stride_cq, stride_ck,
+            cacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_ck, DC, stride_cq, stride_ck,
                              PREC, BLOCK_R, BLOCK_M, BLOCK_D)
         if RELEASED:
             too_close = cacc * inv_t > 20.0 * phi      # the released code's test
@@ -291,7 +369,33 @@ def _similarity_tile(
         else:
             l = tl.where(drop, float("-inf"), l)       # paper: leaves the denominator
 
-    if POSITIVES and MASK:
+    if RULES:
+        block, group = _rule_columns(cols, n_pos, n_neg, n_noise, rule_bits)
+        drop, protect, hard, mirror = _rule_masks(side1, g, own_anchor, cols, block, group,
+                                                  vis0, vis1, rule_bits, hard_mode)
+        l = l + tl.where(hard, hard_beta * s, 0.0)     # MNRL's β·sg(s): no slope of its own
+        if FOCAL:
+            l = tl.where(mirror, s * s * inv_t, l)
+        # duplicate texts (loads masked off without ids) and, with GUIDE, the guide's
+        # cosine above the row's threshold: never the pair's own entries or the noise
+        ids_on = (rule_bits // HAS_IDS) % 2              # 0 or 1
+        col_ids = tl.load(col_ids_ptr + cols, mask=cols < M * ids_on, other=-1)
+        row_ids = tl.load(row_ids_ptr + i_side, mask=rows < R * ids_on, other=-2)
+        filtered = col_ids[None, :] == row_ids[:, None]
+        if GUIDE:
+            if DESC:
+                gacc = _tile_dot_desc(cq_ptr, ck_ptr, row0, col0, DC, PREC, BLOCK_R, BLOCK_M,
+                                      BLOCK_D)
+            else:
+                gacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_ck, DC, stride_cq, stride_ck,
+                                 PREC, BLOCK_R, BLOCK_M, BLOCK_D)
+            theta = tl.load(theta_ptr + i_side, mask=row_ok, other=0.0)
+            filtered = filtered | (gacc > theta[:, None])
+        drop = drop | (filtered & ~protect & (block != 2)[None, :])
+        s = tl.where(drop, DROPPED, s)
+        l = tl.where(drop, float("-inf"), l)
+
+    if POSITIVES and (MASK or RULES):
         _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
                         first_pos, M, pos_ptr, pos_sg_ptr, inv_t, FOCAL, BOUNDED, BLOCK_R, BLOCK_M)
     l = tl.where(col_ok[None, :], l, float("-inf"))
@@ -411,50 +515,67 @@ def _row_lse(part_max_ptr, part_sum_ptr, row, T, stride_part, BLOCK_T: tl.conste
 
 
 @triton.jit
-def _row_probs(t_ptr, part_max_ptr, row, row64, c0, M, lse, first_pos, n_pos, stride_t,
+def _row_probs(t_ptr, part_max_ptr, row, row64, c0, M, lse, scale, first_pos, n_pos, stride_t,
                stride_part, inv_t, focal_m, hard_w,
+               R_half, anchor_base, n_neg, n_noise, vis0, vis1, rule_bits, hard_mode, hard_beta,
                FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr,
-               RELEASED: tl.constexpr, POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr,
-               TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Columns [c0, c0 + BLOCK_N) of one row: their indices and bounds, the softmax p, the
-    stored cosines s (unused in exp mode) and the dropped columns, from whatever the
-    similarity kernel stored."""
+               RELEASED: tl.constexpr, POSITIVES: tl.constexpr, RULES: tl.constexpr,
+               STORE_EXP: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns [c0, c0 + BLOCK_N) of one row: their indices and bounds, ``scale`` × the
+    softmax p over ``lse``, the stored cosines s (unused in exp mode), the positive, where
+    focal's slope is 2s (the positive, and the mirror with RULES) and the dropped columns,
+    from whatever the similarity kernel stored."""
     cols = c0 + tl.arange(0, BLOCK_N)
     ok = cols < M
     x = tl.load(t_ptr + row64 * stride_t + cols, mask=ok, other=0.0).to(tl.float32)
-    rows_g = tl.full((1,), 0, tl.int32) + first_pos + row
+    rows = tl.full((1,), 0, tl.int32) + row
+    if RULES:
+        side1, i_side, g, own_anchor = _rule_rows(rows, R_half, first_pos, anchor_base)
+        rows_g = tl.where(side1, NO_POSITIVE, g)
+    else:
+        rows_g = first_pos + rows
     is_pos = _positive(cols, rows_g, POSITIVES)
+    squared = is_pos
     if STORE_EXP:
         # p = exp(l − tile max) · exp(tile max − lse); a fully masked tile has max −inf, e 0
         tile_max = tl.load(part_max_ptr + row * stride_part + cols // TILE_M, mask=ok,
                            other=float("-inf"))
-        scale = tl.where(tile_max == float("-inf"), 0.0, tl.exp(tile_max - lse))
-        p = (x * scale)[None, :]
+        p = (x * (scale * tl.where(tile_max == float("-inf"), 0.0, tl.exp(tile_max - lse))))[None, :]
         s = p                                # unused: exp mode has no slope or mask to read
         dropped = is_pos
     else:
         s = x[None, :]
         l, dropped = _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w,
-                                    FOCAL, HARD, MASK, RELEASED)
-        p = tl.exp(l - lse)
+                                    FOCAL, HARD, MASK or RULES, RELEASED)
+        if RULES:
+            block, group = _rule_columns(cols, n_pos, n_neg, n_noise, rule_bits)
+            _, _, hard, mirror = _rule_masks(side1, g, own_anchor, cols, block, group, vis0,
+                                             vis1, rule_bits, hard_mode)
+            l = l + tl.where(hard & ~dropped, hard_beta * s, 0.0)
+            if FOCAL:
+                l = tl.where(mirror & ~dropped, s * s * inv_t, l)
+                squared = squared | mirror
+        p = tl.exp(l - lse) * scale
     p = tl.where(ok[None, :], p, 0.0)
-    return cols, ok, p, s, is_pos, dropped
+    return cols, ok, p, s, is_pos, squared, dropped
 
 
 @triton.jit
 def _row_kernel(
     t_ptr, g_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, loss_ptr,
     M, T, first_pos, n_pos, stride_t, stride_g, stride_part,
-    inv_t, focal_m, hard_w,
+    R_half, paired, joint, anchor_base, n_neg, n_noise, vis0, vis1, rule_bits, hard_mode,
+    inv_t, focal_m, hard_w, hard_beta,
     FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, STORE_EXP: tl.constexpr, WANT_GRAD: tl.constexpr,
-    TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    POSITIVES: tl.constexpr, RULES: tl.constexpr, STORE_EXP: tl.constexpr,
+    WANT_GRAD: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     lse = _row_lse(part_max_ptr, part_sum_ptr, row, T, stride_part, BLOCK_T)
+    scale = 1.0
     if POSITIVES:
-        pos = tl.load(pos_ptr + row)
+        pos = tl.load(pos_ptr + row, mask=row < R_half, other=0.0)
     else:
         pos = 0.0
 
@@ -464,10 +585,11 @@ def _row_kernel(
         v_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         log_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         for c0 in range(0, M, BLOCK_N):
-            cols, ok, p, s, is_pos, dropped = _row_probs(
-                t_ptr, part_max_ptr, row, row64, c0, M, lse, first_pos, n_pos, stride_t,
-                stride_part, inv_t, focal_m, hard_w, FOCAL, HARD, MASK, RELEASED, POSITIVES,
-                STORE_EXP, TILE_M, BLOCK_N)
+            cols, ok, p, s, is_pos, squared, dropped = _row_probs(
+                t_ptr, part_max_ptr, row, row64, c0, M, lse, scale, first_pos, n_pos, stride_t,
+                stride_part, inv_t, focal_m, hard_w, R_half, anchor_base, n_neg, n_noise, vis0,
+                vis1, rule_bits, hard_mode, hard_beta, FOCAL, HARD, MASK, RELEASED, POSITIVES,
+                RULES, STORE_EXP, TILE_M, BLOCK_N)
             v_acc += tl.where(ok[None, :], _bce_v(p, is_pos), 0.0)
             log_acc += tl.where(ok[None, :] & (~is_pos), _bce_log_not(p), 0.0)
         vsum = tl.sum(tl.sum(v_acc, axis=1), axis=0)
@@ -475,21 +597,37 @@ def _row_kernel(
     else:
         vsum = 0.0
         row_loss = lse - pos
-    tl.store(loss_ptr + row, row_loss)
+        if RULES:
+            # paired: rows i and R_half + i are the two sides of loss row i, with one softmax
+            # over both (joint), or each its own, the loss the mean of the two log-sum-exps
+            # and each side's softmax halved in the gradient (per direction)
+            one_softmax = (paired != 0) & (joint != 0)
+            two_softmaxes = (paired != 0) & (joint == 0)
+            twin = tl.where(paired != 0, tl.where(row >= R_half, row - R_half, row + R_half), row)
+            lse_twin = _row_lse(part_max_ptr, part_sum_ptr, twin, T, stride_part, BLOCK_T)
+            top = tl.maximum(lse, lse_twin)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            both = top + tl.log(tl.exp(lse - top) + tl.exp(lse_twin - top))
+            row_loss = tl.where(one_softmax, both,
+                                tl.where(two_softmaxes, 0.5 * (lse + lse_twin), lse)) - pos
+            lse = tl.where(one_softmax, both, lse)
+            scale = tl.where(two_softmaxes, 0.5, 1.0)
+    tl.store(loss_ptr + row, row_loss, mask=row < R_half)    # the positive side: no loss row
 
     if WANT_GRAD:
         for c0 in range(0, M, BLOCK_N):
-            cols, ok, p, s, is_pos, dropped = _row_probs(
-                t_ptr, part_max_ptr, row, row64, c0, M, lse, first_pos, n_pos, stride_t,
-                stride_part, inv_t, focal_m, hard_w, FOCAL, HARD, MASK, RELEASED, POSITIVES,
-                STORE_EXP, TILE_M, BLOCK_N)
+            cols, ok, p, s, is_pos, squared, dropped = _row_probs(
+                t_ptr, part_max_ptr, row, row64, c0, M, lse, scale, first_pos, n_pos, stride_t,
+                stride_part, inv_t, focal_m, hard_w, R_half, anchor_base, n_neg, n_noise, vis0,
+                vis1, rule_bits, hard_mode, hard_beta, FOCAL, HARD, MASK, RELEASED, POSITIVES,
+                RULES, STORE_EXP, TILE_M, BLOCK_N)
             if RELEASED:
                 g = (_bce_v(p, is_pos) - p * vsum) * inv_t
                 g = tl.where(dropped, 0.0, g)            # a × 0 logit has no slope in s
             else:
                 g = tl.where(is_pos, p - 1.0, p)
                 if FOCAL:
-                    g = g * tl.where(is_pos, 2.0 * s, 2.0 * s + focal_m) * inv_t
+                    g = g * tl.where(squared, 2.0 * s, 2.0 * s + focal_m) * inv_t
                 else:
                     g = g * inv_t
             ginv_k = tl.load(ginv_k_ptr + cols, mask=ok, other=0.0)
@@ -613,6 +751,15 @@ SIM_CONFIGS_BY_VARIANT = {
     (90, "fp32", "focal"): [(64, 32, 8, 3)],
     (90, "fp32", "focal-hard"): [(32, 32, 8, 3)],
     (90, "fp32", "focal-hard-mask"): [(32, 16, 8, 3)],
+    # the layout's rules hold their masks beside the tile: on sm_90 128×128×32 spills in 16
+    # bits (rules); with focal or the guide every 128-row 16-bit tile spills on both targets
+    # (24–772 B), and in fp32 on sm_80 focal with the guide spills at 32×128×16 (16 B)
+    (90, "16bit", "rules"): [(128, 64, 8, 3), (64, 64, 8, 3)],
+    (80, "16bit", "focal-rules"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "focal-rules"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "focal-rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (80, "fp32", "focal-rules-guide"): [(64, 16, 8, 3)],
 }
 
 #: What the compile check tries for the default design's lists, (BLOCK_R, BLOCK_D, num_warps,
@@ -660,6 +807,8 @@ DESC_SIM_CONFIGS_BY_VARIANT = {
     (90, "16bit", "focal-hard"): [(64, 64, 8, 3, 8)],
     # fp32 DCLR mask: 32×128×16 spills 16 B in the two-pass mode
     (90, "fp32", "dclr-mask"): [(32, 32, 8, 3, 8)],
+    # focal with the layout's rules: 128×128×64 spills 552 B
+    (90, "16bit", "focal-rules"): [(64, 64, 8, 3, 8)],
 }
 
 SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
@@ -673,29 +822,43 @@ FINISH_BLOCK = ({"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET
 BOUND_SPREAD = 80.0
 
 #: Every flag set an objective launches, by name (the compile test builds each one).
+_OFF = dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True, RULES=False,
+            GUIDE=False)
 VARIANTS = {
-    "infonce": dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True),
-    "infonce-hard": dict(FOCAL=False, HARD=True, MASK=False, RELEASED=False, POSITIVES=True),
-    "focal": dict(FOCAL=True, HARD=False, MASK=False, RELEASED=False, POSITIVES=True),
-    "dclr-mask": dict(FOCAL=False, HARD=False, MASK=True, RELEASED=False, POSITIVES=True),
+    "infonce": dict(_OFF),
+    "infonce-hard": dict(_OFF, HARD=True),
+    "focal": dict(_OFF, FOCAL=True),
+    "dclr-mask": dict(_OFF, MASK=True),
     # fastcl.contrastive's combinations (noise columns and the symmetric reverse add no flag)
-    "focal-hard": dict(FOCAL=True, HARD=True, MASK=False, RELEASED=False, POSITIVES=True),
-    "focal-mask": dict(FOCAL=True, HARD=False, MASK=True, RELEASED=False, POSITIVES=True),
-    "hard-mask": dict(FOCAL=False, HARD=True, MASK=True, RELEASED=False, POSITIVES=True),
-    "focal-hard-mask": dict(FOCAL=True, HARD=True, MASK=True, RELEASED=False, POSITIVES=True),
-    "dclr-released": dict(FOCAL=False, HARD=False, MASK=False, RELEASED=True, POSITIVES=True),
-    "dclr-released-mask": dict(FOCAL=False, HARD=False, MASK=True, RELEASED=True, POSITIVES=True),
-    "noise": dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=False),
+    "focal-hard": dict(_OFF, FOCAL=True, HARD=True),
+    "focal-mask": dict(_OFF, FOCAL=True, MASK=True),
+    "hard-mask": dict(_OFF, HARD=True, MASK=True),
+    "focal-hard-mask": dict(_OFF, FOCAL=True, HARD=True, MASK=True),
+    "dclr-released": dict(_OFF, RELEASED=True),
+    "dclr-released-mask": dict(_OFF, RELEASED=True, MASK=True),
+    "noise": dict(_OFF, POSITIVES=False),
+    # fastcl.layout's rules (MNRL's directions and hardness, duplicate ids), and GIST's
+    # guide, on InfoNCE and focal
+    "rules": dict(_OFF, RULES=True),
+    "rules-guide": dict(_OFF, RULES=True, GUIDE=True),
+    "focal-rules": dict(_OFF, FOCAL=True, RULES=True),
+    "focal-rules-guide": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True),
 }
 #: The constexpr flags that make a variant.
-FLAGS = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES")
+FLAGS = tuple(_OFF)
 
 
 def flags(ep) -> dict:
     """The kernels' constexpr flags for an epilogue (one of ``VARIANTS``)."""
     return dict(FOCAL=ep.focal_m is not None, HARD=bool(ep.hard_negative_weight),
                 MASK=ep.complementary is not None, RELEASED=ep.formulation == "released",
-                POSITIVES=ep.positives)
+                POSITIVES=ep.positives, RULES=ep.sided, GUIDE=ep.guide is not None)
+
+
+def row_flags(f: dict) -> dict:
+    """The row kernel's flags: the similarity kernel's less GUIDE (the guide's filter is
+    done by then: its drops are in the stored tile)."""
+    return {k: v for k, v in f.items() if k != "GUIDE"}
 
 
 def variant_name(f: dict) -> str | None:
@@ -715,7 +878,9 @@ def sim_configs(f: dict, dtype, arch: int = 90, design: str = "") -> list[tuple]
     """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
     its name) and compute capability (90 for sm_90; an sm_80-class GPU uses 80). The
     ``descriptor`` design (``FASTCL_SIM``) has its own lists, 5-tuples ending in GROUP_R."""
-    key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit", bool(f["MASK"]))
+    # the guide's cosines take the tile the complementary model's take
+    key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit",
+           bool(f["MASK"] or f.get("GUIDE")))
     arch = 80 if arch < 90 else 90
     if design == "descriptor":
         own = DESC_SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
@@ -737,8 +902,8 @@ def _arch(device_index: int) -> int:
 
 
 _TUNED = {}
-_AUTOTUNE_KEY = ["M", "D", "DC", "FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "STORE_EXP",
-                 "BOUNDED"]
+_AUTOTUNE_KEY = ["M", "D", "DC", "FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES",
+                 "GUIDE", "STORE_EXP", "BOUNDED"]
 
 
 def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
@@ -851,8 +1016,9 @@ def logit_bound(ep, dtype: torch.dtype) -> float | None:
     DCLR's noise loss the largest noise logit, ``≥ −1/τ``; where B minus that lowest value
     passes :data:`BOUND_SPREAD` (τ below 0.025 for InfoNCE) the two-pass design runs. So
     does the released DCLR (its BCE needs each p_ij before its row sum), and float16 chunk
-    buffers (5 exponent bits: ``exp(l − B)`` flushes to zero within 17 of B)."""
-    if ep.formulation == "released" or dtype == torch.float16:
+    buffers (5 exponent bits: ``exp(l − B)`` flushes to zero within 17 of B), and the
+    layout's rules (a paired row's two sides share or split one softmax in the row kernel)."""
+    if ep.formulation == "released" or dtype == torch.float16 or ep.sided:
         return None
     inv_t = 1.0 / ep.temperature
     w = float(ep.hard_negative_weight)
@@ -866,17 +1032,63 @@ def logit_bound(ep, dtype: torch.dtype) -> float | None:
     return bound if bound - lowest <= BOUND_SPREAD else None
 
 
-def _launch_similarity(ep, c, f, store_exp, bound=None):
+_HARD_MODES = {"in_batch_negatives": 1, "hard_negatives": 2, "all_negatives": 3}
+
+
+def _rules(ep, c):
+    """The kernels' arguments for :mod:`fastcl.layout`'s rules on chunk ``c``: the integers
+    (rows a side, each side's visible blocks as bits, the column blocks' sizes,
+    ``rule_bits``, the hardness mode, whether the rows are paired and share one softmax),
+    MNRL's β, and the tensors (the ids of the columns and of the chunk's rows; the guide's
+    rows and columns in the GEMM dtype, and the rows' thresholds). Without rules: one side
+    of R rows, zeros, and stand-ins never read."""
+    if not ep.sided:
+        return (dict(R_half=c.q.shape[0], anchor_base=0, n_neg=0, n_noise=0, vis0=0, vis1=0,
+                     rule_bits=0, hard_mode=0, paired=0, joint=0), 0.0, c.inv_k, c.inv_k, None)
+    r = c.r1 - c.r0
+    n_pos, n_neg, n_noise, n_anchor = ep.blocks or (c.n_pos, c.keys.shape[0] - c.n_pos, 0, 0)
+    lay = ep.layout or PLAIN
+    mode, beta = ep.hardness or (None, 0.0)
+    ints = dict(
+        R_half=r, anchor_base=c.first_pos if n_anchor == n_pos else c.r0, n_neg=n_neg,
+        n_noise=n_noise, vis0=sum(1 << b for b in visible_blocks(lay, 0)),
+        vis1=sum(1 << b for b in visible_blocks(lay, 1)),
+        rule_bits=(EXCLUDE_OWN.value * lay.exclude_own
+                   + NEG_GROUPED.value * (n_neg > 0 and n_neg % n_pos == 0)
+                   + HAS_IDS.value * (ep.ids is not None)),
+        hard_mode=_HARD_MODES[mode] if mode is not None and beta else 0,
+        paired=int(ep.paired), joint=int(lay.joint))
+    if ep.ids is not None:
+        col_ids, row_ids = ep.ids[0], ep.ids[1][c.r0:c.r1].contiguous()
+    else:
+        col_ids = row_ids = c.inv_k              # never read (the loads are masked off)
+    guide = None
+    if ep.guide is not None:
+        rows, cols, theta = ep.guide
+        side = [rows[c.r0:c.r1]] + ([rows[c.n + c.r0:c.n + c.r1]] if ep.paired else [])
+        guide = (torch.cat(side).to(c.q.dtype).contiguous(), cols.to(c.q.dtype).contiguous(),
+                 theta[c.r0:c.r1].contiguous())
+    return ints, float(beta), col_ids, row_ids, guide
+
+
+def _launch_similarity(ep, c, f, rules, store_exp, bound=None):
     """The similarity kernel over the chunk: the stored buffer, the partials, the positives
-    (and, ``bound`` given, the bounded design's positive coefficients)."""
+    (and, ``bound`` given, the bounded design's positive coefficients). ``rules``: what
+    :func:`_rules` returns."""
     R, d = c.q.shape
     M = c.keys.shape[0]
     if M >= MAX_CANDIDATES:
         raise ValueError(f"{M} candidates: the Triton kernels take fewer than {MAX_CANDIDATES} "
                          "(32-bit offsets inside a tile); use backend='tiled'")
     dev = c.q.device
+    ints, beta, col_ids, row_ids, guide = rules
+    ints = {k: v for k, v in ints.items() if k not in ("paired", "joint")}   # the row kernel's
+    theta = c.inv_q                        # read with GUIDE only
     if f["MASK"]:
         cq, ck = c.comp_q, c.comp_k
+        dc = cq.shape[1]
+    elif f["GUIDE"]:
+        cq, ck, theta = guide
         dc = cq.shape[1]
     else:
         cq, ck, dc = c.q, c.keys, 0        # never read
@@ -911,10 +1123,13 @@ def _launch_similarity(ep, c, f, store_exp, bound=None):
     tuned_before = None if tuned is None else len(kernel.cache)
     kernel[grid](
         c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos, c.ginv_k, pos_sg,
-        R, M, d, dc, c.first_pos, c.n_pos,
-        c.q.stride(0), c.keys.stride(0), cq.stride(0), ck.stride(0), t.stride(0), tiles,
-        1.0 / ep.temperature, float(ep.focal_m or 0.0), float(ep.hard_negative_weight),
-        float(ep.phi or 0.0), float(bound or 0.0),
+        theta, col_ids, row_ids,
+        R, M, d, dc, c.first_pos, c.n_pos, ck.shape[0] if dc else 0, **ints,
+        stride_q=c.q.stride(0), stride_k=c.keys.stride(0), stride_cq=cq.stride(0),
+        stride_ck=ck.stride(0), stride_t=t.stride(0), stride_part=tiles,
+        inv_t=1.0 / ep.temperature, focal_m=float(ep.focal_m or 0.0),
+        hard_w=float(ep.hard_negative_weight), phi=float(ep.phi or 0.0), bound=float(bound or 0.0),
+        hard_beta=beta,
         PREC=_precision(c.q.dtype), STORE_EXP=store_exp, BOUNDED=bound is not None,
         BLOCK_M=SIM_BLOCK_M, **f, **extra)
     if tuned is not None:
@@ -931,8 +1146,9 @@ def triton_chunk(ep, c, want_grad):
     program per row over its R×M stored row."""
     f = flags(ep)
     bound = logit_bound(ep, c.q.dtype)
+    rules = _rules(ep, c)
     if bound is not None:
-        t, _, part_sum, pos, pos_coef = _launch_similarity(ep, c, f, True, bound)
+        t, _, part_sum, pos, pos_coef = _launch_similarity(ep, c, f, rules, True, bound)
         R = t.shape[0]
         inv_z = torch.empty(R, dtype=torch.float32, device=t.device)
         _row_finish_kernel[(triton.cdiv(R, FINISH_BLOCK["BLOCK_R"]),)](
@@ -942,16 +1158,20 @@ def triton_chunk(ep, c, want_grad):
             return None
         return t, inv_z, pos_coef if f["POSITIVES"] else None
     store_exp = stores_exp(f)
-    t, part_max, part_sum, pos, _ = _launch_similarity(ep, c, f, store_exp)
+    t, part_max, part_sum, pos, _ = _launch_similarity(ep, c, f, rules, store_exp)
     R, M = t.shape
+    ints, beta = rules[:2]
     # exp mode: the gradient overwrites the stored row in place; else a GEMM-dtype buffer
     g = t if store_exp else (torch.empty(R, M, dtype=c.q.dtype, device=t.device)
                              if want_grad else t)
     _row_kernel[(R,)](
         t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out,
         M, part_max.shape[1], c.first_pos, c.n_pos, t.stride(0), g.stride(0), part_max.stride(0),
-        1.0 / ep.temperature, float(ep.focal_m or 0.0), float(ep.hard_negative_weight),
-        STORE_EXP=store_exp, WANT_GRAD=want_grad, TILE_M=SIM_BLOCK_M, **f, **ROW_BLOCK)
+        **ints,
+        inv_t=1.0 / ep.temperature, focal_m=float(ep.focal_m or 0.0),
+        hard_w=float(ep.hard_negative_weight), hard_beta=beta,
+        STORE_EXP=store_exp, WANT_GRAD=want_grad, TILE_M=SIM_BLOCK_M, **row_flags(f),
+        **ROW_BLOCK)
     return g if want_grad else None
 
 

@@ -82,11 +82,12 @@ def test_the_reference_is_a_leaf_only_functional_uses():
 
 
 def test_kernels_know_nothing_of_the_rest():
-    # the switches, and the numerics every path shares (EPS: where a norm counts as clamped)
+    # the switches, and the leaves every path shares: the numerics (EPS: where a norm counts
+    # as clamped) and the layout's rules
     for name, deps in MODULES.items():
         if name.startswith("fastcl.kernels"):
-            assert deps <= {"fastcl._switches", "fastcl.common", "fastcl.kernels.contrastive"}, \
-                (name, deps)
+            assert deps <= {"fastcl._switches", "fastcl.common", "fastcl.layout",
+                            "fastcl.kernels.contrastive"}, (name, deps)
 
 
 def test_no_import_cycles():

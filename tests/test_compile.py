@@ -88,9 +88,10 @@ def test_every_variant_and_kernel_is_covered(subset):
     for positives in (0, 1):
         assert ("_row_finish_kernel", f"positives={positives}", "bfloat16", 90) in seen
     # the bounded design beside the two-pass one, for every flag set but the released DCLR
+    # and the layout's rules
     bounded = {r["spec"]["variant"] for r in results
                if r["spec"]["kernel"] == "_similarity_kernel" and r["spec"]["constexprs"]["BOUNDED"]}
-    assert bounded == {v for v, f in VARIANTS.items() if not f["RELEASED"]}
+    assert bounded == {v for v, f in VARIANTS.items() if not (f["RELEASED"] or f["RULES"])}
     # every kernel and flag set again as an unaligned launch builds it
     unaligned = {(r["spec"]["kernel"], r["spec"]["variant"]) for r in results
                  if r["spec"]["launch"] == "unaligned"}
@@ -176,11 +177,15 @@ def test_launch_specialization_is_tritons():
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    from fastcl.kernels.compile_check import LAUNCHES
+    # the layout's integers are zeros without its rules (multiples of 16 at any launch)
+    zeros = {n for n, v in LAUNCHES["unaligned"].items() if v == 0 and n not in ("aligned",)}
     for launch, marked in (("aligned", True), ("unaligned", False)):
         sig = out[launch]["sig"]
         args = {n for n, t in sig.items() if t == "i32" or t.startswith("*")}
         assert {"q_ptr", "k_ptr", "t_ptr", "stride_q", "M"} <= args
-        assert set(out[launch]["marked"]) == (args if marked else set()), launch
+        assert zeros & args and zeros & args <= set(out[launch]["marked"]), launch
+        assert set(out[launch]["marked"]) - zeros == ((args - zeros) if marked else set()), launch
         assert all(v == [["tt.divisibility", 16]] for v in out[launch]["marked"].values())
     assert out["tangent1"] == ["constexpr", 1]
     assert out["tangent0"] == ["i32", None]
@@ -332,6 +337,7 @@ def test_engine_flags_are_known_variants():
     """Every objective launches a flag set the compile check covers."""
     import torch
     from fastcl.kernels.contrastive import VARIANTS, flags
+    from fastcl.layout import gist
     from fastcl.tiled import Epilogue
     c = (torch.ones(2, 3), torch.ones(2, 3))
     eps = [Epilogue(0.05), Epilogue(0.05, hard_negative_weight=1.0), Epilogue(0.05, focal_m=0.3),
@@ -342,7 +348,12 @@ def test_engine_flags_are_known_variants():
            Epilogue(0.05, focal_m=0.3, hard_negative_weight=1.0),
            Epilogue(0.05, focal_m=0.3, phi=0.9, complementary=c),
            Epilogue(0.05, hard_negative_weight=1.0, phi=0.9, complementary=c),
-           Epilogue(0.05, focal_m=0.3, hard_negative_weight=1.0, phi=0.9, complementary=c)]
+           Epilogue(0.05, focal_m=0.3, hard_negative_weight=1.0, phi=0.9, complementary=c),
+           # fastcl.layout's rules (the ids and hardness add no flag), and GIST's guide
+           Epilogue(0.05, layout=gist(False, False), blocks=(2, 0, 0, 0), ids=(c[0], c[0])),
+           Epilogue(0.05, focal_m=0.3, hardness=("hard_negatives", 1.0)),
+           Epilogue(0.05, layout=gist(), guide=(c[0], c[0], c[0][0])),
+           Epilogue(0.05, focal_m=0.3, layout=gist(), guide=(c[0], c[0], c[0][0]))]
     assert sorted(map(str, (flags(ep) for ep in eps))) == sorted(map(str, VARIANTS.values()))
 
 

@@ -420,6 +420,13 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
         _call(batch, combo, "tiled", noise_steps=1)
     for combo in RELEASED:
         _call(batch, combo, "tiled", formulation="released", noise_steps=1)
+    # fastcl.layout's rules, with and without focal and GIST's guide
+    guide = (batch.comp[0], batch.comp[0], None, None)
+    for focal in (None, 0.3):
+        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal,
+                           directions=("query_to_doc", "doc_to_query"))
+        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal,
+                           directions=fastcl.layout.gist(), guide=guide)
     launched = {tuple(sorted(flags(ep).items())) for ep in seen}
     known = {tuple(sorted(v.items())) for v in VARIANTS.values()}
     assert launched <= known, launched - known

@@ -418,6 +418,7 @@ def test_real_files_load_completely():
 
 
 @needs_data
+@pytest.mark.slow   # the whole STS-B dev through MiniLM (28 s); test_evaluate_cli scores it on slices
 def test_minilm_on_stsb_dev():
     encoder, tokenizer = load_encoder(minilm_path(), "avg")
     result = ev.evaluate(encoder, tokenizer, None, DATA, ["stsb-dev", "sts12"], batch_size=128)

@@ -310,7 +310,13 @@ def _gather_cases(model, guide, gather):
     }
 
 
-def _gather_worker(rank, port, out, path):
+#: The default run's gather cases: each loss plain or cached, and MNRL's and GIST's options
+#: (``pytest -m slow`` runs all 13).
+GATHER_DEFAULT = ("infonce-hard", "focal", "dclr", "escl", "cached-infonce", "cached-dclr",
+                  "infonce-directions", "cached-infonce-per-direction", "gist")
+
+
+def _gather_worker(rank, port, out, path, names=None):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -321,6 +327,8 @@ def _gather_worker(rank, port, out, path):
     results = {}
     one = _gather_cases(model, guide, gather=False)
     for name, (make, columns) in _gather_cases(model, guide, gather=True).items():
+        if names is not None and name not in names:
+            continue
         want_loss, want = loss_and_grads(model, one[name][0](), columns)  # one process, whole batch
         loss, _ = loss_and_grads(model, make(), [c[rows] for c in columns], seed=rank)
         for p in model.parameters():  # averaged over processes, as DistributedDataParallel does
@@ -338,16 +346,18 @@ def _gather_worker(rank, port, out, path):
     dist.destroy_process_group()
 
 
-def test_gather_across_devices_two_processes_equal_one(tmp_path):
+@pytest.mark.parametrize("names", [pytest.param(GATHER_DEFAULT, id="default"),
+                                   pytest.param(None, id="all", marks=pytest.mark.slow)])
+def test_gather_across_devices_two_processes_equal_one(tmp_path, names):
     import torch.multiprocessing as mp
     path = model_path()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_gather_worker, args=(port, str(tmp_path), path), nprocs=WORLD, join=True)
+    mp.spawn(_gather_worker, args=(port, str(tmp_path), path, names), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         results = torch.load(tmp_path / f"rank{rank}.pt")
-        assert len(results) == 13
+        assert len(results) == (13 if names is None else len(names))
         for name, r in results.items():
             assert r["loss"] == pytest.approx(r["want_loss"], rel=1e-5, abs=1e-6), (name, rank)
             assert r["keys"] and r["scale"] > 1e-3, (name, rank)

@@ -143,15 +143,6 @@ def test_options_are_checked_where_the_loss_is_built(model):
         fastcl.contrastive(*_embeddings(2), directions="query_to_doc")
 
 
-def test_triton_refuses_what_its_kernels_lack_and_auto_runs_tiled():
-    a, p = _embeddings(2)
-    kw = dict(directions=("query_to_doc", "query_to_query"))
-    with pytest.raises(ValueError, match="backend='triton' does not compute directions"):
-        fastcl.contrastive(a.float(), p.float(), backend="triton", **kw)   # the interpreter here
-    torch.testing.assert_close(fastcl.contrastive(a, p, backend="auto", **kw),
-                               fastcl.contrastive(a, p, backend="reference", **kw))
-
-
 # ---------------------------------------------------------------------------------------
 # GISTEmbedLoss
 
@@ -175,8 +166,8 @@ def _masked_share(model, guide_model, columns, margin):
 
 
 @pytest.mark.parametrize("backend,strategy,margin", [
-    ("tiled", "absolute", 0.0), ("tiled", "absolute", 0.05), ("tiled", "relative", 0.1),
-    ("reference", "absolute", 0.05)])
+    pytest.param("tiled", "absolute", 0.0, marks=pytest.mark.slow), ("tiled", "absolute", 0.05),
+    ("tiled", "relative", 0.1), ("reference", "absolute", 0.05)])
 def test_gist_equals_gistembedloss(model, other_guide, strategy, margin, backend):
     """Every contrast flag with pairs and triplets: loss and parameter gradients."""
     model.eval()
@@ -226,6 +217,36 @@ def test_gist_needs_its_guide(model):
         FastGISTEmbedLoss(model, model).compute_loss_from_embeddings(_embeddings(2), None)
     with pytest.raises(ValueError, match="margin_strategy"):
         FastGISTEmbedLoss(model, model, margin_strategy="ratio")
+
+
+def test_the_drop_ins_on_the_triton_kernels(model, other_guide):
+    """The Triton backend (the interpreter on a CPU-only machine) with MNRL's options, GIST's
+    filter and duplicate masking, plain and cached: the model's loss and parameter gradients
+    equal sentence-transformers' losses (tests/test_triton.py holds the kernels to the
+    reference over every option)."""
+    model.eval()
+    triplets = [ANCHORS, POSITIVES, NEGATIVES]
+    kw = dict(directions=tuple(DIRECTIONS), hardness_mode="in_batch_negatives", hardness_strength=2.0)
+    want = loss_and_grads(model, MultipleNegativesRankingLoss(model, 10.0, **kw), triplets)
+    assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, backend="triton", **kw), triplets),
+                want, f"{kw}")
+    cached = loss_and_grads(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4, backend="triton", **kw),
+                            triplets)
+    assert_same(cached, loss_and_grads(model, CachedMultipleNegativesRankingLoss(
+        model, 10.0, mini_batch_size=4, **kw), triplets), "cached")
+    gist = dict(temperature=0.05, margin=0.05)
+    want = loss_and_grads(model, GISTEmbedLoss(model, other_guide, **gist), triplets)
+    assert_same(loss_and_grads(model, FastGISTEmbedLoss(model, other_guide, backend="triton", chunk_size=4,
+                                                        **gist), triplets), want, "gist")
+    assert_same(loss_and_grads(model, CachedFastGISTEmbedLoss(model, other_guide, mini_batch_size=4,
+                                                              backend="triton", **gist), triplets),
+                loss_and_grads(model, CachedGISTEmbedLoss(model, other_guide, mini_batch_size=4, **gist),
+                               triplets), "cached gist")
+    duplicated = list(_duplicated_batch())
+    want = loss_and_grads(model, FastInfoNCELoss(model, 10.0, mask_duplicates=True, backend="reference"),
+                          duplicated)
+    assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, mask_duplicates=True, backend="triton"),
+                               duplicated), want, "duplicates")
 
 
 # ---------------------------------------------------------------------------------------

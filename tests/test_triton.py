@@ -5,6 +5,8 @@ those tests use small shapes that hit every tile edge. The GPU tests (skipped wi
 CUDA) add larger shapes, bf16, a batch far beyond N×M memory, and determinism.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -475,3 +477,206 @@ def test_bounded_design_keeps_a_tiny_loss_exact():
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=0)
     for g, rg in zip(got_g, ref_g):
         torch.testing.assert_close(g.double(), rg, rtol=1e-3, atol=1e-3 * rg.abs().max().item())
+
+
+# --------------------------------------------------------------------------- layout rules
+# fastcl.layout's rules in the kernels (RULES, GUIDE): MNRL's directions, partition modes and
+# hardness, GIST's blocks and guide filter, duplicate ids, with focal and DCLR's noise,
+# against the reference (values and gradients, fp32). Rows i and N + i of a paired chunk are
+# a row's two sides; N = 19 with chunks of 5 leaves a short last chunk, M = 38 or more
+# crosses the interpreter's 16-wide column tiles.
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+def _rule_case(n, k, d, directions, partition="joint", hardness=None, focal=None, guide=None,
+               ids=False, noise=False):
+    return dict(shape=(n, k, d), directions=directions, partition=partition, hardness=hardness,
+                focal=focal, guide=guide, ids=ids, noise=noise)
+
+
+def _rule_cases():
+    """Every directions set and partition with each hardness mode, and GIST's four block
+    sets with both margin strategies, each with and without focal, ids and noise."""
+    from fastcl import layout
+    sets = [("query_to_doc",) + extra for r in range(4)
+            for extra in itertools.combinations(ALL_DIRECTIONS[1:], r)]
+    cases = []
+    for dirs in sets:
+        modes = ["joint"] + (["per_direction"] if set(dirs) <= {"query_to_doc", "doc_to_query"} else [])
+        for mode, hardness, focal, ids in itertools.product(
+                modes, [None, "in_batch_negatives", "hard_negatives", "all_negatives"],
+                [None, 0.3], [False, True]):
+            for shape in ((7, 1, 12), (19, 0, 24), (5, 2, 7)):
+                cases.append(_rule_case(*shape, dirs, mode, hardness, focal, ids=ids))
+    for anchors, positives in itertools.product([True, False], repeat=2):
+        for guide, focal, ids, noise in itertools.product(
+                [(0.0, "absolute"), (0.1, "absolute"), (0.1, "relative")], [None, 0.3],
+                [False, True], [False, True]):
+            for shape in ((7, 1, 12), (19, 0, 24), (5, 2, 7)):
+                cases.append(_rule_case(*shape, layout.gist(anchors, positives), focal=focal,
+                                        guide=guide, ids=ids, noise=noise))
+    return cases
+
+
+#: The default run's cases: each directions set, partition mode, hardness mode and GIST block
+#: set at least once, with and without focal, ids, the guide's strategies and noise, at each
+#: shape (``pytest -m slow`` runs every case of ``_rule_cases``).
+def _covering():
+    from fastcl import layout
+    q2d, q2q, d2q, d2d = ALL_DIRECTIONS
+    return [
+        _rule_case(7, 1, 12, (q2d, q2q), hardness="in_batch_negatives", ids=True),
+        _rule_case(19, 0, 24, (q2d, d2q), "per_direction", hardness="hard_negatives", focal=0.3),
+        _rule_case(5, 2, 7, (q2d, d2q), "joint", hardness="all_negatives"),
+        _rule_case(19, 0, 24, (q2d, d2d), focal=0.3, ids=True),
+        _rule_case(7, 1, 12, ALL_DIRECTIONS, hardness="in_batch_negatives", focal=0.3),
+        _rule_case(5, 2, 7, (q2d, q2q, d2q), "joint", hardness="hard_negatives", ids=True),
+        _rule_case(19, 0, 24, (q2d,), hardness="all_negatives", noise=True),
+        _rule_case(7, 1, 12, layout.gist(), guide=(0.1, "absolute"), ids=True),
+        _rule_case(19, 0, 24, layout.gist(), guide=(0.1, "relative"), focal=0.3, noise=True),
+        _rule_case(5, 2, 7, layout.gist(False, False), guide=(0.0, "absolute"), focal=0.3),
+        _rule_case(7, 1, 12, layout.gist(True, False), guide=(0.1, "relative"), noise=True),
+        _rule_case(19, 0, 24, layout.gist(False, True), guide=(0.0, "absolute"), ids=True),
+    ]
+
+
+def _rule_id(case):
+    dirs = case["directions"]
+    name = ("+".join(d.replace("_to_", "2")[0] + d.split("_to_")[1][0] for d in dirs)
+            if isinstance(dirs, tuple) else f"gist{int(dirs.anchor_to_anchors)}{int(dirs.positive_to_positives)}")
+    extras = [case["partition"] if case["partition"] != "joint" else "",
+              (case["hardness"] or "").split("_")[0], "focal" if case["focal"] else "",
+              "guide-%s-%s" % case["guide"] if case["guide"] else "", "ids" if case["ids"] else "",
+              "noise" if case["noise"] else ""]
+    return "-".join([name] + [e for e in extras if e]) + "-N%dK%dd%d" % case["shape"]
+
+
+def _rule_inputs(case, device=DEVICE, clustered=False):
+    """Embeddings (anchors, positives, K hard negatives a row), the guide's (8 wide), text
+    ids in 3 classes (many duplicates) and the keyword arguments of ``fastcl.contrastive``.
+    ``clustered``: guide rows in 4 tight clusters, so that no guide cosine lies near a
+    threshold (at N = 1000 a random guide has entries within rounding of θ, which a 16-bit
+    guide GEMM, or another summation order, may put on the other side)."""
+    from fastcl import layout
+    n, k, d = case["shape"]
+    g = torch.Generator().manual_seed(n * 100 + d)
+    base = torch.randn(n, d, generator=g)
+    a, p = base, base + 0.7 * torch.randn(n, d, generator=g)
+    neg = torch.cat([base + 1.2 * torch.randn(n, d, generator=g) for _ in range(k)]) if k else None
+    lay = case["directions"]
+    lay = lay if isinstance(lay, layout.Layout) else layout.from_directions(lay, case["partition"])
+    kw = dict(temperature=0.1, directions=lay, focal_m=case["focal"])
+    if case["hardness"]:
+        kw.update(hardness_mode=case["hardness"], hardness_strength=0.8)
+    if case["guide"]:
+        gb = (torch.nn.functional.one_hot(torch.arange(n) % 4, 8).float() if clustered
+              else torch.randn(n, 8, generator=g))
+        spread = (0.01, 0.01) if clustered else (0.3, 0.5)
+        guide = [gb + spread[0] * torch.randn(n, 8, generator=g) for _ in range(2)]
+        guide.append(torch.cat([gb + spread[1] * torch.randn(n, 8, generator=g) for _ in range(k)])
+                     if k else None)
+        kw.update(guide=tuple(guide) + (None,), guide_margin=case["guide"][0],
+                  margin_strategy=case["guide"][1])
+    if case["ids"]:
+        ids = [torch.randint(0, 3, (size,), generator=g) for size in (n, n * k, n)]
+        kw.update(duplicate_ids=(ids[0], ids[1] if k else None, ids[2] if lay.scores_anchors else None))
+    if case["noise"]:
+        kw.update(noise=torch.randn(3, d, generator=g), noise_steps=0)
+    kw = {key: (v.to(device) if isinstance(v, torch.Tensor) else
+                tuple(x if x is None else x.to(device) for x in v) if isinstance(v, tuple) and key in ("guide", "duplicate_ids")
+                else v) for key, v in kw.items()}
+    leaves = [x.to(device).requires_grad_() for x in (a, p) + ((neg,) if k else ())]
+    return leaves, kw
+
+
+def _compare_rules(case, chunk=5, dtype=torch.float32, device=DEVICE):
+    """Triton (inputs in ``dtype``) against the float32 reference on the same rounded
+    inputs: fp32 to FP32; 16-bit loss to BF16's rtol, gradients to its share of their
+    largest entry."""
+    leaves, kw = _rule_inputs(case, device, clustered=device == "cuda")
+    low = [x.detach().to(dtype).requires_grad_() for x in leaves]
+    wide = [x.detach().float().requires_grad_() for x in low]
+    ref = loss_and_grads(lambda: fastcl.contrastive(*wide, backend="reference", **kw), wide)
+    got = loss_and_grads(lambda: fastcl.contrastive(*low, backend="triton", chunk_size=chunk, **kw), low)
+    exact = dtype == torch.float32
+    torch.testing.assert_close(got[0], ref[0], **(FP32 if exact else dict(atol=0, rtol=BF16["rtol"])))
+    for g, rg in zip(got[1], ref[1]):
+        tol = FP32 if exact else dict(atol=BF16["grad_frac"] * rg.abs().max().item(), rtol=0)
+        torch.testing.assert_close(g.float(), rg, **tol)
+
+
+@pytest.mark.parametrize("case", _covering(), ids=_rule_id)
+def test_layout_rules_match_the_reference(case):
+    _compare_rules(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _rule_cases(), ids=_rule_id)
+def test_every_layout_rule_matches_the_reference(case):
+    _compare_rules(case)
+
+
+@pytest.mark.parametrize("case", [_covering()[4], _covering()[8]], ids=_rule_id)
+def test_descriptor_design_layout_rules(case, descriptor):
+    """The rules through descriptors: d = 24 and the guide's 8-wide rows are aligned."""
+    _compare_rules(case)
+    assert set(descriptor) == {descriptor.design}
+
+
+def test_rules_refused_beside_what_the_kernels_lack():
+    """Matryoshka, and the rules beside a hard-negative weight or DCLR's mask: refused on
+    backend='triton' with the reason, run tiled by 'auto'."""
+    a, p, x = (t.detach() for t in inputs(5, 5, 12, torch.float32))
+    kw = dict(directions=("query_to_doc", "query_to_query"))
+    for extra, name in ((dict(hard_negative_weight=0.5), "hard_negative_weight"),
+                        (dict(complementary=(a, p), phi=0.5), "complementary")):
+        with pytest.raises(ValueError, match=f"backend='triton' does not compute {name}"):
+            fastcl.contrastive(a, p, x, backend="triton", **kw, **extra)
+        torch.testing.assert_close(fastcl.contrastive(a, p, x, backend="auto", **kw, **extra),
+                                   fastcl.contrastive(a, p, x, backend="reference", **kw, **extra))
+    with pytest.raises(ValueError, match="backend='triton' does not compute matryoshka_dims yet"):
+        fastcl.contrastive(a, p, backend="triton", matryoshka_dims=(6,))
+
+
+#: Every covering case in bf16; in fp32 and fp16 the paired ones, with and without focal
+#: and the guide (each flag set, its own autotune list).
+GPU_RULES = ([(i, torch.bfloat16) for i in range(len(_covering()))]
+             + [(i, torch.float32) for i in (1, 4, 8, 9)] + [(i, torch.float16) for i in (4, 8)])
+
+
+@needs_gpu
+@pytest.mark.parametrize("index,dtype", GPU_RULES, ids=[f"{i}-{str(d)[6:]}" for i, d in GPU_RULES])
+def test_gpu_layout_rules(index, dtype):
+    """The covering cases at N = 1000 (chunks of 384 rows: a short last one), d = 384."""
+    case = dict(_covering()[index], shape=(1000, _covering()[index]["shape"][1], 384))
+    _compare_rules(case, chunk=384, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("guided", [False, True], ids=["mnrl", "gist"])
+def test_layout_rules_on_a_slice_of_the_batch(guided):
+    """One process's rows of a gathered batch (``anchor_offset``, the whole batch's anchors
+    as the anchors block, ids of every column): MNRL's four directions, or GIST's blocks and
+    guide."""
+    from fastcl import layout
+    g = torch.Generator().manual_seed(11)
+    n_b, n, offset, d = 12, 5, 4, 20
+    batch = torch.randn(n_b, d, generator=g)
+    a_all, p_all = batch, batch + 0.7 * torch.randn(n_b, d, generator=g)
+    a = a_all[offset:offset + n].clone().requires_grad_()
+    p, cands = p_all.clone().requires_grad_(), a_all.clone().requires_grad_()
+    ids = torch.randint(0, 4, (n_b,), generator=g)
+    kw = dict(temperature=0.1, anchor_offset=offset, anchor_candidates=cands,
+              duplicate_ids=(ids, None, torch.randint(0, 4, (n_b,), generator=g)))
+    if guided:
+        gb = torch.randn(n_b, 8, generator=g)
+        kw.update(directions=layout.gist(), guide=(gb[offset:offset + n] + 0.3 * torch.randn(n, 8, generator=g),
+                                                   gb + 0.3 * torch.randn(n_b, 8, generator=g), None, gb),
+                  guide_margin=0.05, focal_m=0.3)
+    else:
+        kw.update(directions=ALL_DIRECTIONS, hardness_mode="in_batch_negatives", hardness_strength=0.5)
+    leaves = [a, p, cands]
+    ref = loss_and_grads(lambda: fastcl.contrastive(a, p, backend="reference", **kw), leaves)
+    got = loss_and_grads(lambda: fastcl.contrastive(a, p, backend="triton", chunk_size=2, **kw), leaves)
+    torch.testing.assert_close(got[0], ref[0], **FP32)
+    for x, y in zip(got[1], ref[1]):
+        torch.testing.assert_close(x, y, **FP32)
