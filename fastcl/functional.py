@@ -859,7 +859,8 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
               temperature: float = common.TEMPERATURE, weight: float = common.ESCL_WEIGHT,
               rd: Literal["softplus", "margin"] = common.ESCL_RD,
               margins: tuple[float, float] = common.ESCL_MARGINS, anchor_offset: int | None = None,
-              backend: Backend = "auto", chunk_size: int | None = None) -> Tensor:
+              duplicate_ids: Tensor | None = None, backend: Backend = "auto",
+              chunk_size: int | None = None) -> Tensor:
     r"""ESCL: InfoNCE plus a relative-difference term on a high-dropout "sensitive" view.
 
     .. math:: L = \mathrm{InfoNCE}(h, h^+) + \lambda\,\frac{1}{2N}\sum_i\sum_{h'\in\{h,h^+\}}
@@ -871,6 +872,9 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
     ``relu(Δ + a) + relu(−Δ − b)`` with ``Δ = cos(h', h⁻) − cos(h, h⁺)`` and
     ``(a, b) = margins``. The sensitive view is a training-time device only.
     ``anchor_offset``: as in :func:`infonce` (``sensitive`` holds the anchors' own rows).
+    ``duplicate_ids``: the positives' text ids (N_b,): the InfoNCE term drops every positive
+    with the same text as the row's own (:func:`contrastive`'s ``duplicate_ids``); the RD term
+    pairs row i with its own views only.
 
     Reference: Liu et al., "Equivariant Contrastive Learning for Sentence Embeddings"
     (ESCL), ICASSP 2023.
@@ -885,6 +889,15 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
         raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
     margins = (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
     chunk_size = check.chunk_size(chunk_size)
+    if duplicate_ids is not None:
+        with common.autocast_off(anchors.device):
+            own_positives = positives[anchor_offset:anchor_offset + anchors.shape[0]]
+            return (contrastive(anchors, positives, temperature=temperature,
+                                anchor_offset=anchor_offset, duplicate_ids=(duplicate_ids,),
+                                backend=backend, chunk_size=chunk_size)
+                    + weight * common.relative_difference(anchors, own_positives, sensitive,
+                                                          temperature=temperature, rd=rd,
+                                                          margins=margins))
     be = resolve_backend(backend, anchors)
     with common.autocast_off(anchors.device):
         return _escl(anchors, positives, sensitive, temperature, weight, rd, margins,

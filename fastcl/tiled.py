@@ -734,7 +734,7 @@ def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):
     (one node of the graph, shapes from its fake kernel), where it can be one."""
     from .common import autocast_off
     with autocast_off(anchors.device):
-        if torch.compiler.is_compiling() and not ep.sided:
+        if torch.compiler.is_compiling():
             return _as_op(ep, engine, anchors, candidates)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (anchors, *candidates)):
             return TiledContrastive.apply(ep, engine, anchors, *candidates)
@@ -746,7 +746,8 @@ def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):
 # --------------------------------------------------------------------------- custom op
 # For torch.compile: the driver as one opaque op (its chunk loop and host-side choices never
 # traced), its gradient computed in the forward as TiledContrastive does, backward a scale.
-# The epilogue travels as schema types; the layout's rules (ep.sided) are not among them.
+# The epilogue travels as schema types: the layout as bits, its blocks as sizes, the hardness
+# as "mode:β", the guide's and the ids' tensors as lists.
 
 def _engine_by_name(name: str):
     if name == "triton":
@@ -765,21 +766,31 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
                          complementary: list[torch.Tensor], temperature: float,
                          focal_m: float | None, hard_negative_weight: float, phi: float,
                          formulation: str, anchor_offset: int, chunk_size: int | None,
-                         matryoshka: str, engine: str, need: int, scan: bool
+                         matryoshka: str, layout: int, blocks: list[int], hardness: str,
+                         guide: list[torch.Tensor], ids: list[torch.Tensor], engine: str,
+                         need: int, scan: bool
                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(loss, ∂L/∂anchors, [∂L/∂candidates…])`` of :func:`contrastive_forward` (empty
     tensors where ``need``, a bit per input, says no). ``matryoshka``: ``"d:w,d:w…"`` or "".
-    ``scan``: test the inputs for NaN/Inf here (the traced caller could not read them)."""
+    The layout's rules: ``layout`` (:func:`_layout_bits`, −1 for none), ``blocks``
+    (``[N_b, K, K_z, N_a]``, zeros for none: sizes, so that another batch size is no new
+    graph), ``hardness`` (``"mode:β"`` or ""), ``guide`` (rows, columns, θ, or none),
+    ``ids`` (columns, rows, or none). ``scan``: test the inputs for NaN/Inf here (the traced
+    caller could not read them)."""
     need = _bits(need, 1 + len(candidates))
     if scan:
         for name, x in (("anchors", anchors), *((f"candidates[{i}]", c) for i, c in enumerate(candidates))):
             if not bool(torch.isfinite(x).all()):
                 raise ValueError(f"fastcl.tiled_contrastive: {name} contains NaN or Inf values")
+    mode, _, beta = hardness.partition(":")
     ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
                   phi=phi if complementary else None,
                   complementary=tuple(complementary) if complementary else None,
                   formulation=formulation, anchor_offset=anchor_offset, chunk_size=chunk_size,
-                  matryoshka=_widths(matryoshka))
+                  matryoshka=_widths(matryoshka), layout=_layout_of(layout),
+                  blocks=tuple(blocks) if any(blocks) else None,
+                  hardness=(mode, float(beta)) if mode else None,
+                  guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None)
     loss, grads = contrastive_forward(ep, anchors, tuple(candidates), need, engine=_engine_by_name(engine))
     empty = lambda x: x.new_empty(0, dtype=_grad_dtype(x.dtype))  # noqa: E731
     # the candidates' gradients are views of one M×d tensor; an op's outputs may not alias
@@ -792,6 +803,23 @@ def _bits(mask: int, count: int) -> list[bool]:
     return [bool(mask >> i & 1) for i in range(count)]
 
 
+#: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
+_LAYOUT_FIELDS = ("anchor_to_anchors", "positive_to_anchors", "positive_to_positives",
+                  "positive_to_negatives", "exclude_own", "joint")
+
+
+def _layout_bits(layout: Layout | None) -> int:
+    if layout is None:
+        return -1
+    return sum(1 << i for i, name in enumerate(_LAYOUT_FIELDS) if getattr(layout, name))
+
+
+def _layout_of(bits: int) -> Layout | None:
+    if bits < 0:
+        return None
+    return Layout(**dict(zip(_LAYOUT_FIELDS, _bits(bits, len(_LAYOUT_FIELDS)))))
+
+
 def _widths(text: str):
     """``"d:w,d:w…"`` as ``((d…), (w…))``; "" as None (the op's schema has no nested types)."""
     if not text:
@@ -802,7 +830,8 @@ def _widths(text: str):
 
 @tiled_contrastive_op.register_fake
 def _(anchors, candidates, complementary, temperature, focal_m, hard_negative_weight, phi,
-      formulation, anchor_offset, chunk_size, matryoshka, engine, need, scan):
+      formulation, anchor_offset, chunk_size, matryoshka, layout, blocks, hardness, guide, ids,
+      engine, need, scan):
     need = _bits(need, 1 + len(candidates))
 
     def grad(x, want):
@@ -816,7 +845,10 @@ def _op_setup(ctx, inputs, output):
     ctx.save_for_backward(dq, *dks)
     ctx.need = _bits(inputs[-2], 1 + len(inputs[1]))
     ctx.dtypes = [inputs[0].dtype] + [c.dtype for c in inputs[1]]
-    ctx.complementary = len(inputs[2])
+    # the structure of the inputs, which backward's result repeats: a tensor list's length,
+    # or None (the blocks, a list of sizes, are one leaf)
+    ctx.lists = [len(x) if isinstance(x, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in x)
+                 else None for x in inputs]
 
 
 def _op_backward(ctx, grad_loss, grad_dq, grad_dks):
@@ -828,9 +860,10 @@ def _op_backward(ctx, grad_loss, grad_dq, grad_dks):
     dq, *dks = ctx.saved_tensors
     scaled = [None if not want else (g * grad_loss.to(g.dtype)).to(dtype)
               for g, want, dtype in zip([dq, *dks], ctx.need, ctx.dtypes)]
-    # one entry per input: anchors, the candidates and the complementary pair (lists), and
-    # nothing for the 11 numbers and strings
-    return (scaled[0], scaled[1:], [None] * ctx.complementary) + (None,) * 11
+    # one entry per input, a list for a list: the anchors' and the candidates' gradients,
+    # nothing for the rest (the complementary pair, the guide and the ids: lists of None)
+    return tuple(scaled[0] if i == 0 else scaled[1:] if i == 1 else None if n is None else [None] * n
+                 for i, n in enumerate(ctx.lists))
 
 
 tiled_contrastive_op.register_autograd(_op_backward, setup_context=_op_setup)
@@ -846,6 +879,9 @@ def _as_op(ep: Epilogue, engine, anchors, candidates):
         anchors, list(candidates), list(ep.complementary or ()), float(ep.temperature),
         None if ep.focal_m is None else float(ep.focal_m), float(ep.hard_negative_weight),
         float(ep.phi or 0.0), ep.formulation, int(ep.anchor_offset), ep.chunk_size, widths,
+        _layout_bits(ep.layout), list(ep.blocks or (0, 0, 0, 0)),
+        "" if ep.hardness is None else f"{ep.hardness[0]}:{float(ep.hardness[1])!r}",
+        list(ep.guide or ()), list(ep.ids or ()),
         "triton" if engine is not torch_chunk else "torch", need, _validation._CHECK_FINITE)
     return loss
 

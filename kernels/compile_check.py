@@ -212,9 +212,11 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
     fp32 on sm_80; ``full``: every dtype on every arch; ``rest``: the full matrix less the
     subset. ``launches``: the aligned large-batch launch, and (unless ``full`` or ``rest``)
     the same specializations as an unaligned launch (odd sizes for the descriptor design).
-    The default subset takes all of the default design's aligned launches (what every call
-    runs: each config of each list must compile without spills), and covering subsets
-    (``pairwise``) of the rest: of the descriptor design's aligned launches (the candidate
+    The default subset takes the default design's aligned launches (what every call runs)
+    in the first config of each list for every flag set and mode, and each config of each
+    list at least once on each target (``exhaustive``: every config with every flag set; each
+    must compile without spills), and covering subsets (``pairwise``) of the rest: of the
+    descriptor design's aligned launches (the candidate
     FASTCL_SIM=descriptor: each flag set on each target, every pair of flag set, mode and
     target, each config of its lists on each target) and of the unaligned launches (their
     first configs: every kernel, flag set, mode and design, each flag set in each design on
@@ -268,7 +270,12 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
     covered = full or rest or exhaustive
     aligned = specs if "aligned" in launches else []
     if aligned and not covered:
-        aligned = [s for s in aligned if not s.constexprs.get("DESC")] + pairwise(
+        # the default design: every flag set and mode in the first config of its list (the
+        # largest tile, the likeliest to spill), and each config of each list at least once
+        # on each target (the full product: the slow test, --exhaustive)
+        default = [s for s in aligned if not s.constexprs.get("DESC")]
+        firsts = first_configs(default)
+        aligned = firsts + [s for s in pairwise(default, configs=True) if s not in firsts] + pairwise(
             [s for s in aligned if s.constexprs.get("DESC")], configs=True)
     if "unaligned" in launches and not (full or rest):
         # the subset again for odd sizes and unaligned views: they must compile too (the

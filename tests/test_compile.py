@@ -8,15 +8,15 @@ GPU needed), each as a launch specializes it (aligned large-batch arguments; the
 also odd, unaligned ones), and reads ptxas's report; these tests run it in a separate process
 (the kernels must be the jitted ones, and this process may have ``TRITON_INTERPRET=1``) and
 fail on any compile error, or on a register spill in the aligned launch. The default run
-covers every kernel, flag set, mode and config in use (bf16 on sm_90, fp32 on sm_80), and on
-covering subsets (``compile_check.pairwise``) the similarity kernel's candidate design
+covers every kernel, flag set and mode in use in the first config of its list, and each
+config of each list at least once (bf16 on sm_90, fp32 on sm_80), and on covering subsets (``compile_check.pairwise``) the similarity kernel's candidate design
 (``FASTCL_SIM=descriptor``: each flag set on each target, each config of its lists there)
 and the unaligned launches (every kernel, flag set, mode and design; each flag set in each
 design on each target). The other dtypes on both targets
 compile the same way, the first config of each list (``--rest --first-config --pairwise``).
 The ``slow`` test (``pytest -m slow``) compiles what those two leave out: every config and
-mode of every dtype on both targets, and of the unaligned launches, and the descriptor
-design's every config with every flag set.
+mode of every dtype on both targets with every flag set, of the unaligned launches, and of
+the descriptor design.
 """
 
 import json

@@ -286,7 +286,7 @@ def _gather_cases(model, guide, gather):
         # worker seeds differently on each rank; rank 0's noise is the one every rank uses
         "dclr": (lambda: FastDCLRLoss(model, guide, phi=0.6, noise_ratio=1.5, noise_steps=2,
                                       temperature=0.5, **kw), two),
-        "escl": (lambda: FastESCLLoss(model, weight=0.5, **kw), two),
+        "escl": (lambda: FastESCLLoss(model, weight=0.5, mask_duplicates=True, **kw), two),
         "cached-infonce": (lambda: CachedFastInfoNCELoss(model, 10.0, mini_batch_size=3, **kw), three),
         "cached-focal": (lambda: CachedFastFocalInfoNCELoss(model, m=0.4, mini_batch_size=3, **kw), three),
         "cached-dclr": (lambda: CachedFastDCLRLoss(model, guide, phi=0.6, noise_ratio=1.5, noise_steps=2,

@@ -28,8 +28,8 @@ from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
     MultipleNegativesRankingLoss)
 
 from fastcl.integrations.sentence_transformers import (  # noqa: E402
-    CachedFastDCLRLoss, CachedFastGISTEmbedLoss, CachedFastInfoNCELoss, FastDCLRLoss,
-    FastFocalInfoNCELoss, FastGISTEmbedLoss, FastInfoNCELoss)
+    CachedFastDCLRLoss, CachedFastESCLLoss, CachedFastGISTEmbedLoss, CachedFastInfoNCELoss,
+    FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastGISTEmbedLoss, FastInfoNCELoss)
 from fastcl.integrations.sentence_transformers._base import text_ids  # noqa: E402
 from test_st_cached import (ANCHORS, NEGATIVES, POSITIVES, assert_same, features,  # noqa: E402,F401
                             guide, load_model, loss_and_grads, model)
@@ -308,6 +308,8 @@ def test_duplicates_every_loss_plain_and_cached(model, guide):
         "dclr": (lambda **k: FastDCLRLoss(model, guide, phi=0.8, noise_steps=1, generator=gen(), **k),
                  lambda **k: CachedFastDCLRLoss(model, guide, phi=0.8, noise_steps=1, generator=gen(),
                                                 mini_batch_size=3, **k)),
+        "escl": (lambda **k: FastESCLLoss(model, weight=0.5, **k),
+                 lambda **k: CachedFastESCLLoss(model, weight=0.5, mini_batch_size=3, **k)),
         "gist": (lambda **k: FastGISTEmbedLoss(model, guide, temperature=0.05, margin=-0.5, **k),
                  lambda **k: CachedFastGISTEmbedLoss(model, guide, temperature=0.05, margin=-0.5,
                                                      mini_batch_size=3, **k)),

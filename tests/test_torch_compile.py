@@ -26,6 +26,9 @@ def _inputs(n=24, d=16, k=24):
 COMP = (torch.randn(24, 8, generator=torch.Generator().manual_seed(4)),
         torch.randn(24, 8, generator=torch.Generator().manual_seed(5)))
 
+IDS = torch.arange(40) % 7
+GUIDE = torch.randn(40, 8, generator=torch.Generator().manual_seed(6))
+
 CASES = {
     "infonce": lambda a, p, x, be: fastcl.infonce(a, p, backend=be),
     "hard": lambda a, p, x, be: fastcl.infonce(a, p, x, hard_negative_weight=0.5, backend=be),
@@ -34,6 +37,16 @@ CASES = {
     "symmetric": lambda a, p, x, be: fastcl.contrastive(a, p, symmetric=True, focal_m=0.2, backend=be),
     "matryoshka": lambda a, p, x, be: fastcl.contrastive(a, p, x, matryoshka_dims=(16, 8, 4),
                                                          backend="tiled"),
+    # fastcl.layout's rules: MNRL's four directions with hardness and duplicate ids; GIST's
+    # blocks and guide with focal
+    "directions": lambda a, p, x, be: fastcl.contrastive(
+        a, p, x, directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
+        hardness_mode="in_batch_negatives", hardness_strength=0.5,
+        duplicate_ids=(IDS[:a.shape[0]], IDS[:x.shape[0]], IDS[:a.shape[0]]), backend=be),
+    "gist": lambda a, p, x, be: fastcl.contrastive(
+        a, p, x, directions=fastcl.layout.gist(), guide=(GUIDE[:a.shape[0]], GUIDE[:p.shape[0]],
+                                                         GUIDE[:x.shape[0]], None),
+        guide_margin=0.05, focal_m=0.3, backend=be),
 }
 
 
@@ -51,7 +64,7 @@ def test_no_graph_break_inside_the_losses(name, backend):
     assert explained.graph_count == 1
 
 
-@pytest.mark.parametrize("name", ["infonce", "hard", "focal", "matryoshka"])
+@pytest.mark.parametrize("name", ["infonce", "hard", "focal", "matryoshka", "directions", "gist"])
 def test_compiled_equals_eager_and_compiles_once_for_every_batch_size(name):
     dynamo.reset()
     counter = CompileCounter()
@@ -90,13 +103,14 @@ def test_aot_autograd_through_the_op_and_its_nan_test():
 
 def test_the_op_refuses_double_backward():
     a, p, _ = _inputs()
-    loss = fastcl.tiled.tiled_contrastive_op(a, [p], [], 0.05, None, 0.0, 0.0, "paper", 0, None, "",
-                                             "torch", 0b11, True)[0]
+    plain = ("", -1, [0, 0, 0, 0], "", [], [])   # no Matryoshka, layout, blocks, hardness, guide, ids
+    loss = fastcl.tiled.tiled_contrastive_op(a, [p], [], 0.05, None, 0.0, 0.0, "paper", 0, None,
+                                             *plain, "torch", 0b11, True)[0]
     (g,) = torch.autograd.grad(loss, a)
     torch.testing.assert_close(loss, fastcl.infonce(a, p, backend="tiled"))
     with pytest.raises(RuntimeError, match="differentiated twice"):
         loss = fastcl.tiled.tiled_contrastive_op(a, [p], [], 0.05, None, 0.0, 0.0, "paper", 0, None,
-                                                 "", "torch", 0b11, True)[0]
+                                                 *plain, "torch", 0b11, True)[0]
         torch.autograd.grad(loss, a, create_graph=True)
 
 
@@ -110,7 +124,9 @@ def test_sentence_transformers_losses_trace_without_a_break(tmp_path):
     model = st.SentenceTransformer(str(make_tiny_model(tmp_path / "bert")), device="cpu")
     a, p, x = _inputs()
     for loss in (FastInfoNCELoss(model, backend="tiled"),
-                 FastInfoNCELoss(model, matryoshka_dims=(16, 8), backend="tiled")):
+                 FastInfoNCELoss(model, matryoshka_dims=(16, 8), backend="tiled"),
+                 FastInfoNCELoss(model, directions=("query_to_doc", "query_to_query", "doc_to_query"),
+                                 hardness_mode="all_negatives", hardness_strength=1.0, backend="tiled")):
         dynamo.reset()
         explained = dynamo.explain(lambda a, p, x: loss.compute_loss_from_embeddings([a, p, x]))(a, p, x)
         assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]

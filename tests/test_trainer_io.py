@@ -391,11 +391,10 @@ def test_the_recipes_are_package_data():
 
 def test_mask_duplicates_follows_the_sampler(tmp_path):
     """simcse-sup masks duplicate texts where its batches may hold them (the plain sampler);
-    its default no_duplicates sampler keeps them out already; escl does not take the option."""
+    its default no_duplicates sampler keeps them out already; every method takes the option."""
     base = ["--model", "m", "--data", "d", "--output-dir", str(tmp_path / "o")]
     assert parse(base + ["--method", "simcse-sup"]).mask_duplicates is False
     assert parse(base + ["--method", "simcse-sup", "--batch-sampler", "batch_sampler"]).mask_duplicates is True
     assert parse(base + ["--method", "simcse"]).mask_duplicates is False
     assert parse(base + ["--method", "simcse", "--mask-duplicates"]).mask_duplicates is True
-    with pytest.raises(SystemExit):
-        parse(base + ["--method", "escl", "--mask-duplicates"])
+    assert parse(base + ["--method", "escl", "--mask-duplicates"]).mask_duplicates is True

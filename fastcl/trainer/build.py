@@ -139,8 +139,7 @@ def build_loss(args, model, device: str | None = None):
     if cached:
         kw["mini_batch_size"] = args.mini_batch_size
     method = args.method
-    if method != "escl":
-        kw["mask_duplicates"] = bool(args.mask_duplicates)
+    kw["mask_duplicates"] = bool(args.mask_duplicates)
     if method in ("simcse", "simcse-sup"):
         cls = st.CachedFastInfoNCELoss if cached else st.FastInfoNCELoss
         loss = cls(model, scale=1.0 / args.temperature, hard_negative_weight=args.hard_negative_weight,

@@ -35,7 +35,7 @@ SUPERVISED = ("simcse-sup",)
 METHOD_OPTIONS = {
     "hard_negative_weight": (("simcse-sup",), 0.0),
     "focal_m": (("simcse", "simcse-sup", "dclr"), None),
-    "mask_duplicates": (("simcse", "simcse-sup", "dclr", "focal"), None),   # see resolve_args
+    "mask_duplicates": (METHODS, None),   # see resolve_args
     "phi": (("dclr",), None),
     "noise_ratio": (("dclr",), None),
     "noise_steps": (("dclr",), common.NOISE_STEPS),
@@ -241,8 +241,7 @@ def build_parser(prog: str = "fastcl-train") -> argparse.ArgumentParser:
                    help="drop every candidate whose text equals that of the anchor's positive (a "
                         "duplicate sentence is no negative; default: on for simcse-sup with "
                         "--batch-sampler batch_sampler, whose batches may repeat a text; off where "
-                        "a no_duplicates sampler keeps repeats out, and for simcse, dclr and "
-                        "focal; escl does not take it)")
+                        "a no_duplicates sampler keeps repeats out, and for the unsupervised methods)")
     g.add_argument("--hard-negative-weight", type=float, default=None,
                    help="simcse-sup: log-weight added to each anchor's hard-negative logit (default 0)")
     g.add_argument("--phi", type=float, default=None,
@@ -341,7 +340,7 @@ def resolve_args(parser, args) -> argparse.Namespace:
         args.batch_sampler = "no_duplicates" if supervised else "batch_sampler"
     if args.mask_duplicates is None and args.method in METHOD_OPTIONS["mask_duplicates"][0]:
         # a no_duplicates sampler already keeps a text from appearing twice in a batch (and
-        # the mask would move the loss off the fused GPU kernels, which do not compare ids)
+        # the ids cost a comparison per entry; with DCLR's guide mask they take the tiled path)
         args.mask_duplicates = supervised and args.batch_sampler == "batch_sampler"
     if args.save_steps is None:
         args.save_steps = args.eval_steps if args.sts_dir else 250

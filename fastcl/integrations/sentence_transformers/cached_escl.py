@@ -37,7 +37,8 @@ class CachedFastESCLLoss(Cached, FastESCLLoss):
         model: the SentenceTransformer model to train.
         temperature, weight, rd, sensitive_dropout: as :class:`FastESCLLoss`.
         {cached_args}
-        gather_across_devices, margins, backend, chunk_size: as :class:`FastESCLLoss`.
+        gather_across_devices, margins, backend, chunk_size, mask_duplicates: as
+            :class:`FastESCLLoss`.
 
     Inputs:
         {inputs}
@@ -63,10 +64,10 @@ class CachedFastESCLLoss(Cached, FastESCLLoss):
                  sensitive_dropout: float = common.SENSITIVE_DROPOUT, *, mini_batch_size: int = 32,
                  show_progress_bar: bool = False, gather_across_devices: bool = False,
                  margins: tuple[float, float] = common.ESCL_MARGINS, backend: str = "auto",
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, mask_duplicates: bool = False):
         FastESCLLoss.__init__(self, model, temperature, weight, rd, sensitive_dropout, backend=backend,
                               chunk_size=chunk_size, gather_across_devices=gather_across_devices,
-                              margins=margins)
+                              margins=margins, mask_duplicates=mask_duplicates)
         self._init_cache(mini_batch_size, show_progress_bar)
 
     def _views(self, sentence_features):

@@ -38,6 +38,8 @@ class FastESCLLoss(FastLoss):
         gather_across_devices: contrast each anchor with the positives of every process
             (see :mod:`fastcl.integrations.sentence_transformers`).
         margins: ``(a, b)`` of ``rd="margin"``.
+        mask_duplicates: drop every candidate whose text equals that of the anchor's
+            positive (the texts' token ids, hashed before the forward) from the InfoNCE term.
 
     Inputs:
         {inputs}
@@ -60,16 +62,17 @@ class FastESCLLoss(FastLoss):
         {example}
     """
 
-    _config = ("temperature", "weight", "rd", "margins", "sensitive_dropout", "gather_across_devices",
-               "backend")
+    _config = ("temperature", "weight", "rd", "margins", "sensitive_dropout", "mask_duplicates",
+               "gather_across_devices", "backend")
     _column_counts = (2, 2)
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  weight: float = common.ESCL_WEIGHT, rd: str = common.ESCL_RD,
                  sensitive_dropout: float = common.SENSITIVE_DROPOUT, backend: str = "auto",
                  chunk_size: int | None = None, gather_across_devices: bool = False,
-                 margins: tuple[float, float] = common.ESCL_MARGINS):
+                 margins: tuple[float, float] = common.ESCL_MARGINS, mask_duplicates: bool = False):
         super().__init__(model)
+        self.mask_duplicates = bool(mask_duplicates)
         if not 0.0 <= sensitive_dropout < 1.0:
             raise ValueError(f"sensitive_dropout must lie in [0, 1), got {sensitive_dropout}")
         self.temperature, self.weight, self.rd, self.margins = temperature, weight, rd, margins
@@ -78,20 +81,25 @@ class FastESCLLoss(FastLoss):
 
     def forward(self, sentence_features, labels=None):
         sentence_features = self._features(sentence_features)
+        inputs = self._feature_inputs(sentence_features)
         embeddings = embed_columns(self.model, sentence_features)
         with dropout_rate(self.model, self.sensitive_dropout):
             sensitive = self.model(dict(sentence_features[0]))["sentence_embedding"]
-        return self.compute_loss_from_embeddings([*embeddings, sensitive], labels)
+        return self.compute_loss_from_embeddings([*embeddings, sensitive], labels, **inputs)
 
-    def compute_loss_from_embeddings(self, embeddings, labels=None):
+    def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
         anchors, positives, sensitive = self._columns(
             embeddings, f"{type(self).__name__} (with the sensitive view)", 3, 3)
         kw = dict(temperature=self.temperature, weight=self.weight, rd=self.rd, margins=self.margins,
                   backend=self.backend, chunk_size=self.chunk_size)
+        ids = self._ids(duplicate_ids)
         if not self._gathering():
-            return fastcl.escl_loss(anchors, positives, sensitive, **kw)
-        offset, (positives,) = gather_rows(positives)
-        return fastcl.escl_loss(anchors, positives, sensitive, anchor_offset=offset, **kw)
+            return fastcl.escl_loss(anchors, positives, sensitive,
+                                    duplicate_ids=None if ids is None else ids[1], **kw)
+        extra = [ids[1][:, None]] if ids is not None else []
+        offset, (positives, *rest) = gather_rows(positives, *extra)
+        return fastcl.escl_loss(anchors, positives, sensitive, anchor_offset=offset,
+                                duplicate_ids=rest[0][:, 0] if rest else None, **kw)
 
     @property
     def citation(self) -> str:
