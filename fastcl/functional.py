@@ -889,24 +889,15 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
         raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
     margins = (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
     chunk_size = check.chunk_size(chunk_size)
-    if duplicate_ids is not None:
-        with common.autocast_off(anchors.device):
-            own_positives = positives[anchor_offset:anchor_offset + anchors.shape[0]]
-            return (contrastive(anchors, positives, temperature=temperature,
-                                anchor_offset=anchor_offset, duplicate_ids=(duplicate_ids,),
-                                backend=backend, chunk_size=chunk_size)
-                    + weight * common.relative_difference(anchors, own_positives, sensitive,
-                                                          temperature=temperature, rd=rd,
-                                                          margins=margins))
     be = resolve_backend(backend, anchors)
     with common.autocast_off(anchors.device):
         return _escl(anchors, positives, sensitive, temperature, weight, rd, margins,
-                     anchor_offset, be, chunk_size)
+                     anchor_offset, be, chunk_size, duplicate_ids)
 
 
 def _escl(anchors, positives, sensitive, temperature, weight, rd, margins, anchor_offset, be,
-          chunk_size):
-    if be == "reference":
+          chunk_size, duplicate_ids=None):
+    if be == "reference" and duplicate_ids is None:
         return reference.escl_loss(anchors, positives, sensitive, temperature=temperature,
                                    weight=weight, rd=rd, margins=margins,
                                    anchor_offset=anchor_offset)
@@ -914,5 +905,9 @@ def _escl(anchors, positives, sensitive, temperature, weight, rd, margins, ancho
     own_positives = positives[anchor_offset:anchor_offset + anchors.shape[0]]
     rd_term = common.relative_difference(anchors, own_positives, sensitive,
                                             temperature=temperature, rd=rd, margins=margins)
+    if duplicate_ids is not None:   # the InfoNCE term with the ids, checked, on any backend
+        return contrastive(anchors, positives, temperature=temperature, anchor_offset=anchor_offset,
+                           duplicate_ids=(duplicate_ids,), backend=be,
+                           chunk_size=chunk_size) + weight * rd_term
     ep = Epilogue(temperature, chunk_size=chunk_size, anchor_offset=anchor_offset)
     return tiled.contrastive_loss(ep, anchors, positives, engine=_engine(be)) + weight * rd_term

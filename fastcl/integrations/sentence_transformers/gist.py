@@ -76,7 +76,6 @@ class FastGISTEmbedLoss(Guided, FastLoss):
                "focal_m", "mask_duplicates", "matryoshka_dims", "matryoshka_weights",
                "gather_across_devices", "backend")
     _local_anchor_block = True    # GISTEmbedLoss's anchor–anchor block: this process's anchors
-    _guide_argument = "guide_embeddings"
 
     def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, temperature: float = 0.01,
                  margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
