@@ -4,16 +4,17 @@
 # (torch 2.10/2.11, the H200 machine's). Run inside an activated venv with fastcl installed
 # (.ci/run's): each Triton goes alone (`--no-deps`: the venv's CPU torch serves) into a
 # temporary folder that shadows the venv's Triton on PYTHONPATH. On each:
-#   - the compile check, aligned launch, first config of each similarity list, on a covering
-#     subset (`--aligned-only --first-config --pairwise`): every kernel, flag set, mode and
-#     design through that Triton's code generator and ptxas on bf16 sm_90 and fp32 sm_80 (the
-#     default SUBSET): each flag set on each target in the default design, and every pair of
-#     flag set, target, mode and design values at least once (compile_check.pairwise; about
-#     a third of the product, e.g. 79 specializations of 168 on 3.6); a compile error fails,
+#   - the compile check, aligned launch, the design fastcl launches, first config of each
+#     similarity list, on a covering subset (`--aligned-only --default-design --first-config
+#     --pairwise`): every kernel, flag set and mode through that Triton's code generator and
+#     ptxas on bf16 sm_90 and fp32 sm_80 (the default SUBSET): each flag set on each target,
+#     and every pair of flag set, target and mode values at least once
+#     (compile_check.pairwise: 84 specializations); a compile error fails,
 #     register spills are reported (`--allow-spills`: the kept lists are chosen spill-free on
 #     the newest Triton, which tests/test_compile.py checks); left to the newest Triton: the
 #     other configs of each list, the rest of the product, the unaligned and odd launches,
-#     the other dtypes;
+#     the other dtypes, and the candidate descriptor design (FASTCL_SIM=descriptor; a design
+#     that is promoted joins this check);
 #   - the two tests of the compile check's adaptation to that Triton (the launch marks, and
 #     that they reach the compiled kernel);
 # (The interpreter tests on the floor are not run: Triton 3.1's interpreter refuses a
@@ -51,10 +52,10 @@ import triton
 assert os.path.realpath(triton.__file__).startswith(os.path.realpath(sys.argv[1])), triton.__file__
 print(f"Triton {triton.__version__} from {os.path.dirname(triton.__file__)}")
 EOF
-    step "Triton $version: compile check (aligned launch, first config of each list, pairwise)"
+    step "Triton $version: compile check (aligned launch, default design, first config of each list, pairwise)"
     log="$tmp/compile-$version.txt"
-    if ! PYTHONPATH="$path" python -m fastcl.kernels.compile_check --aligned-only --first-config --pairwise \
-            --allow-spills --jobs "$jobs" > "$log" 2>&1; then
+    if ! PYTHONPATH="$path" python -m fastcl.kernels.compile_check --aligned-only --default-design \
+            --first-config --pairwise --allow-spills --jobs "$jobs" > "$log" 2>&1; then
         grep -E -A6 "ERROR|SPILLS|Traceback" "$log" || tail -n 40 "$log"
         tail -n 1 "$log"
         exit 1

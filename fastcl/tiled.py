@@ -584,7 +584,6 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     if ep.complementary is not None:
         comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
                 for x in ep.complementary]
-    inv_t = 1.0 / ep.temperature
     row_bytes = m * torch.finfo(acc).bits // 8 * (len(dims) + 3 + (ep.focal_m is not None))
     rows = rows_per_chunk(n, m, ep, row_bytes, device.type, 16, _free_bytes(device))
     for r0 in range(0, n, rows):
@@ -597,48 +596,22 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
         if comp is not None:
             drop = _mm(comp[0][r0:r1], comp[1].T, acc) >= ep.phi
             drop[ar, diag] = False
-        dots, scaled = None, []
+        dots, product, scaled = None, None, []
         row_c = torch.zeros(r, len(dims), dtype=acc, device=device)
         for k, (lo, hi) in enumerate(bands):
-            part = _mm(q[:, lo:hi], keys[:, lo:hi].T, acc)
-            dots = part if dots is None else dots.add_(part)
-            del part
-            # every pass over the R×M slice counts (they, not the GEMMs, bound the time):
-            # the logits straight from the dots, the softmax from one fused log-sum-exp
-            if ep.focal_m is not None:
-                s = torch.mul(dots, inv_q[r0:r1, k, None]).mul_(inv_k[None, :, k])
-                logits = (s + ep.focal_m).mul_(s)
-                logits[ar, diag] = s[ar, diag].square()
-                logits.mul_(inv_t)
+            if dots is None:
+                dots = _mm(q[:, lo:hi], keys[:, lo:hi].T, acc)
             else:
-                logits = torch.mul(dots, (inv_q[r0:r1, k] * inv_t)[:, None]).mul_(inv_k[None, :, k])
-            if ep.hard_negative_weight:
-                logits[ar, n_pos + diag] += ep.hard_negative_weight
-            if drop is not None:
-                logits[:, :n_pos].masked_fill_(drop, float("-inf"))
-            pos = logits[ar, diag].clone()
-            # the row log-sum-exp by hand (torch's makes four passes on a CPU) and the
-            # softmax's 1/Σ folded into the row factor below: e = exp(l − max), p = e/Σ
-            row_max = logits.amax(dim=1, keepdim=True)
-            e = logits.sub_(row_max).exp_()
-            total = e.sum(dim=1)
-            row_loss[r0:r1] += weights[k] * (row_max.squeeze(1) + total.log() - pos)
-            # Ã^k = ∂L/∂s^k /(‖q^k‖‖k^k‖) with ∂L/∂s^k = w_k (p − δ) g'(s)/N
-            row = inv_q[r0:r1, k] * (weights[k] * inv_t / n)
-            if ep.focal_m is not None:
-                a = e.mul_((1.0 / total)[:, None])
-                a[ar, diag] -= 1.0
-                slope = s.mul_(2.0).add_(ep.focal_m)
-                slope[ar, diag] -= ep.focal_m
-                a.mul_(slope).mul_(row[:, None]).mul_(inv_k[None, :, k])
-                del s, slope
-            else:
-                a = e.mul_((row / total)[:, None]).mul_(inv_k[None, :, k])
-                a[ar, diag] -= row * inv_k[diag, k]
-            # Σ_j ∂L/∂s_ij · s_ij = Σ_j Ã_ij D_ij (the radial terms of the chain rule)
-            row_c[:, k] = torch.linalg.vecdot(a, dots, dim=1)
-            col_c[:, k] += torch.linalg.vecdot(a, dots, dim=0)
+                _accumulate_mm(dots, q[:, lo:hi], keys[:, lo:hi].T)
+            a = torch.empty(r, m, dtype=acc, device=device)
+            for s0 in range(0, r, EPILOGUE_ROWS):
+                s1 = min(r, s0 + EPILOGUE_ROWS)
+                product = _matryoshka_rows(ep, weights[k], n, n_pos, dots[s0:s1], a[s0:s1],
+                                           inv_q[r0 + s0:r0 + s1, k], inv_k[:, k], diag[s0:s1],
+                                           None if drop is None else drop[s0:s1], product,
+                                           row_loss[r0 + s0:r0 + s1], row_c[s0:s1, k], col_c[:, k])
             scaled.append(a)
+        del product
         # the widest width down: B = Σ_{k ≥ band} Ã^k, one GEMM per band and gradient
         total_b = None
         for k in reversed(range(len(bands))):
@@ -669,6 +642,60 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     else:
         grads += [None] * len(candidates)
     return loss, grads
+
+
+# rows of a chunk that one pass of Matryoshka's epilogue takes: its dozen elementwise passes
+# then run on slices that stay in the cache, and only the dots and Ã cross to memory
+EPILOGUE_ROWS = 1 << 30
+
+
+def _matryoshka_rows(ep, weight, n, n_pos, dots, a, inv_q, inv_k, diag, drop, product,
+                     row_loss, row_c, col_c):
+    """One width's epilogue on rows of a chunk: ``a`` ← Ã^k, ``row_loss += w_k·L_k``, the
+    radial sums into ``row_c`` and ``col_c`` (column sums added). Returns the reusable
+    product buffer."""
+    r = dots.shape[0]
+    ar = torch.arange(r, device=dots.device)
+    inv_t = 1.0 / ep.temperature
+    # every pass over the R×M slice counts (they, not the GEMMs, bound the time):
+    # the logits straight from the dots, the softmax from one fused log-sum-exp
+    if ep.focal_m is not None:
+        s = torch.mul(dots, inv_q[:, None]).mul_(inv_k[None, :])
+        logits = torch.add(s, ep.focal_m, out=a).mul_(s)
+        logits[ar, diag] = s[ar, diag].square()
+        logits.mul_(inv_t)
+    else:
+        logits = torch.mul(dots, (inv_q * inv_t)[:, None], out=a).mul_(inv_k[None, :])
+    if ep.hard_negative_weight:
+        logits[ar, n_pos + diag] += ep.hard_negative_weight
+    if drop is not None:
+        logits[:, :n_pos].masked_fill_(drop, float("-inf"))
+    pos = logits[ar, diag].clone()
+    # the row log-sum-exp by hand (torch's makes four passes on a CPU) and the
+    # softmax's 1/Σ folded into the row factor below: e = exp(l − max), p = e/Σ
+    row_max = logits.amax(dim=1, keepdim=True)
+    e = logits.sub_(row_max).exp_()
+    total = e.sum(dim=1)
+    row_loss += weight * (row_max.squeeze(1) + total.log() - pos)
+    # Ã^k = ∂L/∂s^k /(‖q^k‖‖k^k‖) with ∂L/∂s^k = w_k (p − δ) g'(s)/N
+    row = inv_q * (weight * inv_t / n)
+    if ep.focal_m is not None:
+        e.mul_((1.0 / total)[:, None])
+        e[ar, diag] -= 1.0
+        slope = s.mul_(2.0).add_(ep.focal_m)
+        slope[ar, diag] -= ep.focal_m
+        e.mul_(slope).mul_(row[:, None]).mul_(inv_k[None, :])
+    else:
+        e.mul_((row / total)[:, None]).mul_(inv_k[None, :])
+        e[ar, diag] -= row * inv_k[diag]
+    # Σ_j ∂L/∂s_ij · s_ij = Σ_j Ã_ij D_ij (the radial terms of the chain rule): one
+    # product for the row and the column sums, in a buffer every slice reuses
+    if product is None or product.shape[0] < r:
+        product = torch.empty_like(dots)
+    p = torch.mul(e, dots, out=product[:r])
+    row_c.copy_(p.sum(dim=1))
+    col_c += p.sum(dim=0)
+    return product
 
 
 def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_pos) -> None:

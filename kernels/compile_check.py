@@ -18,9 +18,11 @@ aligned), for which fastcl's kept configs must compile without spills; ``unalign
 sizes and views at an odd offset (no argument divisible by 16), which must compile, their
 spills reported (the autotuner times every config at the shape it is given); ``odd``, for
 the descriptor design (which takes only aligned buffers), odd sizes alone. The default run
-builds those two, and the candidate descriptor design's aligned launches, on covering subsets
-(``pairwise``: every kernel, flag set, mode and design, each flag set in each design on each
-target; ``--exhaustive``: all of them). The marks are
+builds the default design's aligned and unaligned launches and the candidate descriptor
+design's aligned ones, on covering subsets (``pairwise``: every kernel, flag set, mode and
+design, each flag set in each design on each target; ``--exhaustive``: all of them, and the
+descriptor design's odd sizes). ``--default-design`` leaves the candidate out (the range
+check on the older Tritons, and the other dtypes in the default test run). The marks are
 made by Triton's own launch-time function where the installed Triton exposes it.
 
     python -m fastcl.kernels.compile_check                # the representative subset
@@ -218,9 +220,10 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
     must compile without spills), and covering subsets (``pairwise``) of the rest: of the
     descriptor design's aligned launches (the candidate
     FASTCL_SIM=descriptor: each flag set on each target, every pair of flag set, mode and
-    target, each config of its lists on each target) and of the unaligned launches (their
-    first configs: every kernel, flag set, mode and design, each flag set in each design on
-    each target; they must compile, their spills are reported); ``exhaustive``: all of them."""
+    target, each config of its lists on each target) and of the default design's unaligned
+    launches (their first configs: every kernel, flag set and mode, each flag set on each
+    target; they must compile, their spills are reported); ``exhaustive``: all of them, and
+    the descriptor design's odd sizes."""
     from . import contrastive as kc
 
     if dtypes is not None:
@@ -279,11 +282,12 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
             [s for s in aligned if s.constexprs.get("DESC")], configs=True)
     if "unaligned" in launches and not (full or rest):
         # the subset again for odd sizes and unaligned views: they must compile too (the
-        # descriptor design takes only aligned buffers: odd sizes; the chain rule at the
-        # unaligned launch's own width)
+        # descriptor design takes only aligned buffers: odd sizes, in the full product only;
+        # the chain rule at the unaligned launch's own width)
         mirror = [replace(s, launch="odd" if s.constexprs.get("DESC") else "unaligned",
                           args={k: v for k, v in s.args.items() if k != "D"})
-                  for s in specs if s.args.get("D", 768) == 768]
+                  for s in specs if s.args.get("D", 768) == 768
+                  and (exhaustive or not s.constexprs.get("DESC"))]
         aligned = aligned + (mirror if exhaustive else pairwise(first_configs(mirror)))
     return aligned
 
@@ -681,6 +685,9 @@ def main(argv=None) -> int:
                         "mode and design values at least once (after --first-config)")
     p.add_argument("--aligned-only", action="store_true",
                    help="only the aligned large-batch launch (not the unaligned one)")
+    p.add_argument("--default-design", action="store_true",
+                   help="only the design fastcl launches (not the candidate FASTCL_SIM="
+                        "descriptor, which the default run checks on the newest Triton)")
     p.add_argument("--exhaustive", action="store_true",
                    help="the default subset in full: every config of the descriptor design, "
                         "every config and mode of the unaligned launches (by default covering "
@@ -702,6 +709,8 @@ def main(argv=None) -> int:
                              args.exhaustive or args.first_config or args.pairwise))
     if args.kernel:
         specs = [s for s in specs if s.kernel == args.kernel]
+    if args.default_design:
+        specs = [s for s in specs if not s.constexprs.get("DESC")]
     if args.first_config:
         specs = first_configs(specs)
     if args.pairwise:

@@ -11,12 +11,12 @@ fail on any compile error, or on a register spill in the aligned launch. The def
 covers every kernel, flag set and mode in use in the first config of its list, and each
 config of each list at least once (bf16 on sm_90, fp32 on sm_80), and on covering subsets (``compile_check.pairwise``) the similarity kernel's candidate design
 (``FASTCL_SIM=descriptor``: each flag set on each target, each config of its lists there)
-and the unaligned launches (every kernel, flag set, mode and design; each flag set in each
-design on each target). The other dtypes on both targets
-compile the same way, the first config of each list (``--rest --first-config --pairwise``).
-The ``slow`` test (``pytest -m slow``) compiles what those two leave out: every config and
+and the default design's unaligned launches (every kernel, flag set and mode; each flag set
+on each target). The other dtypes on both targets compile the same way in the default
+design, the first config of each list (``--rest --first-config --pairwise --default-design``).
+The ``slow`` test (``pytest -m slow``) compiles what those leave out: every config and
 mode of every dtype on both targets with every flag set, of the unaligned launches, and of
-the descriptor design.
+the descriptor design (its odd sizes too).
 """
 
 import json
@@ -98,14 +98,11 @@ def test_every_variant_and_kernel_is_covered(subset):
     for kernel in ("_similarity_kernel", "_row_kernel"):
         assert {(kernel, v) for v in VARIANTS} <= unaligned, kernel
     assert ("_tangent_kernel", "d=768") in unaligned
-    # and the descriptor design with sizes not divisible by 16 (it takes aligned buffers only)
     from fastcl.kernels.compile_check import descriptor_supported
     if not descriptor_supported():
         return
-    odd = {r["spec"]["variant"] for r in results if r["spec"]["launch"] == "odd"}
-    assert set(VARIANTS) <= odd
     # the descriptor design, aligned: every flag set on each target, each config of its lists
-    # there (the product: the slow test)
+    # there (the product, and its odd sizes: the slow test)
     _assert_descriptor_lists(results, every_pair=False)
 
 
@@ -362,11 +359,10 @@ REST = {("float32", 90), ("bfloat16", 80), ("float16", 80), ("float16", 90)}
 
 def test_every_dtype_compiles_on_both_targets(tmp_path):
     """Every dtype on sm_80 and sm_90 beyond the subset, without spills: each kernel and
-    flag set on each of them in the default design, each mode and the descriptor design
-    with each flag set somewhere (the first config of each list; the slow test has all)."""
-    from fastcl.kernels.compile_check import descriptor_supported
+    flag set on each of them, and each mode, in the design fastcl launches (the first config
+    of each list; the slow test has all, and the candidate descriptor design)."""
     from fastcl.kernels.contrastive import VARIANTS
-    proc, results = _run_check(tmp_path, "--rest", "--first-config", "--pairwise")
+    proc, results = _run_check(tmp_path, "--rest", "--first-config", "--pairwise", "--default-design")
     assert not _problems(results), "\n".join(_problems(results))
     assert proc.returncode == 0
     specs = [r["spec"] for r in results]
@@ -384,15 +380,15 @@ def test_every_dtype_compiles_on_both_targets(tmp_path):
                        for s in sims if s["variant"] == v}
     assert modes("infonce") == {(True, True), (True, False)}       # bounded, two-pass
     assert modes("dclr-released") == {(False, False)}
-    if descriptor_supported():
-        assert {s["variant"] for s in sims if s["constexprs"]["DESC"]} == set(VARIANTS)
+    assert not any(s["constexprs"].get("DESC") for s in sims)
 
 
 @pytest.mark.slow
 def test_full_matrix_compiles_without_spills(tmp_path):
     """What the default run leaves out: every dtype on sm_80 and sm_90 beyond the subset, every
-    config and mode; the subset in full (``--exhaustive``): every config of the descriptor
-    design with every flag set, every config and mode of the unaligned launches."""
+    config and mode, both designs; the subset in full (``--exhaustive``): every config of the
+    descriptor design with every flag set and its odd sizes, every config and mode of the
+    unaligned launches."""
     proc, results = _run_check(tmp_path, "--rest")
     assert not _problems(results), "\n".join(_problems(results))
     assert {(r["spec"]["dtype"], r["spec"]["arch"]) for r in results} >= REST
@@ -405,3 +401,6 @@ def test_full_matrix_compiles_without_spills(tmp_path):
     assert len(results) == len(specializations(exhaustive=True))
     if descriptor_supported():
         _assert_descriptor_lists(results, every_pair=True)
+        odd = {r["spec"]["variant"] for r in results if r["spec"]["launch"] == "odd"}
+        from fastcl.kernels.contrastive import VARIANTS
+        assert set(VARIANTS) <= odd

@@ -118,3 +118,31 @@ def test_one_chunk_buffer_at_a_time(objective):
         tiled.contrastive_forward(ep, a.detach(), (p.detach(),), need=(True, True))
     # one chunk's buffers, and the N×d / M×d gradient buffers and small vectors beside them
     assert probe.peak <= chunk + 8 * n * d * 4 + 64 * 2**10, (probe.peak, chunk)
+
+
+def test_tensor_memory_counts_fake_tensors_as_real_ones():
+    """bench/tensor_memory.py's figure at sizes nothing can run: the peak of live tensor bytes
+    under FakeTensorMode equals the count on real tensors, byte for byte, for fastcl and for
+    sentence-transformers' GISTEmbedLoss (whose N×N×d broadcast shows in it)."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import tensor_memory
+    finally:
+        sys.path.remove(bench)
+    pytest.importorskip("sentence_transformers")
+    n, d = 48, 24
+    peaks = {}
+    for impl in ("fastcl", "gistembed"):
+        fake = tensor_memory.tensor_peak("gist", impl, n, d, "float32", fake=True)
+        real = tensor_memory.tensor_peak("gist", impl, n, d, "float32", fake=False)
+        assert fake["peak_mib"] == real["peak_mib"] > 0
+        peaks[impl] = fake["peak_mib"]
+    with pytest.raises(ValueError, match="NaN"):      # the input checks are on again
+        fastcl.infonce(torch.full((2, 3), float("nan")), torch.ones(2, 3))
+    # GISTEmbedLoss's blocks each broadcast an N×N×d product: fastcl holds far less
+    assert peaks["gistembed"] > 4 * n * n * d * 4 / 2**20
+    assert peaks["gistembed"] > 10 * peaks["fastcl"]

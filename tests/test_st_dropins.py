@@ -222,7 +222,7 @@ def test_gist_needs_its_guide(model):
 
 def test_the_drop_ins_on_the_triton_kernels(model, other_guide):
     """The Triton backend (the interpreter on a CPU-only machine) with MNRL's options, GIST's
-    filter and duplicate masking, plain and cached: the model's loss and parameter gradients
+    filter, duplicate masking and Matryoshka, plain and cached: the model's loss and parameter gradients
     equal sentence-transformers' losses (tests/test_triton.py holds the kernels to the
     reference over every option)."""
     model.eval()
@@ -248,6 +248,12 @@ def test_the_drop_ins_on_the_triton_kernels(model, other_guide):
                           duplicated)
     assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, mask_duplicates=True, backend="triton"),
                                duplicated), want, "duplicates")
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
+    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0), DIMS[:3]),
+                          triplets)
+    assert_same(loss_and_grads(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4, backend="triton",
+                                                            matryoshka_dims=DIMS[:3]), triplets),
+                want, "matryoshka")
 
 
 # ---------------------------------------------------------------------------------------
@@ -458,5 +464,6 @@ def test_matryoshka_arguments_are_checked(model):
         fastcl.contrastive(a, p, matryoshka_dims=(6,), noise_ratio=1.0)
     with pytest.raises(ValueError, match="positive integers"):
         FastInfoNCELoss(model, matryoshka_dims=(64, 0))
-    with pytest.raises(ValueError, match="backend='triton' does not compute"):
-        fastcl.contrastive(a.float(), p.float(), matryoshka_dims=(6,), backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' does not compute hard_negative_weight"):
+        fastcl.contrastive(a.float(), p.float(), p.float(), matryoshka_dims=(6,), backend="triton",
+                           directions=("query_to_doc", "query_to_query"), hard_negative_weight=0.5)

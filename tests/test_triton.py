@@ -629,8 +629,8 @@ def test_descriptor_design_layout_rules(case, descriptor):
 
 
 def test_rules_refused_beside_what_the_kernels_lack():
-    """Matryoshka, and the rules beside a hard-negative weight or DCLR's mask: refused on
-    backend='triton' with the reason, run tiled by 'auto'."""
+    """The rules beside a hard-negative weight or DCLR's mask: refused on backend='triton'
+    with the reason, run tiled by 'auto'. Matryoshka runs a kernel call per width."""
     a, p, x = (t.detach() for t in inputs(5, 5, 12, torch.float32))
     kw = dict(directions=("query_to_doc", "query_to_query"))
     for extra, name in ((dict(hard_negative_weight=0.5), "hard_negative_weight"),
@@ -639,8 +639,15 @@ def test_rules_refused_beside_what_the_kernels_lack():
             fastcl.contrastive(a, p, x, backend="triton", **kw, **extra)
         torch.testing.assert_close(fastcl.contrastive(a, p, x, backend="auto", **kw, **extra),
                                    fastcl.contrastive(a, p, x, backend="reference", **kw, **extra))
-    with pytest.raises(ValueError, match="backend='triton' does not compute matryoshka_dims yet"):
-        fastcl.contrastive(a, p, backend="triton", matryoshka_dims=(6,))
+    for extra in (dict(), kw, dict(focal_m=0.3, hard_negative_weight=0.5)):
+        leaves = [t.clone().requires_grad_() for t in (a, p, x)]
+        got = fastcl.contrastive(*leaves, backend="triton", matryoshka_dims=(12, 7, 2),
+                                 matryoshka_weights=(1.0, 0.5, 2.0), **extra)
+        want = fastcl.contrastive(*leaves, backend="reference", matryoshka_dims=(12, 7, 2),
+                                  matryoshka_weights=(1.0, 0.5, 2.0), **extra)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for g, w in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 #: Every covering case in bf16; in fp32 and fp16 the paired ones, with and without focal

@@ -24,7 +24,6 @@ import torch
 from ..data import read_training_data
 from ..encoders import _hub_error, _looks_like_path
 from .cli import FAMILY_DEFAULTS
-from .heads import pooling_modules
 
 # The name the dev evaluator's metrics carry: eval_<DEV>_<task>, eval_<DEV>_avg.
 DEV = "dev"
@@ -70,6 +69,8 @@ def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
     """A ``SentenceTransformer`` of ``name``: its own modules for a sentence-transformers model
     when ``pooler`` is None; else its Transformer followed by the modules of ``pooler``."""
     from fastcl.integrations.sentence_transformers._base import SentenceTransformer
+
+    from .heads import pooling_modules
 
     if pooler is None:
         if not _is_sentence_transformers_folder(name):

@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import augment, common
 from ..data import parse_columns
 from ..files import replace_text
-from .heads import POOLERS
+from ..encoders import POOLERS
 
 DESCRIPTION = ("Train a sentence encoder with one of fastcl's contrastive objectives, on "
                "sentence-transformers' trainer.")

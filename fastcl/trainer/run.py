@@ -37,7 +37,6 @@ from ..files import MANIFEST, LockedError, OutputLock, DamagedError
 from . import build
 from .cli import (CONFIG_FILE, FAMILY_DEFAULTS, RUN_DEFINING, build_parser, effective_config,
                   parse_args, resolve_args, write_config)
-from .heads import without_training_heads
 from .logs import LOG, append_log, json_safe, read_log, truncate_log, write_plots
 
 PROG = "fastcl-train"
@@ -298,6 +297,8 @@ def _card_section(cmp: dict | None, select: str) -> str:
 
 def save_model(model, args, out: Path, cmp: dict | None) -> Path:
     """Write the trained model to ``out/MODEL_DIR`` (staged, swapped in whole)."""
+    from .heads import without_training_heads
+
     final = without_training_heads(model)
     final.max_seq_length = args.model_max_seq_length
     target = out / MODEL_DIR

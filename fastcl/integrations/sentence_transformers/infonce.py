@@ -57,8 +57,9 @@ class FastInfoNCELoss(FastLoss):
             anchor's positive: a duplicate sentence in the batch is no negative.
         matryoshka_dims: widths ``(d_1, …, d_K)``: the loss becomes ``Σ_k w_k·L(x[:, :d_k])``,
             ``MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), matryoshka_dims,
-            matryoshka_weights)``, computed in one pass over the width (with MNRL's options
-            other than the defaults: one pass per width). None: off.
+            matryoshka_weights)``, computed in one pass over the width on the tiled path
+            (with MNRL's options other than the defaults, or on the Triton backend: one pass
+            per width). None: off.
         matryoshka_weights: the ``w_k`` (default: all 1).
 
     Inputs:
