@@ -604,12 +604,9 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
             else:
                 _accumulate_mm(dots, q[:, lo:hi], keys[:, lo:hi].T)
             a = torch.empty(r, m, dtype=acc, device=device)
-            for s0 in range(0, r, EPILOGUE_ROWS):
-                s1 = min(r, s0 + EPILOGUE_ROWS)
-                product = _matryoshka_rows(ep, weights[k], n, n_pos, dots[s0:s1], a[s0:s1],
-                                           inv_q[r0 + s0:r0 + s1, k], inv_k[:, k], diag[s0:s1],
-                                           None if drop is None else drop[s0:s1], product,
-                                           row_loss[r0 + s0:r0 + s1], row_c[s0:s1, k], col_c[:, k])
+            product = _matryoshka_width(ep, weights[k], n, n_pos, dots, a, inv_q[r0:r1, k],
+                                        inv_k[:, k], diag, drop, product, row_loss[r0:r1],
+                                        row_c[:, k], col_c[:, k])
             scaled.append(a)
         del product
         # the widest width down: B = Σ_{k ≥ band} Ã^k, one GEMM per band and gradient
@@ -644,16 +641,11 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     return loss, grads
 
 
-# rows of a chunk that one pass of Matryoshka's epilogue takes: its dozen elementwise passes
-# then run on slices that stay in the cache, and only the dots and Ã cross to memory
-EPILOGUE_ROWS = 1 << 30
-
-
-def _matryoshka_rows(ep, weight, n, n_pos, dots, a, inv_q, inv_k, diag, drop, product,
-                     row_loss, row_c, col_c):
-    """One width's epilogue on rows of a chunk: ``a`` ← Ã^k, ``row_loss += w_k·L_k``, the
-    radial sums into ``row_c`` and ``col_c`` (column sums added). Returns the reusable
-    product buffer."""
+def _matryoshka_width(ep, weight, n, n_pos, dots, a, inv_q, inv_k, diag, drop, product,
+                      row_loss, row_c, col_c):
+    """One width's epilogue on a chunk, from its prefix dot products ``dots``: ``a`` ← Ã^k,
+    ``row_loss += w_k·L_k``, the radial sums into ``row_c`` and ``col_c`` (column sums
+    added). Returns the product buffer, reused by the next width."""
     r = dots.shape[0]
     ar = torch.arange(r, device=dots.device)
     inv_t = 1.0 / ep.temperature
@@ -689,12 +681,10 @@ def _matryoshka_rows(ep, weight, n, n_pos, dots, a, inv_q, inv_k, diag, drop, pr
         e.mul_((row / total)[:, None]).mul_(inv_k[None, :])
         e[ar, diag] -= row * inv_k[diag]
     # Σ_j ∂L/∂s_ij · s_ij = Σ_j Ã_ij D_ij (the radial terms of the chain rule): one
-    # product for the row and the column sums, in a buffer every slice reuses
-    if product is None or product.shape[0] < r:
-        product = torch.empty_like(dots)
-    p = torch.mul(e, dots, out=product[:r])
-    row_c.copy_(p.sum(dim=1))
-    col_c += p.sum(dim=0)
+    # product for the row and the column sums, in a buffer every width reuses
+    product = torch.mul(e, dots, out=product) if product is not None else e * dots
+    row_c.copy_(product.sum(dim=1))
+    col_c += product.sum(dim=0)
     return product
 
 
