@@ -910,9 +910,11 @@ def _escl(anchors, positives, sensitive, temperature, weight, rd, margins, ancho
     own_positives = positives[anchor_offset:anchor_offset + anchors.shape[0]]
     rd_term = common.relative_difference(anchors, own_positives, sensitive,
                                             temperature=temperature, rd=rd, margins=margins)
-    if duplicate_ids is not None:   # the InfoNCE term with the ids, checked, on any backend
-        return contrastive(anchors, positives, temperature=temperature, anchor_offset=anchor_offset,
-                           duplicate_ids=(duplicate_ids,), backend=be,
-                           chunk_size=chunk_size) + weight * rd_term
+    if duplicate_ids is not None:   # the InfoNCE term with the ids (checked there), any backend
+        rules = _rules(anchors, positives, None, anchor_offset, ("query_to_doc",), "joint", None,
+                       0.0, None, None, 0.0, "absolute", (duplicate_ids,))
+        return _contrastive(anchors, positives, temperature=temperature,
+                            anchor_offset=anchor_offset, backend=_backend_for_rules(be, anchors, rules),
+                            chunk_size=chunk_size, **rules) + weight * rd_term
     ep = Epilogue(temperature, chunk_size=chunk_size, anchor_offset=anchor_offset)
     return tiled.contrastive_loss(ep, anchors, positives, engine=_engine(be)) + weight * rd_term

@@ -596,7 +596,8 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
         if comp is not None:
             drop = _mm(comp[0][r0:r1], comp[1].T, acc) >= ep.phi
             drop[ar, diag] = False
-        dots, product, scaled = None, None, []
+        dots, scaled = None, []
+        product = torch.empty(r, m, dtype=acc, device=device)   # every width's Ã ⊙ D
         row_c = torch.zeros(r, len(dims), dtype=acc, device=device)
         for k, (lo, hi) in enumerate(bands):
             if dots is None:
@@ -604,9 +605,8 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
             else:
                 _accumulate_mm(dots, q[:, lo:hi], keys[:, lo:hi].T)
             a = torch.empty(r, m, dtype=acc, device=device)
-            product = _matryoshka_width(ep, weights[k], n, n_pos, dots, a, inv_q[r0:r1, k],
-                                        inv_k[:, k], diag, drop, product, row_loss[r0:r1],
-                                        row_c[:, k], col_c[:, k])
+            _matryoshka_width(ep, weights[k], n, n_pos, dots, a, inv_q[r0:r1, k], inv_k[:, k],
+                              diag, drop, product, row_loss[r0:r1], row_c[:, k], col_c[:, k])
             scaled.append(a)
         del product
         # the widest width down: B = Σ_{k ≥ band} Ã^k, one GEMM per band and gradient
@@ -645,7 +645,7 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, a, inv_q, inv_k, diag, drop, p
                       row_loss, row_c, col_c):
     """One width's epilogue on a chunk, from its prefix dot products ``dots``: ``a`` ← Ã^k,
     ``row_loss += w_k·L_k``, the radial sums into ``row_c`` and ``col_c`` (column sums
-    added). Returns the product buffer, reused by the next width."""
+    added); ``product`` is an R×M scratch buffer."""
     r = dots.shape[0]
     ar = torch.arange(r, device=dots.device)
     inv_t = 1.0 / ep.temperature
@@ -681,11 +681,10 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, a, inv_q, inv_k, diag, drop, p
         e.mul_((row / total)[:, None]).mul_(inv_k[None, :])
         e[ar, diag] -= row * inv_k[diag]
     # Σ_j ∂L/∂s_ij · s_ij = Σ_j Ã_ij D_ij (the radial terms of the chain rule): one
-    # product for the row and the column sums, in a buffer every width reuses
-    product = torch.mul(e, dots, out=product) if product is not None else e * dots
+    # product for the row and the column sums
+    torch.mul(e, dots, out=product)
     row_c.copy_(product.sum(dim=1))
     col_c += product.sum(dim=0)
-    return product
 
 
 def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_pos) -> None:
