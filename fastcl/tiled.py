@@ -135,6 +135,15 @@ def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out += _mm(a, b, out.dtype)
 
 
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` into the accumulator ``out`` (no new R×M allocation)."""
+    if a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.zero_()
+        _accumulate_mm(out, a, b)
+
+
 def rows_per_chunk(n: int, m: int, ep: Epilogue, row_bytes: int, device_type: str = "cpu",
                    multiple: int = 16, free_bytes=None) -> int:
     """Anchor rows per chunk: ``ep.chunk_size``, or as many as the memory budget allows given
@@ -546,15 +555,16 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     ``s^k = D^k / (‖q^k‖‖k^k‖)`` (prefix norms) into its row loss and ``A^k = ∂L/∂s^k``. By
     the chain rule through the prefix cosines,
 
-    .. math:: rac{∂L}{∂q_i}\Big|_{band} = \Big(\sum_{k: d_k ≥ band} Ã^k\Big) K_{band}
-              − \sum_{k: d_k ≥ band} rac{c^k_i}{‖q^k_i‖^2} q_{i,band},\quad
-              Ã^k_{ij} = rac{A^k_{ij}}{‖q^k_i‖‖k^k_j‖},\ c^k_i = \sum_j A^k_{ij} s^k_{ij}
+    .. math:: \frac{∂L}{∂q_i}\Big|_{band} = \Big(\sum_{k: d_k ≥ band} Ã^k\Big) K_{band}
+              − \sum_{k: d_k ≥ band} \frac{c^k_i}{‖q^k_i‖^2} q_{i,band},\quad
+              Ã^k_{ij} = \frac{A^k_{ij}}{‖q^k_i‖‖k^k_j‖},\ c^k_i = \sum_j A^k_{ij} s^k_{ij}
 
     (and the same for the keys with ``Ãᵀ`` and column sums): the sums ``B = Σ_{k ≥ band}
     Ã^k``, formed from the widest width down, take one GEMM per band for each gradient.
-    A chunk holds the K matrices Ã^k, so its rows come from a budget of K + 3 slices. The
-    anchors' and candidates' own features: focal modulation, the hard negative's
-    log-weight, DCLR's mask (one for every width: the complementary model's cosines)."""
+    A chunk holds every width's Ã^k (as ``f^k ⊙ H^k``, its row factor apart) besides D and
+    one scratch slice, allocated once for the call. The anchors' and candidates' own
+    features: focal modulation, the hard negative's log-weight, DCLR's mask (one for every
+    width: the complementary model's cosines)."""
     n, d = anchors.shape
     in_dtype, device = anchors.dtype, anchors.device
     acc = accumulate_dtype(in_dtype)
@@ -568,66 +578,80 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     q_all = anchors.to(dtype)
 
     def prefix_norms(x):                        # (rows, K): ‖x[:, :d_k]‖ in acc
-        parts = torch.stack([x[:, lo:hi].to(acc).square().sum(dim=1) for lo, hi in bands], dim=1)
-        return parts.cumsum(dim=1).sqrt_()
+        parts = torch.stack([torch.linalg.vector_norm(x[:, lo:hi], dim=1, dtype=acc) for lo, hi in bands],
+                            dim=1)
+        return parts.square_().cumsum(dim=1).sqrt_()
 
     norm_q, norm_k = prefix_norms(anchors), prefix_norms(keys)
     inv_q, inv_k = 1.0 / norm_q.clamp_min(EPS), 1.0 / norm_k.clamp_min(EPS)
     # the radial term of x/max(‖x‖, EPS) exists only where the norm was not clamped
     radial_q = (norm_q > EPS).to(acc) * inv_q * inv_q
     radial_k = (norm_k > EPS).to(acc) * inv_k * inv_k
+    # each width's factors contiguous: a strided broadcast operand costs the R×M passes
+    # their vectorization
+    inv_q_w, inv_k_w = inv_q.T.contiguous(), inv_k.T.contiguous()
     dq = torch.zeros(n, d, dtype=acc, device=device) if need_q else None
     dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
-    col_c = torch.zeros(m, len(dims), dtype=acc, device=device)
+    col_c = torch.zeros(len(dims), m, dtype=acc, device=device)   # per width, contiguous
     row_loss = torch.zeros(n, dtype=acc, device=device)
     comp = None
     if ep.complementary is not None:
         comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
                 for x in ep.complementary]
-    row_bytes = m * torch.finfo(acc).bits // 8 * (len(dims) + 3 + (ep.focal_m is not None))
-    rows = rows_per_chunk(n, m, ep, row_bytes, device.type, 16, _free_bytes(device))
+    rows = rows_per_chunk(n, m, ep, _matryoshka_row_bytes(ep, dtype, m), device.type, 16,
+                          _free_bytes(device))
+    if ep.chunk_size is None:
+        rows = _even_chunks(n, rows)
+    # The chunk's slices, allocated once and reused by every chunk (the last one takes the
+    # first rows): a fresh R×M allocation per chunk and width costs its page faults again.
+    slices = 2 + len(dims) + (ep.focal_m is not None)
+    buffers = torch.empty(slices, min(rows, n), m, dtype=acc, device=device).unbind(0)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         r = r1 - r0
         q = q_all[r0:r1]
-        ar = torch.arange(r, device=device)
-        diag = ar + ep.anchor_offset + r0
+        first = ep.anchor_offset + r0               # the column of row r0's positive
         drop = None
         if comp is not None:
             drop = _mm(comp[0][r0:r1], comp[1].T, acc) >= ep.phi
-            drop[ar, diag] = False
-        dots, scaled = None, []
-        product = torch.empty(r, m, dtype=acc, device=device)   # every width's Ã ⊙ D
-        row_c = torch.zeros(r, len(dims), dtype=acc, device=device)
+            drop.diagonal(first).fill_(False)
+        dots, pool = buffers[0][:r], [b[:r] for b in buffers[1:len(dims) + 2]]
+        cos = buffers[-1][:r] if ep.focal_m is not None else None
+        # per width: Ã^k = diag(f^k) H^k − δ·g^k, and the radial sums
+        row_f, pos_g, row_c = torch.empty(3, len(dims), r, dtype=acc, device=device)
+        h = []
         for k, (lo, hi) in enumerate(bands):
-            if dots is None:
-                dots = _mm(q[:, lo:hi], keys[:, lo:hi].T, acc)
+            if k == 0:
+                _mm_into(dots, q[:, lo:hi], keys[:, lo:hi].T)
             else:
                 _accumulate_mm(dots, q[:, lo:hi], keys[:, lo:hi].T)
-            a = torch.empty(r, m, dtype=acc, device=device)
-            _matryoshka_width(ep, weights[k], n, n_pos, dots, a, inv_q[r0:r1, k], inv_k[:, k],
-                              diag, drop, product, row_loss[r0:r1], row_c[:, k], col_c[:, k])
-            scaled.append(a)
-        del product
+            kept, free = _matryoshka_width(ep, weights[k], n, n_pos, dots, pool.pop(), pool.pop(), cos,
+                                           inv_q_w[k, r0:r1], inv_k_w[k], first, drop, row_loss[r0:r1],
+                                           row_f[k], pos_g[k], row_c[k], col_c[k])
+            h.append(kept)
+            pool.append(free)
         # the widest width down: B = Σ_{k ≥ band} Ã^k, one GEMM per band and gradient
         total_b = None
         for k in reversed(range(len(bands))):
             lo, hi = bands[k]
-            total_b = scaled[k] if total_b is None else total_b.add_(scaled[k])
-            scaled[k] = None
+            if total_b is None:
+                total_b = h[k].mul_(row_f[k, :, None])
+            else:
+                total_b.addcmul_(h[k], row_f[k, :, None])
+            total_b.diagonal(first).sub_(pos_g[k])
             b = total_b.to(dtype)
             if need_q:
-                dq[r0:r1, lo:hi] = _mm(b, keys[:, lo:hi], acc)
+                _accumulate_mm(dq[r0:r1, lo:hi], b, keys[:, lo:hi])
             if need_k:
                 _accumulate_mm(dk[:, lo:hi], b.T, q[:, lo:hi])
         if need_q:
-            coef = row_c * radial_q[r0:r1]                      # (r, K)
+            coef = row_c.T * radial_q[r0:r1]                    # (r, K)
             for k, (lo, hi) in enumerate(bands):
                 # band k takes the radial terms of every width that covers it
                 dq[r0:r1, lo:hi].addcmul_(q[:, lo:hi].to(acc), coef[:, k:].sum(dim=1, keepdim=True),
                                           value=-1.0)
     if need_k:
-        coef = col_c * radial_k
+        coef = col_c.T * radial_k
         for k, (lo, hi) in enumerate(bands):
             dk[:, lo:hi].addcmul_(keys[:, lo:hi].to(acc), coef[:, k:].sum(dim=1, keepdim=True),
                                   value=-1.0)
@@ -641,50 +665,88 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     return loss, grads
 
 
-def _matryoshka_width(ep, weight, n, n_pos, dots, a, inv_q, inv_k, diag, drop, product,
-                      row_loss, row_c, col_c):
-    """One width's epilogue on a chunk, from its prefix dot products ``dots``: ``a`` ← Ã^k,
-    ``row_loss += w_k·L_k``, the radial sums into ``row_c`` and ``col_c`` (column sums
-    added); ``product`` is an R×M scratch buffer."""
+def _even_chunks(n: int, rows: int, multiple: int = 16) -> int:
+    """Rows per chunk for as many chunks of ``rows`` as ``n`` needs, but of even size (a
+    multiple of ``multiple``, never above ``rows``): no short last chunk of slow GEMMs."""
+    chunks = -(-n // rows)
+    even = -(-(-(-n // chunks)) // multiple) * multiple
+    return min(rows, even)
+
+
+def _matryoshka_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int) -> int:
+    """:func:`matryoshka_forward`'s buffers per anchor row: D, a scratch slice and one H per
+    width (the cosines too with focal), the mask's slice, and B's cast to the GEMM dtype."""
+    acc, cast = _acc_and_cast_bytes(dtype)
+    slices = 2 + len(ep.matryoshka[0]) + (ep.focal_m is not None)
+    return m * (acc * slices + cast) + (m * (acc + 1) if ep.complementary is not None else 0)
+
+
+#: Where ``2·bound + ln M`` (:func:`_logit_bound`) stays below this, every softmax entry is a
+#: normal float32 number, and a row's loss ``lse − l_ii`` is ``−log p_ii`` without its
+#: log-sum-exp.
+_EXACT_LOG_BOUND = 80.0
+
+
+def _logit_bound(ep: Epilogue) -> float:
+    """A bound on |logit| from the epilogue alone (cosines lie in [−1, 1]): 1/τ, (1 + |m|)/τ
+    with focal modulation, plus the hard negative's |log-weight|."""
+    slope = 1.0 + abs(ep.focal_m) if ep.focal_m is not None else 1.0
+    return slope / ep.temperature + abs(ep.hard_negative_weight)
+
+
+def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k, first, drop,
+                      row_loss, row_f, pos_g, row_c, col_c):
+    r"""One width's epilogue on a chunk, from its prefix dot products ``dots`` (R×M, kept):
+    ``row_loss += w_k·L_k``; ``row_f`` ← ``f`` and ``pos_g`` ← ``g`` with
+    ``Ã^k = diag(f) H − δ·g`` (δ: each row's positive); the radial sums ``Σ_j Ã_ij D_ij``
+    into ``row_c`` and ``Σ_i Ã_ij D_ij`` added to ``col_c``. ``out`` and ``spare`` are free
+    R×M slices, ``cos`` (R×M, focal only) holds the cosines; row i's positive is column
+    ``first + i``. Returns ``(H, free)``: the slice that holds H and the one left free.
+
+    Every pass over the R×M slice counts (they, not the GEMMs, bound the time): the softmax
+    is one fused pass (its rows stay in cache), 1/(‖q‖τN) stays in the row factor ``f``,
+    and the column factor 1/‖k‖ is applied once, to H, before the radial product."""
     r = dots.shape[0]
-    ar = torch.arange(r, device=dots.device)
     inv_t = 1.0 / ep.temperature
-    # every pass over the R×M slice counts (they, not the GEMMs, bound the time):
-    # the logits straight from the dots, the softmax from one fused log-sum-exp
     if ep.focal_m is not None:
-        s = torch.mul(dots, inv_q[:, None]).mul_(inv_k[None, :])
-        logits = torch.add(s, ep.focal_m, out=a).mul_(s)
-        logits[ar, diag] = s[ar, diag].square()
-        logits.mul_(inv_t)
+        # s(s + m)/τ off the positive, s²/τ on it
+        torch.mul(dots, inv_q[:, None], out=cos).mul_(inv_k[None, :])
+        pos_cos = cos.diagonal(first).clone()
+        logits = torch.add(cos, ep.focal_m, out=spare).mul_(cos).mul_(inv_t)
+        logits.diagonal(first).copy_(pos_cos.square().mul_(inv_t))
     else:
-        logits = torch.mul(dots, (inv_q * inv_t)[:, None], out=a).mul_(inv_k[None, :])
+        logits = torch.mul(dots, (inv_q * inv_t)[:, None], out=spare).mul_(inv_k[None, :])
     if ep.hard_negative_weight:
-        logits[ar, n_pos + diag] += ep.hard_negative_weight
+        logits.diagonal(n_pos + first).add_(ep.hard_negative_weight)
     if drop is not None:
         logits[:, :n_pos].masked_fill_(drop, float("-inf"))
-    pos = logits[ar, diag].clone()
-    # the row log-sum-exp by hand (torch's makes four passes on a CPU) and the
-    # softmax's 1/Σ folded into the row factor below: e = exp(l − max), p = e/Σ
-    row_max = logits.amax(dim=1, keepdim=True)
-    e = logits.sub_(row_max).exp_()
-    total = e.sum(dim=1)
-    row_loss += weight * (row_max.squeeze(1) + total.log() - pos)
-    # Ã^k = ∂L/∂s^k /(‖q^k‖‖k^k‖) with ∂L/∂s^k = w_k (p − δ) g'(s)/N
-    row = inv_q * (weight * inv_t / n)
-    if ep.focal_m is not None:
-        e.mul_((1.0 / total)[:, None])
-        e[ar, diag] -= 1.0
-        slope = s.mul_(2.0).add_(ep.focal_m)
-        slope[ar, diag] -= ep.focal_m
-        e.mul_(slope).mul_(row[:, None]).mul_(inv_k[None, :])
+    # ℓ_i = lse_i − l_ii = −log p_ii, where p_ii ≥ e^(−2·bound)/M cannot underflow; else
+    # through the row's largest logit, whose p ≥ 1/M
+    exact = 2.0 * _logit_bound(ep) + math.log(logits.shape[1]) <= _EXACT_LOG_BOUND
+    if not exact:
+        top = logits.amax(dim=1)
+        pos = logits.diagonal(first).clone()
+    p = torch.ops.aten._softmax.out(logits, 1, False, out=out)
+    if exact:
+        row_loss -= weight * p.diagonal(first).log()
     else:
-        e.mul_((row / total)[:, None]).mul_(inv_k[None, :])
-        e[ar, diag] -= row * inv_k[diag]
-    # Σ_j ∂L/∂s_ij · s_ij = Σ_j Ã_ij D_ij (the radial terms of the chain rule): one
-    # product for the row and the column sums
-    torch.mul(e, dots, out=product)
-    row_c.copy_(product.sum(dim=1))
-    col_c += product.sum(dim=0)
+        row_loss += weight * (top - p.amax(dim=1).log_() - pos)
+    # ∂L/∂s^k = w_k (p − δ) g'(s)/N: g'(s) = 1/τ, or with focal modulation (2s + m)/τ off
+    # the positive and 2s/τ on it
+    row_f.copy_(inv_q * (weight * inv_t / n))
+    pos_g.copy_(row_f * inv_k[first:first + r] * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
+    if ep.focal_m is not None:
+        slope = cos.mul_(2.0).add_(ep.focal_m)
+        slope.diagonal(first).sub_(ep.focal_m)
+        p.mul_(slope)
+    held = p.mul_(inv_k[None, :])
+    # the radial sums: Σ_j Ã_ij D_ij = f_i Σ_j H_ij D_ij − g_i D_ii, and by columns
+    product = torch.mul(held, dots, out=spare)
+    pos_dots = pos_g * dots.diagonal(first)
+    row_c.copy_(product.sum(dim=1).mul_(row_f) - pos_dots)
+    col_c += torch.mv(product.T, row_f)
+    col_c[first:first + r] -= pos_dots
+    return held, spare
 
 
 def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_pos) -> None:

@@ -397,16 +397,35 @@ def test_one_pass_matryoshka_equals_the_literal_sum():
     neg = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
     comp = (torch.randn(n, 5, generator=g, dtype=torch.float64),
             torch.randn(n, 5, generator=g, dtype=torch.float64))
+    # τ = 0.01 puts the logits beyond the bound where a row's loss is read off its softmax
     for kw, negs in ((dict(), None), (dict(focal_m=0.3), neg), (dict(hard_negative_weight=0.7), neg),
-                     (dict(complementary=comp, phi=0.2), neg), (dict(symmetric=True, focal_m=-0.2), None)):
+                     (dict(complementary=comp, phi=0.2), neg), (dict(symmetric=True, focal_m=-0.2), None),
+                     (dict(temperature=0.01, hard_negative_weight=0.7), neg),
+                     (dict(temperature=0.01, focal_m=0.3, complementary=comp, phi=0.2), None)):
         for dims, w in (((24, 16, 8, 4), None), ((3,), (2.0,)), ((24, 1, 7), (1.0, 0.5, 0.25))):
-            args = dict(matryoshka_dims=dims, matryoshka_weights=w, temperature=0.1, **kw)
+            args = dict(matryoshka_dims=dims, matryoshka_weights=w, temperature=0.1) | kw
             leaves = [a, p] + ([neg] if negs is not None else [])
             want = fastcl.contrastive(a, p, negs, backend="reference", **args)
             got = fastcl.contrastive(a, p, negs, backend="tiled", chunk_size=4, **args)
             torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
             for x, y in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
                 torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-10)
+
+
+def test_one_pass_matryoshka_keeps_losses_beyond_the_softmax_range():
+    """Positives opposite their anchors at τ = 0.005: each row's loss (≈ 2/τ = 400) is far
+    beyond what a float32 softmax entry can express (e^−400 is 0), yet finite and equal."""
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(6, 16, generator=g, requires_grad=True)
+    p = (-a.detach() + 0.01 * torch.randn(6, 16, generator=g)).requires_grad_()
+    args = dict(matryoshka_dims=(16, 8), temperature=0.005)
+    want = fastcl.contrastive(a.double(), p.double(), backend="reference", **args)
+    got = fastcl.contrastive(a, p, backend="tiled", **args)
+    assert torch.isfinite(got) and got.item() > 300
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+    for x, y in zip(torch.autograd.grad(got, (a, p)), torch.autograd.grad(want, (a, p))):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
 def test_matryoshka_equals_matryoshkaloss_around_mnrl(model):
