@@ -105,7 +105,24 @@ def run_targets(args, runner: Runner, device: str, rows: list, targets: list, sa
         else:
             target(name, goal, detail=failure(fused, compiled))
 
-    # 6. the chunk size trades memory for GEMM efficiency and launch overhead: a few rows, no
+    # 6. Matryoshka over 5 widths against one full-width loss, both fastcl's choice of backend;
+    #    on a GPU also the tiled one pass over d, the alternative to a fused call per width
+    name, goal = (f"Matryoshka (5 widths) / one full-width loss, N=M={n}",
+                  f"<= {args.goal_matryoshka:g}x")
+    if left() is not None and left() <= 0:
+        target(name, goal, result="SKIPPED", detail="time budget spent")
+    else:
+        mat = case("matryoshka", "fastcl", n)
+        if fused.get("ok") and mat.get("ok"):
+            ratio = mat["median_s"] / fused["median_s"]
+            target(name, goal, ratio, ratio <= args.goal_matryoshka,
+                   f"{mat['backend']}: {mat['median_s'] * 1e3:.2f} ms vs {fused['median_s'] * 1e3:.2f} ms")
+        else:
+            target(name, goal, detail=failure(fused, mat))
+        if device == "cuda" and mat.get("backend") != "tiled" and (left() is None or left() > 0):
+            case("matryoshka", "tiled", n)["note"] = "the tiled one pass over d"
+
+    # 7. the chunk size trades memory for GEMM efficiency and launch overhead: a few rows, no
     #    goal (bench/ab.py compares the chunk sizings themselves)
     chunks = args.target_chunks
     if chunks is None:

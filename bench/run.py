@@ -65,6 +65,9 @@ printed PASS/FAIL with its numbers as soon as it is measured:
   (``--goal-memory``);
 * the DCLR noise update (4 steps, K=N=16384) within 1.15× of its own FLOP floor: its useful
   FLOPs at the bf16 ``torch.mm`` throughput measured in the same run (``--goal-noise``);
+* Matryoshka over five widths (``matryoshka_dims=(d, 2d/3, d/3, d/6, d/12)``) within 1.5×
+  one full-width fused loss at N=M=16384 (``--goal-matryoshka``), with the row of the tiled
+  one pass beside it on a GPU (where fastcl runs a fused call per width);
 * rows without a goal: fused infonce at each ``--target-chunks`` chunk size (GPU default
   1024, 2048, 4096 at both N; ``--target-chunks ''`` for none), skipped once
   ``--time-budget`` is spent, as is ``torch.compile`` with less than ``--compile-reserve``
@@ -209,6 +212,8 @@ def main(argv=None) -> int:
     g.add_argument("--goal-memory", type=float, default=12.0, help="x less memory than eager (12)")
     g.add_argument("--goal-noise", type=float, default=1.15,
                    help="noise update time over its FLOP floor at matmul throughput (1.15)")
+    g.add_argument("--goal-matryoshka", type=float, default=1.5,
+                   help="Matryoshka over 5 widths over one full-width loss, same run (1.5)")
     args = p.parse_args(argv)
 
     if args.explain is not None:
