@@ -50,10 +50,10 @@ def tensor_peak(objective: str, impl: str, n: int, d: int, dtype: str, fake: boo
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from fastcl import _validation, set_input_checks
+    from fastcl import set_input_checks
 
     t0 = time.perf_counter()
-    checks = _validation._CHECK_FINITE       # build() sets the process-wide switch: put it back
+    checks = set_input_checks(False)    # build() sets the process-wide switch: put it back
     try:
         with FakeTensorMode() if fake else contextlib.nullcontext():
             case = build(objective, impl, n, d, dtype, "cpu", input_checks=False)

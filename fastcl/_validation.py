@@ -19,13 +19,21 @@ BACKENDS = ("auto", "reference", "tiled", "triton")
 _CHECK_FINITE = True
 
 
-def set_input_checks(enabled: bool) -> None:
+def set_input_checks(enabled: bool) -> bool:
     """Turn the scan of input embeddings on or off (on by default): the NaN/Inf test, and the
     rescaling of rows too large to square (max-abs above
     :func:`fastcl.common.huge_row_limit`, ≈ 3e17 in float32 at d = 768; without the scan such
-    rows give NaN)."""
+    rows give NaN). Returns the previous setting, to put it back::
+
+        previous = fastcl.set_input_checks(False)
+        try:
+            ...
+        finally:
+            fastcl.set_input_checks(previous)
+    """
     global _CHECK_FINITE
-    _CHECK_FINITE = bool(enabled)
+    previous, _CHECK_FINITE = _CHECK_FINITE, bool(enabled)
+    return previous
 
 
 def embeddings(name: str, x, *, rows: int | None = None, width: int | None = None,

@@ -57,11 +57,11 @@ def test_no_host_read_without_input_checks(name, backend, host_reads):
     if backend == "triton":
         pytest.importorskip("triton")
     leaves, calls = _calls()
-    fastcl.set_input_checks(False)
+    previous = fastcl.set_input_checks(False)
     try:
         with host_reads:
             loss = calls[name](backend=backend, chunk_size=8)
             loss.backward()
     finally:
-        fastcl.set_input_checks(True)
+        fastcl.set_input_checks(previous)
     assert host_reads.count == 0

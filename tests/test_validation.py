@@ -96,11 +96,15 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
 
 
 def test_finite_checks_can_be_switched_off():
-    fastcl.set_input_checks(False)
+    previous = fastcl.set_input_checks(False)
     try:
+        assert previous is True                         # on by default
         assert torch.isnan(fastcl.infonce(nan_at(A), P))
+        assert fastcl.set_input_checks(False) is False  # each call returns the setting it replaced
     finally:
-        fastcl.set_input_checks(True)
+        fastcl.set_input_checks(previous)
+    with pytest.raises(ValueError, match="anchors"):
+        fastcl.infonce(nan_at(A), P)
 
 
 def test_empty_negatives_are_allowed():
