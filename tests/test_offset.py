@@ -35,6 +35,10 @@ CALLS = {
         formulation="released", **kw),
     "escl": lambda a, p, neg, comp, z, s, **kw: fastcl.escl_loss(
         a, p, correlated(a, 1.0, seed=8).detach(), **kw),
+    # the one pass over every width (tiled), a call per width (triton), the literal sum
+    "matryoshka": lambda a, p, neg, comp, z, s, **kw: fastcl.contrastive(
+        a, p, neg, focal_m=0.2, hard_negative_weight=0.5, matryoshka_dims=(24, 10, 3),
+        matryoshka_weights=(1.0, 0.5, 2.0), **kw),
 }
 
 
