@@ -22,6 +22,8 @@ gist           GISTEmbedLoss's objective on triplets: ``contrastive(h, h⁺, h�
 matryoshka     ``infonce(h, h⁺, matryoshka_dims=(d, 2d/3, d/3, d/6, d/12))``:    N
                the loss of five prefix widths, summed (MatryoshkaLoss around
                MNRL); fastcl computes them in one pass over d
+gist-          gist's objective at matryoshka's five widths (MatryoshkaLoss      as gist
+matryoshka     around GISTEmbedLoss), the guide's filter the same at every width
 =============  ==============================================================  ===========
 
 Implementations: ``fastcl`` (``backend="auto"``: Triton on CUDA, tiled elsewhere),
@@ -33,7 +35,8 @@ scale 20 = 1/τ; infonce and infonce-hard only, the objectives it computes) and
 ``gistembed`` (sentence-transformers' ``GISTEmbedLoss`` on the same embeddings and guide
 embeddings, its own code from the embeddings on: gist only). For matryoshka, ``mnrl`` is
 ``MatryoshkaLoss`` around MNRL (MNRL on each normalized prefix, summed) and ``wrapped`` is
-``MatryoshkaLoss`` around fastcl's loss (one fused loss per width, summed).
+``MatryoshkaLoss`` around fastcl's loss (one fused loss per width, summed; gist-matryoshka
+too).
 
 A call is forward + ``loss.backward()`` (the noise update has no backward: it returns the
 noise). Useful FLOPs count the GEMM work an ideal implementation cannot avoid:
@@ -64,11 +67,14 @@ from dataclasses import dataclass, field
 import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
 from fastcl.common import FOCAL_M, NOISE_STEPS, PHI, TEMPERATURE
 
-OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl", "noise", "gist", "matryoshka")
+OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl", "noise", "gist", "matryoshka",
+              "gist-matryoshka")
 IMPLS = ("fastcl", "tiled", "reference", "compiled", "mnrl", "gistembed", "wrapped")
 MNRL_OBJECTIVES = ("infonce", "infonce-hard", "matryoshka")
 #: The implementations that compute only some objectives: the sentence-transformers losses.
-ONLY_FOR = {"mnrl": MNRL_OBJECTIVES, "gistembed": ("gist",), "wrapped": ("matryoshka",)}
+ONLY_FOR = {"mnrl": MNRL_OBJECTIVES, "gistembed": ("gist",), "wrapped": ("matryoshka", "gist-matryoshka")}
+#: The objectives with options the reference's plain functions (hence ``compiled``) lack.
+NOT_COMPILED = ("gist", "matryoshka", "gist-matryoshka")
 
 
 def matryoshka_dims(d: int) -> tuple[int, ...]:
@@ -79,12 +85,12 @@ COMPLEMENTARY_DIM = 384
 
 _FUNCTIONS = {"infonce": "infonce", "infonce-hard": "infonce", "focal": "focal_infonce",
               "dclr": "dclr_loss", "escl": "escl_loss", "noise": "dclr_noise", "gist": "contrastive",
-              "matryoshka": "contrastive"}
+              "matryoshka": "contrastive", "gist-matryoshka": "contrastive"}
 
 
 def num_candidates(objective: str, n: int) -> int:
     """M: the candidate columns of the main loss (the noise count K for ``noise``)."""
-    if objective == "gist":
+    if objective in ("gist", "gist-matryoshka"):
         return 3 * n
     return 2 * n if objective in ("infonce-hard", "dclr") else n
 
@@ -97,7 +103,7 @@ def useful_flops(objective: str, n: int, d: int) -> float:
     flops = 6.0 * n * m * d
     if objective == "dclr":
         flops += 2.0 * n * n * COMPLEMENTARY_DIM + NOISE_STEPS * 4.0 * n * n * d
-    if objective == "gist":   # the positive's N scores, and the guide's 4N cosines per row
+    if objective in ("gist", "gist-matryoshka"):   # the positive's N scores, the guide's 4N cosines a row
         flops += 6.0 * n * n * d + 2.0 * n * 4 * n * COMPLEMENTARY_DIM
     return flops    # matryoshka: one loss at full width, the floor of a one-pass computation
 
@@ -183,7 +189,7 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
         raise ValueError(f"unknown implementation {impl!r}")
     if impl in ONLY_FOR and objective not in ONLY_FOR[impl]:
         raise ValueError(f"{impl} does not compute {objective}")
-    if impl == "compiled" and objective in ("gist", "matryoshka"):
+    if impl == "compiled" and objective in NOT_COMPILED:
         raise ValueError(f"compiled compiles the reference's functions, which take no {objective} "
                          "options")
 
@@ -227,7 +233,7 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
         kwargs.update(noise=noise, steps=NOISE_STEPS)
     elif objective == "matryoshka":
         kwargs["matryoshka_dims"] = matryoshka_dims(d)
-    elif objective == "gist":
+    if objective in ("gist", "gist-matryoshka"):
         negatives = randn(n, d)
         leaves.append(negatives)
         args.append(negatives)
@@ -235,6 +241,8 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
         guide = (g, (g.float() + 0.5 * randn(n, COMPLEMENTARY_DIM, grad=False).float()).to(tdtype),
                  randn(n, COMPLEMENTARY_DIM, grad=False))
         kwargs.update(directions=fastcl.layout.gist(), guide=guide, guide_margin=0.0)
+        if objective == "gist-matryoshka":
+            kwargs["matryoshka_dims"] = matryoshka_dims(d)
 
     name = _FUNCTIONS[objective]
     note = ""
@@ -248,7 +256,7 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
     elif impl == "wrapped":
         dims = kwargs.pop("matryoshka_dims")
         backend = fastcl.resolve_backend("auto", anchors)
-        fn = lambda *xs, **kw: sum(fastcl.infonce(*(x[:, :k] for x in xs), **kw) for k in dims)
+        fn = lambda *xs, **kw: sum(getattr(fastcl, name)(*(x[:, :k] for x in xs), **kw) for k in dims)
         note = "one fused loss per width, summed (MatryoshkaLoss around FastInfoNCELoss)"
     elif impl == "mnrl":
         loss_fn = _mnrl()

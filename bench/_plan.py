@@ -6,7 +6,7 @@ the end-to-end step of ``_e2e.py``, every implementation)."""
 
 from __future__ import annotations
 
-from _cases import IMPLS, ONLY_FOR, OBJECTIVES, num_candidates
+from _cases import IMPLS, NOT_COMPILED, ONLY_FOR, OBJECTIVES, num_candidates
 from _e2e import IMPLS as E2E_IMPLS
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -22,7 +22,7 @@ def sweep(objectives, impls, ns, ds, dtypes, **extra):
                     for impl in impls:
                         if impl in ONLY_FOR and objective not in ONLY_FOR[impl]:
                             continue
-                        if impl == "compiled" and objective in ("gist", "matryoshka"):
+                        if impl == "compiled" and objective in NOT_COMPILED:
                             continue
                         out.append({"kind": "case", "objective": objective, "impl": impl, "n": n,
                                     "m": num_candidates(objective, n), "d": d, "dtype": dtype,

@@ -191,11 +191,11 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     **matryoshka_dims** ``(d_1, …, d_K)`` with ``matryoshka_weights`` ``(w_1, …, w_K)`` (all 1
     by default): ``L = Σ_k w_k·L(x[:, :d_k])``, the loss of every prefix of the embeddings
     (their own cosines), as sentence-transformers' ``MatryoshkaLoss`` around this loss. The
-    tiled path computes every width in one pass over d (:func:`fastcl.tiled.matryoshka_forward`).
-    It takes focal, the hard negatives' log-weight, the DCLR mask and ``symmetric``; with the
-    options above, and on the Triton backend (a fused call per width: the GEMM work of
-    ``Σ_k d_k`` columns, 2.25× one loss for 768, 512, 256, 128, 64), it runs one pass per
-    width; not the noise or ``formulation="released"``.
+    tiled path computes every width in one pass over d (:func:`fastcl.tiled.matryoshka_forward`),
+    with focal, the hard negatives' log-weight, the DCLR mask, ``symmetric`` and the options
+    above (the masks, the guide's filter among them, computed once for every width); the
+    Triton backend makes a fused call per width (the GEMM work of ``Σ_k d_k`` columns, 2.25×
+    one loss for 768, 512, 256, 128, 64). Not with the noise or ``formulation="released"``.
 
     Args:
         anchors: (N, d) first view.
@@ -344,9 +344,10 @@ def _contrastive_on(anchors, positives, negatives, *, temperature, focal_m, hard
     if "matryoshka" in rules:
         rules = dict(rules)
         dims, weights = rules.pop("matryoshka")
-        # one pass per width with the layout's rules, and on the Triton backend, whose
-        # kernels take one width (each call fused; the one pass over d is the tiled path's)
-        if rules or backend == "triton":
+        # the literal sum on the reference backend, one pass per width on the Triton
+        # backend, whose kernels take one width (each call fused; the one pass over d is the
+        # tiled path's)
+        if backend == "triton" or (rules and backend == "reference"):
             return sum(w * _contrastive_on(
                 *_prefixes(k, anchors, positives, negatives), temperature=temperature,
                 focal_m=focal_m, hard_negative_weight=hard_negative_weight,
@@ -359,7 +360,7 @@ def _contrastive_on(anchors, positives, negatives, *, temperature, focal_m, hard
                                 temperature=temperature, focal_m=focal_m,
                                 hard_negative_weight=hard_negative_weight,
                                 complementary=complementary, phi=phi, symmetric=symmetric,
-                                anchor_offset=anchor_offset, chunk_size=chunk_size)
+                                anchor_offset=anchor_offset, chunk_size=chunk_size, rules=rules)
     engine = _engine(backend)
     blocks = [positives] + ([] if negatives is None else [negatives])
     num = (noise.shape[0] if noise is not None
@@ -491,9 +492,10 @@ def _prefix_rules(k, rules):
 
 def _matryoshka_loss(anchors, positives, negatives, backend, matryoshka, *, temperature, focal_m,
                      hard_negative_weight, complementary, phi, symmetric, anchor_offset,
-                     chunk_size):
+                     chunk_size, rules):
     """``Σ_k w_k·L(x[:, :d_k])``: the reference loss of each prefix (the literal sum), or the
-    tiled path's one pass over every width (:func:`fastcl.tiled.matryoshka_forward`)."""
+    tiled path's one pass over every width (:func:`fastcl.tiled.matryoshka_forward`), with
+    the layout's ``rules`` (:func:`_rules`) where there are any."""
     dims, weights = matryoshka
     if backend == "reference":
         return sum(w * reference.contrastive(
@@ -504,6 +506,9 @@ def _matryoshka_loss(anchors, positives, negatives, backend, matryoshka, *, temp
     ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
                   phi=phi if complementary is not None else None, complementary=complementary,
                   chunk_size=chunk_size, anchor_offset=anchor_offset, matryoshka=matryoshka)
+    if rules:
+        rows, blocks, ep = _with_rules(ep, anchors, positives, negatives, blocks, rules)
+        return tiled.contrastive_loss(ep, rows, *blocks)
     loss = tiled.contrastive_loss(ep, anchors, *blocks)
     if symmetric:
         reverse = dataclasses.replace(

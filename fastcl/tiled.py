@@ -563,9 +563,12 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     Ã^k``, formed from the widest width down, take one GEMM per band for each gradient.
     A chunk holds every width's Ã^k (as ``f^k ⊙ H^k``, its row factor apart) besides D and
     one scratch slice, allocated once for the call. The anchors' and candidates' own
-    features: focal modulation, the hard negative's log-weight, DCLR's mask (one for every
-    width: the complementary model's cosines)."""
-    n, d = anchors.shape
+    features: focal modulation, the hard negative's log-weight, DCLR's mask, and the rules
+    of :mod:`fastcl.layout` (a positive side, its joint or own softmax, the drops, MNRL's
+    hardness term); the masks are the texts', computed once for every width."""
+    n_rows, d = anchors.shape
+    n = n_rows // 2 if ep.paired else n_rows      # loss rows: two sides each when paired
+    sides = 2 if ep.paired else 1
     in_dtype, device = anchors.dtype, anchors.device
     acc = accumulate_dtype(in_dtype)
     dtype = gemm_dtype or matmul_dtype(in_dtype, device)
@@ -587,10 +590,10 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     # the radial term of x/max(‖x‖, EPS) exists only where the norm was not clamped
     radial_q = (norm_q > EPS).to(acc) * inv_q * inv_q
     radial_k = (norm_k > EPS).to(acc) * inv_k * inv_k
-    # each width's factors contiguous: a strided broadcast operand costs the R×M passes
-    # their vectorization
-    inv_q_w, inv_k_w = inv_q.T.contiguous(), inv_k.T.contiguous()
-    dq = torch.zeros(n, d, dtype=acc, device=device) if need_q else None
+    # each width's factors contiguous (rows' per chunk, below): a strided broadcast operand
+    # costs the R×M passes their vectorization
+    inv_k_w = inv_k.T.contiguous()
+    dq = torch.zeros(n_rows, d, dtype=acc, device=device) if need_q else None
     dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
     col_c = torch.zeros(len(dims), m, dtype=acc, device=device)   # per width, contiguous
     row_loss = torch.zeros(n, dtype=acc, device=device)
@@ -604,21 +607,23 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
         rows = _even_chunks(n, rows)
     # The chunk's slices, allocated once and reused by every chunk (the last one takes the
     # first rows): a fresh R×M allocation per chunk and width costs its page faults again.
-    slices = 2 + len(dims) + (ep.focal_m is not None)
-    buffers = torch.empty(slices, min(rows, n), m, dtype=acc, device=device).unbind(0)
+    slices = 2 + len(dims) + (ep.focal_m is not None or ep.hardness is not None)
+    buffers = torch.empty(slices, sides * min(rows, n), m, dtype=acc, device=device).unbind(0)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         r = r1 - r0
-        q = q_all[r0:r1]
+        # a chunk's rows: [r0, r1), and with a positive side also [n + r0, n + r1)
+        take = ((lambda x: x[r0:r1]) if not ep.paired else
+                (lambda x: torch.cat([x[r0:r1], x[n + r0:n + r1]])))
+        q = take(q_all)
         first = ep.anchor_offset + r0               # the column of row r0's positive
-        drop = None
-        if comp is not None:
-            drop = _mm(comp[0][r0:r1], comp[1].T, acc) >= ep.phi
-            drop.diagonal(first).fill_(False)
-        dots, pool = buffers[0][:r], [b[:r] for b in buffers[1:len(dims) + 2]]
-        cos = buffers[-1][:r] if ep.focal_m is not None else None
+        rules = _MatryoshkaRules(ep, Chunk(r0, r1, n, n_pos, first, q, keys, None, None, None), comp)
+        dots, pool = buffers[0][:sides * r], [b[:sides * r] for b in buffers[1:len(dims) + 2]]
+        cos = buffers[-1][:sides * r] if slices > 2 + len(dims) else None
         # per width: Ã^k = diag(f^k) H^k − δ·g^k, and the radial sums
-        row_f, pos_g, row_c = torch.empty(3, len(dims), r, dtype=acc, device=device)
+        row_f, row_c = torch.empty(2, len(dims), sides * r, dtype=acc, device=device)
+        pos_g = torch.empty(len(dims), r, dtype=acc, device=device)
+        inv_q_c = take(inv_q).T.contiguous()          # (K, sides·r)
         h = []
         for k, (lo, hi) in enumerate(bands):
             if k == 0:
@@ -626,7 +631,7 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
             else:
                 _accumulate_mm(dots, q[:, lo:hi], keys[:, lo:hi].T)
             kept, free = _matryoshka_width(ep, weights[k], n, n_pos, dots, pool.pop(), pool.pop(), cos,
-                                           inv_q_w[k, r0:r1], inv_k_w[k], first, drop, row_loss[r0:r1],
+                                           inv_q_c[k], inv_k_w[k], first, rules, row_loss[r0:r1],
                                            row_f[k], pos_g[k], row_c[k], col_c[k])
             h.append(kept)
             pool.append(free)
@@ -638,18 +643,22 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
                 total_b = h[k].mul_(row_f[k, :, None])
             else:
                 total_b.addcmul_(h[k], row_f[k, :, None])
-            total_b.diagonal(first).sub_(pos_g[k])
+            total_b[:r].diagonal(first).sub_(pos_g[k])
             b = total_b.to(dtype)
             if need_q:
-                _accumulate_mm(dq[r0:r1, lo:hi], b, keys[:, lo:hi])
+                _accumulate_mm(dq[r0:r1, lo:hi], b[:r], keys[:, lo:hi])
+                if ep.paired:
+                    _accumulate_mm(dq[n + r0:n + r1, lo:hi], b[r:], keys[:, lo:hi])
             if need_k:
                 _accumulate_mm(dk[:, lo:hi], b.T, q[:, lo:hi])
         if need_q:
-            coef = row_c.T * radial_q[r0:r1]                    # (r, K)
+            coef = row_c.T * take(radial_q)                       # (sides·r, K)
             for k, (lo, hi) in enumerate(bands):
                 # band k takes the radial terms of every width that covers it
-                dq[r0:r1, lo:hi].addcmul_(q[:, lo:hi].to(acc), coef[:, k:].sum(dim=1, keepdim=True),
-                                          value=-1.0)
+                radial = q[:, lo:hi].to(acc) * coef[:, k:].sum(dim=1, keepdim=True)
+                dq[r0:r1, lo:hi] -= radial[:r]
+                if ep.paired:
+                    dq[n + r0:n + r1, lo:hi] -= radial[r:]
     if need_k:
         coef = col_c.T * radial_k
         for k, (lo, hi) in enumerate(bands):
@@ -665,6 +674,37 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     return loss, grads
 
 
+class _MatryoshkaRules:
+    """What a chunk's rows drop and weigh, the same at every width: DCLR's mask (R×N_b, the
+    anchor side), :func:`_layout_drops`' masks (R'×M) and MNRL's hardness columns (R×M),
+    and where the positive side's own anchor sits (focal gives it s²/τ)."""
+
+    def __init__(self, ep: Epilogue, c: Chunk, comp):
+        r = c.r1 - c.r0
+        self.r, self.first = r, c.first_pos
+        self.comp_drop = None
+        if comp is not None:
+            self.comp_drop = _mm(comp[0][c.r0:c.r1], comp[1].T, accumulate_dtype(comp[0].dtype)) >= ep.phi
+            self.comp_drop.diagonal(c.first_pos).fill_(False)
+        self.drop = self.hard = None
+        if ep.sided:
+            self.drop, self.hard = _layout_drops(ep, c)
+        self.mirror = None       # (column offset of side 1's diagonal) with a positive side
+        if ep.paired and ep.layout.positive_to_anchors:
+            n_pos, n_neg, n_noise, n_anchor = ep.blocks
+            self.mirror = n_pos + n_neg + n_noise + (c.first_pos if n_anchor == n_pos else c.r0)
+
+    def apply(self, logits, n_pos, cos, beta):
+        """Drops (−inf) and MNRL's ``β·sg(s)`` on the hardness columns, in place."""
+        r = self.r
+        if self.hard is not None:
+            logits[:r].add_(cos[:r] * self.hard, alpha=beta)
+        if self.comp_drop is not None:
+            logits[:r, :n_pos].masked_fill_(self.comp_drop, float("-inf"))
+        if self.drop is not None:
+            logits.masked_fill_(self.drop, float("-inf"))
+
+
 def _even_chunks(n: int, rows: int, multiple: int = 16) -> int:
     """Rows per chunk for as many chunks of ``rows`` as ``n`` needs, but of even size (a
     multiple of ``multiple``, never above ``rows``): no short last chunk of slow GEMMs."""
@@ -674,11 +714,15 @@ def _even_chunks(n: int, rows: int, multiple: int = 16) -> int:
 
 
 def _matryoshka_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int) -> int:
-    """:func:`matryoshka_forward`'s buffers per anchor row: D, a scratch slice and one H per
-    width (the cosines too with focal), the mask's slice, and B's cast to the GEMM dtype."""
+    """:func:`matryoshka_forward`'s buffers per loss row: D, a scratch slice and one H per
+    width (the cosines too with focal or MNRL's hardness), each side's, the masks, and B's
+    cast to the GEMM dtype."""
     acc, cast = _acc_and_cast_bytes(dtype)
-    slices = 2 + len(ep.matryoshka[0]) + (ep.focal_m is not None)
-    return m * (acc * slices + cast) + (m * (acc + 1) if ep.complementary is not None else 0)
+    slices = 2 + len(ep.matryoshka[0]) + (ep.focal_m is not None or ep.hardness is not None)
+    sides = 2 if ep.paired else 1
+    # the layout's masks (bool), the guide's cosines while they are formed
+    rules = m * (sides + 1 + acc * (ep.guide is not None)) if ep.sided else 0
+    return sides * m * (acc * slices + cast) + rules + (m * (acc + 1) if ep.complementary is not None else 0)
 
 
 #: Where ``2·bound + ln M`` (:func:`_logit_bound`) stays below this, every softmax entry is a
@@ -694,56 +738,82 @@ def _logit_bound(ep: Epilogue) -> float:
     return slope / ep.temperature + abs(ep.hard_negative_weight)
 
 
-def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k, first, drop,
+def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k, first, rules,
                       row_loss, row_f, pos_g, row_c, col_c):
-    r"""One width's epilogue on a chunk, from its prefix dot products ``dots`` (R×M, kept):
-    ``row_loss += w_k·L_k``; ``row_f`` ← ``f`` and ``pos_g`` ← ``g`` with
-    ``Ã^k = diag(f) H − δ·g`` (δ: each row's positive); the radial sums ``Σ_j Ã_ij D_ij``
-    into ``row_c`` and ``Σ_i Ã_ij D_ij`` added to ``col_c``. ``out`` and ``spare`` are free
-    R×M slices, ``cos`` (R×M, focal only) holds the cosines; row i's positive is column
-    ``first + i``. Returns ``(H, free)``: the slice that holds H and the one left free.
+    r"""One width's epilogue on a chunk, from its prefix dot products ``dots`` (R'×M, kept;
+    R' = 2R with a positive side, rows R + i): ``row_loss += w_k·L_k``; ``row_f`` ← ``f``
+    (R') and ``pos_g`` ← ``g`` (R) with ``Ã^k = diag(f) H − δ·g`` (δ: each anchor-side row's
+    positive, column ``first + i``); the radial sums ``Σ_j Ã_ij D_ij`` into ``row_c`` and
+    ``Σ_i Ã_ij D_ij`` added to ``col_c``. ``out`` and ``spare`` are free R'×M slices, ``cos``
+    (R'×M, with focal or MNRL's hardness) holds the cosines; ``rules``: the chunk's
+    :class:`_MatryoshkaRules`. Returns ``(H, free)``: the slice that holds H and the one
+    left free.
 
-    Every pass over the R×M slice counts (they, not the GEMMs, bound the time): the softmax
-    is one fused pass (its rows stay in cache), 1/(‖q‖τN) stays in the row factor ``f``,
-    and the column factor 1/‖k‖ is applied once, to H, before the radial product."""
-    r = dots.shape[0]
+    Every pass over the slice counts (they, not the GEMMs, bound the time): the softmax is
+    one fused pass (its rows stay in cache), 1/(‖q‖τN) stays in the row factor ``f``, and
+    the column factor 1/‖k‖ is applied once, to H, before the radial product."""
+    r = rules.r
     inv_t = 1.0 / ep.temperature
-    if ep.focal_m is not None:
-        # s(s + m)/τ off the positive, s²/τ on it
+    if cos is not None:
         torch.mul(dots, inv_q[:, None], out=cos).mul_(inv_k[None, :])
-        pos_cos = cos.diagonal(first).clone()
+    if ep.focal_m is not None:
+        # s(s + m)/τ off the positive (and off the positive side's own anchor), s²/τ on them
+        pos_cos = cos[:r].diagonal(first).clone()
         logits = torch.add(cos, ep.focal_m, out=spare).mul_(cos).mul_(inv_t)
-        logits.diagonal(first).copy_(pos_cos.square().mul_(inv_t))
+        logits[:r].diagonal(first).copy_(pos_cos.square().mul_(inv_t))
+        if rules.mirror is not None:
+            own = cos[r:].diagonal(rules.mirror)
+            logits[r:].diagonal(rules.mirror).copy_(own.square().mul_(inv_t))
     else:
         logits = torch.mul(dots, (inv_q * inv_t)[:, None], out=spare).mul_(inv_k[None, :])
     if ep.hard_negative_weight:
-        logits.diagonal(n_pos + first).add_(ep.hard_negative_weight)
-    if drop is not None:
-        logits[:, :n_pos].masked_fill_(drop, float("-inf"))
-    # ℓ_i = lse_i − l_ii = −log p_ii, where p_ii ≥ e^(−2·bound)/M cannot underflow; else
-    # through the row's largest logit, whose p ≥ 1/M
-    exact = 2.0 * _logit_bound(ep) + math.log(logits.shape[1]) <= _EXACT_LOG_BOUND
+        logits[:r].diagonal(n_pos + first).add_(ep.hard_negative_weight)
+    rules.apply(logits, n_pos, cos, ep.hardness[1] if ep.hardness else 0.0)
+    pos = logits[:r].diagonal(first).clone()
+    # Every row's own softmax, one fused pass. ℓ_i = lse_i − l_ii = −log p_ii where p_ii ≥
+    # e^(−2·bound)/M cannot underflow (no positive side, no layout); else lse_i through the
+    # row's largest logit, whose p ≥ 1/M.
+    exact = not ep.sided and 2.0 * _logit_bound(ep) + math.log(logits.shape[1]) <= _EXACT_LOG_BOUND
     if not exact:
         top = logits.amax(dim=1)
-        pos = logits.diagonal(first).clone()
     p = torch.ops.aten._softmax.out(logits, 1, False, out=out)
+    scale = 1.0                       # each row's softmax in the loss's: p_loss = scale·p
     if exact:
-        row_loss -= weight * p.diagonal(first).log()
+        lse = pos - p.diagonal(first).log()
     else:
-        row_loss += weight * (top - p.amax(dim=1).log_() - pos)
+        lse = top - p.amax(dim=1).log_()
+        if ep.paired and ep.layout.joint:
+            # rows i and R + i share one softmax, log Σ_{both sides} e^l: each side's own
+            # rescaled by e^(lse_side − lse). A positive side may drop every column (the
+            # guide's filter): its row is 0/0 on its own, and nothing in the shared one.
+            dead = torch.isneginf(top)
+            p.masked_fill_(dead[:, None], 0.0)
+            lse = lse.masked_fill(dead, float("-inf"))
+            joint = torch.logaddexp(lse[:r], lse[r:])
+            scale = torch.exp(lse - joint.repeat(2))
+            lse = joint
+        elif ep.paired:      # each side its own softmax: the mean of the two log-sum-exps
+            lse = 0.5 * (lse[:r] + lse[r:])
+            scale = 0.5
+    row_loss += weight * (lse - pos)
     # ∂L/∂s^k = w_k (p − δ) g'(s)/N: g'(s) = 1/τ, or with focal modulation (2s + m)/τ off
-    # the positive and 2s/τ on it
-    row_f.copy_(inv_q * (weight * inv_t / n))
-    pos_g.copy_(row_f * inv_k[first:first + r] * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
+    # the positive (and the positive side's own anchor) and 2s/τ on them; MNRL's β·sg(s) has
+    # no slope.
+    base = inv_q * (weight * inv_t / n)
+    row_f.copy_(base * scale)
+    pos_g.copy_(base[:r] * inv_k[first:first + r] * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
     if ep.focal_m is not None:
         slope = cos.mul_(2.0).add_(ep.focal_m)
-        slope.diagonal(first).sub_(ep.focal_m)
+        slope[:r].diagonal(first).sub_(ep.focal_m)
+        if rules.mirror is not None:
+            slope[r:].diagonal(rules.mirror).sub_(ep.focal_m)
         p.mul_(slope)
     held = p.mul_(inv_k[None, :])
     # the radial sums: Σ_j Ã_ij D_ij = f_i Σ_j H_ij D_ij − g_i D_ii, and by columns
     product = torch.mul(held, dots, out=spare)
-    pos_dots = pos_g * dots.diagonal(first)
-    row_c.copy_(product.sum(dim=1).mul_(row_f) - pos_dots)
+    pos_dots = pos_g * dots[:r].diagonal(first)
+    row_c.copy_(product.sum(dim=1).mul_(row_f))
+    row_c[:r] -= pos_dots
     col_c += torch.mv(product.T, row_f)
     col_c[first:first + r] -= pos_dots
     return held, spare

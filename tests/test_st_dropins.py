@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import random
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -412,6 +413,58 @@ def test_one_pass_matryoshka_equals_the_literal_sum():
                 torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-10)
 
 
+def test_one_pass_matryoshka_with_layout_rules_equals_the_literal_sum():
+    """The one pass with fastcl.layout's rules (a positive side, joint or per-direction
+    softmax, MNRL's hardness, GIST's guide, duplicate ids, focal on the positive side's own
+    anchor, gathered rows) against the reference's sum of prefix losses, over chunk edges."""
+    g = torch.Generator().manual_seed(4)
+    n, d = 7, 18
+    t = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    a = t(n, d).requires_grad_()
+    p = (a.detach() + 0.9 * t(n, d)).requires_grad_()
+    neg = t(n, d).requires_grad_()
+    guide = (t(n, 5), t(n, 5), t(n, 5), None)
+    ids = (torch.tensor([0, 1, 2, 1, 4, 5, 0]), torch.tensor([7, 1, 8, 9, 4, 10, 11]),
+           torch.tensor([12, 13, 2, 14, 15, 5, 16]))
+    every = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+    cases = [
+        dict(directions=every),
+        dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction", focal_m=0.3),
+        dict(directions=("query_to_doc", "doc_to_query"), hardness_mode="all_negatives",
+             hardness_strength=0.8, negatives=True),
+        dict(directions=("query_to_doc", "query_to_query"), hardness_mode="in_batch_negatives",
+             hardness_strength=0.5, focal_m=-0.2),
+        dict(directions=fastcl.layout.gist(), guide=guide, guide_margin=0.05, negatives=True),
+        # a guide that filters every column of some rows' positive side (all of them at 5)
+        dict(directions=fastcl.layout.gist(), guide=guide, guide_margin=0.8, negatives=True),
+        dict(directions=fastcl.layout.gist(), guide=guide[:2] + (None, None), guide_margin=5.0, focal_m=0.3),
+        dict(directions=dataclasses.replace(fastcl.layout.gist(), joint=False), guide=guide,
+             margin_strategy="relative", guide_margin=0.1, duplicate_ids=ids, negatives=True),
+        dict(duplicate_ids=ids[:2] + (None,), hard_negative_weight=0.6, negatives=True, temperature=0.01),
+    ]
+    for case in cases:
+        kw = dict(case)
+        negs = neg if kw.pop("negatives", False) else None
+        leaves = [a, p] + ([negs] if negs is not None else [])
+        args = dict(temperature=0.1, matryoshka_dims=(18, 11, 4), matryoshka_weights=(1.0, 0.5, 2.0)) | kw
+        want = fastcl.contrastive(a, p, negs, backend="reference", **args)
+        want_grads = torch.autograd.grad(want, leaves)
+        for chunk in (3, None):
+            got = fastcl.contrastive(a, p, negs, backend="tiled", chunk_size=chunk, **args)
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12, msg=lambda m: f"{case}: {m}")
+            for x, y in zip(torch.autograd.grad(got, leaves), want_grads):
+                torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-10, msg=lambda m: f"{case}: {m}")
+    # rows of a larger batch (gather_across_devices): the anchors block is the whole batch's
+    whole_a = t(2 * n, d).requires_grad_()
+    args = dict(temperature=0.1, matryoshka_dims=(18, 5), directions=every, anchor_offset=n,
+                anchor_candidates=whole_a, focal_m=0.2)
+    want = fastcl.contrastive(whole_a[n:], p.repeat(2, 1), backend="reference", **args)
+    got = fastcl.contrastive(whole_a[n:], p.repeat(2, 1), backend="tiled", chunk_size=4, **args)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for x, y in zip(torch.autograd.grad(got, (whole_a, p)), torch.autograd.grad(want, (whole_a, p))):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-10)
+
+
 def test_one_pass_matryoshka_keeps_losses_beyond_the_softmax_range():
     """Positives opposite their anchors at τ = 0.005: each row's loss (≈ 2/τ = 400) is far
     beyond what a float32 softmax entry can express (e^−400 is 0), yet finite and equal."""
@@ -454,8 +507,8 @@ def test_matryoshka_equals_matryoshkaloss_around_mnrl(model):
 
 
 def test_matryoshka_with_mnrl_options_and_gist(model, other_guide):
-    """With MNRL's options or GIST's filter the widths take a pass each: the same numbers as
-    MatryoshkaLoss around the sentence-transformers loss."""
+    """With MNRL's options or GIST's filter, in the same one pass over the width: the same
+    numbers as MatryoshkaLoss around the sentence-transformers loss."""
     from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
     model.eval()
     columns = [ANCHORS, POSITIVES, NEGATIVES]
