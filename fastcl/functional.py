@@ -344,10 +344,9 @@ def _contrastive_on(anchors, positives, negatives, *, temperature, focal_m, hard
     if "matryoshka" in rules:
         rules = dict(rules)
         dims, weights = rules.pop("matryoshka")
-        # the literal sum on the reference backend, one pass per width on the Triton
-        # backend, whose kernels take one width (each call fused; the one pass over d is the
-        # tiled path's)
-        if backend == "triton" or (rules and backend == "reference"):
+        # on the Triton backend, whose kernels take one width, a fused call per width (the
+        # one pass over d is the tiled path's)
+        if backend == "triton":
             return sum(w * _contrastive_on(
                 *_prefixes(k, anchors, positives, negatives), temperature=temperature,
                 focal_m=focal_m, hard_negative_weight=hard_negative_weight,
@@ -501,7 +500,8 @@ def _matryoshka_loss(anchors, positives, negatives, backend, matryoshka, *, temp
         return sum(w * reference.contrastive(
             *_prefixes(k, anchors, positives, negatives), temperature=temperature,
             focal_m=focal_m, hard_negative_weight=hard_negative_weight, complementary=complementary,
-            phi=phi, symmetric=symmetric, anchor_offset=anchor_offset) for k, w in zip(dims, weights))
+            phi=phi, symmetric=symmetric, anchor_offset=anchor_offset, **_prefix_rules(k, rules))
+            for k, w in zip(dims, weights))
     blocks = [positives] + ([] if negatives is None else [negatives])
     ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
                   phi=phi if complementary is not None else None, complementary=complementary,

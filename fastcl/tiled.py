@@ -284,10 +284,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         del penalty
     drop = None
     if ep.complementary is not None:
-        c_cos = _mm(c.comp_q, c.comp_k.T, acc)
-        drop = (c_cos * inv_t > 20 * ep.phi) if released else (c_cos >= ep.phi)
-        del c_cos
-        drop[ar, diag] = False                         # the positive is never dropped
+        drop = _complementary_drop(ep, c.comp_q, c.comp_k, c.first_pos, acc)
         logits[:r, :n_pos].masked_fill_(drop, 0.0 if released else float("-inf"))
     if layout_drop is not None:
         logits.masked_fill_(layout_drop, float("-inf"))
@@ -356,13 +353,28 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     return grad.to(c.q.dtype)
 
 
+def _complementary_drop(ep: Epilogue, comp_q, comp_k, first_pos: int, acc: torch.dtype):
+    """DCLR's mask on a chunk's anchor rows (R×N_b bool): the complementary model's cosine
+    ≥ φ (the released code's ``cos/τ > 20φ``), never the positive (column first_pos + i)."""
+    c_cos = _mm(comp_q, comp_k.T, acc)
+    released = ep.formulation == "released"
+    drop = (c_cos * (1.0 / ep.temperature) > 20 * ep.phi) if released else (c_cos >= ep.phi)
+    drop.diagonal(first_pos).fill_(False)
+    return drop
+
+
+def _mirror_column(ep: Epilogue, c: Chunk) -> int:
+    """The column of the positive side's first row's own anchor in the anchors block: row
+    R + i's is this + i."""
+    n_pos, n_neg, n_noise, n_anchor = ep.blocks
+    return n_pos + n_neg + n_noise + (c.first_pos if n_anchor == n_pos else c.r0)
+
+
 def _mirror(ep: Epilogue, c: Chunk):
     """(rows, columns) of each positive-side row's own anchor in the anchors block."""
-    n_pos, n_neg, n_noise, n_anchor = ep.blocks
     r = c.r1 - c.r0
     ar = torch.arange(r, device=c.q.device)
-    own = ar + (c.first_pos if n_anchor == n_pos else c.r0)
-    return r + ar, n_pos + n_neg + n_noise + own
+    return r + ar, _mirror_column(ep, c) + ar
 
 
 def _layout_drops(ep: Epilogue, c: Chunk):
@@ -506,9 +518,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        # a chunk's rows: [r0, r1), and with a positive side also [n + r0, n + r1)
-        take = ((lambda x: x[r0:r1]) if not ep.paired else
-                (lambda x: torch.cat([x[r0:r1], x[n + r0:n + r1]])))
+        take = functools.partial(_chunk_rows, r0=r0, r1=r1, n=n, paired=ep.paired)
         q = take(anchors).to(dtype).contiguous()
         inv_q_c = take(inv_q)
         chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q_c, inv_k,
@@ -612,12 +622,10 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         r = r1 - r0
-        # a chunk's rows: [r0, r1), and with a positive side also [n + r0, n + r1)
-        take = ((lambda x: x[r0:r1]) if not ep.paired else
-                (lambda x: torch.cat([x[r0:r1], x[n + r0:n + r1]])))
+        take = functools.partial(_chunk_rows, r0=r0, r1=r1, n=n, paired=ep.paired)
         q = take(q_all)
         first = ep.anchor_offset + r0               # the column of row r0's positive
-        rules = _MatryoshkaRules(ep, Chunk(r0, r1, n, n_pos, first, q, keys, None, None, None), comp)
+        rules = _MatryoshkaRules(ep, Chunk(r0, r1, n, n_pos, first, q, keys, None, None, None), comp, acc)
         dots, pool = buffers[0][:sides * r], [b[:sides * r] for b in buffers[1:len(dims) + 2]]
         cos = buffers[-1][:sides * r] if slices > 2 + len(dims) else None
         # per width: Ã^k = diag(f^k) H^k − δ·g^k, and the radial sums
@@ -679,26 +687,25 @@ class _MatryoshkaRules:
     anchor side), :func:`_layout_drops`' masks (R'×M) and MNRL's hardness columns (R×M),
     and where the positive side's own anchor sits (focal gives it s²/τ)."""
 
-    def __init__(self, ep: Epilogue, c: Chunk, comp):
-        r = c.r1 - c.r0
-        self.r, self.first = r, c.first_pos
+    def __init__(self, ep: Epilogue, c: Chunk, comp, acc: torch.dtype):
+        self.r = c.r1 - c.r0
         self.comp_drop = None
         if comp is not None:
-            self.comp_drop = _mm(comp[0][c.r0:c.r1], comp[1].T, accumulate_dtype(comp[0].dtype)) >= ep.phi
-            self.comp_drop.diagonal(c.first_pos).fill_(False)
+            self.comp_drop = _complementary_drop(ep, comp[0][c.r0:c.r1], comp[1], c.first_pos, acc)
         self.drop = self.hard = None
         if ep.sided:
-            self.drop, self.hard = _layout_drops(ep, c)
-        self.mirror = None       # (column offset of side 1's diagonal) with a positive side
+            self.drop, hard = _layout_drops(ep, c)
+            if hard is not None:      # as a factor, for an in-place addcmul at every width
+                self.hard = hard.to(acc)
+        self.mirror = None       # the column of side 1's diagonal, with a positive side
         if ep.paired and ep.layout.positive_to_anchors:
-            n_pos, n_neg, n_noise, n_anchor = ep.blocks
-            self.mirror = n_pos + n_neg + n_noise + (c.first_pos if n_anchor == n_pos else c.r0)
+            self.mirror = _mirror_column(ep, c)
 
     def apply(self, logits, n_pos, cos, beta):
         """Drops (−inf) and MNRL's ``β·sg(s)`` on the hardness columns, in place."""
         r = self.r
         if self.hard is not None:
-            logits[:r].add_(cos[:r] * self.hard, alpha=beta)
+            logits[:r].addcmul_(cos[:r], self.hard, value=beta)
         if self.comp_drop is not None:
             logits[:r, :n_pos].masked_fill_(self.comp_drop, float("-inf"))
         if self.drop is not None:
@@ -713,6 +720,11 @@ def _even_chunks(n: int, rows: int, multiple: int = 16) -> int:
     return min(rows, even)
 
 
+def _chunk_rows(x: torch.Tensor, r0: int, r1: int, n: int, paired: bool) -> torch.Tensor:
+    """A chunk's rows of ``x``: [r0, r1), and with a positive side also [n + r0, n + r1)."""
+    return x[r0:r1] if not paired else torch.cat([x[r0:r1], x[n + r0:n + r1]])
+
+
 def _matryoshka_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int) -> int:
     """:func:`matryoshka_forward`'s buffers per loss row: D, a scratch slice and one H per
     width (the cosines too with focal or MNRL's hardness), each side's, the masks, and B's
@@ -720,8 +732,8 @@ def _matryoshka_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int) -> int:
     acc, cast = _acc_and_cast_bytes(dtype)
     slices = 2 + len(ep.matryoshka[0]) + (ep.focal_m is not None or ep.hardness is not None)
     sides = 2 if ep.paired else 1
-    # the layout's masks (bool), the guide's cosines while they are formed
-    rules = m * (sides + 1 + acc * (ep.guide is not None)) if ep.sided else 0
+    # the layout's masks (bool), the hardness factor, the guide's cosines while formed
+    rules = m * (sides + acc * (ep.hardness is not None) + acc * (ep.guide is not None)) if ep.sided else 0
     return sides * m * (acc * slices + cast) + rules + (m * (acc + 1) if ep.complementary is not None else 0)
 
 
@@ -769,17 +781,17 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
     if ep.hard_negative_weight:
         logits[:r].diagonal(n_pos + first).add_(ep.hard_negative_weight)
     rules.apply(logits, n_pos, cos, ep.hardness[1] if ep.hardness else 0.0)
-    pos = logits[:r].diagonal(first).clone()
     # Every row's own softmax, one fused pass. ℓ_i = lse_i − l_ii = −log p_ii where p_ii ≥
     # e^(−2·bound)/M cannot underflow (no positive side, no layout); else lse_i through the
     # row's largest logit, whose p ≥ 1/M.
     exact = not ep.sided and 2.0 * _logit_bound(ep) + math.log(logits.shape[1]) <= _EXACT_LOG_BOUND
     if not exact:
         top = logits.amax(dim=1)
+        pos = logits[:r].diagonal(first).clone()
     p = torch.ops.aten._softmax.out(logits, 1, False, out=out)
     scale = 1.0                       # each row's softmax in the loss's: p_loss = scale·p
     if exact:
-        lse = pos - p.diagonal(first).log()
+        row_loss -= weight * p.diagonal(first).log()
     else:
         lse = top - p.amax(dim=1).log_()
         if ep.paired and ep.layout.joint:
@@ -795,7 +807,7 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
         elif ep.paired:      # each side its own softmax: the mean of the two log-sum-exps
             lse = 0.5 * (lse[:r] + lse[r:])
             scale = 0.5
-    row_loss += weight * (lse - pos)
+        row_loss += weight * (lse - pos)
     # ∂L/∂s^k = w_k (p − δ) g'(s)/N: g'(s) = 1/τ, or with focal modulation (2s + m)/τ off
     # the positive (and the positive side's own anchor) and 2s/τ on them; MNRL's β·sg(s) has
     # no slope.

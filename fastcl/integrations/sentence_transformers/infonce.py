@@ -58,8 +58,8 @@ class FastInfoNCELoss(FastLoss):
         matryoshka_dims: widths ``(d_1, …, d_K)``: the loss becomes ``Σ_k w_k·L(x[:, :d_k])``,
             ``MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), matryoshka_dims,
             matryoshka_weights)``, computed in one pass over the width on the tiled path
-            (with MNRL's options other than the defaults, or on the Triton backend: one pass
-            per width). None: off.
+            (MNRL's options included; on the Triton backend: a fused call per width). None:
+            off.
         matryoshka_weights: the ``w_k`` (default: all 1).
 
     Inputs:
