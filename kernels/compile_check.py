@@ -20,8 +20,8 @@ spills reported (the autotuner times every config at the shape it is given); ``o
 the descriptor design (which takes only aligned buffers), odd sizes alone. The default run
 builds the default design's aligned and unaligned launches and the candidate descriptor
 design's aligned ones, on covering subsets (``pairwise``: every kernel, flag set, mode and
-design, each flag set in each design on each target; ``--exhaustive``: all of them, and the
-descriptor design's odd sizes). ``--default-design`` leaves the candidate out (the range
+design, each flag set in each design on each target, each flag set unaligned on one of them;
+``--exhaustive``: all of them, and the descriptor design's odd sizes). ``--default-design`` leaves the candidate out (the range
 check on the older Tritons, and the other dtypes in the default test run). The marks are
 made by Triton's own launch-time function where the installed Triton exposes it.
 
@@ -288,7 +288,7 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
                           args={k: v for k, v in s.args.items() if k != "D"})
                   for s in specs if s.args.get("D", 768) == 768
                   and (exhaustive or not s.constexprs.get("DESC"))]
-        aligned = aligned + (mirror if exhaustive else pairwise(first_configs(mirror)))
+        aligned = aligned + (mirror if exhaustive else pairwise(first_configs(mirror), given=aligned))
     return aligned
 
 
@@ -568,45 +568,61 @@ def compile_one(spec: Spec) -> Result:
 
 
 #: What a specialization varies in besides its kernel, for ``pairwise``: the flag set (the
-#: width for the chain rule), the target (dtype, arch), the launch, the mode (the similarity
-#: kernel's (STORE_EXP, BOUNDED), the row kernel's WANT_GRAD, the chain rule's
-#: (WRITE_X_HAT, BOUNDED, scale_stride)) and the design (FASTCL_SIM=descriptor or not).
+#: width for the chain rule), the dtype and the arch, and for the similarity kernel the config
+#: list they choose (16-bit or fp32, on sm_80 or sm_90: the tiles, hence the registers and
+#: shared memory, differ), the launch, the mode (the similarity kernel's (STORE_EXP, BOUNDED),
+#: the row kernel's WANT_GRAD, the chain rule's (WRITE_X_HAT, BOUNDED, scale_stride)) and the
+#: design (FASTCL_SIM=descriptor or not).
 def _factors(spec: Spec) -> dict:
     c = spec.constexprs
     mode = (c.get("STORE_EXP"), c.get("BOUNDED"), c.get("WANT_GRAD"), c.get("WRITE_X_HAT"),
             spec.args.get("scale_stride"))
-    return {"flags": spec.variant, "target": (spec.dtype, spec.arch), "launch": spec.launch,
-            "mode": mode, "design": bool(c.get("DESC"))}
+    out = {"flags": spec.variant, "dtype": spec.dtype, "arch": spec.arch, "launch": spec.launch,
+           "mode": mode, "design": bool(c.get("DESC"))}
+    if spec.kernel == "_similarity_kernel":
+        out["list"] = ("fp32" if spec.dtype == "float32" else "16bit", spec.arch)
+    return out
 
 
-def pairwise(specs: list[Spec], configs: bool = False) -> list[Spec]:
-    """A subset of ``specs`` in which, for each kernel, every pair of factor values that some
-    specialization of ``specs`` has (``_factors``: flag set × target, flag set × mode, flag
-    set × design, mode × target, target × launch, …) is compiled at least once, and each
-    flag set on each target in the default design (the one launched unless FASTCL_SIM says
-    otherwise); with ``configs``, each config of each design on each target too: every
-    kernel, flag set, mode and design on every target without the full product of flag
-    sets, modes, designs and configs. Greedy and deterministic: the earliest specialization
-    that covers the most pairs not yet covered (so after ``first_configs`` still the first
-    config of a list), in the order of ``specs``. What ``.ci/triton_range.sh`` compiles on
-    the older Tritons; the default run's unaligned launches and descriptor design, and the
-    other dtypes in ``tests/test_compile.py``."""
+def _pairs(spec: Spec, configs: bool = False, every_target: bool = True) -> set:
+    """The pairs of factor values ``spec`` compiles (see ``pairwise``)."""
     import itertools
 
-    def pairs(spec):
-        f = _factors(spec)
-        items = sorted((k, repr(v)) for k, v in f.items())
-        out = {(spec.kernel,) + a + b for a, b in itertools.combinations(items, 2)}
-        if not f["design"]:
-            out.add((spec.kernel, "default design", f["flags"], f["target"]))
-        if configs:
-            c = spec.constexprs
-            out.add((spec.kernel, "config", f["target"], f["design"], c.get("BLOCK_R"),
-                     c.get("BLOCK_D"), spec.num_warps, spec.num_stages, c.get("GROUP_R")))
-        return out
+    f = _factors(spec)
+    items = sorted((k, repr(v)) for k, v in f.items())
+    out = {(spec.kernel,) + a + b for a, b in itertools.combinations(items, 2)}
+    if every_target and not f["design"]:
+        out.add((spec.kernel, "default design", f["flags"], f["dtype"], f["arch"]))
+    if configs:
+        c = spec.constexprs
+        out.add((spec.kernel, "config", f["dtype"], f["arch"], f["design"], c.get("BLOCK_R"),
+                 c.get("BLOCK_D"), spec.num_warps, spec.num_stages, c.get("GROUP_R")))
+    return out
 
-    covers = [pairs(s) for s in specs]
+
+def pairwise(specs: list[Spec], configs: bool = False, given: list[Spec] = ()) -> list[Spec]:
+    """A subset of ``specs`` in which, for each kernel, every pair of factor values that some
+    specialization of ``specs`` has (``_factors``: flag set × dtype, flag set × arch, flag
+    set × mode, flag set × design, the similarity kernel's flag set × config list, mode ×
+    dtype, dtype × arch, arch × launch, …) is compiled at least once, and each flag set on
+    each target in the default design (the one launched unless FASTCL_SIM says otherwise);
+    with ``configs``, each config of each design on each target too: every kernel, flag set,
+    mode and design on every target without the full product of flag sets, modes, designs
+    and configs. ``given``: specializations compiled anyway (in the same run), whose pairs
+    count as covered, and then each flag set on each target is not asked for: the default
+    subset's unaligned launches given its aligned ones (each flag set unaligned once, on
+    either target), the other dtypes given the default subset (each flag set in float16
+    and in the config lists the subset does not use: 16-bit on sm_80, fp32 on sm_90).
+    Greedy and deterministic: the earliest specialization that covers the most pairs not
+    yet covered (so after ``first_configs`` still the first config of a list), in the order
+    of ``specs``. What ``.ci/triton_range.sh`` compiles on the older Tritons; the default
+    run's unaligned launches and descriptor design, and the other dtypes in
+    ``tests/test_compile.py``."""
+    every_target = not given
+    covers = [_pairs(s, configs, every_target) for s in specs]
     need = set().union(*covers) if covers else set()
+    for s in given:
+        need -= _pairs(s, configs, every_target)
     chosen = set()
     while need:
         best = max(range(len(specs)), key=lambda i: (len(covers[i] & need), -i))
@@ -714,7 +730,8 @@ def main(argv=None) -> int:
     if args.first_config:
         specs = first_configs(specs)
     if args.pairwise:
-        specs = pairwise(specs)
+        # the other dtypes: beside the default subset, which the default run compiles
+        specs = pairwise(specs, given=specializations(archs=tuple(args.arch)) if args.rest else ())
     results = run(specs, args.jobs)
     print(report(results, args.allow_spills))
     if args.json:

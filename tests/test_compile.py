@@ -358,28 +358,37 @@ REST = {("float32", 90), ("bfloat16", 80), ("float16", 80), ("float16", 90)}
 
 
 def test_every_dtype_compiles_on_both_targets(tmp_path):
-    """Every dtype on sm_80 and sm_90 beyond the subset, without spills: each kernel and
-    flag set on each of them, and each mode, in the design fastcl launches (the first config
-    of each list; the slow test has all, and the candidate descriptor design)."""
+    """Every dtype on sm_80 and sm_90 beyond the subset, without spills, in the design fastcl
+    launches (the first config of each list; the slow test has all, and the candidate
+    descriptor design), on a covering subset beside the default run's: each kernel and flag
+    set in float16, the similarity kernel with each flag set in the config lists the subset
+    does not use (16-bit tiles on sm_80, fp32 tiles on sm_90), each kernel on each of these
+    targets, and each mode."""
     from fastcl.kernels.contrastive import VARIANTS
     proc, results = _run_check(tmp_path, "--rest", "--first-config", "--pairwise", "--default-design")
     assert not _problems(results), "\n".join(_problems(results))
     assert proc.returncode == 0
     specs = [r["spec"] for r in results]
-    assert {(s["dtype"], s["arch"]) for s in specs} == REST
-    default = {(s["kernel"], s["variant"], s["dtype"], s["arch"]) for s in specs
-               if not s["constexprs"].get("DESC")}
-    for dtype, arch in REST:
+    seen = {(s["kernel"], s["variant"], s["dtype"], s["arch"]) for s in specs}
+    for kernel in ("_similarity_kernel", "_row_kernel", "_tangent_kernel", "_row_finish_kernel"):
+        built = {t for t in REST if kernel != "_row_finish_kernel" or t[0] != "float16"}
+        assert {(d, a) for k, _, d, a in seen if k == kernel} == built, kernel  # (no bounded fp16)
+    for variant in VARIANTS:
         for kernel in ("_similarity_kernel", "_row_kernel"):
-            for variant in VARIANTS:
-                assert (kernel, variant, dtype, arch) in default, (kernel, variant, dtype, arch)
-        for width in (384, 768, 1536, 4096):
-            assert ("_tangent_kernel", f"d={width}", dtype, arch) in default
+            assert any(k == kernel and v == variant and d == "float16"
+                       for k, v, d, _ in seen), (kernel, variant)
+        assert ("_similarity_kernel", variant, "float32", 90) in seen, variant
+        assert any(k == "_similarity_kernel" and v == variant and d != "float32" and a == 80
+                   for k, v, d, a in seen), variant
+    for width in (384, 768, 1536, 4096):
+        assert any(k == "_tangent_kernel" and v == f"d={width}" and d == "float16"
+                   for k, v, d, _ in seen), width
     sims = [s for s in specs if s["kernel"] == "_similarity_kernel"]
-    modes = lambda v: {(s["constexprs"]["STORE_EXP"], s["constexprs"]["BOUNDED"])  # noqa: E731
-                       for s in sims if s["variant"] == v}
-    assert modes("infonce") == {(True, True), (True, False)}       # bounded, two-pass
-    assert modes("dclr-released") == {(False, False)}
+    modes = {}          # each config list: the bounded design, the two-pass one, without exp
+    for s in sims:
+        modes.setdefault(("fp32" if s["dtype"] == "float32" else "16bit", s["arch"]), set()).add(
+            (s["constexprs"]["STORE_EXP"], s["constexprs"]["BOUNDED"]))
+    assert modes[("fp32", 90)] == modes[("16bit", 80)] == {(True, True), (True, False), (False, False)}
     assert not any(s["constexprs"].get("DESC") for s in sims)
 
 

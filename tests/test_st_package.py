@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 
@@ -99,6 +100,12 @@ def test_docstring_example_runs(name, tmp_path, monkeypatch, one_thread):
     exec(compile(code.replace(MODEL_ID, path), f"{name} docstring example", "exec"), namespace)
     assert isinstance(namespace["loss"], getattr(fst, name))
     assert namespace["trainer"].state.global_step > 0
+    # the steps trained the model: most of its tensors moved from the packaged weights
+    from safetensors.torch import load_file
+    start = load_file(os.path.join(path, "model.safetensors"))
+    trained = namespace["model"][0].auto_model.state_dict()
+    moved = [k for k, v in start.items() if k in trained and not torch.equal(trained[k], v)]
+    assert len(moved) > len(start) // 2, f"only {len(moved)} of {len(start)} tensors changed"
 
 
 WARNINGS_AS_ERRORS = ["-W", "error::DeprecationWarning", "-W", "error::PendingDeprecationWarning",

@@ -291,20 +291,30 @@ def uninterrupted(tiny, tmp_path_factory):
 
 
 def test_sigkill_at_a_random_step_then_resume_gives_the_same_losses(tiny, tmp_path, uninterrupted):
-    """Two real processes: the first is SIGKILLed once its log reaches a random step, the
-    second resumes from the newest complete checkpoint; the step losses are those of a run
-    that was never stopped."""
+    """Real processes: the first is held (SIGSTOP) once its log reaches a random step, and a
+    second run started on its folder meanwhile is refused, naming the lock and its holder;
+    the first is then SIGKILLed, and a third resumes from the newest complete checkpoint,
+    taking over the dead run's lock: the step losses are those of a run that was never
+    stopped (so the refused run changed nothing)."""
     out = tmp_path / "killed"
     argv = base_args(tiny, out, steps=8, save_steps=2)
     kill_at = random.Random().randint(3, 7)
     first = trainer_process(argv)
     wait_for_steps(out, kill_at, first)
-    first.send_signal(signal.SIGKILL)
-    first.communicate()
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = trainer_process(argv + ["--resume"])
+        _, err = second.communicate(timeout=120)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
     assert first.returncode == -signal.SIGKILL, f"ended before step {kill_at}"
-    second = trainer_process(argv + ["--resume"])
-    _, err = second.communicate(timeout=300)
-    assert second.returncode == 0, err[-3000:]
+    assert second.returncode == 1, err[-3000:]
+    assert f"in use by another run (lock {out / files.LOCK}, held by pid {first.pid}" in err
+    third = trainer_process(argv + ["--resume"])
+    _, err = third.communicate(timeout=300)
+    assert third.returncode == 0, err[-3000:]
+    assert "took over the lock of a run that is no longer running" in err
     assert losses(out) == uninterrupted, f"killed at step {kill_at}"
 
 
@@ -406,25 +416,8 @@ def test_a_dclr_resume_is_not_refused_for_its_family_defaults(tiny, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# The output folder: one run at a time, nothing foreign removed, no link followed
-
-def test_a_second_run_on_a_folder_in_use_is_refused(tiny, tmp_path, uninterrupted):
-    out = tmp_path / "busy"
-    argv = base_args(tiny, out, steps=8, save_steps=2)
-    first = trainer_process(argv)
-    wait_for_steps(out, 1, first)
-    first.send_signal(signal.SIGSTOP)  # held mid-run while the second one starts
-    try:
-        second = trainer_process(argv + ["--resume"])
-        _, err = second.communicate(timeout=120)
-    finally:
-        first.send_signal(signal.SIGCONT)
-    assert second.returncode == 1
-    assert f"in use by another run (lock {out / files.LOCK}, held by pid {first.pid}" in err
-    _, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err[-3000:]
-    assert losses(out) == uninterrupted  # the first run, untouched by the second
-
+# The output folder: one run at a time (a second run on a folder in use: the SIGKILL
+# test above), nothing foreign removed, no link followed
 
 def test_a_stale_lock_is_taken_over(tiny, tmp_path, capsys):
     out = tmp_path / "stale"
