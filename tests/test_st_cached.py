@@ -192,6 +192,39 @@ def test_no_grad_gives_the_loss_of_the_plain_path(model, guide):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["plain", "cached"])
+def test_the_guide_embeds_a_repeated_column_once(model, guide, cached, monkeypatch):
+    """Unsupervised DCLR's two columns hold the same texts: the guide (eval mode) embeds them
+    once, and the loss and gradients are those of a guide forward per column; different
+    columns, or the guide's dropout on, still take a forward each."""
+    from fastcl.integrations.sentence_transformers import _base
+
+    model.eval()
+    calls = []
+    hook = guide.register_forward_hook(lambda *_: calls.append(1))
+    kw = dict(mini_batch_size=3) if cached else {}
+
+    def loss(**options):
+        return (CachedFastDCLRLoss if cached else FastDCLRLoss)(
+            model, guide, phi=0.7, noise_steps=2, generator=torch.Generator().manual_seed(3), **kw, **options)
+
+    try:
+        once = loss_and_grads(model, loss(), [ANCHORS, ANCHORS])
+        per_column = 2 if cached else 1              # six rows in mini-batches of three
+        assert len(calls) == per_column
+        with monkeypatch.context() as m:
+            m.setattr(_base, "_same_inputs", lambda a, b: False)
+            assert_same(once, loss_and_grads(model, loss(), [ANCHORS, ANCHORS]), "a forward per column")
+        assert len(calls) == 3 * per_column
+        loss_and_grads(model, loss(), [ANCHORS, POSITIVES])
+        assert len(calls) == 5 * per_column
+        loss_and_grads(model, loss(guide_dropout=True), [ANCHORS, ANCHORS])
+        assert len(calls) == 7 * per_column
+    finally:
+        hook.remove()
+        guide.eval()
+
+
 def test_arguments_and_config(model, guide):
     loss = CachedFastInfoNCELoss(model, 20.0, st.util.cos_sim, 8)  # CMNRL's positional order
     assert loss.mini_batch_size == 8 and loss.scale == 20.0

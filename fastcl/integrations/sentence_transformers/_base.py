@@ -196,6 +196,21 @@ def text_ids(features: dict[str, Tensor]) -> Tensor:
     return ((tokens + 1) * mask * powers[position]).sum(dim=1) + mask.sum(dim=1) * _signed(_HASH_BASE >> 1)
 
 
+def _same_inputs(a: dict, b: dict) -> bool:
+    """Whether two columns' model inputs are equal (the same keys, shapes and values)."""
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            if not (torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape
+                    and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
 class FastLoss(nn.Module):
     """Shared plumbing: the input checks, embedding the columns, the config
     sentence-transformers logs (the attributes named in ``_config``)."""
@@ -388,7 +403,10 @@ class Guided:
     def _guide_embeddings(self, sentence_features, mini_batch_size: int | None = None):
         """The guide's embeddings of each column (eval mode unless ``guide_dropout``, no
         gradients), in forwards of at most ``mini_batch_size`` inputs (one per column by
-        default); None without a guide."""
+        default); None without a guide. In eval mode a column with the same inputs as an
+        earlier one (unsupervised DCLR's anchors and positives) takes that column's
+        embeddings: the guide's forward is a function of its inputs there, so the result is
+        the same and one forward of the guide a step is saved."""
         if self.guide is None:
             return None
         was_training = self.guide.training
@@ -396,7 +414,12 @@ class Guided:
         try:
             with torch.no_grad():
                 columns = []
-                for features in sentence_features:
+                for i, features in enumerate(sentence_features):
+                    same = None if self.guide_dropout else next(
+                        (j for j in range(i) if _same_inputs(sentence_features[j], features)), None)
+                    if same is not None:
+                        columns.append(columns[same])
+                        continue
                     ranges = minibatch_ranges(features, mini_batch_size or batch_rows(features))
                     if len(ranges) == 1:
                         columns.append(self._guide_forward(features))
