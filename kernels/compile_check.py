@@ -20,10 +20,11 @@ spills reported (the autotuner times every config at the shape it is given); ``o
 the descriptor design (which takes only aligned buffers), odd sizes alone. The default run
 builds the default design's aligned and unaligned launches and the candidate descriptor
 design's aligned ones, on covering subsets (``pairwise``: every kernel, flag set, mode and
-design, each flag set in each design on each target, each flag set unaligned on one of them;
-``--exhaustive``: all of them, and the descriptor design's odd sizes). ``--default-design`` leaves the candidate out (the range
-check on the older Tritons, and the other dtypes in the default test run). The marks are
-made by Triton's own launch-time function where the installed Triton exposes it.
+design, each flag set in each design on each target, each flag set unaligned on one of
+them; ``--exhaustive``: all of them, and the descriptor design's odd sizes).
+``--default-design`` leaves the candidate out (the range check on the older Tritons, and the
+other dtypes in the default test run). The marks are made by Triton's own launch-time
+function where the installed Triton exposes it.
 
     python -m fastcl.kernels.compile_check                # the representative subset
     python -m fastcl.kernels.compile_check --full --json report.json
