@@ -22,6 +22,7 @@ when the folder ends with a Normalize module).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 from pathlib import Path
@@ -107,9 +108,12 @@ class SentenceEncoder(nn.Module):
         if pooler == "cls" and head is None:
             raise ValueError("pooler 'cls' needs its MLP head (head=None was given)")
         self.head = head if pooler == "cls" else None
+        # DistilBERT-like encoders have no segment embeddings (transformers 4 refuses the
+        # argument, 5 takes it through **kwargs and ignores it)
+        self._segments = "token_type_ids" in inspect.signature(backbone.forward).parameters
 
     def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
-        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        extra = {} if token_type_ids is None or not self._segments else {"token_type_ids": token_type_ids}
         outputs = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                 output_hidden_states=self.pooler in ("avg_first_last", "avg_top2"),
                                 return_dict=True, **extra)

@@ -26,11 +26,12 @@ of their log-sum-exps minus the positive's logit (``"per_direction"``).
 
 **Drops** (a dropped entry leaves the softmax): with ``exclude_own``, the anchor side drops
 its own column in the anchors block and the positive side drops its own documents (every
-column of group g in the positives and negatives blocks) — MNRL's rules, which GIST does
-not have. The guide's filter drops entries whose guide cosine exceeds the row's threshold
-(:func:`guide_threshold`), and duplicate masking drops entries whose text id equals that of
-the row's positive; neither ever drops the pair's own entries: the positive (anchor side)
-and the anchor's own column (positive side).
+column of group g in the positives and negatives blocks) — MNRL's rules, and GIST's, whose
+positive side scores the positives block only (so drops only ``p_g``). The guide's filter
+drops entries whose guide cosine exceeds the row's threshold (:func:`guide_threshold`), and
+duplicate masking drops entries whose text id equals that of the row's positive; neither
+ever drops the pair's own entries: the positive (anchor side) and the anchor's own column
+(positive side).
 """
 
 from __future__ import annotations
@@ -108,10 +109,13 @@ def from_directions(directions, partition_mode: str = "joint") -> Layout:
 def gist(contrast_anchors: bool = True, contrast_positives: bool = True) -> Layout:
     """GISTEmbedLoss's blocks: anchor–positive and anchor–negative always, anchor–anchor
     (``contrast_anchors``) and positive–positive (``contrast_positives``: the positives block
-    only, not the negatives), one softmax, no self exclusion (the guide's filter drops the
-    self entries, whose guide cosine is ~1)."""
+    only, not the negatives), one softmax. The self entries ``(a_i, a_i)`` and ``(p_i, p_i)``
+    are dropped whatever the guide says (``exclude_own``: on these blocks it drops exactly
+    them), as GISTEmbedLoss from sentence-transformers 6.3; before 6.3 only the guide's filter
+    dropped them, which it does unless the row's threshold reaches the guide's self cosine
+    (~1: an anchor identical to its positive at margin 0, a negative margin)."""
     return Layout(anchor_to_anchors=bool(contrast_anchors),
-                  positive_to_positives=bool(contrast_positives), exclude_own=False, joint=True)
+                  positive_to_positives=bool(contrast_positives), exclude_own=True, joint=True)
 
 
 def guide_threshold(guide_positive_cosine: torch.Tensor, margin: float,

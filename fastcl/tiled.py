@@ -249,7 +249,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     applies the row factors ``inv_q_i / (N·c)`` outside H: kept inside, they put the entries
     near 1e-9, where fp16 flushes them to zero.
     """
-    n, n_pos, m = c.n, c.n_pos, c.keys.shape[0]
+    n_pos, m = c.n_pos, c.keys.shape[0]
     r = c.r1 - c.r0
     acc = c.inv_q.dtype
     inv_t = 1.0 / ep.temperature

@@ -10,6 +10,45 @@ import fastcl
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+
+def _version(distribution):
+    """An installed distribution's (major, minor), read without importing it; None if absent."""
+    from importlib import metadata
+    try:
+        return tuple(int(x) for x in metadata.version(distribution).split(".")[:2])
+    except metadata.PackageNotFoundError:
+        return None
+
+
+#: the installed sentence-transformers' (major, minor), None without it
+ST_VERSION = _version("sentence-transformers")
+#: for tests of what sentence-transformers 6 does and earlier releases do not (the module
+#: layout, merged column forwards, texts-free features)
+needs_st6 = pytest.mark.skipif(ST_VERSION is not None and ST_VERSION < (6, 0),
+                               reason="tests behaviour of sentence-transformers >= 6")
+
+
+def _sentence_transformers_before_6():
+    """The tests import sentence-transformers' losses and modules from where release 6 keeps
+    them (``sentence_transformers.sentence_transformer.losses``, ``.modules``); before 6 they
+    are ``sentence_transformers.losses`` and ``.models``, so on those releases (the floor the
+    README states) the new names point at the old modules."""
+    import sys
+    import types
+    if ST_VERSION is None or ST_VERSION >= (6, 0):
+        return
+    import sentence_transformers.losses as losses
+    import sentence_transformers.models as modules
+    package = types.ModuleType("sentence_transformers.sentence_transformer")
+    package.__path__ = []
+    package.losses, package.modules = losses, modules
+    sys.modules.update({package.__name__: package, f"{package.__name__}.losses": losses,
+                        f"{package.__name__}.modules": modules})
+
+
+_sentence_transformers_before_6()
+
 # Hypothesis's profiles (tests/test_properties.py): "ci", bounded and derandomized, the
 # default; "long" (>= 20,000 examples over that file). Registered here, where hypothesis's
 # plugin finds them before it reads `pytest --hypothesis-profile long`.
@@ -24,6 +63,12 @@ try:
     _hypothesis.load_profile(os.environ.get("FASTCL_HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # hypothesis is a dev extra: the property tests skip without it
     pass
+
+def preprocess(model, texts):
+    """A SentenceTransformer's features of ``texts`` (``preprocess`` from sentence-transformers
+    6, ``tokenize`` before), as a dict."""
+    return dict(model.preprocess(texts) if hasattr(model, "preprocess") else model.tokenize(texts))
+
 
 # Tolerances for the tiled path against the reference (values and gradients).
 TOL = {

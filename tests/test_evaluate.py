@@ -44,7 +44,11 @@ def make_tiny_model(folder, model_type="bert", seed=0, layers=2):
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    tokenizer = BertTokenizer(vocab={t: i for i, t in enumerate(tokens)})
+    try:
+        tokenizer = BertTokenizer(vocab={t: i for i, t in enumerate(tokens)})
+    except TypeError:  # transformers 4 builds it from a vocabulary file only
+        (folder / "vocab.txt").write_text("\n".join(tokens) + "\n")
+        tokenizer = BertTokenizer(vocab_file=str(folder / "vocab.txt"))
     assert tokenizer("the cat")["input_ids"] == [2, 5, 7, 3]  # a word-level vocabulary, no [UNK]
     size = dict(vocab_size=5 + len(WORDS), hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
                 intermediate_size=64, initializer_range=0.5)

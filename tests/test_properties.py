@@ -366,7 +366,8 @@ def layouts(draw):
     n = n_pos if offset is None else draw(st.integers(1, n_pos - offset))
     d = draw(st.sampled_from([1, 2, 5, 13]))
     cols = draw(st.integers(0, 2))
-    if draw(st.booleans()):
+    is_gist = draw(st.booleans())
+    if is_gist:
         lay = fastcl.layout.gist(draw(st.booleans()), draw(st.booleans()))
     else:
         dirs = ("query_to_doc",) + tuple(x for x in ("query_to_query", "doc_to_query", "doc_to_doc")
@@ -381,7 +382,7 @@ def layouts(draw):
     cands = None                            # the anchors block: the anchors themselves
     if lay.scores_anchors and offset is not None:
         # the whole batch's anchors, or (GIST's block) this process's own
-        cands = a if not lay.exclude_own and draw(st.booleans()) else rand(n_pos).requires_grad_()
+        cands = a if is_gist and draw(st.booleans()) else rand(n_pos).requires_grad_()
     kw = dict(directions=lay, temperature=draw(st.sampled_from([0.05, 0.3, 1.0])),
               anchor_offset=offset, anchor_candidates=cands)
     if draw(st.booleans()) and cols:

@@ -22,6 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from conftest import needs_st6, preprocess
+
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 
 import fastcl.integrations.sentence_transformers as fst  # noqa: E402
@@ -65,7 +67,7 @@ def model(base):
 
 
 def columns(model, sentences=SENTENCES):
-    f = model.preprocess(sentences)
+    f = preprocess(model, sentences)
     return [dict(f), dict(f)]  # anchor, positive: the same sentences (dicts of their own)
 
 
@@ -198,6 +200,7 @@ def test_embedding_level_zeroes_only_the_positives_content_tokens(model, name):
                 assert torch.equal(picked, torch.arange(int(picked[0]), int(picked[0]) + len(picked)))
 
 
+@needs_st6
 def test_negatives_share_the_positives_forward_unchanged(model):
     """With negative columns the positives still merge with them into one forward (the
     negatives carry an empty mask), and only the positives change."""
@@ -205,7 +208,7 @@ def test_negatives_share_the_positives_forward_unchanged(model):
     loss = AugmentedPositives(FastInfoNCELoss(model), "token_cutoff:0.3")
     seen = embedding_outputs(model)
     anchors, positives = columns(model)
-    negatives = dict(model.preprocess(SENTENCES[::-1]))
+    negatives = preprocess(model, SENTENCES[::-1])
     with torch.no_grad():
         loss([anchors, positives, negatives], None)
         assert len(seen) == 2 and seen[1].shape[0] == 2 * len(SENTENCES)  # anchors; positives + negatives
@@ -215,6 +218,7 @@ def test_negatives_share_the_positives_forward_unchanged(model):
     assert (seen[1][:len(SENTENCES)] == 0).all(-1).any()
 
 
+@needs_st6
 def test_mini_batches_slice_the_mask_with_the_features(model):
     """sentence-transformers' mini-batches and fastcl's fallback (older releases) slice the
     mask's rows and trim its padding columns with the input ids."""
@@ -357,6 +361,7 @@ def test_a_replaced_model_is_hooked_at_the_next_call(tiny, model, base):
     assert (seen[1] == 0).all(-1).any() and not (seen[0] == 0).all(-1).any()
 
 
+@needs_st6
 def test_what_sentence_transformers_reads_of_the_loss(model):
     from sentence_transformers.base.model_card import get_losses
     from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss

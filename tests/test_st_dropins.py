@@ -15,13 +15,16 @@ import itertools
 import logging
 import os
 import random
+import copy
 import dataclasses
+import inspect
 from pathlib import Path
 
 import pytest
 import torch
 
 import fastcl
+from conftest import ST_VERSION, preprocess
 
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
@@ -37,6 +40,20 @@ from test_st_cached import (ANCHORS, NEGATIVES, POSITIVES, assert_same, features
 
 DATA = Path(os.environ.get("FASTCL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 SNLI = DATA / "nli" / "snli_senteval"
+
+def _takes(loss, argument):
+    return argument in inspect.signature(loss.__init__).parameters
+
+
+# What sentence-transformers' losses take depends on the release (the floor, 5.0, has none of
+# these); fastcl's drop-ins are held to each where the installed release has it.
+needs_mnrl_options = pytest.mark.skipif(
+    not _takes(MultipleNegativesRankingLoss, "directions"),
+    reason="the installed MultipleNegativesRankingLoss has no directions, partition_mode or hardness")
+needs_token_budget = pytest.mark.skipif(
+    not _takes(CachedMultipleNegativesRankingLoss, "mini_batch_num_tokens"),
+    reason="the installed CachedMultipleNegativesRankingLoss has no mini_batch_num_tokens")
+GIST_FLAGS = _takes(GISTEmbedLoss, "contrast_anchors")   # before: both blocks always on
 
 DIRECTIONS = ["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
 HARDNESS = [None, "in_batch_negatives", "hard_negatives", "all_negatives"]
@@ -74,6 +91,7 @@ def _embeddings(columns, n=7, d=12, seed=0):
 # ---------------------------------------------------------------------------------------
 # MNRL's options
 
+@needs_mnrl_options
 @pytest.mark.parametrize("backend", ["reference", "tiled"])
 @pytest.mark.parametrize("columns", [2, 3, 4])
 def test_every_mnrl_option_gives_mnrl(model, backend, columns):
@@ -92,6 +110,7 @@ def test_every_mnrl_option_gives_mnrl(model, backend, columns):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12, msg=f"{kw}")
 
 
+@needs_mnrl_options
 def test_every_option_on_the_model_and_cached(model):
     """Parameter gradients of a real model in eval mode: all four directions with hardness, and
     the per-direction pair, plain and cached (mini-batches of 3, or packed by 40 tokens)
@@ -114,6 +133,7 @@ def test_every_option_on_the_model_and_cached(model):
             assert_same(ours, want, f"{kw} size={size} tokens={tokens}")
 
 
+@needs_token_budget
 def test_token_budget_packs_the_mini_batches(model):
     """mini_batch_num_tokens decides the forwards of pass 1 (and pass 2 replays them)."""
     model.eval()
@@ -175,15 +195,33 @@ def test_gist_equals_gistembedloss(model, other_guide, strategy, margin, backend
     model.eval()
     triplets = [ANCHORS, POSITIVES, NEGATIVES]
     assert 0.05 < _masked_share(model, other_guide, triplets, 0.05) < 0.95   # the filter acts
-    for contrast_anchors, contrast_positives, cols in ((True, True, 3), (False, True, 2),
-                                                       (True, False, 2), (False, False, 3)):
-        kw = dict(temperature=0.05, margin_strategy=strategy, margin=margin,
-                  contrast_anchors=contrast_anchors, contrast_positives=contrast_positives)
+    flags = ((True, True, 3), (False, True, 2), (True, False, 2), (False, False, 3))
+    for contrast_anchors, contrast_positives, cols in flags if GIST_FLAGS else flags[:1]:
+        kw = dict(temperature=0.05, margin_strategy=strategy, margin=margin)
+        if GIST_FLAGS:
+            kw.update(contrast_anchors=contrast_anchors, contrast_positives=contrast_positives)
         columns = triplets[:cols]
         want = loss_and_grads(model, GISTEmbedLoss(model, other_guide, **kw), columns)
         got = loss_and_grads(model, FastGISTEmbedLoss(model, other_guide, backend=backend, chunk_size=4,
                                                       **kw), columns)
         assert_same(got, want, f"{kw} columns={cols}")
+
+
+def test_a_guide_with_a_shorter_window_reads_the_texts_retokenized(model, other_guide):
+    """A guide that reads fewer tokens than the model (or has another vocabulary) embeds the
+    decoded texts with its own tokenizer, as GISTEmbedLoss does; plain and cached."""
+    model.eval()
+    short = copy.deepcopy(other_guide)
+    short.max_seq_length = 6
+    columns = [ANCHORS, POSITIVES, NEGATIVES]
+    kw = dict(temperature=0.05, margin=0.05)
+    want = loss_and_grads(model, GISTEmbedLoss(model, short, **kw), columns)
+    for ours in (FastGISTEmbedLoss(model, short, **kw), CachedFastGISTEmbedLoss(model, short, mini_batch_size=4, **kw)):
+        assert ours.must_retokenize
+        assert_same(loss_and_grads(model, ours, columns), want, type(ours).__name__)
+    # the window matters here: read whole, the guide's filter gives another loss
+    whole = loss_and_grads(model, FastGISTEmbedLoss(model, other_guide, **kw), columns)
+    assert not torch.allclose(whole[0], want[0])
 
 
 def test_cached_gist_equals_cached_gistembedloss(model, other_guide):
@@ -195,6 +233,43 @@ def test_cached_gist_equals_cached_gistembedloss(model, other_guide):
     ours = loss_and_grads(model, CachedFastGISTEmbedLoss(model, other_guide, mini_batch_size=4, **kw), columns)
     assert_same(ours, theirs, "cached")
     assert_same(ours, want, "cached vs plain GIST")
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_gist_never_scores_a_row_against_itself(backend):
+    """The self scores (a_i, a_i) and (p_i, p_i) leave the softmax whatever the guide says:
+    with a threshold no guide cosine reaches (margin −3), the loss is cross-entropy over
+    [a·pᵀ | a·nᵀ | a·aᵀ | p·pᵀ] / τ with the two diagonals at −∞, by hand."""
+    a, p, n = _embeddings(3, n=6)
+    guide_embeddings = tuple(x.detach() for x in (a, p, n))
+    tau = 0.1
+    unit = [torch.nn.functional.normalize(x, dim=1) for x in (a, p, n)]
+    eye = torch.eye(6, dtype=torch.bool)
+    blocks = [unit[0] @ unit[1].T, unit[0] @ unit[2].T,
+              (unit[0] @ unit[0].T).masked_fill(eye, float("-inf")),
+              (unit[1] @ unit[1].T).masked_fill(eye, float("-inf"))]
+    want = torch.nn.functional.cross_entropy(torch.cat(blocks, dim=1) / tau, torch.arange(6))
+    got = fastcl.contrastive(a, p, n, temperature=tau, guide=guide_embeddings, guide_margin=-3.0,
+                             directions=fastcl.layout.gist(True, True), backend=backend, chunk_size=4)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for x, y in zip(torch.autograd.grad(got, (a, p, n)), torch.autograd.grad(want, (a, p, n))):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.skipif(ST_VERSION < (6, 3),
+                    reason="GISTEmbedLoss drops the self scores whatever the guide says from "
+                           "sentence-transformers 6.3 (before, only where its filter does)")
+def test_gist_equals_gistembedloss_where_the_guide_keeps_the_self_scores(model, other_guide):
+    """A negative margin (θ above every guide cosine) and an anchor identical to its positive
+    (γ = 1 at margin 0): the self scores are the guide filter's to keep, and both losses drop
+    them."""
+    model.eval()
+    for margin, columns in ((-1.5, [ANCHORS, POSITIVES, NEGATIVES]),
+                            (0.0, [ANCHORS, [ANCHORS[0]] + POSITIVES[1:]])):
+        kw = dict(temperature=0.05, margin=margin)
+        want = loss_and_grads(model, GISTEmbedLoss(model, other_guide, **kw), columns)
+        got = loss_and_grads(model, FastGISTEmbedLoss(model, other_guide, chunk_size=4, **kw), columns)
+        assert_same(got, want, f"margin={margin}")
 
 
 def test_gist_composes_with_focal_and_noise():
@@ -221,6 +296,7 @@ def test_gist_needs_its_guide(model):
         FastGISTEmbedLoss(model, model, margin_strategy="ratio")
 
 
+@needs_mnrl_options
 def test_the_drop_ins_on_the_triton_kernels(model, other_guide):
     """The Triton backend (the interpreter on a CPU-only machine) with MNRL's options, GIST's
     filter, duplicate masking and Matryoshka, plain and cached: the model's loss and parameter gradients
@@ -261,13 +337,13 @@ def test_the_drop_ins_on_the_triton_kernels(model, other_guide):
 # duplicate masking
 
 def test_text_ids_are_equal_exactly_for_equal_texts(model):
-    one = dict(model.preprocess(["a b c", "a b", "a b c", "x"]))
-    two = dict(model.preprocess(["a b c d e f g h", "a b"]))            # another padded width
+    one = preprocess(model, ["a b c", "a b", "a b c", "x"])
+    two = preprocess(model, ["a b c d e f g h", "a b"])            # another padded width
     i, j = text_ids(one), text_ids(two)
     assert i[0] == i[2] and i[1] == j[1] and len({*i.tolist(), j[0].item()}) == 4
     model.tokenizer.padding_side = "left"
     try:
-        left = text_ids(dict(model.preprocess(["a b", "a b c d e f"])))
+        left = text_ids(preprocess(model, ["a b", "a b c d e f"]))
     finally:
         model.tokenizer.padding_side = "right"
     assert left[0] == i[1]                                             # padding on either side
@@ -501,11 +577,17 @@ def test_matryoshka_equals_matryoshkaloss_around_mnrl(model):
     assert_same(cached, theirs, "cached vs MatryoshkaLoss(CachedMNRL)")
     wrapped = loss_and_grads(model, MatryoshkaLoss(model, FastInfoNCELoss(model, 10.0), DIMS, weights), columns)
     assert_same(wrapped, want, "MatryoshkaLoss(FastInfoNCELoss)")
-    wrapped = loss_and_grads(model, MatryoshkaLoss(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4),
-                                                   DIMS, weights), columns)
-    assert_same(wrapped, want, "MatryoshkaLoss(CachedFastInfoNCELoss)")
+    wrapped = MatryoshkaLoss(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4), DIMS, weights)
+    try:
+        from sentence_transformers.base.losses.gradcache import uses_gradient_cache  # noqa: F401
+    except ImportError:   # its MatryoshkaLoss truncates in the forward only: a clear error
+        with pytest.raises(RuntimeError, match="matryoshka_dims= instead"):
+            loss_and_grads(model, wrapped, columns)
+    else:
+        assert_same(loss_and_grads(model, wrapped, columns), want, "MatryoshkaLoss(CachedFastInfoNCELoss)")
 
 
+@needs_mnrl_options
 def test_matryoshka_with_mnrl_options_and_gist(model, other_guide):
     """With MNRL's options or GIST's filter, in the same one pass over the width: the same
     numbers as MatryoshkaLoss around the sentence-transformers loss."""

@@ -14,6 +14,8 @@ import textwrap
 import pytest
 import torch
 
+from conftest import needs_st6
+
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 
 import fastcl.integrations.sentence_transformers as fst  # noqa: E402
@@ -125,6 +127,7 @@ OLDER_LAYOUT = ("import sys\n"
                 "    sys.modules[name] = None\n")
 
 
+@needs_st6
 def test_importing_the_integration_raises_no_deprecation_warning():
     """A fresh interpreter, warnings as errors: fastcl imports sentence-transformers from its
     current module layout (a deprecated path warns on first import). Then, in the same

@@ -34,6 +34,14 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def on_cpu(args) -> bool:
+    """Whether the run trains on the CPU by the trainer's arguments: ``--device cpu``, or
+    several processes and no CUDA (told nothing, accelerate leaves each process to train on
+    its own there: no gradient averaging, every process writing the log)."""
+    return args.device == "cpu" or (args.device == "auto" and world_size() > 1
+                                    and not torch.cuda.is_available())
+
+
 def _is_sentence_transformers_folder(name: str) -> bool:
     path = Path(name).expanduser()
     if path.is_dir():
@@ -209,7 +217,7 @@ def build_arguments(args):
         learning_rate=args.lr, num_train_epochs=args.epochs, max_steps=args.max_steps or -1,
         lr_scheduler_type=args.lr_scheduler_type, weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm, bf16=mixed == "bf16", fp16=mixed == "fp16",
-        use_cpu=args.device == "cpu", torch_compile=args.torch_compile, batch_sampler=args.batch_sampler,
+        use_cpu=on_cpu(args), torch_compile=args.torch_compile, batch_sampler=args.batch_sampler,
         dataloader_drop_last=True,  # every step a full batch of in-batch negatives
         save_strategy="steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         logging_strategy="steps", logging_steps=args.logging_steps, logging_first_step=True,
@@ -218,8 +226,13 @@ def build_arguments(args):
         eval_strategy="steps" if evaluate else "no",
         disable_tqdm=int(os.environ.get("RANK", "0")) != 0,
     )
-    # transformers reads a warmup below 1 as a share of the steps
-    kw["warmup_steps"] = args.warmup_ratio if args.warmup_ratio is not None else args.warmup_steps
+    # transformers 5 reads a warmup below 1 as a share of the steps; before, the share has a
+    # field of its own and warmup_steps takes an int
+    from transformers import TrainingArguments
+    if args.warmup_ratio is not None and "warmup_ratio" in TrainingArguments.__dataclass_fields__:
+        kw["warmup_ratio"] = args.warmup_ratio
+    else:
+        kw["warmup_steps"] = args.warmup_ratio if args.warmup_ratio is not None else args.warmup_steps
     if evaluate:
         # the base model scored before step 1 (not again on resume: its record is in the log)
         kw.update(eval_steps=args.eval_steps, eval_on_start=not args.resume, load_best_model_at_end=True,

@@ -158,7 +158,8 @@ def build_parser(prog: str = "fastcl-train") -> argparse.ArgumentParser:
                         "(same options as the first run)")
     g.add_argument("--seed", type=int, default=42, help="seed of dropout, data order, head and noise (default 42)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto (default): CUDA when available; pick GPUs with CUDA_VISIBLE_DEVICES")
+                   help="auto (default): CUDA when available (pick GPUs with CUDA_VISIBLE_DEVICES), "
+                        "else the CPU for several processes")
     g.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="mixed precision of the encoder: auto (default): bf16 on a GPU that "
                         "supports it, fp32 otherwise; the loss always runs in float32")

@@ -31,6 +31,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 from .. import files
 from ..files import MANIFEST, LockedError, OutputLock, DamagedError
@@ -325,7 +326,12 @@ def main(argv=None, prog: str = PROG) -> int:
         if main_process:
             lock = prepare_output(args, out)
         checkpoint = str(resume_point(out, main_process)) if args.resume else None
-        return _train(args, out, checkpoint, main_process)
+        # Older sentence-transformers (5.0) build default training arguments inside their
+        # trainer, which reset the processes' shared state and set it up again as one process
+        # on a CPU: each process then trained alone. Told the device, they keep the processes.
+        cpu = {"ACCELERATE_USE_CPU": "true"} if build.on_cpu(args) else {}
+        with mock.patch.dict(os.environ, cpu):
+            return _train(args, out, checkpoint, main_process)
     except (ValueError, OSError, LockedError, DamagedError) as err:
         raise SystemExit(f"{prog}: error: {err}") from err
     finally:

@@ -393,8 +393,10 @@ class Guided:
     def _guide_forward(self, features):
         if self.must_retokenize:
             texts = self.tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
+            # sentence-transformers 6 renamed SentenceTransformer.tokenize to preprocess
+            prepare = self.guide.preprocess if hasattr(self.guide, "preprocess") else self.guide.tokenize
             features = {k: v.to(self.guide.device) if torch.is_tensor(v) else v
-                        for k, v in self.guide.preprocess(texts).items()}
+                        for k, v in prepare(texts).items()}
         else:
             # a shallow copy: a model writes its outputs into the feature dict it is given
             features = dict(features)

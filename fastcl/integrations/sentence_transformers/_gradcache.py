@@ -164,5 +164,13 @@ class GradCache:
                 with model.no_sync() if defer else nullcontext():
                     reps, _ = self.embed_minibatch(features, begin, end, with_grad=True,
                                                    copy_random_state=False, random_state=state)
+                    if reps.shape != grad.shape:
+                        raise RuntimeError(
+                            f"{type(self).__name__}: the embeddings replayed in the backward pass "
+                            f"have shape {tuple(reps.shape)}, those of the forward pass had "
+                            f"{tuple(grad.shape)}. A wrapper that changes the model's output "
+                            "during the forward only (MatryoshkaLoss of sentence-transformers "
+                            "releases without gradient-cache support) cannot wrap a cached loss; "
+                            "give the loss matryoshka_dims= instead")
                     if reps.requires_grad:  # else the model is frozen
                         torch.autograd.backward(reps, (grad * grad_output).to(reps.dtype))

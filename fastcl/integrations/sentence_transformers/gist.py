@@ -20,16 +20,21 @@ class FastGISTEmbedLoss(Guided, FastLoss):
     (``"absolute"``) or ``γ_i − |γ_i|·margin`` (``"relative"``). Row i scores its anchor
     against the positives, the negatives and (``contrast_anchors``) the anchors, and its
     positive against the positives (``contrast_positives``), all in one softmax; every score
-    whose guide cosine exceeds ``θ_i`` is dropped, except the positive's own:
+    whose guide cosine exceeds ``θ_i`` is dropped, except the positive's own, and so are the
+    self scores ``(a_i, a_i)`` and ``(p_i, p_i)``:
 
     .. math:: L = \frac1N\sum_i\Big[-\frac{\cos(a_i, p_i)}{\tau} + \log\!\!\sum_{(x, c)
               \in S_i,\ \cos(g_x, g_c) \le \theta_i \text{ or } c = p_i}\!\! e^{\cos(x, c)/\tau}\Big]
 
-    with ``S_i`` = {(a_i, p_j), (a_i, n_j), (a_i, a_j), (p_i, p_j)} over the blocks that are
-    on. :func:`fastcl.contrastive` computes it with ``directions=fastcl.layout.gist(...)``
-    and ``guide``: the guide's cosines and the threshold are applied inside each chunk of
-    rows, so neither the N×M scores nor the guide's N×M cosines ever exist (the
-    sentence-transformers loss holds eight such matrices, and an N×M×d one per block).
+    with ``S_i`` = {(a_i, p_j), (a_i, n_j), (a_i, a_j)_{j≠i}, (p_i, p_j)_{j≠i}} over the
+    blocks that are on. The self scores left ``S_i`` in sentence-transformers 6.3; before it
+    GISTEmbedLoss dropped them only through the guide's filter, which differs from this loss
+    only where a row's threshold reaches the guide's self cosine (~1: an anchor identical to
+    its positive at margin 0, or a negative margin). :func:`fastcl.contrastive` computes it
+    with ``directions=fastcl.layout.gist(...)`` and ``guide``: the guide's cosines and the
+    threshold are applied inside each chunk of rows, so neither the N×M scores nor the guide's
+    N×M cosines ever exist (the sentence-transformers loss holds eight such matrices, and an
+    N×M×d one per block).
 
     Args:
         model: the SentenceTransformer model to train.
@@ -50,8 +55,8 @@ class FastGISTEmbedLoss(Guided, FastLoss):
         mask_duplicates: also drop candidates with the same text as the anchor's positive
             (the guide's cosine of a duplicate is ~1 and drops it anyway unless the margin is
             negative).
-        backend: ``"auto"``, ``"reference"`` or ``"tiled"`` (the Triton kernels do not apply
-            the guide's filter yet: ``"auto"`` runs tiled).
+        backend: ``"auto"``, ``"reference"``, ``"tiled"`` or ``"triton"`` (``"auto"``: the
+            Triton kernels for CUDA tensors, tiled otherwise).
         chunk_size: anchor rows per chunk inside the loss (None: the backend's choice).
 
     Inputs:
