@@ -921,7 +921,17 @@ def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
     return accumulate_dtype(dtype) if dtype == torch.float16 else dtype
 
 
-@torch.library.custom_op("fastcl::tiled_contrastive", mutates_args=())
+# The schema written out, as torch >= 2.6 infers it from the annotations (earlier releases
+# infer none from list[...] and float | None). The integers are SymInt: under dynamic shapes
+# the block sizes stay symbolic, so one graph serves every batch size.
+_OP_SCHEMA = ("(Tensor anchors, Tensor[] candidates, Tensor[] complementary, float temperature, "
+              "float? focal_m, float hard_negative_weight, float phi, str formulation, "
+              "SymInt anchor_offset, SymInt? chunk_size, str matryoshka, SymInt layout, "
+              "SymInt[] blocks, str hardness, Tensor[] guide, Tensor[] ids, str engine, "
+              "SymInt need, bool scan) -> (Tensor, Tensor, Tensor[])")
+
+
+@torch.library.custom_op("fastcl::tiled_contrastive", mutates_args=(), schema=_OP_SCHEMA)
 def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
                          complementary: list[torch.Tensor], temperature: float,
                          focal_m: float | None, hard_negative_weight: float, phi: float,

@@ -28,7 +28,9 @@ def offline_datasets(tmp_path, monkeypatch):
     import datasets
     import huggingface_hub.constants
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):   # the second: older datasets
+        if hasattr(datasets.config, name):
+            monkeypatch.setattr(datasets.config, name, True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return tmp_path / "hf-datasets"
 
