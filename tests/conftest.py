@@ -11,7 +11,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-
 def _version(distribution):
     """An installed distribution's (major, minor), read without importing it; None if absent."""
     from importlib import metadata
@@ -49,6 +48,7 @@ def _sentence_transformers_before_6():
 
 _sentence_transformers_before_6()
 
+
 # Hypothesis's profiles (tests/test_properties.py): "ci", bounded and derandomized, the
 # default; "long" (>= 20,000 examples over that file). Registered here, where hypothesis's
 # plugin finds them before it reads `pytest --hypothesis-profile long`.
@@ -63,11 +63,6 @@ try:
     _hypothesis.load_profile(os.environ.get("FASTCL_HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # hypothesis is a dev extra: the property tests skip without it
     pass
-
-def preprocess(model, texts):
-    """A SentenceTransformer's features of ``texts`` (``preprocess`` from sentence-transformers
-    6, ``tokenize`` before), as a dict."""
-    return dict(model.preprocess(texts) if hasattr(model, "preprocess") else model.tokenize(texts))
 
 
 # Tolerances for the tiled path against the reference (values and gradients).

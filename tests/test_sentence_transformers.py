@@ -2,7 +2,6 @@
 on the same embeddings, on the packaged MiniLM (its docstring examples train it with each
 loss: tests/test_st_package.py)."""
 
-import inspect
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import torch
 
 import fastcl
 
-from conftest import correlated, make, needs_st6, preprocess
+from conftest import correlated, make, needs_st6
 
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss  # noqa: E402
@@ -21,6 +20,8 @@ from fastcl.integrations.sentence_transformers import (  # noqa: E402
     CachedFastDCLRLoss, CachedFastESCLLoss, CachedFastFocalInfoNCELoss, CachedFastInfoNCELoss,
     FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastInfoNCELoss)
 from fastcl.encoders import dropout_rate  # noqa: E402
+from fastcl.integrations.sentence_transformers._base import preprocess  # noqa: E402
+from test_st_dropins import needs_mnrl_options  # noqa: E402
 
 # one torch thread: MiniLM's small batches run 3-4× faster than on two threads that share a
 # busy 2-core machine
@@ -54,8 +55,7 @@ def test_matches_multiple_negatives_ranking_loss(minilm, columns, scale):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
 
 
-@pytest.mark.skipif("directions" not in inspect.signature(MultipleNegativesRankingLoss.__init__).parameters,
-                    reason="the installed MultipleNegativesRankingLoss has no directions")
+@needs_mnrl_options
 def test_symmetric_matches_mnrl_both_directions(minilm):
     embs = _embeddings(2)
     ours = FastInfoNCELoss(minilm, symmetric=True).compute_loss_from_embeddings(embs, None)

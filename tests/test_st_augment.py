@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from conftest import needs_st6, preprocess
+from conftest import needs_st6
 
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 
@@ -30,6 +30,7 @@ import fastcl.integrations.sentence_transformers as fst  # noqa: E402
 from fastcl import augment, citations  # noqa: E402
 from fastcl.integrations.sentence_transformers import (  # noqa: E402
     AugmentedPositives, CachedFastDCLRLoss, CachedFastInfoNCELoss, FastDCLRLoss, FastInfoNCELoss)
+from fastcl.integrations.sentence_transformers._base import preprocess  # noqa: E402
 from fastcl.integrations.sentence_transformers.augment import _HOOKS  # noqa: E402
 from test_evaluate import make_tiny_model  # noqa: E402
 

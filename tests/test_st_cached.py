@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import preprocess
+# named, not only loaded by pytest: the processes the gather tests spawn import this module
+# without pytest, and conftest gives older sentence-transformers release 6's module names
+import conftest  # noqa: F401
 
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
@@ -28,6 +30,7 @@ from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
 
 import fastcl.integrations.sentence_transformers as fst  # noqa: E402
 from fastcl.encoders import dropout_rate  # noqa: E402
+from fastcl.integrations.sentence_transformers._base import preprocess  # noqa: E402
 from fastcl.integrations.sentence_transformers import (  # noqa: E402
     CachedFastDCLRLoss, CachedFastESCLLoss, CachedFastFocalInfoNCELoss, CachedFastGISTEmbedLoss,
     CachedFastInfoNCELoss, FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastGISTEmbedLoss,

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import fastcl
-from conftest import ST_VERSION, preprocess
+from conftest import ST_VERSION
 
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
@@ -34,7 +34,7 @@ from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
 from fastcl.integrations.sentence_transformers import (  # noqa: E402
     CachedFastDCLRLoss, CachedFastESCLLoss, CachedFastGISTEmbedLoss, CachedFastInfoNCELoss,
     FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastGISTEmbedLoss, FastInfoNCELoss)
-from fastcl.integrations.sentence_transformers._base import text_ids  # noqa: E402
+from fastcl.integrations.sentence_transformers._base import preprocess, text_ids  # noqa: E402
 from test_st_cached import (ANCHORS, NEGATIVES, POSITIVES, assert_same, features,  # noqa: E402,F401
                             guide, load_model, loss_and_grads, model)
 

@@ -363,6 +363,12 @@ class FastLoss(nn.Module):
         return embeddings
 
 
+def preprocess(model, texts) -> dict:
+    """``model``'s input features of ``texts``, as a dict: ``SentenceTransformer.preprocess``
+    (sentence-transformers 6), ``tokenize`` before."""
+    return dict(model.preprocess(texts) if hasattr(model, "preprocess") else model.tokenize(texts))
+
+
 class Guided:
     """A frozen guide model's embeddings of the input columns, for losses mixed with
     :class:`FastLoss` (DCLR's complementary model, GIST's guide). If the guide's tokenizer
@@ -393,10 +399,8 @@ class Guided:
     def _guide_forward(self, features):
         if self.must_retokenize:
             texts = self.tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
-            # sentence-transformers 6 renamed SentenceTransformer.tokenize to preprocess
-            prepare = self.guide.preprocess if hasattr(self.guide, "preprocess") else self.guide.tokenize
             features = {k: v.to(self.guide.device) if torch.is_tensor(v) else v
-                        for k, v in prepare(texts).items()}
+                        for k, v in preprocess(self.guide, texts).items()}
         else:
             # a shallow copy: a model writes its outputs into the feature dict it is given
             features = dict(features)
