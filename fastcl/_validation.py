@@ -72,8 +72,9 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
         if x.device != like.device:
             raise ValueError(f"{name} is on {x.device} but {like_name} "
                              f"{'are' if plural else 'is'} on {like.device}")
-    # (under torch.compile the values cannot be read while tracing: the fused op tests them)
-    if _CHECK_FINITE and x.numel() and not x.is_meta and not torch.compiler.is_compiling():
+    # (under torch.compile the values cannot be read while tracing: the fused op tests them;
+    # tested first, as torch.compile before torch 2.6 specializes on the size x.numel() reads)
+    if _CHECK_FINITE and not torch.compiler.is_compiling() and x.numel() and not x.is_meta:
         amax = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=1)  # NaN propagates
         bad, huge = torch.stack([~torch.isfinite(amax).all(),
                                  (amax > huge_row_limit(x.dtype, x.shape[1])).any()]).tolist()

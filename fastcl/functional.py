@@ -7,8 +7,6 @@ Backends: ``"reference"`` (:mod:`fastcl.reference`, full matrices), ``"tiled"``
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import importlib.util
 import os
 
@@ -28,14 +26,14 @@ Backend = Literal["auto", "reference", "tiled", "triton"]
 Formulation = Literal["paper", "released"]
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+#: Looked up once, at import: torch.compile before torch 2.6 breaks the graph at a call of
+#: ``find_spec``, even through a cache.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def _triton_problem(x: torch.Tensor) -> str | None:
     """Why the Triton backend cannot take ``x`` (None if it can)."""
-    if not _triton_installed():
+    if not _TRITON_INSTALLED:
         return "the triton package is not installed (pip install 'fastcl[triton]')"
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the kernels take float32, float16 or bfloat16 embeddings, not {x.dtype}"
@@ -372,13 +370,14 @@ def _contrastive_on(anchors, positives, negatives, *, temperature, focal_m, hard
         # candidates its rows only enter through cosines
         blocks.append(common.shrink_huge_rows(z).to(anchors.dtype))
     masked = complementary is not None
-    ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
-                  phi=phi if masked else None, complementary=complementary,
-                  formulation=formulation, chunk_size=chunk_size, anchor_offset=anchor_offset)
+    fields = dict(temperature=temperature, focal_m=focal_m,
+                  hard_negative_weight=hard_negative_weight, phi=phi if masked else None,
+                  complementary=complementary, formulation=formulation, chunk_size=chunk_size,
+                  anchor_offset=anchor_offset)
     if rules:
-        rows, blocks, ep = _with_rules(ep, anchors, positives, negatives, blocks, rules)
+        rows, blocks, ep = _with_rules(fields, anchors, positives, negatives, blocks, rules)
         return tiled.contrastive_loss(ep, rows, *blocks, engine=engine)
-    loss = tiled.contrastive_loss(ep, anchors, *blocks, engine=engine)
+    loss = tiled.contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
     if symmetric:
         # the reverse direction: positives against the anchors, focal and the transposed mask
         reverse = Epilogue(temperature, focal_m=focal_m, phi=phi if masked else None,
@@ -392,8 +391,10 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
            hardness_mode, hardness_strength, anchor_candidates, guide, guide_margin,
            margin_strategy, duplicate_ids) -> dict:
     """The checked options of :mod:`fastcl.layout` as the keyword arguments the backends take,
-    or ``{}`` when none is on (plain InfoNCE's layout, no hardness, guide or ids)."""
-    if (directions == ("query_to_doc",) and partition_mode == "joint" and hardness_mode is None
+    or ``{}`` when none is on (plain InfoNCE's layout, no hardness, guide or ids). (Here and
+    in the helpers, a row count is compared with 0, never tested for truth: torch.compile
+    before torch 2.6 fixes a traced batch size at ``if n``.)"""
+    if (layout.names_plain(directions, partition_mode) and hardness_mode is None
             and guide is None and duplicate_ids is None and anchor_candidates is None):
         return {}          # the plain layout, decided without building one (torch.compile)
     n, n_pos = anchors.shape[0], positives.shape[0]
@@ -444,7 +445,7 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
         guide = _guide(guide, n, n_pos, n_neg, n_a, anchors.device)
     if duplicate_ids is not None:
         duplicate_ids = _duplicate_ids(duplicate_ids, n_pos, n_neg, n_a, anchors.device)
-    return dict(layout=lay, anchor_candidates=anchor_candidates if n_a else None,
+    return dict(layout=lay, anchor_candidates=anchor_candidates if n_a > 0 else None,
                 hardness_mode=hardness_mode if hardness_strength else None,
                 hardness_strength=hardness_strength, guide=guide, guide_margin=guide_margin,
                 margin_strategy=margin_strategy, duplicate_ids=duplicate_ids)
@@ -503,17 +504,18 @@ def _matryoshka_loss(anchors, positives, negatives, backend, matryoshka, *, temp
             phi=phi, symmetric=symmetric, anchor_offset=anchor_offset, **_prefix_rules(k, rules))
             for k, w in zip(dims, weights))
     blocks = [positives] + ([] if negatives is None else [negatives])
-    ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
+    fields = dict(temperature=temperature, focal_m=focal_m,
+                  hard_negative_weight=hard_negative_weight,
                   phi=phi if complementary is not None else None, complementary=complementary,
                   chunk_size=chunk_size, anchor_offset=anchor_offset, matryoshka=matryoshka)
     if rules:
-        rows, blocks, ep = _with_rules(ep, anchors, positives, negatives, blocks, rules)
+        rows, blocks, ep = _with_rules(fields, anchors, positives, negatives, blocks, rules)
         return tiled.contrastive_loss(ep, rows, *blocks)
-    loss = tiled.contrastive_loss(ep, anchors, *blocks)
+    loss = tiled.contrastive_loss(Epilogue(**fields), anchors, *blocks)
     if symmetric:
-        reverse = dataclasses.replace(
-            ep, hard_negative_weight=0.0, anchor_offset=0,
-            complementary=None if complementary is None else (complementary[1], complementary[0]))
+        reverse = Epilogue(**{
+            **fields, "hard_negative_weight": 0.0, "anchor_offset": 0,
+            "complementary": None if complementary is None else (complementary[1], complementary[0])})
         loss = 0.5 * (loss + tiled.contrastive_loss(reverse, positives, anchors))
     return loss
 
@@ -534,7 +536,7 @@ def _guide(guide, n, n_pos, n_neg, n_a, device):
     out = []
     for name, x, want in zip(names, parts, rows):
         if x is None:
-            if want:
+            if want > 0:
                 raise ValueError(f"{name} is missing: the guide embeds every candidate block "
                                  f"({want} rows here)")
             out.append(None)
@@ -545,7 +547,7 @@ def _guide(guide, n, n_pos, n_neg, n_a, device):
             raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
         if out and x.dtype != out[0].dtype:
             raise TypeError(f"{name} is {x.dtype} but guide[0] is {out[0].dtype}")
-        out.append(x.detach() if want else None)
+        out.append(x.detach() if want > 0 else None)
     return tuple(out)
 
 
@@ -559,7 +561,7 @@ def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
     for name, x, want in zip(("duplicate_ids[0] (positives)", "duplicate_ids[1] (negatives)",
                               "duplicate_ids[2] (anchor candidates)"), parts, (n_pos, n_neg, n_a)):
         if x is None:
-            if want:
+            if want > 0:
                 raise ValueError(f"{name} is missing: {want} candidates need an id each")
             out.append(None)
             continue
@@ -570,7 +572,7 @@ def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
             raise ValueError(f"{name} must have shape ({want},), got {tuple(x.shape)}")
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
-        out.append(x.to(torch.long) if want else None)
+        out.append(x.to(torch.long) if want > 0 else None)
     return tuple(out)
 
 
@@ -598,22 +600,24 @@ def _backend_for_rules(backend, anchors, rules, *, hard_negative_weight=0.0,
     return "tiled"
 
 
-def _with_rules(ep, anchors, positives, negatives, blocks, rules):
+def _with_rules(fields, anchors, positives, negatives, blocks, rules):
     """The tiled driver's inputs for a call with ``rules`` (:func:`_rules`): the rows
     (``[anchors; own positives]`` with a positive side), the candidate blocks with the
-    anchors block last, and the epilogue with the column blocks, the guide's unit rows and
-    thresholds, the ids."""
+    anchors block last, and the epilogue of ``fields`` (an :class:`~fastcl.tiled.Epilogue`'s
+    keyword arguments) with the column blocks, the guide's unit rows and thresholds, the
+    ids. (Epilogues are built whole, never ``dataclasses.replace``d: torch.compile before
+    torch 2.6 breaks the graph there.)"""
     lay, anchor_candidates, guide, duplicate_ids = (
         rules["layout"], rules["anchor_candidates"], rules["guide"], rules["duplicate_ids"])
     hardness_mode = rules["hardness_mode"]
     n, n_pos = anchors.shape[0], positives.shape[0]
-    offset = ep.anchor_offset
+    offset = fields["anchor_offset"]
     n_neg = 0 if negatives is None else negatives.shape[0]
     n_noise = sum(b.shape[0] for b in blocks) - n_pos - n_neg
     n_a = 0 if anchor_candidates is None else anchor_candidates.shape[0]
     own = positives[offset:offset + n]
     rows = torch.cat([anchors, own]) if lay.positive_side else anchors
-    blocks = list(blocks) + ([anchor_candidates] if n_a else [])
+    blocks = list(blocks) + ([anchor_candidates] if n_a > 0 else [])
     g_rows = g_cols = theta = ids = None
     if guide is not None:
         acc = common.accumulate_dtype(anchors.dtype)
@@ -624,18 +628,18 @@ def _with_rules(ep, anchors, positives, negatives, blocks, rules):
         theta = layout.guide_threshold((u_anchors * u_own).sum(dim=1), rules["guide_margin"],
                                        rules["margin_strategy"])
         g_rows = torch.cat([u_anchors, u_own]) if lay.positive_side else u_anchors
-        parts = [u_positives] + ([unit(g_negatives)] if n_neg else [])
+        parts = [u_positives] + ([unit(g_negatives)] if n_neg > 0 else [])
         parts.append(u_anchors.new_zeros(n_noise, u_anchors.shape[1]))   # never filtered
-        parts += [unit(g_cands)] if n_a else []
+        parts += [unit(g_cands)] if n_a > 0 else []
         g_cols = torch.cat(parts)
     if duplicate_ids is not None:
         pos_ids, neg_ids, anchor_ids = duplicate_ids
-        parts = [pos_ids] + ([neg_ids] if n_neg else [])
+        parts = [pos_ids] + ([neg_ids] if n_neg > 0 else [])
         parts.append(pos_ids.new_zeros(n_noise))                          # never compared
-        parts += [anchor_ids] if n_a else []
+        parts += [anchor_ids] if n_a > 0 else []
         ids = (torch.cat(parts), pos_ids[offset:offset + n])
-    ep = dataclasses.replace(
-        ep, layout=lay, blocks=(n_pos, n_neg, n_noise, n_a),
+    ep = Epilogue(
+        **fields, layout=lay, blocks=(n_pos, n_neg, n_noise, n_a),
         hardness=(hardness_mode, rules["hardness_strength"]) if hardness_mode is not None else None,
         guide=None if guide is None else (g_rows, g_cols, theta), ids=ids)
     return rows, blocks, ep

@@ -77,6 +77,14 @@ class Layout:
 PLAIN = Layout()
 
 
+def names_plain(directions, partition_mode: str = "joint") -> bool:
+    """Whether ``directions`` given by name (and ``partition_mode``) are plain InfoNCE's, told
+    without building a :class:`Layout` (which a torch.compile trace cannot) and without
+    comparing a Layout with a tuple (where torch.compile before torch 2.6 breaks the graph)."""
+    return (not isinstance(directions, (Layout, str)) and tuple(directions) == ("query_to_doc",)
+            and partition_mode == "joint")
+
+
 def from_directions(directions, partition_mode: str = "joint") -> Layout:
     """MNRL's ``directions`` and ``partition_mode`` as a layout (checked: ``query_to_doc`` is
     required, and ``per_direction`` takes ``query_to_doc`` and ``doc_to_query`` only, as

@@ -39,8 +39,8 @@ Offsets that scale with R·M or M·d are formed in int64: a chunk of R·M ≥ 2�
 reachable with a large ``chunk_size``.
 """
 
-from __future__ import annotations
-
+# (no `from __future__ import annotations`: Triton 3.1 finds a kernel's constexpr
+# parameters by their annotation objects, and its interpreter misses them as strings)
 import functools
 import os
 
@@ -77,6 +77,13 @@ if INTERPRET and _make_descriptor is not None:
     def _make_descriptor(*args, **kwargs):
         # the interpreter swaps tl's builtins for its own while a kernel runs: look it up then
         return tl.make_tensor_descriptor(*args, **kwargs)
+
+
+@triton.jit
+def _not(b):
+    """Logical not of a boolean tile (``~b`` builds an all-ones int1 constant, which the
+    interpreter of Triton 3.1, the floor, cannot make)."""
+    return b == 0
 
 
 @triton.jit
@@ -164,10 +171,10 @@ def _rule_masks(side1, g, own_anchor, cols, block, group, vis0, vis1, rule_bits,
     mine = (block == 3)[None, :] & (group[None, :] == own_anchor[:, None])
     drop = drop | (tl.where(side, docs & own_group, mine) & ((rule_bits & EXCLUDE_OWN) != 0))
     protect = tl.where(side, mine, cols[None, :] == g[:, None])
-    hard = tl.where(hard_mode == 1, docs & ~own_group,
+    hard = tl.where(hard_mode == 1, docs & _not(own_group),
                     tl.where(hard_mode == 2, (block == 1)[None, :] & own_group,
                              docs & (cols[None, :] != g[:, None])))
-    hard = hard & (hard_mode > 0) & ~side
+    hard = hard & (hard_mode > 0) & _not(side)
     return drop, protect, hard, side & mine
 
 
@@ -391,7 +398,7 @@ def _similarity_tile(
                                  PREC, BLOCK_R, BLOCK_M, BLOCK_D)
             theta = tl.load(theta_ptr + i_side, mask=row_ok, other=0.0)
             filtered = filtered | (gacc > theta[:, None])
-        drop = drop | (filtered & ~protect & (block != 2)[None, :])
+        drop = drop | (filtered & _not(protect) & (block != 2)[None, :])
         s = tl.where(drop, DROPPED, s)
         l = tl.where(drop, float("-inf"), l)
 
@@ -551,9 +558,9 @@ def _row_probs(t_ptr, part_max_ptr, row, row64, c0, M, lse, scale, first_pos, n_
             block, group = _rule_columns(cols, n_pos, n_neg, n_noise, rule_bits)
             _, _, hard, mirror = _rule_masks(side1, g, own_anchor, cols, block, group, vis0,
                                              vis1, rule_bits, hard_mode)
-            l = l + tl.where(hard & ~dropped, hard_beta * s, 0.0)
+            l = l + tl.where(hard & _not(dropped), hard_beta * s, 0.0)
             if FOCAL:
-                l = tl.where(mirror & ~dropped, s * s * inv_t, l)
+                l = tl.where(mirror & _not(dropped), s * s * inv_t, l)
                 squared = squared | mirror
         p = tl.exp(l - lse) * scale
     p = tl.where(ok[None, :], p, 0.0)
@@ -591,7 +598,7 @@ def _row_kernel(
                 vis1, rule_bits, hard_mode, hard_beta, FOCAL, HARD, MASK, RELEASED, POSITIVES,
                 RULES, STORE_EXP, TILE_M, BLOCK_N)
             v_acc += tl.where(ok[None, :], _bce_v(p, is_pos), 0.0)
-            log_acc += tl.where(ok[None, :] & (~is_pos), _bce_log_not(p), 0.0)
+            log_acc += tl.where(ok[None, :] & _not(is_pos), _bce_log_not(p), 0.0)
         vsum = tl.sum(tl.sum(v_acc, axis=1), axis=0)
         row_loss = -tl.sum(tl.sum(log_acc, axis=1), axis=0) - tl.maximum(pos - lse, -100.0)
     else:
@@ -612,7 +619,10 @@ def _row_kernel(
                                 tl.where(two_softmaxes, 0.5 * (lse + lse_twin), lse)) - pos
             lse = tl.where(one_softmax, both, lse)
             scale = tl.where(two_softmaxes, 0.5, 1.0)
-    tl.store(loss_ptr + row, row_loss, mask=row < R_half)    # the positive side: no loss row
+    # the positive side has no loss row (a branch: the interpreter of Triton 3.1 takes a
+    # scalar mask that is False for no mask at all)
+    if row < R_half:
+        tl.store(loss_ptr + row, row_loss)
 
     if WANT_GRAD:
         for c0 in range(0, M, BLOCK_N):

@@ -134,6 +134,31 @@ def inputs(n, k, d, dtype):
     return a, p, x
 
 
+class _Taken(list):
+    """The design each similarity launch took; ``design``: the one switched on."""
+    design = ""
+
+
+@pytest.fixture
+def descriptor(monkeypatch):
+    """Switch the descriptor design on (FASTCL_SIM=descriptor); yields the design each
+    similarity launch took. Skipped on a Triton without tensor descriptors."""
+    from fastcl.kernels import contrastive as kc
+    if not kc.descriptor_supported():
+        import triton
+        pytest.skip(f"Triton {triton.__version__} has no tl.make_tensor_descriptor")
+    monkeypatch.setenv("FASTCL_SIM", "descriptor")
+    taken = _Taken()
+    taken.design = "descriptor"
+    original = kc._similarity
+
+    def spy(f, dtype, device, design=""):
+        taken.append(design)
+        return original(f, dtype, device, design)
+    monkeypatch.setattr(kc, "_similarity", spy)
+    yield taken
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models are dominated by thread start-up: one thread is faster and steadier, and

@@ -1,6 +1,5 @@
 """The public surface: module wrappers, the kernels subpackage, backend dispatch."""
 
-import pytest
 import torch
 
 import fastcl

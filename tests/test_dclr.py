@@ -1,7 +1,5 @@
 """DCLR specifics: the noise update, its reproducibility, and the instance-weighting mask."""
 
-import math
-
 import pytest
 import torch
 

@@ -78,30 +78,6 @@ def test_triton_matches_reference(name, shape):
 DESC_SHAPES = [(1, 0, 24), (1, 3, 130), (17, 16, 24), (5, 28, 20), (33, 7, 36)]
 
 
-class _Taken(list):
-    """The design each similarity launch took; ``design``: the one switched on."""
-    design = ""
-
-
-@pytest.fixture
-def descriptor(monkeypatch):
-    """Switch the descriptor design on (FASTCL_SIM=descriptor); yields the design each
-    similarity launch took. Skipped on a Triton without tensor descriptors."""
-    from fastcl.kernels import contrastive as kc
-    if not kc.descriptor_supported():
-        pytest.skip(f"Triton {triton.__version__} has no tl.make_tensor_descriptor")
-    monkeypatch.setenv("FASTCL_SIM", "descriptor")
-    taken = _Taken()
-    taken.design = "descriptor"
-    original = kc._similarity
-
-    def spy(f, dtype, device, design=""):
-        taken.append(design)
-        return original(f, dtype, device, design)
-    monkeypatch.setattr(kc, "_similarity", spy)
-    yield taken
-
-
 def _aligned(d, dtype=torch.float32):
     return d * torch.finfo(dtype).bits // 8 % 16 == 0
 

@@ -293,8 +293,8 @@ class FastLoss(nn.Module):
                              f"got {len(negatives)}")
         rules = self._rules()
         lay = rules.get("directions", layout.PLAIN)
-        if lay == ("query_to_doc",) and rules.get("partition_mode", "joint") == "joint":
-            lay = layout.PLAIN     # (no Layout built in a traced call: torch.compile)
+        if layout.names_plain(lay, rules.get("partition_mode", "joint")):
+            lay = layout.PLAIN
         elif not isinstance(lay, layout.Layout):
             lay = layout.from_directions(lay, rules.get("partition_mode", "joint"))
         kw = dict(temperature=temperature, focal_m=focal_m, backend=self.backend,
