@@ -22,16 +22,9 @@
 #     under numpy 2's type promotion, and those of 3.1 and 3.6 stop under numpy 2.4 (a size-1
 #     array is no scalar there); the compiled kernels depend on neither. (The newest Triton
 #     runs them in the suite.)
-# `bash .ci/triton_range.sh compile` runs the first two on both Tritons, `... interpreter` the
-# third (the two halves can run side by side: .ci/run does); no argument, all of it.
 # Fails on any failure. FASTCL_TRITON_FLOOR / FASTCL_TRITON_MID override the versions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part="${1:-all}"
-case "$part" in
-    all|compile|interpreter) ;;
-    *) echo "usage: $0 [compile|interpreter]" >&2; exit 2 ;;
-esac
 
 declared=$(python - <<'EOF'
 import re
@@ -56,9 +49,7 @@ spec() { if [[ "$1" =~ ^[0-9]+\.[0-9]+$ ]]; then echo "triton==$1.*"; else echo 
 step() { echo "== $1 ($(( SECONDS - t0 )) s so far)"; }
 t0=$SECONDS
 
-versions=("$floor" "$mid")
-[[ "$part" == interpreter ]] && versions=("$floor")
-for version in "${versions[@]}"; do
+for version in "$floor" "$mid"; do
     dir="$tmp/triton-$version"
     step "Triton $(spec "$version"): install into $dir"
     python -m pip install --quiet --no-deps --target "$dir" "$(spec "$version")"
@@ -69,21 +60,19 @@ import triton
 assert os.path.realpath(triton.__file__).startswith(os.path.realpath(sys.argv[1])), triton.__file__
 print(f"Triton {triton.__version__} from {os.path.dirname(triton.__file__)}")
 EOF
-    if [[ "$part" != interpreter ]]; then
-        step "Triton $version: compile check (aligned launch, default design, first config of each list, pairwise)"
-        log="$tmp/compile-$version.txt"
-        if ! PYTHONPATH="$path" python -m fastcl.kernels.compile_check --aligned-only \
-                --default-design --first-config --pairwise --allow-spills --jobs "$jobs" > "$log" 2>&1; then
-            grep -E -A6 "ERROR|SPILLS|Traceback" "$log" || tail -n 40 "$log"
-            tail -n 1 "$log"
-            exit 1
-        fi
+    step "Triton $version: compile check (aligned launch, default design, first config of each list, pairwise)"
+    log="$tmp/compile-$version.txt"
+    if ! PYTHONPATH="$path" python -m fastcl.kernels.compile_check --aligned-only --default-design \
+            --first-config --pairwise --allow-spills --jobs "$jobs" > "$log" 2>&1; then
+        grep -E -A6 "ERROR|SPILLS|Traceback" "$log" || tail -n 40 "$log"
         tail -n 1 "$log"
-        step "Triton $version: the compile check's adaptation"
-        PYTHONPATH="$path" python -m pytest -q -p no:cacheprovider tests/test_compile.py \
-            -k "launch_specialization_is_tritons or marks_reach_the_compiler"
+        exit 1
     fi
-    if [[ "$version" == "$floor" && "$part" != compile ]]; then
+    tail -n 1 "$log"
+    step "Triton $version: the compile check's adaptation"
+    PYTHONPATH="$path" python -m pytest -q -p no:cacheprovider tests/test_compile.py \
+        -k "launch_specialization_is_tritons or marks_reach_the_compiler"
+    if [[ "$version" == "$floor" ]]; then
         step "Triton $version: the interpreter tests, numpy 1.26"
         python -m pip install --quiet --no-deps --target "$tmp/numpy1" "numpy==1.26.*"
         PYTHONPATH="$path:$tmp/numpy1" TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider \

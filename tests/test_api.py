@@ -1,5 +1,6 @@
 """The public surface: module wrappers, the kernels subpackage, backend dispatch."""
 
+import pytest
 import torch
 
 import fastcl
@@ -96,3 +97,28 @@ def test_the_public_api_is_fully_annotated():
         missing = [p for p in params if p not in hints]
         assert not missing, f"{fn.__qualname__}: no annotation for {missing}"
         assert fn.__name__ == "__init__" or "return" in hints, f"{fn.__qualname__}: no return annotation"
+
+
+def test_the_integrations_name_a_torch_too_old_for_transformers_5():
+    """transformers 5 under torch 2.5 imports with PyTorch switched off, and
+    sentence-transformers then fails deep in its import: fastcl's adapters stop first and
+    say what to install."""
+    from fastcl.integrations import stack_problem
+    problem = stack_problem("2.5.1+cu124", "5.24.0")
+    assert "torch >= 2.6" in problem and "'transformers<5' 'sentence-transformers<6'" in problem
+    assert stack_problem("2.6.0", "5.0.0") is None
+    assert stack_problem("2.5.1", "4.57.6") is None
+    assert stack_problem("2.13.0+cpu", "5.24.0") is None
+    assert stack_problem("2.5.1", None) is None          # no transformers: nothing to say
+
+
+def test_the_check_at_import_raises_under_that_pair(monkeypatch):
+    import importlib.metadata
+
+    import fastcl.integrations as integrations
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "5.24.0" if name == "transformers" else real(name))
+    with pytest.raises(ImportError, match=r"transformers 5\.24\.0 needs torch >= 2\.6"):
+        integrations.check_stack()
