@@ -7,7 +7,6 @@ Backends: ``"reference"`` (:mod:`fastcl.reference`, full matrices), ``"tiled"``
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 from typing import Literal
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from . import _validation as check
 from . import common, layout, reference, tiled
+from .kernels import triton_available
 from .tiled import Epilogue
 
 __all__ = ["contrastive", "infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss",
@@ -28,7 +28,7 @@ Formulation = Literal["paper", "released"]
 
 #: Looked up once, at import: torch.compile before torch 2.6 breaks the graph at a call of
 #: ``find_spec``, even through a cache.
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+_TRITON_INSTALLED = triton_available()
 
 
 def _triton_problem(x: torch.Tensor) -> str | None:

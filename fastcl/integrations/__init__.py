@@ -9,12 +9,6 @@ from __future__ import annotations
 from importlib import metadata
 
 
-def _release(version: str) -> tuple[int, int]:
-    """``"2.5.1+cu124"`` → (2, 5)."""
-    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
 def stack_problem(torch_version: str, transformers_version: str | None) -> str | None:
     """Why this torch and transformers cannot work together (None if they can).
     transformers 5 needs torch 2.6: under an older torch it imports with PyTorch switched
@@ -22,7 +16,8 @@ def stack_problem(torch_version: str, transformers_version: str | None) -> str |
     fastcl admits torch 2.5 and transformers 5, each for the other's newer partner."""
     if transformers_version is None:
         return None
-    if _release(transformers_version) >= (5, 0) and _release(torch_version) < (2, 6):
+    from packaging.version import Version     # a requirement of transformers
+    if Version(transformers_version).major >= 5 and Version(torch_version).release[:2] < (2, 6):
         return (f"transformers {transformers_version} needs torch >= 2.6, and torch "
                 f"{torch_version} is installed: install torch >= 2.6, or keep this torch with "
                 "pip install 'transformers<5' 'sentence-transformers<6'")
