@@ -127,9 +127,9 @@ def objectives(n, k):
     }
 
 
-def inputs(n, k, d, dtype):
+def inputs(n, k, d, dtype, noise=0.7):
     a = make(n, d, dtype=dtype, seed=n * 100 + d)
-    p = correlated(a, 0.7)
+    p = correlated(a, noise)
     x = make(k, d, dtype=dtype, seed=3)
     return a, p, x
 
@@ -157,6 +157,52 @@ def descriptor(monkeypatch):
         return original(f, dtype, device, design)
     monkeypatch.setattr(kc, "_similarity", spy)
     yield taken
+
+
+@pytest.fixture
+def gpu_buffers(monkeypatch):
+    """16-bit inputs keep 16-bit chunk buffers on a CPU, as on a GPU, so that the interpreter
+    runs the kernels' 16-bit paths (bf16: the bounded design's tile of ``exp`` in bf16; fp16:
+    the two-pass design on fp16 buffers); without this a CPU widens the GEMM operands to
+    float32 (``fastcl.tiled.matmul_dtype``).
+
+    Triton's interpreter does no bfloat16 arithmetic: it holds bf16 as its uint16 bit pattern,
+    and ``tl.dot`` multiplies those patterns (triton-lang/triton#11584, on every Triton from
+    3.1 to 3.9). The kernels' only bf16 operation besides loads, casts and stores is
+    ``tl.dot``; its bf16 operands are widened to float32 here first, which is what a tensor
+    core computes (the products of bf16 values are exact in float32, summed in float32). Any
+    other bf16 arithmetic in a kernel would still give garbage here, and fail the test.
+
+    Yields the GEMM dtype of each similarity launch."""
+    import fastcl.tiled
+    from fastcl.kernels import contrastive as kc
+    monkeypatch.setattr(fastcl.tiled, "matmul_dtype", lambda dtype, device: dtype)
+    seen = []
+    original_similarity = kc._similarity
+
+    def spy(f, dtype, device, design=""):
+        seen.append(dtype)
+        return original_similarity(f, dtype, device, design)
+    monkeypatch.setattr(kc, "_similarity", spy)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield seen
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def widened(x):
+        if x.dtype == tl.bfloat16 and x.data.dtype == np.uint16:
+            return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32),
+                                            tl.float32)
+        return x
+
+    def create_dot(self, a, b, d, *args):
+        return original(self, widened(a), widened(b), d, *args)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    yield seen
 
 
 @pytest.fixture

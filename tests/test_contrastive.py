@@ -228,6 +228,21 @@ def test_bfloat16_inputs(backend, combo):
     compare(batch, combo, backend, BF16, ref_batch=batch.float(), grad_frac=3e-2, chunk_size=7)
 
 
+@needs_triton
+@pytest.mark.parametrize("combo,dtype", [
+    pytest.param(combo, dtype, id=f"{'+'.join(combo) or 'plain'}-{str(dtype)[6:]}",
+                 marks=() if dtype == torch.bfloat16 or len(combo) in (0, len(FEATURES))
+                 else pytest.mark.slow)
+    for combo in COVERING for dtype in (torch.bfloat16, torch.float16)])
+def test_triton_16bit_buffers(combo, dtype, gpu_buffers):
+    """The covering flag sets on 16-bit chunk buffers, as a GPU runs them (bf16: the bounded
+    design; fp16: the two-pass design; tests/conftest.py's gpu_buffers). The default run: all
+    in bf16, none and all of the features in fp16; ``-m slow`` all in fp16 too."""
+    batch = Batch(17, 24, dtype=dtype, device=TRITON_DEVICE)
+    compare(batch, combo, "triton", BF16, ref_batch=batch.float(), grad_frac=3e-2, chunk_size=7)
+    assert gpu_buffers and set(gpu_buffers) == {dtype}
+
+
 # --------------------------------------------------------------------------- more options
 OFFSET_COMBOS = [c for c in COMBOS if "symmetric" not in c]
 N_ALL, SLICES = 11, [(0, 4), (4, 11)]

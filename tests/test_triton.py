@@ -1,8 +1,11 @@
 """The Triton backend against the reference.
 
 On a CPU-only machine the kernels run in Triton's interpreter (conftest switches it on);
-those tests use small shapes that hit every tile edge. The GPU tests (skipped without
-CUDA) add larger shapes, bf16, a batch far beyond N×M memory, and determinism.
+those tests use small shapes that hit every tile edge. A CPU widens 16-bit GEMM operands to
+float32; the ``16bit_buffers`` tests keep them 16-bit as a GPU does (conftest's
+``gpu_buffers``), so the interpreter also runs the kernels' bf16 and fp16 paths. The GPU tests
+(skipped without CUDA) add larger shapes, each kept autotune config, a batch far beyond N×M
+memory, and determinism.
 """
 
 import itertools
@@ -39,9 +42,9 @@ def _to(device, *ts):
     return [t.detach().to(device).requires_grad_(t.requires_grad) for t in ts]
 
 
-def _compare(name, n, k, d, dtype=torch.float32, tol=FP32, chunk=None, device=DEVICE):
+def _compare(name, n, k, d, dtype=torch.float32, tol=FP32, chunk=None, device=DEVICE, noise=0.7):
     fn = objectives(n, k)[name]
-    a, p, x = _to(device, *inputs(n, k, d, dtype))
+    a, p, x = _to(device, *inputs(n, k, d, dtype, noise))
     leaves = [a, p, x]
     if dtype == torch.float32:
         ref_loss, ref_grads = loss_and_grads(lambda: fn(a, p, x, backend="reference"), leaves)
@@ -128,6 +131,18 @@ def test_descriptor_design_chunks_and_bf16(name, descriptor):
     _compare(name, 17, 16, 24, chunk=7)
     _compare(name, 17, 16, 24, dtype=torch.bfloat16, tol=BF16)
     assert set(descriptor) == {descriptor.design}
+
+
+@pytest.mark.parametrize("name,dtype", [
+    pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}",
+                 marks=() if dtype == (torch.bfloat16, torch.float16)[i % 2] else pytest.mark.slow)
+    for i, name in enumerate(["infonce", "focal-negatives", "infonce-symmetric", "dclr"])
+    for dtype in (torch.bfloat16, torch.float16)])
+def test_descriptor_design_16bit_buffers(name, dtype, descriptor, gpu_buffers):
+    """Descriptors over 16-bit tiles (rows of 48 bytes), the stored tile's rows padded to 16
+    bytes, as a GPU runs them (inputs as test_16bit_buffers_match_reference's)."""
+    _compare(name, 17, 16, 24, dtype=dtype, tol=BF16, chunk=7, noise=POSITIVE_NOISE_16)
+    assert set(descriptor) == {descriptor.design} and set(gpu_buffers) == {dtype}
 
 
 def test_descriptor_design_non_contiguous_inputs(descriptor):
@@ -254,8 +269,47 @@ BF16 = dict(atol=0, rtol=2e-2, grad_frac=3e-2)
 
 @pytest.mark.parametrize("name", ["infonce", "focal-negatives", "dclr-weighted", "dclr-released"])
 def test_triton_bf16_inputs(name):
-    """bf16 embeddings (on a CPU the GEMM operands are widened; a GPU keeps them 16-bit)."""
+    """bf16 embeddings (on a CPU the GEMM operands are widened; a GPU keeps them 16-bit, as
+    test_16bit_buffers_match_reference does here)."""
     _compare(name, 17, 16, 24, dtype=torch.bfloat16, tol=BF16)
+
+
+# 16-bit chunk buffers as on a GPU (conftest's gpu_buffers): bf16 takes the bounded design
+# with its tile of exp in bf16, fp16 the two-pass design on fp16 buffers. N = 17 (row tiles
+# cut) with and without extra columns (K = 0: an empty negatives or noise block, d = 130: more
+# than one d-block), N = 1, d = 7; LARGE in chunks of 16 rows (three chunks, the last one
+# short). Positives at cosine ≈ 0.2 to their anchors (``noise=5``): at τ = 0.05 the softmax is
+# then not saturated (with the other tests' 0.7 some losses are near 1e-6 and 1 − p_pos is
+# below float32's resolution, in the reference too: the comparison would measure float32
+# rounding), while logits still span about ±10, so the bounded design's tile holds
+# exp(l − 1/τ) down to about e⁻³⁰, the range its 16-bit dtype must keep.
+POSITIVE_NOISE_16 = 5.0
+SHAPES_16 = [(17, 16, 24), (17, 0, 130)]
+EDGES_16 = [(1, 3, 130), (5, 28, 7)]
+DTYPES_16 = [torch.bfloat16, torch.float16]
+
+
+def _case_16(name, shape, chunk, dtype, default):
+    n, k, d = shape
+    return pytest.param(name, shape, chunk, dtype, marks=() if default else pytest.mark.slow,
+                        id=f"{name}-N{n}K{k}d{d}" + (f"-chunk{chunk}" if chunk else "")
+                           + f"-{str(dtype)[6:]}")
+
+
+#: The default run: every objective at SHAPES_16 in both dtypes (both designs), and once at
+#: an edge shape and once in chunks (LARGE) in one dtype, in turn, so that each edge shape
+#: meets both dtypes; ``-m slow``: every shape in both.
+CASES_16 = ([_case_16(name, shape, None, dtype, shape in SHAPES_16 or (
+                 shape == EDGES_16[i % 2] and dtype == DTYPES_16[i // 2 % 2]))
+             for i, name in enumerate(NAMES) for shape in SHAPES_16 + EDGES_16 for dtype in DTYPES_16]
+            + [_case_16(name, LARGE, 16, dtype, dtype == DTYPES_16[i % 2])
+               for i, name in enumerate(LARGE_NAMES) for dtype in DTYPES_16])
+
+
+@pytest.mark.parametrize("name,shape,chunk,dtype", CASES_16)
+def test_16bit_buffers_match_reference(name, shape, chunk, dtype, gpu_buffers):
+    _compare(name, *shape, dtype=dtype, tol=BF16, chunk=chunk, noise=POSITIVE_NOISE_16)
+    assert gpu_buffers and set(gpu_buffers) == {dtype}
 
 
 # --------------------------------------------------------------------------- GPU only
@@ -638,6 +692,44 @@ def test_gpu_layout_rules(index, dtype):
     """The covering cases at N = 1000 (chunks of 384 rows: a short last one), d = 384."""
     case = dict(_covering()[index], shape=(1000, _covering()[index]["shape"][1], 384))
     _compare_rules(case, chunk=384, dtype=dtype, device="cuda")
+
+
+#: Every covering case in bf16 and fp16, at its own small shape (chunks of 5 rows); the
+#: default run takes test_gpu_layout_rules's 16-bit ones (every case in bf16, two in fp16)
+RULES_16 = [pytest.param(i, dtype, id=f"{_rule_id(_covering()[i])}-{str(dtype)[6:]}",
+                         marks=() if (i, dtype) in GPU_RULES else pytest.mark.slow)
+            for dtype in DTYPES_16 for i in range(len(_covering()))]
+
+
+@pytest.mark.parametrize("index,dtype", RULES_16)
+def test_16bit_buffers_layout_rules(index, dtype, gpu_buffers):
+    """test_gpu_layout_rules's cases on 16-bit chunk buffers, as a GPU runs them."""
+    _compare_rules(_covering()[index], dtype=dtype)
+    assert gpu_buffers and set(gpu_buffers) == {dtype}
+
+
+MATRYOSHKA_16 = [pytest.param(extra, dtype, id=f"{name}-{str(dtype)[6:]}",
+                               marks=() if dtype == DTYPES_16[i % 2] else pytest.mark.slow)
+                  for i, (name, extra) in enumerate([
+                      ("plain", dict()), ("directions", dict(directions=("query_to_doc", "query_to_query"))),
+                      ("focal-hard", dict(focal_m=0.3, hard_negative_weight=0.5))])
+                  for dtype in DTYPES_16]
+
+
+@pytest.mark.parametrize("extra,dtype", MATRYOSHKA_16)
+def test_16bit_buffers_matryoshka(extra, dtype, gpu_buffers):
+    """Matryoshka on Triton (a kernel call per width: 24, 10, 3, with weights) on 16-bit
+    chunk buffers, against the float32 reference on the same rounded inputs."""
+    a, p, x = (t.detach() for t in inputs(17, 17, 24, dtype, POSITIVE_NOISE_16))
+    low = [t.clone().requires_grad_() for t in (a, p, x)]
+    wide = [t.detach().float().requires_grad_() for t in low]
+    kw = dict(matryoshka_dims=(24, 10, 3), matryoshka_weights=(1.0, 0.5, 2.0), **extra)
+    got, got_g = loss_and_grads(lambda: fastcl.contrastive(*low, backend="triton", chunk_size=7, **kw), low)
+    ref, ref_g = loss_and_grads(lambda: fastcl.contrastive(*wide, backend="reference", **kw), wide)
+    torch.testing.assert_close(got, ref, atol=0, rtol=BF16["rtol"])
+    for g, rg in zip(got_g, ref_g):
+        torch.testing.assert_close(g.float(), rg, atol=BF16["grad_frac"] * rg.abs().max().item(), rtol=0)
+    assert len(gpu_buffers) >= 3 and set(gpu_buffers) == {dtype}
 
 
 @pytest.mark.parametrize("guided", [False, True], ids=["mnrl", "gist"])
