@@ -725,8 +725,11 @@ def triton_tangent(u, x, inv_x, scale, out, x_hat=None, bounded=None):
 #: Offsets inside one tile of a row-major R×M buffer are int32: a 256-row tile of M columns.
 MAX_CANDIDATES = 2**31 // 256
 
-#: The similarity tile's width is fixed (the partials are laid out by column tile).
-SIM_BLOCK_M = 16 if INTERPRET else 128
+#: The similarity tile's width is fixed (the partials are laid out by column tile). The
+#: interpreter's launches are smaller (the tests' small shapes then cross several tiles);
+#: tests/test_triton.py's ``gpu_tiles`` runs the GPU's ``GPU_*`` sizes in the interpreter too.
+GPU_SIM_BLOCK_M = 128
+SIM_BLOCK_M = 16 if INTERPRET else GPU_SIM_BLOCK_M
 
 #: Autotune lists (BLOCK_R, BLOCK_D, num_warps, num_stages) with BLOCK_M = 128, by input kind
 #: and mask, chosen from ``SIM_CANDIDATES`` by ``python -m fastcl.kernels.compile_check
@@ -823,10 +826,10 @@ DESC_SIM_CONFIGS_BY_VARIANT = {
 
 SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
 DESC_FIXED = {**SIM_FIXED, "GROUP_R": 2}                  # groups shorter than the row blocks
-ROW_BLOCK = ({"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET
-             else {"BLOCK_N": 2048, "BLOCK_T": 256, "num_warps": 8})
-FINISH_BLOCK = ({"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET
-                else {"BLOCK_R": 32, "BLOCK_T": 128, "num_warps": 4})
+GPU_ROW_BLOCK = {"BLOCK_N": 2048, "BLOCK_T": 256, "num_warps": 8}
+GPU_FINISH_BLOCK = {"BLOCK_R": 32, "BLOCK_T": 128, "num_warps": 4}
+ROW_BLOCK = {"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET else GPU_ROW_BLOCK
+FINISH_BLOCK = {"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET else GPU_FINISH_BLOCK
 #: The widest ``B − lowest row maximum`` the bounded design takes (exp(−80) ≈ 1.8e-35: a
 #: float32 normal number, with room for the slope and column factors).
 BOUND_SPREAD = 80.0

@@ -586,12 +586,41 @@ def _rule_id(case):
     return "-".join([name] + [e for e in extras if e]) + "-N%dK%dd%d" % case["shape"]
 
 
+def _separated_guide(n, k):
+    """Guide embeddings (anchors', positives', the K negatives' of each row) whose every
+    cosine lies at least 0.04 from its row's threshold θ_i = γ_i − m (m = 0 or 0.1, absolute
+    or relative), with drops in every block of GIST's (the positives' at m > 0), for any n.
+    Built on orthogonal axes: a row's cluster (4) and text (rows 2t and 2t + 1 are
+    duplicates) and axes of its own. Anchor i: (cluster + text)/√2; its positive leans off it
+    by γ_i = 0.95 (even rows) or 0.8 (odd rows), along its own axis; a negative: (cluster +
+    its own axis)/√2, or its row's anchor (the same text) for every third row. Row i then
+    sees its duplicate's anchor and the same-text negatives at 1 (dropped), its duplicate's
+    positive at 0.8 (kept: θ ≥ 0.85) or 0.95 (dropped: θ ≤ 0.8) and, from its positive,
+    theirs at 0.76 (kept at θ = 0.95, 0.85 or 0.8, dropped at 0.7 or 0.72); everything else
+    at 0.5 or below."""
+    i = torch.arange(n)
+    text, width = i // 2, 4 + (n + 1) // 2
+    dim = width + n + n * k
+    anchors = torch.zeros(n, dim)
+    anchors[i, (text % 4)] = anchors[i, 4 + text] = 2 ** -0.5
+    gamma = torch.where(i % 2 == 0, 0.95, 0.8)[:, None]
+    own = torch.zeros(n, dim)
+    own[i, width + i] = 1.0
+    positives = gamma * anchors + (1 - gamma**2).sqrt() * own
+    negatives = torch.zeros(n * k, dim)
+    rows = torch.arange(n * k)                 # row r·n + i: the r-th negative of row i
+    negatives[rows, text.repeat(k) % 4] = negatives[rows, width + n + rows] = 2 ** -0.5
+    same_text = i.repeat(k) % 3 == 0
+    negatives[same_text] = anchors.repeat(k, 1)[same_text]
+    return [anchors, positives, negatives if k else None]
+
+
 def _rule_inputs(case, device=DEVICE, clustered=False):
     """Embeddings (anchors, positives, K hard negatives a row), the guide's (8 wide), text
     ids in 3 classes (many duplicates) and the keyword arguments of ``fastcl.contrastive``.
-    ``clustered``: guide rows in 4 tight clusters, so that no guide cosine lies near a
-    threshold (at N = 1000 a random guide has entries within rounding of θ, which a 16-bit
-    guide GEMM, or another summation order, may put on the other side)."""
+    ``clustered``: the guide of :func:`_separated_guide`, whose cosines all lie at least 0.04
+    from their row's threshold (at N = 1000 a random guide has entries within rounding of θ,
+    which a 16-bit guide GEMM, or another summation order, may put on the other side)."""
     from fastcl import layout
     n, k, d = case["shape"]
     g = torch.Generator().manual_seed(n * 100 + d)
@@ -604,12 +633,13 @@ def _rule_inputs(case, device=DEVICE, clustered=False):
     if case["hardness"]:
         kw.update(hardness_mode=case["hardness"], hardness_strength=0.8)
     if case["guide"]:
-        gb = (torch.nn.functional.one_hot(torch.arange(n) % 4, 8).float() if clustered
-              else torch.randn(n, 8, generator=g))
-        spread = (0.01, 0.01) if clustered else (0.3, 0.5)
-        guide = [gb + spread[0] * torch.randn(n, 8, generator=g) for _ in range(2)]
-        guide.append(torch.cat([gb + spread[1] * torch.randn(n, 8, generator=g) for _ in range(k)])
-                     if k else None)
+        if clustered:
+            guide = _separated_guide(n, k)
+        else:
+            gb = torch.randn(n, 8, generator=g)
+            guide = [gb + 0.3 * torch.randn(n, 8, generator=g) for _ in range(2)]
+            guide.append(torch.cat([gb + 0.5 * torch.randn(n, 8, generator=g) for _ in range(k)])
+                         if k else None)
         kw.update(guide=tuple(guide) + (None,), guide_margin=case["guide"][0],
                   margin_strategy=case["guide"][1])
     if case["ids"]:
@@ -624,11 +654,11 @@ def _rule_inputs(case, device=DEVICE, clustered=False):
     return leaves, kw
 
 
-def _compare_rules(case, chunk=5, dtype=torch.float32, device=DEVICE):
+def _compare_rules(case, chunk=5, dtype=torch.float32, device=DEVICE, clustered=None):
     """Triton (inputs in ``dtype``) against the float32 reference on the same rounded
     inputs: fp32 to FP32; 16-bit loss to BF16's rtol, gradients to its share of their
-    largest entry."""
-    leaves, kw = _rule_inputs(case, device, clustered=device == "cuda")
+    largest entry. ``clustered`` (see _rule_inputs): by default on a GPU's large shapes."""
+    leaves, kw = _rule_inputs(case, device, clustered=device == "cuda" if clustered is None else clustered)
     low = [x.detach().to(dtype).requires_grad_() for x in leaves]
     wide = [x.detach().float().requires_grad_() for x in low]
     ref = loss_and_grads(lambda: fastcl.contrastive(*wide, backend="reference", **kw), wide)
@@ -730,6 +760,107 @@ def test_16bit_buffers_matryoshka(extra, dtype, gpu_buffers):
     for g, rg in zip(got_g, ref_g):
         torch.testing.assert_close(g.float(), rg, atol=BF16["grad_frac"] * rg.abs().max().item(), rtol=0)
     assert len(gpu_buffers) >= 3 and set(gpu_buffers) == {dtype}
+
+
+# --------------------------------------------------------------------------- the GPU's tiles
+# The interpreter launches small tiles (16 × 16 similarity tiles of 16-wide d blocks, short
+# row and finishing blocks) so that small shapes cross several of them. These tests launch
+# the GPU's instead, in the interpreter: the 128-wide tile, each kept config's row and d
+# blocks (the descriptor design's with its group), the row and finishing kernels' GPU blocks
+# (kernels/contrastive.py's GPU_* constants). N = 130: two to five row blocks, the last one
+# short; M = 270 with the extra columns: three column tiles, the last 14 wide; d = 104: cut
+# by every d block, and 16-byte rows in bf16 and fp32 (the descriptor design takes them).
+GPU_TILE_SHAPE = (130, 140, 104)
+GPU_TILE_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _kept_tiles(design=""):
+    """Every (BLOCK_R, BLOCK_D) of the default design's kept lists, or (BLOCK_R, BLOCK_D,
+    GROUP_R) of the descriptor design's, largest first."""
+    from fastcl.kernels import contrastive as kc
+    if design:
+        lists = [*kc.DESC_SIM_CONFIGS.values(), *kc.DESC_SIM_CONFIGS_BY_VARIANT.values()]
+    else:
+        lists = [*kc.SIM_CONFIGS.values(), *kc.SIM_CONFIGS_BY_VARIANT.values(),
+                 *(kept for by in kc.SIM_CONFIGS_BY_ARCH.values() for kept in by.values())]
+    return sorted({c[:2] + c[4:] for kept in lists for c in kept}, reverse=True)
+
+
+@pytest.fixture
+def gpu_tiles(monkeypatch):
+    """``gpu_tiles(tile)``: the GPU's launch sizes with ``tile`` = (BLOCK_R, BLOCK_D[,
+    GROUP_R]) for the similarity kernel, in the interpreter (on a GPU the autotuner launches
+    them: test_gpu_every_kept_config)."""
+    from fastcl.kernels import contrastive as kc
+    if not kc.INTERPRET:
+        pytest.skip("a GPU launches its own tiles (test_gpu_every_kept_config)")
+
+    def use(tile):
+        block = {"BLOCK_R": tile[0], "BLOCK_D": tile[1]}
+        monkeypatch.setattr(kc, "SIM_BLOCK_M", kc.GPU_SIM_BLOCK_M)
+        monkeypatch.setattr(kc, "SIM_FIXED", block)
+        monkeypatch.setattr(kc, "DESC_FIXED", {**block, "GROUP_R": tile[2] if len(tile) > 2 else 1})
+        monkeypatch.setattr(kc, "ROW_BLOCK", kc.GPU_ROW_BLOCK)
+        monkeypatch.setattr(kc, "FINISH_BLOCK", kc.GPU_FINISH_BLOCK)
+    return use
+
+
+def _tile_id(tile):
+    return "x".join(map(str, tile))
+
+
+def _tile_cases(tiles, names):
+    """Every tile × dtype × objective; the default run takes each tile once, with the
+    objectives and dtypes in turn (``-m slow``: all)."""
+    return [pytest.param(tile, name, dtype, id=f"{_tile_id(tile)}-{name}-{str(dtype)[6:]}",
+                         marks=() if (name == names[i % len(names)]
+                                      and dtype == GPU_TILE_DTYPES[i % len(GPU_TILE_DTYPES)])
+                         else pytest.mark.slow)
+            for i, tile in enumerate(tiles) for dtype in GPU_TILE_DTYPES for name in names]
+
+
+def _compare_tiles(name, dtype, chunk):
+    _compare(name, *GPU_TILE_SHAPE, dtype=dtype, tol=FP32 if dtype == torch.float32 else BF16,
+             chunk=chunk, noise=POSITIVE_NOISE_16)
+
+
+@pytest.mark.parametrize("tile,name,dtype", _tile_cases(_kept_tiles(), NAMES))
+def test_gpu_tiles_match_reference(tile, name, dtype, gpu_tiles, gpu_buffers):
+    """Each kept config's tiles with the GPU's row and finishing blocks, on the GEMM dtype a
+    GPU takes (bf16: the bounded design; fp16: the two-pass design's row kernel), in chunks
+    of 128 rows (the last one 2 rows)."""
+    gpu_tiles(tile)
+    _compare_tiles(name, dtype, chunk=128)
+
+
+#: The descriptor design's objectives: those test_descriptor_design_matches_reference runs
+#: through descriptors (the DCLR mask's 6-wide complementary rows take the default path)
+DESC_NAMES = [name for name in NAMES if name not in ("dclr-weighted", "dclr-released")]
+
+
+@pytest.mark.parametrize("tile,name,dtype", _tile_cases(_kept_tiles("descriptor"), DESC_NAMES))
+def test_gpu_tiles_descriptor_design(tile, name, dtype, gpu_tiles, gpu_buffers, descriptor):
+    gpu_tiles(tile)
+    _compare_tiles(name, dtype, chunk=None)
+    assert set(descriptor) == {descriptor.design}
+
+
+def _gpu_tile_rule(case):
+    return dict(case, shape=(GPU_TILE_SHAPE[0], case["shape"][1], GPU_TILE_SHAPE[2]))
+
+
+@pytest.mark.parametrize("index", [pytest.param(i, id=_rule_id(_gpu_tile_rule(case)),
+                                                marks=() if i in (4, 8) else pytest.mark.slow)
+                                   for i, case in enumerate(_covering())])
+def test_gpu_tiles_layout_rules(index, gpu_tiles, gpu_buffers):
+    """Each covering case at N = 130 in chunks of 128 rows, with a kept config's tiles and a
+    dtype in turn, the guide's rows clustered (as on a GPU: at this N a random guide has
+    cosines within 16-bit rounding of θ). The default run: MNRL's four directions with
+    hardness and focal, and GIST's guide with focal and noise."""
+    tiles = _kept_tiles()
+    gpu_tiles(tiles[index % len(tiles)])
+    _compare_rules(_gpu_tile_rule(_covering()[index]), chunk=128,
+                   dtype=GPU_TILE_DTYPES[index % len(GPU_TILE_DTYPES)], clustered=True)
 
 
 @pytest.mark.parametrize("guided", [False, True], ids=["mnrl", "gist"])
