@@ -558,8 +558,29 @@ def test_help_documents_every_option(capsys):
 # ---------------------------------------------------------------------------------------
 # Two processes
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("auto", marks=pytest.mark.skipif(
-    torch.cuda.is_available(), reason="'auto' takes the GPU here"))])
+def test_several_cpu_processes_train_on_the_cpu(monkeypatch):
+    """Asked for, or the only device: either way the run goes to accelerate as a CPU run
+    (else it leaves each process to train alone there), so on a CPU-only machine
+    test_two_gloo_processes_train_and_save runs one of the two."""
+    from argparse import Namespace
+
+    from fastcl.trainer import build
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for world, device, cpu in ((2, "auto", True), (2, "cpu", True), (1, "cpu", True), (1, "auto", False)):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        assert build.on_cpu(Namespace(device=device)) is cpu, (world, device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not build.on_cpu(Namespace(device="auto"))
+    assert build.on_cpu(Namespace(device="cpu"))
+
+
+@pytest.mark.parametrize("device", [
+    # where a GPU is the default, asking for the CPU is another run (on a CPU-only machine
+    # the same one as 'auto': test_several_cpu_processes_train_on_the_cpu)
+    pytest.param("cpu", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                 reason="the same run as 'auto' here")),
+    pytest.param("auto", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                  reason="'auto' takes the GPU here"))])
 def test_two_gloo_processes_train_and_save(tiny, tmp_path, device):
     """DCLR, cached, on two processes: the gather, the noise broadcast and GradCache together;
     one process logs (each step once), whether the CPU is asked for or the only device."""
