@@ -296,10 +296,11 @@ def _case_16(name, shape, chunk, dtype, default):
                            + f"-{str(dtype)[6:]}")
 
 
-#: The default run: every objective at SHAPES_16 in both dtypes (both designs), and once at
-#: an edge shape and once in chunks (LARGE) in one dtype, in turn, so that each edge shape
-#: meets both dtypes; ``-m slow``: every shape in both.
-CASES_16 = ([_case_16(name, shape, None, dtype, shape in SHAPES_16 or (
+#: The default run: every objective at N = 17, K = 16 in both dtypes (both designs), and at
+#: K = 0, at an edge shape and in chunks (LARGE) in one dtype each, in turn, so that each
+#: shape meets both dtypes; ``-m slow``: every shape in both.
+CASES_16 = ([_case_16(name, shape, None, dtype, shape == SHAPES_16[0] or (
+                 shape == SHAPES_16[1] and dtype == DTYPES_16[i % 2]) or (
                  shape == EDGES_16[i % 2] and dtype == DTYPES_16[i // 2 % 2]))
              for i, name in enumerate(NAMES) for shape in SHAPES_16 + EDGES_16 for dtype in DTYPES_16]
             + [_case_16(name, LARGE, 16, dtype, dtype == DTYPES_16[i % 2])
@@ -809,11 +810,12 @@ def _tile_id(tile):
     return "x".join(map(str, tile))
 
 
-def _tile_cases(tiles, names):
-    """Every tile × dtype × objective; the default run takes each tile once, with the
-    objectives and dtypes in turn (``-m slow``: all)."""
+def _tile_cases(tiles, names, every=1):
+    """Every tile × dtype × objective; the default run takes every ``every``-th tile (and
+    the last) once, with the objectives and dtypes in turn (``-m slow``: all)."""
     return [pytest.param(tile, name, dtype, id=f"{_tile_id(tile)}-{name}-{str(dtype)[6:]}",
-                         marks=() if (name == names[i % len(names)]
+                         marks=() if ((i % every == 0 or i == len(tiles) - 1)
+                                      and name == names[i % len(names)]
                                       and dtype == GPU_TILE_DTYPES[i % len(GPU_TILE_DTYPES)])
                          else pytest.mark.slow)
             for i, tile in enumerate(tiles) for dtype in GPU_TILE_DTYPES for name in names]
@@ -838,7 +840,7 @@ def test_gpu_tiles_match_reference(tile, name, dtype, gpu_tiles, gpu_buffers):
 DESC_NAMES = [name for name in NAMES if name not in ("dclr-weighted", "dclr-released")]
 
 
-@pytest.mark.parametrize("tile,name,dtype", _tile_cases(_kept_tiles("descriptor"), DESC_NAMES))
+@pytest.mark.parametrize("tile,name,dtype", _tile_cases(_kept_tiles("descriptor"), DESC_NAMES, every=5))
 def test_gpu_tiles_descriptor_design(tile, name, dtype, gpu_tiles, gpu_buffers, descriptor):
     gpu_tiles(tile)
     _compare_tiles(name, dtype, chunk=None)
@@ -850,13 +852,13 @@ def _gpu_tile_rule(case):
 
 
 @pytest.mark.parametrize("index", [pytest.param(i, id=_rule_id(_gpu_tile_rule(case)),
-                                                marks=() if i in (4, 8) else pytest.mark.slow)
+                                                marks=() if i == 8 else pytest.mark.slow)
                                    for i, case in enumerate(_covering())])
 def test_gpu_tiles_layout_rules(index, gpu_tiles, gpu_buffers):
     """Each covering case at N = 130 in chunks of 128 rows, with a kept config's tiles and a
     dtype in turn, the guide's rows clustered (as on a GPU: at this N a random guide has
-    cosines within 16-bit rounding of θ). The default run: MNRL's four directions with
-    hardness and focal, and GIST's guide with focal and noise."""
+    cosines within 16-bit rounding of θ). The default run: GIST's four blocks with the guide,
+    focal and noise."""
     tiles = _kept_tiles()
     gpu_tiles(tiles[index % len(tiles)])
     _compare_rules(_gpu_tile_rule(_covering()[index]), chunk=128,
