@@ -134,6 +134,17 @@ def inputs(n, k, d, dtype, noise=0.7):
     return a, p, x
 
 
+def _spy_similarity(monkeypatch, record):
+    """Calls ``record(gemm_dtype, design)`` at each similarity launch."""
+    from fastcl.kernels import contrastive as kc
+    original = kc._similarity
+
+    def spy(f, dtype, device, design=""):
+        record(dtype, design)
+        return original(f, dtype, device, design)
+    monkeypatch.setattr(kc, "_similarity", spy)
+
+
 class _Taken(list):
     """The design each similarity launch took; ``design``: the one switched on."""
     design = ""
@@ -150,12 +161,7 @@ def descriptor(monkeypatch):
     monkeypatch.setenv("FASTCL_SIM", "descriptor")
     taken = _Taken()
     taken.design = "descriptor"
-    original = kc._similarity
-
-    def spy(f, dtype, device, design=""):
-        taken.append(design)
-        return original(f, dtype, device, design)
-    monkeypatch.setattr(kc, "_similarity", spy)
+    _spy_similarity(monkeypatch, lambda dtype, design: taken.append(design))
     yield taken
 
 
@@ -181,12 +187,7 @@ def gpu_buffers(monkeypatch):
         pytest.skip("a GPU keeps 16-bit buffers itself (the GPU tests)")
     monkeypatch.setattr(fastcl.tiled, "matmul_dtype", lambda dtype, device: dtype)
     seen = []
-    original_similarity = kc._similarity
-
-    def spy(f, dtype, device, design=""):
-        seen.append(dtype)
-        return original_similarity(f, dtype, device, design)
-    monkeypatch.setattr(kc, "_similarity", spy)
+    _spy_similarity(monkeypatch, lambda dtype, design: seen.append(dtype))
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter

@@ -26,6 +26,9 @@ needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 # fp32, Triton vs reference, values and gradients
 FP32 = dict(atol=1e-4, rtol=1e-4)
 
+#: The 16-bit GEMM dtypes a GPU keeps (bf16: the bounded design; fp16: the two-pass one)
+DTYPES_16 = [torch.bfloat16, torch.float16]
+
 # (N, K, d): N=1, N=17, M = N+K = 33, d=24, d=130, M ≠ N, d below one tile
 SHAPES = [(1, 0, 24), (1, 3, 130), (17, 0, 130), (17, 16, 24), (5, 28, 7)]
 NAMES = list(objectives(1, 0))
@@ -135,9 +138,9 @@ def test_descriptor_design_chunks_and_bf16(name, descriptor):
 
 @pytest.mark.parametrize("name,dtype", [
     pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}",
-                 marks=() if dtype == (torch.bfloat16, torch.float16)[i % 2] else pytest.mark.slow)
+                 marks=() if dtype == DTYPES_16[i % 2] else pytest.mark.slow)
     for i, name in enumerate(["infonce", "focal-negatives", "infonce-symmetric", "dclr"])
-    for dtype in (torch.bfloat16, torch.float16)])
+    for dtype in DTYPES_16])
 def test_descriptor_design_16bit_buffers(name, dtype, descriptor, gpu_buffers):
     """Descriptors over 16-bit tiles (rows of 48 bytes), the stored tile's rows padded to 16
     bytes, as a GPU runs them (inputs as test_16bit_buffers_match_reference's)."""
@@ -286,9 +289,6 @@ def test_triton_bf16_inputs(name):
 POSITIVE_NOISE_16 = 5.0
 SHAPES_16 = [(17, 16, 24), (17, 0, 130)]
 EDGES_16 = [(1, 3, 130), (5, 28, 7)]
-DTYPES_16 = [torch.bfloat16, torch.float16]
-
-
 def _case_16(name, shape, chunk, dtype, default):
     n, k, d = shape
     return pytest.param(name, shape, chunk, dtype, marks=() if default else pytest.mark.slow,
@@ -660,6 +660,12 @@ def _compare_rules(case, chunk=5, dtype=torch.float32, device=DEVICE, clustered=
     inputs: fp32 to FP32; 16-bit loss to BF16's rtol, gradients to its share of their
     largest entry. ``clustered`` (see _rule_inputs): by default on a GPU's large shapes."""
     leaves, kw = _rule_inputs(case, device, clustered=device == "cuda" if clustered is None else clustered)
+    _compare_contrastive(leaves, kw, dtype, chunk)
+
+
+def _compare_contrastive(leaves, kw, dtype, chunk):
+    """``fastcl.contrastive(*leaves, **kw)`` on Triton with the leaves rounded to ``dtype``
+    against the float32 reference on the same rounded values (tolerances: _compare_rules)."""
     low = [x.detach().to(dtype).requires_grad_() for x in leaves]
     wide = [x.detach().float().requires_grad_() for x in low]
     ref = loss_and_grads(lambda: fastcl.contrastive(*wide, backend="reference", **kw), wide)
@@ -755,15 +761,8 @@ MATRYOSHKA_16 = [pytest.param(extra, dtype, id=f"{name}-{str(dtype)[6:]}",
 def test_16bit_buffers_matryoshka(extra, dtype, gpu_buffers):
     """Matryoshka on Triton (a kernel call per width: 24, 10, 3, with weights) on 16-bit
     chunk buffers, against the float32 reference on the same rounded inputs."""
-    a, p, x = (t.detach() for t in inputs(17, 17, 24, dtype, POSITIVE_NOISE_16))
-    low = [t.clone().requires_grad_() for t in (a, p, x)]
-    wide = [t.detach().float().requires_grad_() for t in low]
     kw = dict(matryoshka_dims=(24, 10, 3), matryoshka_weights=(1.0, 0.5, 2.0), **extra)
-    got, got_g = loss_and_grads(lambda: fastcl.contrastive(*low, backend="triton", chunk_size=7, **kw), low)
-    ref, ref_g = loss_and_grads(lambda: fastcl.contrastive(*wide, backend="reference", **kw), wide)
-    torch.testing.assert_close(got, ref, atol=0, rtol=BF16["rtol"])
-    for g, rg in zip(got_g, ref_g):
-        torch.testing.assert_close(g.float(), rg, atol=BF16["grad_frac"] * rg.abs().max().item(), rtol=0)
+    _compare_contrastive(inputs(17, 17, 24, dtype, POSITIVE_NOISE_16), kw, dtype, chunk=7)
     assert len(gpu_buffers) >= 3 and set(gpu_buffers) == {dtype}
 
 
