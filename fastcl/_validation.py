@@ -6,6 +6,8 @@ or as a silently wrong number.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
 
 import torch
@@ -14,8 +16,9 @@ from .common import accumulate_dtype, huge_row_limit, shrink_huge_rows
 
 BACKENDS = ("auto", "reference", "tiled", "triton")
 
-# Finite checks cost one reduction per input (and a device sync on GPU); they can be
-# switched off for production runs with ``fastcl.set_input_checks(False)``.
+# Finite checks cost one reduction per input and, for a whole call (one_host_read), one read
+# of their results (a device sync on GPU); they can be switched off for production runs with
+# ``fastcl.set_input_checks(False)``.
 _CHECK_FINITE = True
 
 
@@ -23,7 +26,9 @@ def set_input_checks(enabled: bool) -> bool:
     """Turn the scan of input embeddings on or off (on by default): the NaN/Inf test, and the
     rescaling of rows too large to square (max-abs above
     :func:`fastcl.common.huge_row_limit`, ≈ 3e17 in float32 at d = 768; without the scan such
-    rows give NaN). Returns the previous setting, to put it back::
+    rows give NaN). The scan reads its results back once a call, for all inputs together (a
+    device sync on GPU; :func:`one_host_read`); off, a call reads nothing back. Returns the
+    previous setting, to put it back::
 
         previous = fastcl.set_input_checks(False)
         try:
@@ -76,13 +81,106 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
     # tested first, as torch.compile before torch 2.6 specializes on the size x.numel() reads)
     if _CHECK_FINITE and not torch.compiler.is_compiling() and x.numel() and not x.is_meta:
         amax = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=1)  # NaN propagates
-        bad, huge = torch.stack([~torch.isfinite(amax).all(),
-                                 (amax > huge_row_limit(x.dtype, x.shape[1])).any()]).tolist()
+        flags = torch.stack([~torch.isfinite(amax).all(),
+                             (amax > huge_row_limit(x.dtype, x.shape[1])).any()])
+        scan = _SCAN.get()
+        if scan is not None and scan is not _EAGER:
+            scan.queue(name, flags)         # read with the call's other inputs (one_host_read)
+            return x
+        bad, huge = flags.tolist()
         if bad:
             raise ValueError(f"{name} contains NaN or Inf values")
         if huge and scale_free:
             x = shrink_huge_rows(x, amax)
     return x
+
+
+class _Scan:
+    """The NaN/Inf and huge-row tests of one call's inputs, queued by :func:`embeddings` (a
+    pair of device booleans each) and read back together by :meth:`read`."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.flags: list[torch.Tensor] = []
+        self.huge = False                   # a read found rows too large to square
+
+    def queue(self, name: str, flags: torch.Tensor) -> None:
+        self.names.append(name)
+        self.flags.append(flags)
+
+    def read(self) -> None:
+        """One host read of every queued test (the checks have put the inputs on one
+        device): raises the NaN/Inf error of the first input, in the order checked, that has
+        one."""
+        names, flags = self.names, torch.stack(self.flags).tolist()
+        self.names, self.flags = [], []
+        for name, (bad, huge) in zip(names, flags):
+            if bad:
+                raise ValueError(f"{name} contains NaN or Inf values")
+            self.huge |= huge
+
+
+#: The scan of the call in progress (:func:`one_host_read`); ``_EAGER`` while a call reads
+#: each input as it is checked.
+_SCAN: contextvars.ContextVar[_Scan | None] = contextvars.ContextVar("fastcl_scan", default=None)
+_EAGER = _Scan()
+
+
+class _HugeRows(Exception):
+    """Raised by :func:`read_inputs` for :func:`one_host_read`: an input has rows too large
+    to square, and the call is to run again reading each input as it is checked."""
+
+
+def one_host_read(fn):
+    """Decorator of a public entry point: the NaN/Inf tests of every input that
+    :func:`embeddings` checks within the call (nested entry points included) are queued and
+    read back with **one** host read (a device sync on GPU), at :func:`read_inputs`, which the
+    entry point calls once its arguments are checked and before any work. A NaN/Inf input
+    raises there, naming the argument. An input with rows too large to square (max-abs
+    ≳ 3e17 in float32, see :func:`fastcl.common.huge_row_limit`; never in training) makes
+    the call start again with one read per input, which rescales those rows: nothing has
+    been computed or drawn at random before the read, so the result is the same."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not _CHECK_FINITE or torch.compiler.is_compiling() or _SCAN.get() is not None:
+            return fn(*args, **kwargs)
+        token = _SCAN.set(_Scan())
+        try:
+            out = fn(*args, **kwargs)
+            read_inputs()                   # a no-op where the entry point has read them
+            return out
+        except _HugeRows:
+            pass
+        finally:
+            _SCAN.reset(token)
+        token = _SCAN.set(_EAGER)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _SCAN.reset(token)
+    return call
+
+
+def read_inputs() -> None:
+    """Read the tests queued so far in this call (:func:`one_host_read`): raises the first
+    NaN/Inf input's error; outside a scan, or with nothing queued, it reads nothing."""
+    if torch.compiler.is_compiling():       # (no scan while tracing; nor can it read a ContextVar)
+        return
+    scan = _SCAN.get()
+    if scan is None or scan is _EAGER or not scan.flags:
+        return
+    scan.read()
+    if scan.huge:
+        raise _HugeRows()
+
+
+def inputs_read() -> bool:
+    """Whether this call's inputs passed :func:`one_host_read`'s scan (no NaN/Inf, no rows
+    too large to square): True only inside such a call, after :func:`read_inputs`."""
+    if torch.compiler.is_compiling():
+        return False
+    scan = _SCAN.get()
+    return scan is not None and scan is not _EAGER and not scan.flags
 
 
 def generator(value, device) -> torch.Generator | None:

@@ -115,6 +115,11 @@ def row_cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 # --- DCLR's noise negatives -------------------------------------------------------------
 
+#: Above every value a normal draw of torch's generators gives: they transform uniform
+#: draws by Box–Muller, whose largest output is √(−2 ln u_min) < 9 (u_min = 2⁻⁵³).
+NORMAL_MAX = 16.0
+
+
 def draw_noise(num: int, dim: int, *, std: float = 1.0, generator: torch.Generator | None = None,
                device=None) -> torch.Tensor:
     """DCLR's initial noise negatives: ``Z ∈ R^{num×dim}``, entries ``N(0, std²)``, drawn in float32."""

@@ -94,6 +94,7 @@ def _negatives(negatives, anchors):
                              allow_empty=True, scale_free=True)
 
 
+@check.one_host_read
 def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None, *,
                 temperature: float = common.TEMPERATURE, focal_m: float | None = None,
                 hard_negative_weight: float = 0.0,
@@ -295,6 +296,7 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         anchors, num, noise_steps, noise_lr, noise_std, noise_temperature, noise)
     generator = check.generator(generator, anchors.device)
     chunk_size = check.chunk_size(chunk_size)
+    check.read_inputs()
     return _contrastive(anchors, positives, negatives, temperature=temperature, focal_m=focal_m,
                         hard_negative_weight=hard_negative_weight, complementary=complementary,
                         phi=phi, noise=noise, noise_ratio=noise_ratio, noise_steps=steps,
@@ -667,6 +669,7 @@ def _noise_ratio(value):
     return value
 
 
+@check.one_host_read
 def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None, *,
             temperature: float = common.TEMPERATURE, hard_negative_weight: float = 0.0,
             symmetric: bool = False, anchor_offset: int | None = None, backend: Backend = "auto",
@@ -705,12 +708,14 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
     _check_hard_negatives(hard_negative_weight, negatives, positives.shape[0])
     symmetric = _check_symmetric(symmetric, anchors.shape[0], positives.shape[0])
     chunk_size = check.chunk_size(chunk_size)
+    check.read_inputs()
     return _contrastive(anchors, positives, negatives, temperature=temperature,
                         hard_negative_weight=hard_negative_weight, symmetric=symmetric,
                         anchor_offset=anchor_offset, backend=resolve_backend(backend, anchors),
                         chunk_size=chunk_size)
 
 
+@check.one_host_read
 def focal_infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None, *,
                   temperature: float = common.TEMPERATURE, m: float = common.FOCAL_M,
                   anchor_offset: int | None = None, backend: Backend = "auto",
@@ -734,6 +739,7 @@ def focal_infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None =
     m = check.finite("m", m)
     temperature = check.temperature(temperature, anchors.dtype, focal_m=m)
     chunk_size = check.chunk_size(chunk_size)
+    check.read_inputs()
     return _contrastive(anchors, positives, negatives, temperature=temperature, focal_m=m,
                         anchor_offset=anchor_offset, backend=resolve_backend(backend, anchors),
                         chunk_size=chunk_size)
@@ -769,15 +775,22 @@ def _dclr_noise_on(anchors, positives, num, steps, lr, std, temperature, noise, 
         return reference.dclr_noise(anchors, positives, num, steps=steps, lr=lr, std=std,
                                     temperature=temperature, noise=noise, generator=generator,
                                     formulation=formulation, anchor_offset=anchor_offset)
+    # whether Z can have rows too large to square, where that is known without reading Z:
+    # drawn, its entries are std·N(0, 1), and no normal draw of torch's reaches NORMAL_MAX;
+    # given, this call's scan of its inputs has cleared it
     if noise is None:
         noise = common.draw_noise(num, anchors.shape[1], std=std, generator=generator,
                                      device=anchors.device)
+        huge = None if std * common.NORMAL_MAX > common.huge_row_limit(noise.dtype, noise.shape[1]) else False
+    else:
+        huge = False if check.inputs_read() else None
     return tiled.noise_update(anchors, noise, steps=steps, lr=lr, temperature=temperature,
                               chunk_size=chunk_size, engine=_engine(be),
                               positives=positives if formulation == "released" else None,
-                              anchor_offset=anchor_offset)
+                              anchor_offset=anchor_offset, huge_rows=huge)
 
 
+@check.one_host_read
 def dclr_noise(anchors: Tensor, positives: Tensor, num: int | None, *,
                steps: int = common.NOISE_STEPS, lr: float = common.NOISE_LR,
                std: float = common.NOISE_STD, temperature: float = common.TEMPERATURE,
@@ -809,6 +822,7 @@ def dclr_noise(anchors: Tensor, positives: Tensor, num: int | None, *,
     generator = check.generator(generator, anchors.device)
     formulation = check.choice("formulation", formulation, ("paper", "released"))
     chunk_size = check.chunk_size(chunk_size)
+    check.read_inputs()
     return _dclr_noise(anchors, positives, num, steps, lr, std, temperature, noise, generator,
                        resolve_backend(backend, anchors), chunk_size, formulation)
 
@@ -869,6 +883,7 @@ def dclr_loss(anchors: Tensor, positives: Tensor, *,
                        backend=backend, chunk_size=chunk_size)
 
 
+@check.one_host_read
 def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
               temperature: float = common.TEMPERATURE, weight: float = common.ESCL_WEIGHT,
               rd: Literal["softplus", "margin"] = common.ESCL_RD,
@@ -904,6 +919,7 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
     margins = (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
     chunk_size = check.chunk_size(chunk_size)
     be = resolve_backend(backend, anchors)
+    check.read_inputs()
     with common.autocast_off(anchors.device):
         return _escl(anchors, positives, sensitive, temperature, weight, rd, margins,
                      anchor_offset, be, chunk_size, duplicate_ids)

@@ -14,18 +14,21 @@ from .common import EPS, autocast_off, wide
 _UNIFORMITY_BLOCK = 2**22
 
 
+@check.one_host_read
 def alignment(x: torch.Tensor, y: torch.Tensor, alpha: float = 2) -> torch.Tensor:
     r"""``ℓ_align = mean_i ‖x̂_i − ŷ_i‖^α`` over positive pairs (rows of x and y). Lower is better."""
     x = check.embeddings("x", x, scale_free=True)
     y = check.embeddings("y", y, rows=x.shape[0], width=x.shape[1], like=x, like_name="x",
                          scale_free=True)
     alpha = check.positive("alpha", alpha)
+    check.read_inputs()
     with autocast_off(x.device):
         x, y = wide(x), wide(y)    # 16-bit norms overflow (fp16) or lose the small differences
         diff = F.normalize(x, dim=-1, eps=EPS) - F.normalize(y, dim=-1, eps=EPS)
         return diff.norm(dim=1).pow(alpha).mean()
 
 
+@check.one_host_read
 def uniformity(x: torch.Tensor, t: float = 2) -> torch.Tensor:
     r"""``ℓ_uniform = log mean_{i<j} exp(−t ‖x̂_i − x̂_j‖²)`` over all distinct pairs. Lower is better.
 
@@ -38,6 +41,7 @@ def uniformity(x: torch.Tensor, t: float = 2) -> torch.Tensor:
     n = x.shape[0]
     if n < 2:
         raise ValueError(f"uniformity needs at least 2 rows in x, got {n}")
+    check.read_inputs()
     with autocast_off(x.device):
         u = F.normalize(wide(x), dim=-1, eps=EPS)
         sq_norm = (u * u).sum(dim=1)

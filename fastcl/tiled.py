@@ -468,11 +468,14 @@ def _norms(x: torch.Tensor, acc: torch.dtype):
 
 
 def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_chunk,
-                        gemm_dtype: torch.dtype | None = None):
+                        gemm_dtype: torch.dtype | None = None,
+                        anchor_norms: torch.Tensor | None = None):
     """The chunked driver shared by every engine. Returns
     ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with ``None`` where ``need`` says no
     gradient is wanted. ``gemm_dtype`` overrides the dtype the chunk GEMMs read
-    (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's 16-bit buffers."""
+    (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's 16-bit buffers.
+    ``anchor_norms``: the anchors' row norms (:func:`_norms`), where a caller that passes the
+    same anchors again (DCLR's noise steps) has them."""
     if ep.matryoshka is not None:
         return matryoshka_forward(ep, anchors, candidates, need, gemm_dtype)
     n_rows, d = anchors.shape
@@ -488,7 +491,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     # One (M×d) candidate matrix; a copy only when there are several blocks or a dtype change.
     # Made contiguous once here, at the boundary: the engines assume unit stride along d.
     keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype).contiguous()
-    norm_k, norm_q = _norms(keys, acc), _norms(anchors, acc)
+    norm_k = _norms(keys, acc)
+    norm_q = _norms(anchors, acc) if anchor_norms is None else anchor_norms
     inv_k, inv_q = 1.0 / norm_k, 1.0 / norm_q
     # H's column factor γ·c·inv_k_j ≤ γ (c = the smallest norm of a row that was not clamped)
     # keeps H in a 16-bit range whatever the norms (no host sync: c stays on the device); γ
@@ -948,9 +952,11 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
     ``ids`` (columns, rows, or none). ``scan``: test the inputs for NaN/Inf here (the traced
     caller could not read them)."""
     need = _bits(need, 1 + len(candidates))
-    if scan:
-        for name, x in (("anchors", anchors), *((f"candidates[{i}]", c) for i, c in enumerate(candidates))):
-            if not bool(torch.isfinite(x).all()):
+    if scan:                                # one host read for every input
+        inputs = [("anchors", anchors), *((f"candidates[{i}]", c) for i, c in enumerate(candidates))]
+        finite = torch.stack([torch.isfinite(x).all() for _, x in inputs]).tolist()
+        for (name, _), ok in zip(inputs, finite):
+            if not ok:
                 raise ValueError(f"fastcl.tiled_contrastive: {name} contains NaN or Inf values")
     mode, _, beta = hardness.partition(":")
     ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
@@ -1058,7 +1064,7 @@ def _as_op(ep: Epilogue, engine, anchors, candidates):
 
 @torch.no_grad()
 def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, engine=torch_chunk,
-                 positives=None, anchor_offset=0):
+                 positives=None, anchor_offset=0, huge_rows=None):
     """DCLR's normalized gradient ascent on the noise, chunked, without an autograd graph.
 
     Paper (``positives=None``): ``L_U``'s positive term does not depend on Z, so ``∂L_U/∂Z``
@@ -1076,7 +1082,12 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
     residual along z_j: at d = 1 every cosine is ±1 whatever z, g is exactly 0, and that
     residual would otherwise become a full step. Rows of Z too large to square are rescaled
     for the driver (:func:`fastcl.common.shrink_huge_rows`; the direction of g_j does not
-    depend on z_j's length); the step is taken on Z itself.
+    depend on z_j's length); the step is taken on Z itself. ``huge_rows``: whether Z has such
+    rows, if the caller knows; None: the input checks decide (one host read when they are
+    on, none when off).
+
+    The anchors' norms are taken once for the ``steps`` passes (each pass of the driver
+    would take them again).
     """
     from .common import (autocast_off, huge_row_limit, project_out_radial, safe_direction,
                          shrink_huge_rows)
@@ -1090,17 +1101,20 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
     # the scan of inputs decides, as for the embeddings (one host read; none when the input
     # checks are off, which leave rows too large to square as they are)
     from . import _validation
-    huge = False
-    if _validation._CHECK_FINITE and not z.is_meta:
+    huge = bool(huge_rows)
+    if huge_rows is None and _validation._CHECK_FINITE and not z.is_meta:
         amax = torch.linalg.vector_norm(z, ord=float("inf"), dim=1)
         huge = bool((amax > huge_row_limit(z.dtype, z.shape[1])).any())
+    anchors = anchors.detach()
     with autocast_off(anchors.device):
+        anchor_norms = _norms(anchors, accumulate_dtype(anchors.dtype))
         for _ in range(steps):
             z_in = z.to(anchors.dtype)
             if huge:
                 z_in = shrink_huge_rows(z_in)
-            _, grads = contrastive_forward(ep, anchors.detach(), (*fixed, z_in),
-                                           need=(False,) * (1 + len(fixed)) + (True,), engine=engine)
+            _, grads = contrastive_forward(ep, anchors, (*fixed, z_in),
+                                           need=(False,) * (1 + len(fixed)) + (True,), engine=engine,
+                                           anchor_norms=anchor_norms)
             direction, zero = safe_direction(project_out_radial(grads[-1].to(z.dtype), z_in))
             z.add_(direction, alpha=lr)         # a zero row's direction is 0: it stays put
             if released:

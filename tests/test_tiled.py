@@ -199,3 +199,23 @@ def test_fp16_buffer_with_a_zero_row(where):
             # row by row: a zero row's gradient (u/EPS, ~1e11) would hide the others in one norm
             rel = (got.double() - ref.grad).norm(dim=1) / ref.grad.norm(dim=1)
             assert rel.max() < 1e-2, (where, need, rel)
+
+
+@pytest.mark.parametrize("positives", [False, True], ids=["paper", "released"])
+def test_noise_update_takes_the_anchor_norms_once(positives, monkeypatch):
+    """The anchors are the same at every step of DCLR's noise update: their norms are taken
+    once a call, the candidates' (the moving noise) once a step."""
+    a, p = make(20, 8, grad=False), correlated(make(20, 8, grad=False))
+    z = make(12, 8, seed=3, grad=False)
+    seen = []
+    norms = tiled._norms
+    monkeypatch.setattr(tiled, "_norms", lambda x, acc: seen.append(x.shape[0]) or norms(x, acc))
+    steps = 3
+    got = tiled.noise_update(a, z, steps=steps, lr=1e-3, temperature=0.05, chunk_size=8,
+                             positives=p if positives else None)
+    keys = 12 + (20 if positives else 0)
+    assert seen == [20] + [keys] * steps
+    monkeypatch.setattr(tiled, "_norms", norms)
+    want = fastcl.dclr_noise(a, p, None, noise=z, steps=steps, lr=1e-3, backend="reference",
+                             formulation="released" if positives else "paper")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
