@@ -377,7 +377,10 @@ def _contrastive_on(anchors, positives, negatives, *, temperature, focal_m, hard
                   complementary=complementary, formulation=formulation, chunk_size=chunk_size,
                   anchor_offset=anchor_offset)
     if rules:
-        rows, blocks, ep = _with_rules(fields, anchors, positives, negatives, blocks, rules)
+        # the Triton kernels read the guide in the GEMM dtype: cast once here, not per chunk
+        guide_dtype = tiled.matmul_dtype(anchors.dtype, anchors.device) if backend == "triton" else None
+        rows, blocks, ep = _with_rules(fields, anchors, positives, negatives, blocks, rules,
+                                       guide_dtype)
         return tiled.contrastive_loss(ep, rows, *blocks, engine=engine)
     loss = tiled.contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
     if symmetric:
@@ -602,11 +605,12 @@ def _backend_for_rules(backend, anchors, rules, *, hard_negative_weight=0.0,
     return "tiled"
 
 
-def _with_rules(fields, anchors, positives, negatives, blocks, rules):
+def _with_rules(fields, anchors, positives, negatives, blocks, rules, guide_dtype=None):
     """The tiled driver's inputs for a call with ``rules`` (:func:`_rules`): the rows
     (``[anchors; own positives]`` with a positive side), the candidate blocks with the
     anchors block last, and the epilogue of ``fields`` (an :class:`~fastcl.tiled.Epilogue`'s
-    keyword arguments) with the column blocks, the guide's unit rows and thresholds, the
+    keyword arguments) with the column blocks, the guide's unit rows (in ``guide_dtype``,
+    default the accumulate dtype) and thresholds (always in the accumulate dtype), the
     ids. (Epilogues are built whole, never ``dataclasses.replace``d: torch.compile before
     torch 2.6 breaks the graph there.)"""
     lay, anchor_candidates, guide, duplicate_ids = (
@@ -634,6 +638,8 @@ def _with_rules(fields, anchors, positives, negatives, blocks, rules):
         parts.append(u_anchors.new_zeros(n_noise, u_anchors.shape[1]))   # never filtered
         parts += [unit(g_cands)] if n_a > 0 else []
         g_cols = torch.cat(parts)
+        if guide_dtype is not None:
+            g_rows, g_cols = g_rows.to(guide_dtype), g_cols.to(guide_dtype)
     if duplicate_ids is not None:
         pos_ids, neg_ids, anchor_ids = duplicate_ids
         parts = [pos_ids] + ([neg_ids] if n_neg > 0 else [])

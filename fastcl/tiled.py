@@ -65,6 +65,7 @@ class Epilogue:
     hardness: tuple[str, float] | None = None        # MNRL's (hardness_mode, hardness_strength)
     guide: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     #      (guide unit rows of the 2N (or N) anchor rows, of the M columns, θ (N,)), float32+
+    #      (for the Triton engine the unit rows in the GEMM dtype, cast once a call)
     ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (column text ids (M,), row keys (N,))
     # Matryoshka: ((d_1 < … < d_K), (w_1, …, w_K)), the loss Σ_k w_k·L(x[:, :d_k]) in one pass
     matryoshka: tuple[tuple[int, ...], tuple[float, ...]] | None = None

@@ -749,6 +749,19 @@ def test_16bit_buffers_layout_rules(index, dtype, gpu_buffers):
     assert gpu_buffers and set(gpu_buffers) == {dtype}
 
 
+def test_guide_cast_once_a_call(gpu_buffers, monkeypatch):
+    """The guide's unit rows reach every chunk's kernels in the GEMM dtype, one tensor for
+    the whole call (cast once, not per chunk)."""
+    from fastcl.kernels import contrastive as kc
+    taken = []
+    rules = kc._rules
+    monkeypatch.setattr(kc, "_rules", lambda ep, c: taken.append(ep.guide[:2]) or rules(ep, c))
+    _compare_rules(_covering()[8], chunk=5, dtype=torch.bfloat16)
+    assert len(taken) >= 4                     # N = 19 in chunks of 5
+    assert all(t.dtype == torch.bfloat16 for pair in taken for t in pair)
+    assert len({(pair[0].data_ptr(), pair[1].data_ptr()) for pair in taken}) == 1
+
+
 MATRYOSHKA_16 = [pytest.param(extra, dtype, id=f"{name}-{str(dtype)[6:]}",
                                marks=() if dtype == DTYPES_16[i % 2] else pytest.mark.slow)
                   for i, (name, extra) in enumerate([
