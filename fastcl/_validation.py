@@ -80,41 +80,61 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
     # (under torch.compile the values cannot be read while tracing: the fused op tests them;
     # tested first, as torch.compile before torch 2.6 specializes on the size x.numel() reads)
     if _CHECK_FINITE and not torch.compiler.is_compiling() and x.numel() and not x.is_meta:
-        amax = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=1)  # NaN propagates
-        flags = torch.stack([~torch.isfinite(amax).all(),
-                             (amax > huge_row_limit(x.dtype, x.shape[1])).any()])
+        top, limit = _largest(x)
         scan = _SCAN.get()
         if scan is not None and scan is not _EAGER:
-            scan.queue(name, flags)         # read with the call's other inputs (one_host_read)
+            scan.queue(name, top, limit)    # read with the call's other inputs (one_host_read)
             return x
-        bad, huge = flags.tolist()
+        bad, huge = _verdict(top.item(), limit)
         if bad:
             raise ValueError(f"{name} contains NaN or Inf values")
         if huge and scale_free:
-            x = shrink_huge_rows(x, amax)
+            x = shrink_huge_rows(x)
     return x
 
 
+def _largest(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``x``'s largest |entry| as a float32 scalar on its device (one reduction; NaN if an
+    entry is NaN, which the max propagates), and the value above which some row is too
+    large to square (:func:`fastcl.common.huge_row_limit`). float64's range exceeds
+    float32's: there both are log₂."""
+    top = torch.linalg.vector_norm(x.detach(), ord=float("inf"))
+    limit = huge_row_limit(x.dtype, x.shape[1])
+    if x.dtype == torch.float64:
+        return torch.log2(top).float(), math.log2(limit)
+    return top.float(), limit
+
+
+def _verdict(top: float, limit: float) -> tuple[bool, bool]:
+    """``(NaN or Inf, rows too large to square)`` of what :func:`_largest` gave."""
+    return not top < math.inf, top > limit
+
+
 class _Scan:
-    """The NaN/Inf and huge-row tests of one call's inputs, queued by :func:`embeddings` (a
-    pair of device booleans each) and read back together by :meth:`read`."""
+    """The NaN/Inf and huge-row tests of one call's inputs, queued by :func:`embeddings`
+    (each input's largest |entry| on its device, :func:`_largest`) and read back together by
+    :meth:`read`."""
 
     def __init__(self):
         self.names: list[str] = []
-        self.flags: list[torch.Tensor] = []
+        self.tops: list[torch.Tensor] = []
+        self.limits: list[float] = []
         self.huge = False                   # a read found rows too large to square
 
-    def queue(self, name: str, flags: torch.Tensor) -> None:
+    def queue(self, name: str, top: torch.Tensor, limit: float) -> None:
         self.names.append(name)
-        self.flags.append(flags)
+        self.tops.append(top)
+        self.limits.append(limit)
 
     def read(self) -> None:
         """One host read of every queued test (the checks have put the inputs on one
         device): raises the NaN/Inf error of the first input, in the order checked, that has
         one."""
-        names, flags = self.names, torch.stack(self.flags).tolist()
-        self.names, self.flags = [], []
-        for name, (bad, huge) in zip(names, flags):
+        tops = torch.stack(self.tops).tolist()
+        names, limits = self.names, self.limits
+        self.names, self.tops, self.limits = [], [], []
+        for name, top, limit in zip(names, tops, limits):
+            bad, huge = _verdict(top, limit)
             if bad:
                 raise ValueError(f"{name} contains NaN or Inf values")
             self.huge |= huge
@@ -167,7 +187,7 @@ def read_inputs() -> None:
     if torch.compiler.is_compiling():       # (no scan while tracing; nor can it read a ContextVar)
         return
     scan = _SCAN.get()
-    if scan is None or scan is _EAGER or not scan.flags:
+    if scan is None or scan is _EAGER or not scan.tops:
         return
     scan.read()
     if scan.huge:
@@ -180,7 +200,7 @@ def inputs_read() -> bool:
     if torch.compiler.is_compiling():
         return False
     scan = _SCAN.get()
-    return scan is not None and scan is not _EAGER and not scan.flags
+    return scan is not None and scan is not _EAGER and not scan.tops
 
 
 def generator(value, device) -> torch.Generator | None:

@@ -454,8 +454,7 @@ def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
 
 def _smallest_unclamped(norm: torch.Tensor) -> torch.Tensor:
     """The smallest norm above EPS (a 0-dim tensor, no host sync); 1 if every row was clamped."""
-    smallest = torch.where(norm > EPS, norm, torch.inf).amin()
-    return torch.where(torch.isfinite(smallest), smallest, torch.ones_like(smallest))
+    return torch.where(norm > EPS, norm, torch.inf).amin().nan_to_num(posinf=1.0)
 
 
 def _unit(x: torch.Tensor, inv_norm: torch.Tensor) -> torch.Tensor:
@@ -494,17 +493,19 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype).contiguous()
     norm_k = _norms(keys, acc)
     norm_q = _norms(anchors, acc) if anchor_norms is None else anchor_norms
-    inv_k, inv_q = 1.0 / norm_k, 1.0 / norm_q
+    inv_k, inv_q = norm_k.reciprocal(), norm_q.reciprocal()
     # H's column factor γ·c·inv_k_j ≤ γ (c = the smallest norm of a row that was not clamped)
     # keeps H in a 16-bit range whatever the norms (no host sync: c stays on the device); γ
     # lifts fp16 entries off its subnormals. A zero row's c/EPS would overflow float16 (and a
     # c of EPS would flush every other column): there its factor is capped at γ and its dk
     # row gets the excess back; its terms in dq are 0 either way.
     c_min, gain = _smallest_unclamped(norm_k), _fp16_gain(ep, dtype)
-    h_scale = c_min * gain
+    h_scale = c_min * gain if gain != 1.0 else c_min
     ratio = inv_k * c_min
     excess = ratio.clamp_min(1.0) if dtype == torch.float16 else None
-    ginv_k = (ratio.clamp_max(1.0) if excess is not None else ratio) * gain
+    ginv_k = ratio.clamp_max(1.0) if excess is not None else ratio
+    if gain != 1.0:
+        ginv_k = ginv_k * gain
     dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
     # dq rows are final once their chunk is done: stored in the input dtype straight away
     # fp16 keeps them in the accumulate dtype until backward has applied the incoming scale:
@@ -546,7 +547,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     grads = [dq]
     if need_k:
         out_dtype = acc if in_dtype == torch.float16 else in_dtype
-        col_scale = 1.0 / (denom * h_scale)
+        col_scale = (denom * h_scale).reciprocal()
         if excess is not None:
             col_scale = col_scale * excess          # one entry per candidate row
         col_scale = col_scale.reshape(-1).to(acc)
