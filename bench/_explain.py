@@ -44,9 +44,12 @@ The two-pass design (``two_pass=True``: fp16 buffers, τ < 0.025, the released D
 instead of the row finish a row kernel (one program per row): it reads the partials R·T·8
 and e R·M·b and writes the gradient H in place R·M·b and the row loss R·4; its tangent
 kernel reads R·d·(4 + b) and writes 2·R·d·b.
-Per call: norms of Q and K (2 launches, read N·d·b + M·d·b), dk zero (write M·d·4), 3
-launches of row weights and scales, the tangent on dk in one launch that writes the input
-dtype (read M·d·(4+b), write M·d·b), the input NaN check (2 launches, read N·d·b + M·d·b).
+Per call (``per_call_stages``: each launch the code makes, which tests/test_explain.py
+counts in Triton's interpreter): the input scan (each input's largest |entry|, in float32,
+all read back at once: read N·d·b + M·d·b), norms of Q and K (read N·d·b + M·d·b), dk zero
+(write M·d·4), the row and column factors and the loss (small vectors), the tangent on dk
+in one launch that writes the input dtype (read M·d·(4+b), write M·d·b), and backward's
+scaling of dq and dk by the incoming gradient (read and write N·d·b + M·d·b).
 """
 from __future__ import annotations
 
@@ -157,14 +160,30 @@ def chunk_stages(r, m, d, b, two_pass=False):
     ]
 
 
-def per_call_stages(n, m, d, b):
-    """Stages run once per call: one tangent launch writes the input dtype."""
+def per_call_stages(n, m, d, dtype):
+    """Stages run once per call, with the launches the driver makes (fastcl/tiled.py's
+    ``contrastive_forward`` and backward, fastcl/_validation.py's scan)."""
+    b = DTYPE_BYTES[dtype]
+    half = b == 2
+    fp16 = dtype == "float16"
+    # the scan: a reduction an input (+ its cast to float32 from 16 bits), one stack
+    scan = 2 + 2 * half + 1
+    # 1/‖q‖, 1/‖k‖; the smallest unclamped norm (4); the column ratio; the row weights (2);
+    # float16 also caps the ratio, keeps the excess and lifts both by its gain (4)
+    factors = 2 + 4 + 1 + 2 + 4 * fp16
+    # the loss (sum in float64, mean, cast); the column scale (2; × the excess in float16)
+    loss_and_scale = 3 + 2 + fp16
+    # dq and dk times the incoming gradient (16 bits: its cast, or float16's cast back)
+    backward = 2 + 2 * half
     return [
-        _stage("norms", "norms of Q and K", 2, 0, n * d * b + m * d * b, (n + m) * 4),
+        _stage("nan_check", "input NaN/Inf scan", scan, 0, n * d * b + m * d * b, 8),
+        _stage("norms", "norms of Q and K", 4, 0, n * d * b + m * d * b, (n + m) * 4),
         _stage("dk_zero", "dk zero", 1, 0, 0, m * d * 4),
-        _stage("weights", "row weights, scales", 3, 0, 2 * (n + m) * 4, (n + m) * 4),
+        _stage("weights", "row, column factors; loss", factors + loss_and_scale, 0,
+               2 * (n + m) * 4, (n + m) * 4),
         _stage("tan_dk", "tangent on dk", 1, 0, m * d * (4 + b), m * d * b),
-        _stage("nan_check", "input NaN check", 2, 0, n * d * b + m * d * b, 8),
+        _stage("backward", "backward: dq, dk × ∂loss", backward, 0,
+               n * d * b + m * d * b, n * d * b + m * d * b),
     ]
 
 
@@ -216,7 +235,7 @@ def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib
     useful = 6 * n * m * d
 
     r = chunk_rows(n, m, b, dev["memory_gib"], memory_budget_mib)
-    once = _timed(per_call_stages(n, m, d, b), dev, eff)
+    once = _timed(per_call_stages(n, m, d, dtype), dev, eff)
     c = math.ceil(n / r)
     last = n - (c - 1) * r                      # rows of the last (maybe short) chunk
     full = _timed(chunk_stages(r, m, d, b, two_pass), dev, eff)

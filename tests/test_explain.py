@@ -108,3 +108,70 @@ def test_calibrated_line_uses_the_measured_efficiencies():
     # given efficiencies replace the calibrated line (they are the user's own)
     assert "calibrated" not in _explain.explain_text(N, device="h200", sim_efficiency=0.6)
     assert _explain.main(["4096", "--sim-efficiency", "0.5", "--gemm-efficiency", "0.9"]) == 0
+
+
+# Ops that launch nothing on a GPU: views, metadata and allocations without a fill.
+_NO_LAUNCH = {"view", "_unsafe_view", "slice", "select", "permute", "t", "transpose", "expand",
+              "unsqueeze", "squeeze", "alias", "as_strided", "detach", "split_with_sizes",
+              "empty", "empty_like", "new_empty", "empty_strided", "scalar_tensor", "lift_fresh"}
+
+
+def _launches(chunk, dtype, n=64, d=32):
+    """The launches of ``fastcl.infonce`` forward + backward on the Triton backend in the
+    interpreter: the torch ops that compute and the Triton kernels (the interpreter's own
+    tensor traffic inside a kernel is not counted). Autograd's seed of ∂loss is not fastcl's."""
+    import torch
+    import triton.runtime.interpreter as interpreter
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    import fastcl
+    from conftest import correlated, make
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _NO_LAUNCH:
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    launch = interpreter.GridExecutor.__call__
+
+    def kernel(self, *args, **kwargs):
+        seen.append("triton")
+        with _disable_current_modes():
+            return launch(self, *args, **kwargs)
+    a, p = make(n, d, dtype=dtype), correlated(make(n, d, dtype=dtype))
+    fastcl.infonce(a, p, backend="triton", chunk_size=chunk).backward()     # (probes, caches)
+    a.grad = p.grad = None                  # (else backward adds into them: not fastcl's)
+    interpreter.GridExecutor.__call__ = kernel
+    try:
+        with Ops():
+            loss = fastcl.infonce(a, p, backend="triton", chunk_size=chunk)
+        grad = torch.ones_like(loss)
+        with Ops():
+            loss.backward(grad)
+    finally:
+        interpreter.GridExecutor.__call__ = launch
+    return len(seen)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_model_counts_the_launches_the_code_makes(dtype, request):
+    """The model's launches, per chunk and once a call, are those of the code as built (the
+    Triton backend in the interpreter; 16-bit with a GPU's 16-bit buffers). On a CPU a
+    16-bit GEMM into a float32 accumulator takes a cast of each operand (and a separate add
+    for dk) where cuBLAS takes one launch, so there the chunk's count is the model's for
+    float32 only, and the call's is measured apart from the chunks'."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from fastcl.kernels import contrastive as kc
+    if not kc.INTERPRET:
+        pytest.skip("counts launches in Triton's interpreter")
+    if dtype != "float32":
+        request.getfixturevalue("gpu_buffers")
+    one, four = (_launches(chunk, getattr(torch, dtype)) for chunk in (64, 16))
+    per_chunk = (four - one) / 3
+    model = _explain.explain(64, d=32, dtype=dtype)
+    if dtype == "float32":
+        assert per_chunk == model["per_chunk"]["launches"]
+    assert one - per_chunk == sum(s["launches"] for s in model["per_call_stages"])
