@@ -469,13 +469,17 @@ def _norms(x: torch.Tensor, acc: torch.dtype):
 
 def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_chunk,
                         gemm_dtype: torch.dtype | None = None,
-                        anchor_norms: torch.Tensor | None = None):
+                        anchor_norms: torch.Tensor | None = None, raw_candidates: bool = False):
     """The chunked driver shared by every engine. Returns
     ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with ``None`` where ``need`` says no
     gradient is wanted. ``gemm_dtype`` overrides the dtype the chunk GEMMs read
     (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's 16-bit buffers.
     ``anchor_norms``: the anchors' row norms (:func:`_norms`), where a caller that passes the
-    same anchors again (DCLR's noise steps) has them."""
+    same anchors again (DCLR's noise steps) has them. ``raw_candidates``: in place of the
+    candidates' gradients, ``(u, keys, ‖k‖, 1/‖k‖)`` with ``u`` (M×d, accumulate dtype) the
+    sums ``Σ_i H_ij q̂_i`` before the chain rule through k̂: each row is ∂L/∂k_j's before its
+    projection onto k_j's tangent space, times a positive factor (what DCLR's noise step,
+    which takes each row's direction alone, reads)."""
     if ep.matryoshka is not None:
         return matryoshka_forward(ep, anchors, candidates, need, gemm_dtype)
     n_rows, d = anchors.shape
@@ -545,6 +549,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
 
     loss = (row_loss.sum(dtype=torch.float64) / denom).to(acc)
     grads = [dq]
+    if need_k and raw_candidates:
+        return loss, grads + [(dk, keys, norm_k, inv_k)]
     if need_k:
         out_dtype = acc if in_dtype == torch.float16 else in_dtype
         col_scale = (denom * h_scale).reciprocal()
@@ -1091,8 +1097,7 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
     The anchors' norms are taken once for the ``steps`` passes (each pass of the driver
     would take them again).
     """
-    from .common import (autocast_off, huge_row_limit, project_out_radial, safe_direction,
-                         shrink_huge_rows)
+    from .common import autocast_off, huge_row_limit, shrink_huge_rows
     z = noise.detach().to(accumulate_dtype(anchors.dtype)).clone()
     if steps == 0 or z.shape[0] == 0:
         return z
@@ -1108,17 +1113,32 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
         amax = torch.linalg.vector_norm(z, ord=float("inf"), dim=1)
         huge = bool((amax > huge_row_limit(z.dtype, z.shape[1])).any())
     anchors = anchors.detach()
+    step = getattr(engine, "noise_step", None) or _noise_step   # the engine's fused step, if any
     with autocast_off(anchors.device):
         anchor_norms = _norms(anchors, accumulate_dtype(anchors.dtype))
         for _ in range(steps):
             z_in = z.to(anchors.dtype)
             if huge:
                 z_in = shrink_huge_rows(z_in)
-            _, grads = contrastive_forward(ep, anchors, (*fixed, z_in),
-                                           need=(False,) * (1 + len(fixed)) + (True,), engine=engine,
-                                           anchor_norms=anchor_norms)
-            direction, zero = safe_direction(project_out_radial(grads[-1].to(z.dtype), z_in))
-            z.add_(direction, alpha=lr)         # a zero row's direction is 0: it stays put
-            if released:
-                z.masked_fill_(zero[:, None], 0.0)      # (a mask, not an index: no host sync)
+            _, (*_, raw) = contrastive_forward(ep, anchors, (*fixed, z_in),
+                                               need=(False,) * (1 + len(fixed)) + (True,),
+                                               engine=engine, anchor_norms=anchor_norms,
+                                               raw_candidates=True)
+            first = raw[1].shape[0] - z.shape[0]     # the released step's h⁺ rows come first
+            step(*(x[first:] for x in raw), z, lr, released)
     return z
+
+
+def _noise_step(u, x, norm, inv_x, z, lr, released):
+    """One step of DCLR's noise update, in place on ``z`` (:func:`noise_update`), from
+    :func:`contrastive_forward`'s ``raw_candidates`` of the noise rows: ``g`` = the chain rule
+    through x̂ applied to ``u`` (:func:`_tangent_`), projected once more onto x's tangent
+    space (:func:`fastcl.common.project_out_radial`), then ``z += lr·g/‖g‖``
+    (:func:`fastcl.common.safe_direction`: a zero row's direction is 0, so it stays put;
+    released: it becomes 0). ``inv_x``: unused here (the Triton engine's step reads it)."""
+    from .common import project_out_radial, safe_direction
+    g = _tangent_(u, x, norm, u.shape[0])
+    direction, zero = safe_direction(project_out_radial(g.to(z.dtype), x))
+    z.add_(direction, alpha=lr)
+    if released:
+        z.masked_fill_(zero[:, None], 0.0)      # (a mask, not an index: no host sync)

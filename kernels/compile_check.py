@@ -58,7 +58,8 @@ from dataclasses import asdict, dataclass, field, replace
 #: Triton's names for the dtypes fastcl's kernels take.
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHS = (80, 90)
-FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps", "bound", "hard_beta"}
+FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps", "bound", "hard_beta",
+              "lr", "eps"}
 
 #: The integer arguments of the launches compiled, by name (the kernels share their names),
 #: and whether their buffers start on a 16-byte boundary. ``aligned``: the second chunk of
@@ -271,6 +272,11 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
                                   4 if width <= 1024 else 8, 3, ("x_ptr", "x_hat_ptr", "k_ptr"),
                                   out_ptrs=("out_ptr",) + (() if bound else ("dk_ptr",)),
                                   args={"D": width, "scale_stride": scale_stride}))
+            # DCLR's noise step: the keys in the GEMM dtype, the accumulator and Z in fp32+
+            for released in (False, True):
+                specs.append(Spec("_noise_step_kernel", f"d={width}", dtype, arch,
+                                  dict(RELEASED=released, BLOCK_D=block),
+                                  4 if width <= 1024 else 8, 3, ("x_ptr",), args={"D": width}))
     covered = full or rest or exhaustive
     aligned = specs if "aligned" in launches else []
     if aligned and not covered:
@@ -295,7 +301,7 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
 
 #: Integer arguments that take the value of another one in every launch.
 SAME_AS = {"stride_q": "D", "stride_k": "D", "stride_u": "D", "stride_x": "D", "stride_out": "D",
-           "stride_x_hat": "D", "stride_dk": "D", "stride_cq": "DC", "stride_ck": "DC", "stride_t": "M",
+           "stride_x_hat": "D", "stride_dk": "D", "stride_z": "D", "stride_cq": "DC", "stride_ck": "DC", "stride_t": "M",
            "stride_g": "M", "stride_s": "M", "stride_part": "T"}
 
 

@@ -226,6 +226,34 @@ def test_noise_update_matches_reference(n, k, d):
     torch.testing.assert_close(step, torch.full_like(step, 0.05))
 
 
+@pytest.mark.parametrize("formulation", ["paper", "released"])
+def test_noise_step_is_one_launch(formulation, monkeypatch):
+    """Each step of the Triton noise update moves the noise in one launch of the fused step
+    (the chain rule, the radial projection, the normalized ascent), as the torch ops of the
+    tiled backend do it, on the same noise rows."""
+    from fastcl.kernels import contrastive as kc
+    launches, torch_steps = [], []
+    step = kc._noise_step_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid[0])
+            return step[grid]
+    monkeypatch.setattr(kc, "_noise_step_kernel", Spy())
+    original = fastcl.tiled._noise_step
+    monkeypatch.setattr(fastcl.tiled, "_noise_step",
+                        lambda *a: torch_steps.append(a[4].shape[0]) or original(*a))
+    a = make(13, 40).to(DEVICE)
+    p = correlated(a).to(DEVICE)
+    z0 = make(9, 40, seed=9, grad=False).to(DEVICE)
+    kw = dict(steps=3, lr=0.05, temperature=0.1, noise=z0, formulation=formulation)
+    got = fastcl.dclr_noise(a, p, 9, backend="triton", **kw)
+    assert launches == [9] * 3 and not torch_steps
+    want = fastcl.dclr_noise(a, p, 9, backend="tiled", **kw)
+    assert torch_steps == [9] * 3
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 def test_dclr_with_noise_steps_end_to_end():
     a = make(12, 24).to(DEVICE)
     p = correlated(a).to(DEVICE)
