@@ -309,6 +309,8 @@ def test_large_buffers_are_addressed_in_int64(subset):
                     {"t_ptr"} if c["RELEASED"] else set())
         elif kernel == "_row_finish_kernel":   # R×T partials: far below 2³¹
             need = set()
+        elif kernel == "_noise_step_kernel":   # K×d: the accumulator, the keys, the noise
+            need = {"u_ptr", "x_ptr", "z_ptr"}
         else:
             need = {"u_ptr", "x_ptr", "out_ptr"} | ({"x_hat_ptr"} if c["WRITE_X_HAT"] else set())
             if c["BOUNDED"]:                   # the positive's key row and its dk row
