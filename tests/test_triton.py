@@ -254,6 +254,21 @@ def test_noise_step_is_one_launch(formulation, monkeypatch):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES_16, ids=lambda d: str(d)[6:])
+def test_16bit_buffers_noise_update(dtype, gpu_buffers):
+    """The noise update with the keys in a GPU's 16-bit GEMM dtype (the fused step reads
+    them widened): within the rounding of the float32 reference on the same inputs (each
+    step's keys are the noise rounded to 16 bits; three steps move z by up to 0.07)."""
+    a = make(13, 40, dtype=dtype, grad=False)
+    p = correlated(a)
+    z0 = make(9, 40, seed=9, grad=False)
+    kw = dict(steps=3, lr=0.05, temperature=0.1, noise=z0)
+    got = fastcl.dclr_noise(a, p, 9, backend="triton", **kw)
+    want = fastcl.dclr_noise(a.float(), p.float(), 9, backend="reference", **kw)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)    # (seen: 1.3e-4 bf16, 2e-5 fp16)
+    assert gpu_buffers and set(gpu_buffers) == {dtype}
+
+
 def test_dclr_with_noise_steps_end_to_end():
     a = make(12, 24).to(DEVICE)
     p = correlated(a).to(DEVICE)
