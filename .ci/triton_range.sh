@@ -9,7 +9,7 @@
 #     --pairwise`): every kernel, flag set and mode through that Triton's code generator and
 #     ptxas on bf16 sm_90 and fp32 sm_80 (the default SUBSET): each flag set on each target,
 #     and every pair of flag set, target and mode values at least once
-#     (compile_check.pairwise: 84 specializations); a compile error fails,
+#     (compile_check.pairwise: 92 specializations); a compile error fails,
 #     register spills are reported (`--allow-spills`: the kept lists are chosen spill-free on
 #     the newest Triton, which tests/test_compile.py checks); left to the newest Triton: the
 #     other configs of each list, the rest of the product, the unaligned and odd launches,
