@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import sys
+import textwrap
 from pathlib import Path
 
 from _cases import OBJECTIVES
@@ -359,8 +360,11 @@ def plot(rows: list[dict], path: Path, metric: str, device_label: str, memory_la
         handles.append(Line2D([], [], color="gray", ls=":", marker=".", label="one N×M float32 matrix"))
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), frameon=False,
                fontsize=10)
-    fig.suptitle(f"{titles[metric]} — {device_label}, d={d}, {', '.join(all_dtypes)}", fontsize=12)
-    fig.tight_layout(rect=(0, 0.55 / height, 1, 1 - 0.35 / height))
+    # wrapped to the figure's width (a one-objective figure is narrower than the device name)
+    title = textwrap.wrap(f"{titles[metric]} — {device_label}, d={d}, {', '.join(all_dtypes)}",
+                          int(fig.get_figwidth() * 9))
+    fig.suptitle("\n".join(title), fontsize=12)
+    fig.tight_layout(rect=(0, 0.55 / height, 1, 1 - (0.15 + 0.2 * len(title)) / height))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
