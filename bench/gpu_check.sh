@@ -168,8 +168,10 @@ stage env "$T" 40 "$PY" bench/run.py --env --out-stem "$STEM-env" ${ENV_ARGS[@]+
 
 # Correctness first: what a CPU-only machine cannot run (it runs the kernels in Triton's
 # interpreter). FASTCL_AUTOTUNE=0: one config a list (bounded compile time); the test of each
-# kept config launches every config itself.
-T=$(limit 90)
+# kept config launches every config itself. Up to 120 s (~415 tests, most of the time
+# compiling; 96 took 28 s on 2026-11-30): a slow run takes its time from the last stages
+# (e2e, largest), never the other way round.
+T=$(limit 120)
 stage tests-gpu "$T" 15 env FASTCL_AUTOTUNE=0 "$PY" -m pytest "${TESTS[@]}" -v --tb=short -rfEs \
     -p _checkout -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"}
 
