@@ -14,6 +14,13 @@
 What runs (one table row per case, all implementations on the same inputs; ``_cases.py``
 defines the objectives, implementations, inputs and FLOP counts):
 
+* every implementation is first checked against the float64 reference, loss and gradients,
+  on the same inputs at ``min(N, --check-n)`` rows (``_alternatives.check``); one outside the
+  tolerances is a row saying "wrong", not timed;
+* the alternatives a user would pick instead (``_alternatives.py``): ``torch-lce`` (PyTorch's
+  chunked ``linear_cross_entropy``), ``cce`` (Cut Cross-Entropy), ``memeff`` and ``inf-cl``
+  (CUDA only), each on the objectives it expresses; a missing package, an objective it
+  cannot express or a CPU-only machine is a row saying so. The JSON has their versions;
 * implementations ``fastcl`` (``backend="auto"``: Triton on CUDA, tiled elsewhere; the
   ``ran`` column says which), ``tiled`` (on GPU; on CPU it is what ``fastcl`` runs),
   ``reference`` (eager, full N×M), ``compiled`` (``torch.compile`` of the reference) and
@@ -81,10 +88,11 @@ N=M (``bench/_explain.py``: per-chunk stages, launches, bytes and predicted time
 as built, on ``--explain-device``, with ``--target-d`` and ``--target-dtype``). It is a model, not
 a measurement, and needs no GPU.
 
-Outputs: a table (with a progress bar while it runs), ``bench/results/<device>-<date>.json``
+Outputs: a table (with a progress bar while it runs), ``<out>/<device>-<date>.json``
 and ``.csv`` (device, CPU/GPU model, versions, the exact command) and PNG plots
 ``…-time.png``, ``…-memory.png``, ``…-pct.png``. ``--quick`` and ``--targets`` add that word
-to the file names. The JSON is rewritten after every case, so an interrupted run
+to the file names. ``<out>`` is ``--out`` (default ``runs/bench/``, untracked: a results file
+is committed only when asked for, ``--out bench/results``). The JSON is rewritten after every case, so an interrupted run
 (Ctrl-C, SIGTERM) keeps what it measured and still writes its table and plots.
 
 The code: this file is the command line and the run; ``_plan.py`` the sweeps, ``_cases.py``
@@ -189,7 +197,12 @@ def main(argv=None) -> int:
                    help="CPU workers keep glibc's adaptive mmap threshold (noisier peaks)")
     p.add_argument("--in-process", action="store_true",
                    help="CPU: run every case in this process (times only; checks the GPU driver's flow)")
-    p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--out", "--out-dir", dest="out_dir", default=str(HERE.parent / "runs" / "bench"),
+                   help="folder of the outputs (default runs/bench, untracked; the committed "
+                        "results: --out bench/results)")
+    p.add_argument("--check-n", type=int, default=1024,
+                   help="rows of the check against the float64 reference that every "
+                        "implementation passes before it is timed (min(N, this); 0: no check)")
     p.add_argument("--tag", default=None, help="appended to the output file names")
     p.add_argument("--out-stem", default=None,
                    help="output path without extension (overrides --out-dir/--tag naming)")
