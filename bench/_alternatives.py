@@ -191,16 +191,16 @@ def check(spec: dict, device: str, check_n: int = CHECK_N) -> dict:
     for mine, theirs in zip(case.leaves, ref.leaves):   # the very same values, in float64
         with __import__("torch").no_grad():
             theirs.copy_(mine.detach().double())
-    loss = case.step()
-    ref_loss = ref.step()
-    loss_rel = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30)
+    loss = float(case.step().detach())
+    ref_loss = float(ref.step().detach())
+    loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
     grad_rel = max((relative(a.grad, b.grad) if a.grad is not None else math.inf)
                    for a, b in zip(case.leaves, ref.leaves))
     tol_loss, tol_grad = TOLERANCE[spec["dtype"]]
     ok = loss_rel <= tol_loss and grad_rel <= tol_grad
     out = {"check_ok": ok, "check_n": n, "check_loss_rel": loss_rel, "check_grad_rel": grad_rel,
-           "check_tolerance": [tol_loss, tol_grad], "check_loss": float(loss),
-           "check_ref_loss": float(ref_loss)}
+           "check_tolerance": [tol_loss, tol_grad], "check_loss": loss,
+           "check_ref_loss": ref_loss}
     for x in case.leaves + ref.leaves:
         x.grad = None
     return out

@@ -23,10 +23,12 @@ Per N and unit roundoff u, over the (N/128)² tiles:
 * ``bounded``: the fraction of tiles with ``max exp(l − B) < u`` (the criterion above);
 * ``softmax``: the fraction with ``max p < u``, ``p = exp(l − lse_row)`` the softmax entry
   itself (the gradient's actual coefficient; Cut Cross-Entropy's filter uses u/32);
-* ``dropped mass``: per row, ``Σ p`` over the bounded-skippable tiles — the relative size of
-  the gradient that skipping them removes (``‖Σ_skipped p_j k̂_j‖ ≤ Σ_skipped p_j``), its
-  mean and largest value over the rows. Skipping is exact within 16-bit tolerance only
-  where this is below u.
+* ``dropped mass``: per row, ``Σ p`` over the bounded-skippable tiles — what skipping them
+  removes from the row's softmax (``‖Σ_skipped p_j k̂_j‖ ≤ Σ_skipped p_j``), its mean and
+  largest value over the rows; and ``dropped share``, that over the negatives' mass
+  ``1 − p_ii``: the row's gradient is ``Σ_{j≠i} p_ij (k̂_j − k̂_i)/τ`` (projected), so this
+  share is the order of its relative error. Skipping is exact within 16-bit tolerance only
+  where the share is below u.
 
 FLOPs saved: the skipped fraction f of the two gradient GEMMs, ``f·4·N·N·d``, i.e. ``2f/3``
 of the useful FLOPs (the forward's similarity GEMM must run to know which tiles to skip).
@@ -111,7 +113,7 @@ def simcse_steps(model, sentences, steps, batch, lr, temperature, seed) -> list[
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -160,6 +162,7 @@ def tile_stats(anchors, positives, temperature, rows=1024, tile=TILE) -> dict:
         skip = tile_max_bounded < log_u                # bounded criterion, per tile
         # the softmax mass each row loses with the skipped tiles: a second pass over the rows
         mass = torch.empty(n)
+        positive = torch.exp((q * k).sum(dim=1) / temperature - lse)      # p_ii
         for r0 in range(0, n, rows):
             logits = (q[r0:r0 + rows] @ k.T) / temperature
             p = torch.exp(logits - lse[r0:r0 + rows, None])
@@ -175,6 +178,11 @@ def tile_stats(anchors, positives, temperature, rows=1024, tile=TILE) -> dict:
             "softmax_fraction_u_over_32": float((tile_max_softmax < log_u - math.log(32)).float().mean()),
             "dropped_mass_mean": float(mass.mean()),
             "dropped_mass_max": float(mass.max()),
+            # the same over the negatives' mass 1 − p_ii: the gradient's relative error
+            # (the gradient of row i is Σ_j≠i p_ij (k̂_j − k̂_i)/τ, projected)
+            "dropped_share_mean": float((mass / (1 - positive).clamp_min(1e-30)).mean()),
+            "dropped_share_median": float((mass / (1 - positive).clamp_min(1e-30)).median()),
+            "dropped_share_max": float((mass / (1 - positive).clamp_min(1e-30)).max()),
             "gemm_flops_saved": float(skip.float().mean()) * 4.0,      # × N·M·d
         }
     cos = (q[:2048] @ k[:2048].T)
@@ -194,13 +202,16 @@ def summary_lines(report: dict, d: int | None = None) -> list[str]:
              f"MiniLM after {s['steps']} SimCSE steps on {report['sentences']} wiki sentences, "
              f"τ={s['temperature']}, tiles {s['tile']}×{s['tile']}, B = 1/τ",
              f"  {'N':>6}  {'dtype':<8} {'tiles skippable':>15} {'(softmax<u)':>11} "
-             f"{'dropped mass mean / max':>24} {'gradient GEMM FLOPs saved':>26}"]
+             f"{'dropped mass mean / max':>24} {'share of negatives median / max':>32} "
+             f"{'gradient GEMM FLOPs saved':>26}"]
     for row in report["rows"]:
         for name in UNIT_ROUNDOFF:
             r = row[name]
             f = r["bounded_fraction"]
             lines.append(f"  {row['n']:>6}  {name:<8} {100 * f:>14.1f}% {100 * r['softmax_fraction']:>10.1f}% "
                          f"{r['dropped_mass_mean']:>11.2e} / {r['dropped_mass_max']:<10.2e} "
+                         f"{r.get('dropped_share_median', float('nan')):>17.2e} / "
+                         f"{r.get('dropped_share_max', float('nan')):<12.2e} "
                          f"{f * 4:>6.2f}·N²·d = {100 * 2 * f / 3:5.1f}% of 6N²d")
     lines.append("  (skippable: max exp(l − B) < u in the tile; dropped mass: Σ p over those tiles, per "
                  "row — the relative gradient error skipping them makes; exact within 16-bit "
@@ -245,15 +256,20 @@ def main(argv=None) -> int:
     model = load_model(args.seq)
     report["simcse_losses"] = simcse_steps(model, pool, args.steps, args.batch, args.lr,
                                            args.temperature, args.seed)
-    print(f"{args.steps} SimCSE steps, loss {report['simcse_losses'][0]:.3f} → "
-          f"{report['simcse_losses'][-1]:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    t0 = time.perf_counter()
-    anchors, positives = embed_views(model, pool[:max(fits)])
-    report["embed_s"] = time.perf_counter() - t0
-    report["d"] = anchors.shape[1]
-    print(f"embedded {anchors.shape[0]} sentences × 2 views, d={anchors.shape[1]} "
-          f"({report['embed_s']:.0f} s)", flush=True)
-    for n in fits:
+    print(f"{args.steps} SimCSE steps, loss {report['simcse_losses'][0]:.3g} → "
+          f"{report['simcse_losses'][-1]:.3g} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    anchors = positives = None
+    report["embed_s"] = 0.0
+    for n in sorted(fits):            # embed as N grows: each N is written as soon as it is measured
+        t0 = time.perf_counter()
+        have = 0 if anchors is None else anchors.shape[0]
+        a, p_ = embed_views(model, pool[have:n])
+        anchors = a if anchors is None else torch.cat([anchors, a])
+        positives = p_ if positives is None else torch.cat([positives, p_])
+        report["embed_s"] += time.perf_counter() - t0
+        report["d"] = anchors.shape[1]
+        print(f"embedded {n} sentences × 2 views, d={anchors.shape[1]} ({report['embed_s']:.0f} s)",
+              flush=True)
         t0 = time.perf_counter()
         row = {"n": n, **tile_stats(anchors[:n], positives[:n], args.temperature)}
         row["seconds"] = time.perf_counter() - t0

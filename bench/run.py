@@ -148,7 +148,31 @@ def explain(args) -> int:
                                   else "bfloat16")
     print(explain_text(args.explain, d=args.target_d, dtype=dtype, device=args.explain_device,
                        memory_budget_mib=args.explain_budget_mib))
+    print("\n" + grad_filter_text(args.explain, args.target_d, dtype))
     return 0
+
+
+def grad_filter_text(n: int, d: int, dtype: str, path=None) -> str:
+    """The measured gradient-filtering figures (``bench/grad_filter.py``'s JSON) and what
+    skipping the tiles they count would save at N=M=n, width d."""
+    from grad_filter import DEFAULT_OUT, UNIT_ROUNDOFF, summary_lines
+
+    path = Path(path or DEFAULT_OUT)
+    if not path.exists():
+        return (f"Gradient filtering: not measured in this checkout ({path} is absent; "
+                "python bench/grad_filter.py writes it)")
+    report = json.loads(path.read_text())
+    lines = summary_lines(report)
+    unit = dtype if dtype in UNIT_ROUNDOFF else "bfloat16"
+    row = min(report["rows"], key=lambda r: abs(r["n"] - n))
+    f = row[unit]["bounded_fraction"]
+    useful = 6.0 * n * n * d
+    lines.append(f"  at N=M={n}, d={d}, {unit}: with the fraction measured at N={row['n']} "
+                 f"({100 * f:.1f}%), skipping saves {f * 4 * n * n * d / 1e12:.2f} of the "
+                 f"{useful / 1e12:.2f} TFLOP of a call ({100 * 2 * f / 3:.1f}%); the dropped "
+                 f"softmax mass per row is up to {row[unit]['dropped_mass_max']:.1e} "
+                 f"(u = {UNIT_ROUNDOFF[unit]:.1e})")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
