@@ -66,7 +66,11 @@ def figure(report: dict, out: Path, objective: str = "infonce") -> list[str]:
     where = env.get("gpu_model") or env.get("cpu_model") or report.get("device")
     fig.suptitle(f"{objective}, d={first['d']}, {first['dtype']} — {where}, "
                  f"{env.get('cpu_threads', '')} threads; one run ({report.get('date', '')[:10]}), "
-                 f"every row checked against the float64 reference", fontsize=9, wrap=True)
+                 f"every row checked against the float64 reference"
+                 + (f"; load average {env['load_average_at_start'][0]:.1f} at the start, "
+                    f"{report['load_average_at_end'][0]:.1f} at the end (shared machine)"
+                    if env.get("load_average_at_start") and report.get("load_average_at_end") else ""),
+                 fontsize=9, wrap=True)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=130)
