@@ -164,6 +164,7 @@ if [ $DRY -eq 1 ]; then         # tiny sizes, one thread
     # the GPU's flow (one process, dynamic compiles) at tiny sizes
     ALT_ARGS=("${CPU[@]}" --in-process --n 256 --d 64 --dtype float32 --repeats 2)
     ALT_BIG_ARGS=("${CPU[@]}" --in-process --n 512,1024 --d 64 --dtype float32 --repeats 1)
+    ALT_LIMIT=150     # on a CPU, Cut Cross-Entropy's torch_compile path compiles (tens of seconds)
     # the interpreter is slow: a few tests
     TESTS=(tests/test_triton.py -k "not matches_reference and not descriptor and not bf16 and not 16bit and not gpu_tiles")
     XDIST=()
@@ -176,6 +177,7 @@ else
     LARGEST_ARGS=()
     ALT_ARGS=(--n 16384,32768 --d 768 --dtype bfloat16)
     ALT_BIG_ARGS=(--n 65536,131072,262144 --d 768 --dtype bfloat16)
+    ALT_LIMIT=60
     TESTS=(tests/test_triton.py tests/test_contrastive.py -k "triton or gpu")
     XDIST=()
     if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 8); fi
@@ -216,7 +218,7 @@ stage targets "$T" 30 "$PY" bench/run.py --targets "${FAST[@]}" --time-budget $(
 
 # Every alternative beside fastcl (correctness first: each row is checked against the
 # float64 reference before it is timed; a wrong one is reported, not timed).
-T=$(limit 60)
+T=$(limit $ALT_LIMIT)
 stage alternatives "$T" 40 "$PY" bench/run.py "${FAST[@]}" --time-budget $((T - 10)) \
     --compile-reserve 20 --objective infonce,infonce-symmetric,matryoshka \
     --impl fastcl,torch-lce,cce,memeff,inf-cl,compiled,reference --no-plots \

@@ -336,9 +336,11 @@ def main(argv=None) -> int:
             for i, spec in enumerate(plan):
                 elapsed = time.perf_counter() - t_start
                 left = None if args.time_budget is None else args.time_budget - elapsed
-                # a torch.compile case may spend a minute compiling: only with that much left
-                if left is not None and (left <= 0 or (spec.get("impl") == "compiled"
-                                                       and left < args.compile_reserve)):
+                # a torch.compile case (Cut Cross-Entropy's too, off CUDA) may spend a minute
+                # compiling: only with that much left
+                compiles = spec.get("impl") == "compiled" or (spec.get("impl") == "cce"
+                                                              and device != "cuda")
+                if left is not None and (left <= 0 or (compiles and left < args.compile_reserve)):
                     new = [{**spec, "ok": False, "skipped": True, "device": device,
                             "error": f"time budget of {args.time_budget:g} s spent"}]
                     if spec["kind"] == "e2e":
