@@ -1,4 +1,4 @@
-"""The layers of fastcl and which may import which (README, "Architecture").
+"""The layers of fastcl and which may import which (docs/architecture.md).
 
 Read from the source with ``ast`` (imports inside functions count too), so a change that
 breaks a rule fails here, not in a review.
@@ -61,7 +61,7 @@ def layer(name):
             if (name == m or name.startswith(m + ".") and m != "fastcl") and (
                     best is None or len(m) > best[1]):
                 best = (i, len(m))
-    assert best is not None, f"{name} belongs to no layer: add it to LAYERS and the README"
+    assert best is not None, f"{name} belongs to no layer: add it to LAYERS and docs/architecture.md"
     return best[0]
 
 
