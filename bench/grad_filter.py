@@ -26,7 +26,7 @@ Per N and unit roundoff u, over the (N/128)² tiles:
 * ``dropped mass``: per row, ``Σ p`` over the bounded-skippable tiles — what skipping them
   removes from the row's softmax (``‖Σ_skipped p_j k̂_j‖ ≤ Σ_skipped p_j``), its mean and
   largest value over the rows; and ``dropped share``, that over the negatives' mass
-  ``1 − p_ii``: the row's gradient is ``Σ_{j≠i} p_ij (k̂_j − k̂_i)/τ`` (projected), so this
+  ``Σ_{j≠i} p_ij`` (summed directly; ``1 − p_ii`` cancels where p_ii ≈ 1): the row's gradient is ``Σ_{j≠i} p_ij (k̂_j − k̂_i)/τ`` (projected), so this
   share is the order of its relative error. Skipping is exact within 16-bit tolerance only
   where the share is below u.
 
@@ -162,10 +162,13 @@ def tile_stats(anchors, positives, temperature, rows=1024, tile=TILE) -> dict:
         skip = tile_max_bounded < log_u                # bounded criterion, per tile
         # the softmax mass each row loses with the skipped tiles: a second pass over the rows
         mass = torch.empty(n)
-        positive = torch.exp((q * k).sum(dim=1) / temperature - lse)      # p_ii
+        negatives = torch.empty(n)        # Σ_{j≠i} p_ij, summed directly (1 − p_ii cancels)
         for r0 in range(0, n, rows):
             logits = (q[r0:r0 + rows] @ k.T) / temperature
             p = torch.exp(logits - lse[r0:r0 + rows, None])
+            i = torch.arange(p.shape[0])
+            p[i, r0 + i] = 0.0            # the positive: never in a skipped tile (l_ii ≈ B)
+            negatives[r0:r0 + rows] = p.sum(dim=1)
             br = p.shape[0] // tile
             keep_rows = skip[r0 // tile:r0 // tile + br]          # (br, t)
             p = p.view(br, tile, t, tile).sum(dim=3)               # (br, tile, t): per tile row sums
@@ -178,11 +181,12 @@ def tile_stats(anchors, positives, temperature, rows=1024, tile=TILE) -> dict:
             "softmax_fraction_u_over_32": float((tile_max_softmax < log_u - math.log(32)).float().mean()),
             "dropped_mass_mean": float(mass.mean()),
             "dropped_mass_max": float(mass.max()),
-            # the same over the negatives' mass 1 − p_ii: the gradient's relative error
+            # the same over the negatives' mass Σ_{j≠i} p_ij: the gradient's relative error
             # (the gradient of row i is Σ_j≠i p_ij (k̂_j − k̂_i)/τ, projected)
-            "dropped_share_mean": float((mass / (1 - positive).clamp_min(1e-30)).mean()),
-            "dropped_share_median": float((mass / (1 - positive).clamp_min(1e-30)).median()),
-            "dropped_share_max": float((mass / (1 - positive).clamp_min(1e-30)).max()),
+            "negatives_mass": "sum over j != i of p_ij, summed directly",
+            "dropped_share_mean": float((mass / negatives.clamp_min(1e-30)).mean()),
+            "dropped_share_median": float((mass / negatives.clamp_min(1e-30)).median()),
+            "dropped_share_max": float((mass / negatives.clamp_min(1e-30)).max()),
             "gemm_flops_saved": float(skip.float().mean()) * 4.0,      # × N·M·d
         }
     cos = (q[:2048] @ k[:2048].T)
@@ -208,13 +212,15 @@ def summary_lines(report: dict, d: int | None = None) -> list[str]:
         for name in UNIT_ROUNDOFF:
             r = row[name]
             f = r["bounded_fraction"]
+            # (a report whose negatives' mass was 1 − p_ii, which cancels: no maximum shown)
+            share_max = (f"{r['dropped_share_max']:<12.2e}" if "negatives_mass" in r else f"{'-':<12}")
             lines.append(f"  {row['n']:>6}  {name:<8} {100 * f:>14.1f}% {100 * r['softmax_fraction']:>10.1f}% "
                          f"{r['dropped_mass_mean']:>11.2e} / {r['dropped_mass_max']:<10.2e} "
-                         f"{r.get('dropped_share_median', float('nan')):>17.2e} / "
-                         f"{r.get('dropped_share_max', float('nan')):<12.2e} "
+                         f"{r.get('dropped_share_median', float('nan')):>17.2e} / {share_max} "
                          f"{f * 4:>6.2f}·N²·d = {100 * 2 * f / 3:5.1f}% of 6N²d")
     lines.append("  (skippable: max exp(l − B) < u in the tile; dropped mass: Σ p over those tiles, per "
-                 "row — the relative gradient error skipping them makes; exact within 16-bit "
+                 "row; share: that over the row's negatives' mass Σ_{j≠i} p, the order of the "
+                 "relative error skipping makes in the row's gradient — exact within 16-bit "
                  "tolerance only where it is below u)")
     return lines
 
