@@ -30,6 +30,12 @@ Per N and unit roundoff u, over the (N/128)² tiles:
   share is the order of its relative error. Skipping is exact within 16-bit tolerance only
   where the share is below u.
 
+* ``exact``: the fraction of tiles that every one of their rows could leave out while losing
+  at most ``u/T`` of its negatives' mass (T tiles a row; so all skipped tiles together stay
+  below u of the row's gradient), the tiles of the positives kept: the criterion a skip that
+  keeps the gradient within 16-bit tolerance would need (the similarity kernel already
+  writes each tile's row sums).
+
 FLOPs saved: the skipped fraction f of the two gradient GEMMs, ``f·4·N·N·d``, i.e. ``2f/3``
 of the useful FLOPs (the forward's similarity GEMM must run to know which tiles to skip).
 """
@@ -163,6 +169,7 @@ def tile_stats(anchors, positives, temperature, rows=1024, tile=TILE) -> dict:
         # the softmax mass each row loses with the skipped tiles: a second pass over the rows
         mass = torch.empty(n)
         negatives = torch.empty(n)        # Σ_{j≠i} p_ij, summed directly (1 − p_ii cancels)
+        exact = torch.empty(t, t, dtype=torch.bool)
         for r0 in range(0, n, rows):
             logits = (q[r0:r0 + rows] @ k.T) / temperature
             p = torch.exp(logits - lse[r0:r0 + rows, None])
@@ -173,7 +180,11 @@ def tile_stats(anchors, positives, temperature, rows=1024, tile=TILE) -> dict:
             keep_rows = skip[r0 // tile:r0 // tile + br]          # (br, t)
             p = p.view(br, tile, t, tile).sum(dim=3)               # (br, tile, t): per tile row sums
             mass[r0:r0 + rows] = (p * keep_rows[:, None, :]).sum(dim=2).reshape(-1)
+            # exact: every row of the tile loses under u/T of its negatives' mass there
+            budget = (u / t) * negatives[r0:r0 + rows].view(br, tile, 1)
+            exact[r0 // tile:r0 // tile + br] = (p <= budget).all(dim=1)
             del logits, p
+        exact.fill_diagonal_(False)       # a positive's tile: p_ii k̂_i is most of E·K's row
         out[name] = {
             "unit_roundoff": u,
             "bounded_fraction": float(skip.float().mean()),
@@ -188,6 +199,7 @@ def tile_stats(anchors, positives, temperature, rows=1024, tile=TILE) -> dict:
             "dropped_share_median": float((mass / negatives.clamp_min(1e-30)).median()),
             "dropped_share_max": float((mass / negatives.clamp_min(1e-30)).max()),
             "gemm_flops_saved": float(skip.float().mean()) * 4.0,      # × N·M·d
+            "exact_fraction": float(exact.float().mean()),
         }
     cos = (q[:2048] @ k[:2048].T)
     diag = cos.diagonal()
@@ -205,7 +217,7 @@ def summary_lines(report: dict, d: int | None = None) -> list[str]:
     lines = [f"Gradient filtering (measured on CPU, bench/grad_filter.py, {report['date']}): "
              f"MiniLM after {s['steps']} SimCSE steps on {report['sentences']} wiki sentences, "
              f"τ={s['temperature']}, tiles {s['tile']}×{s['tile']}, B = 1/τ",
-             f"  {'N':>6}  {'dtype':<8} {'tiles skippable':>15} {'(softmax<u)':>11} "
+             f"  {'N':>6}  {'dtype':<8} {'tiles skippable':>15} {'exact':>7} {'(softmax<u)':>11} "
              f"{'dropped mass mean / max':>24} {'share of negatives median / max':>32} "
              f"{'gradient GEMM FLOPs saved':>26}"]
     for row in report["rows"]:
@@ -214,14 +226,17 @@ def summary_lines(report: dict, d: int | None = None) -> list[str]:
             f = r["bounded_fraction"]
             # (a report whose negatives' mass was 1 − p_ii, which cancels: no maximum shown)
             share_max = (f"{r['dropped_share_max']:<12.2e}" if "negatives_mass" in r else f"{'-':<12}")
-            lines.append(f"  {row['n']:>6}  {name:<8} {100 * f:>14.1f}% {100 * r['softmax_fraction']:>10.1f}% "
+            exact = f"{100 * r['exact_fraction']:.1f}%" if "exact_fraction" in r else "-"
+            lines.append(f"  {row['n']:>6}  {name:<8} {100 * f:>14.1f}% {exact:>7} "
+                         f"{100 * r['softmax_fraction']:>10.1f}% "
                          f"{r['dropped_mass_mean']:>11.2e} / {r['dropped_mass_max']:<10.2e} "
                          f"{r.get('dropped_share_median', float('nan')):>17.2e} / {share_max} "
                          f"{f * 4:>6.2f}·N²·d = {100 * 2 * f / 3:5.1f}% of 6N²d")
     lines.append("  (skippable: max exp(l − B) < u in the tile; dropped mass: Σ p over those tiles, per "
                  "row; share: that over the row's negatives' mass Σ_{j≠i} p, the order of the "
                  "relative error skipping makes in the row's gradient — exact within 16-bit "
-                 "tolerance only where it is below u)")
+                 "tolerance only where it is below u; exact: the tiles where every row loses at most "
+                 "u/T of its negatives' mass, T tiles a row, positives' tiles kept)")
     return lines
 
 

@@ -35,6 +35,12 @@ def test_tile_stats_match_brute_force(rows):
         assert out[name]["dropped_mass_max"] == pytest.approx(mass.max().item(), rel=2e-3, abs=1e-9)
         assert out[name]["dropped_share_max"] == pytest.approx((mass / neg).max().item(), rel=2e-3,
                                                                abs=1e-9)
+        q = p.clone()
+        q.fill_diagonal_(0)
+        tile_mass = q.view(2, tile, 2, tile).sum(dim=3)                  # (block, row, tile)
+        exact = (tile_mass <= (u / 2) * neg.view(2, tile, 1)).all(dim=1)
+        exact.fill_diagonal_(False)
+        assert out[name]["exact_fraction"] == exact.double().mean().item()
     assert out["bfloat16"]["bounded_fraction"] == 0.5       # the two tiles away from the copies
 
 
