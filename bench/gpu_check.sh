@@ -216,12 +216,13 @@ T=$(limit 60)
 stage targets "$T" 30 "$PY" bench/run.py --targets "${FAST[@]}" --time-budget $((T - 15)) \
     --out-stem "$STEM-targets" ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
 
-# Every alternative beside fastcl (correctness first: each row is checked against the
-# float64 reference before it is timed; a wrong one is reported, not timed).
+# Every alternative beside fastcl (torch.compile last: its compile must not starve the rest;
+# correctness first: each row is checked against the float64 reference before it is timed,
+# a wrong one is reported, not timed).
 T=$(limit $ALT_LIMIT)
 stage alternatives "$T" 40 "$PY" bench/run.py "${FAST[@]}" --time-budget $((T - 10)) \
     --compile-reserve 20 --objective infonce,infonce-symmetric,matryoshka \
-    --impl fastcl,torch-lce,cce,memeff,inf-cl,compiled,reference --no-plots \
+    --impl fastcl,torch-lce,cce,memeff,inf-cl,reference,compiled --no-plots \
     --out-stem "$STEM-alternatives" "${ALT_ARGS[@]}"
 
 T=$(limit 45)   # 5 variants × 3 cases; the candidate autotunes its own tiles
@@ -242,7 +243,7 @@ stage largest "$T" 15 "$PY" bench/largest.py --time-budget $((T - 5)) --out "$ST
 
 T=$(limit 40)
 stage alt-largest "$T" 25 "$PY" bench/run.py "${FAST[@]}" --time-budget $((T - 10)) \
-    --compile-reserve 20 --objective infonce --impl torch-lce,cce,memeff,inf-cl,compiled,reference \
+    --compile-reserve 20 --objective infonce --impl torch-lce,cce,memeff,inf-cl,reference,compiled \
     --no-plots --out-stem "$STEM-alt-largest" "${ALT_BIG_ARGS[@]}"
 
 # The summary: $STEM-gpu-check.json, and a few lines to read first.
