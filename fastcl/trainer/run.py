@@ -5,13 +5,13 @@ scheduling, the batch sampler, several processes, callbacks, trackers, checkpoin
 (``OUT/checkpoint-N``: model, optimizer, scheduler, every process's random states) and resume.
 fastcl adds:
 
-- **its losses and evaluator**: :mod:`.build`; the dev evaluation runs at step 0 too, so the
-  base model as its users use it is the first record, and a run that makes it worse says so
-  (on the console and in the model card);
+- **its losses and evaluator**: :func:`.build.build_trainer`; the dev evaluation runs at step 0
+  and the last step too, and the best of them all is saved: a run that never beats its base
+  model saves the base model and says so (on the console and in the model card);
 - **one run per folder**: an exclusive lock (:class:`fastcl.files.OutputLock`); a non-empty
-  folder that is not a fastcl run is refused (``--allow-nonempty-output-dir`` trains there
+  folder that is not a fastcl run is refused (``--allow_nonempty_output_dir`` trains there
   without removing anything), a finished run is not overwritten without
-  ``--overwrite-output-dir``, and nothing is ever removed through a link;
+  ``--overwrite_output_dir``, and nothing is ever removed through a link;
 - **checkpoints that prove they are whole**: each ``checkpoint-N`` gets a manifest of its
   files' SHA-256, written last, before older checkpoints are rotated out. ``--resume`` takes
   the newest complete checkpoint (a newer one a crash left incomplete is removed) and refuses
@@ -36,8 +36,9 @@ from unittest import mock
 from .. import files
 from ..files import MANIFEST, LockedError, OutputLock, DamagedError
 from . import build
-from .cli import (CONFIG_FILE, FAMILY_DEFAULTS, RUN_DEFINING, build_parser, effective_config,
-                  parse_args, resolve_args, write_config)
+from ..evaluate import load_task
+from .cli import (CONFIG_FILE, FAMILY_DEFAULTS, RUN_DEFINING, SAMPLES, build_parser, effective_config,
+                  parse_args, resolve_args, training_arguments, write_config)
 from .logs import LOG, append_log, json_safe, read_log, truncate_log, write_plots
 
 PROG = "fastcl-train"
@@ -102,6 +103,10 @@ def _log_callback(out: Path):
                 name = key[len(f"eval_{build.DEV}_"):] if key.startswith(f"eval_{build.DEV}_") else key
                 record[name] = value
             append_log(out, record)
+            if kind == "eval":
+                scores = ", ".join(f"{k} {v:.2f}" for k, v in record.items()
+                                   if k in ("stsb-dev", "sickr-dev", "avg") and isinstance(v, float))
+                print(f"dev at step {state.global_step}: {scores}", flush=True)
 
     return TrainLog()
 
@@ -185,7 +190,7 @@ def prepare_output(args, out: Path) -> OutputLock:
         if not args.allow_nonempty_output_dir:
             shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
             raise ValueError(f"--output-dir {out} is not empty and holds no fastcl run ({shown}); "
-                             "choose an empty or new folder, or pass --allow-nonempty-output-dir "
+                             "choose an empty or new folder, or pass --allow_nonempty_output_dir "
                              "to train there (nothing in it is removed)")
         taken = sorted(n for n in entries if n in OWN or n.startswith(CHECKPOINT_PREFIX))
         if taken:
@@ -202,14 +207,14 @@ def prepare_output(args, out: Path) -> OutputLock:
         if args.resume:
             if finished:
                 raise ValueError(f"--resume: the run in {out} has finished ({RESULTS}); "
-                                 "--overwrite-output-dir trains there again")
+                                 "--overwrite_output_dir trains there again")
             _check_same_run(args, out)
         elif ours and (finished or saved) and not args.overwrite_output_dir:
             what = f"a finished run ({RESULTS})" if finished else \
                 f"an unfinished run ({saved[-1][1].name})"
             raise ValueError(f"--output-dir {out} holds {what}: choose another folder, "
                              + ("" if finished else "pass --resume to continue it, ")
-                             + "or pass --overwrite-output-dir to train there again")
+                             + "or pass --overwrite_output_dir to train there again")
         if not args.resume and ours:
             # a fresh run: no model, checkpoint or record of the earlier one stays
             for name in OWN:
@@ -278,8 +283,9 @@ def comparison(records: list, select: str, saved_step: int | None) -> dict | Non
     start, saved = scores.get(0), scores.get(saved_step)
     if start is None or saved is None or not math.isfinite(saved):
         return None
+    trained = [v for s, v in scores.items() if s > 0 and math.isfinite(v)]
     return {"metric": metric, "step0": start, "best": saved, "best_step": saved_step,
-            "improved": saved > start}
+            "best_trained": max(trained, default=None), "improved": saved > start}
 
 
 def _card_section(cmp: dict | None, select: str) -> str:
@@ -287,8 +293,8 @@ def _card_section(cmp: dict | None, select: str) -> str:
         return ""
     name = "STS-B dev" if select == "stsb" else "the mean of STS-B dev and SICK-R dev"
     verdict = ("Training improved on the base model." if cmp["improved"] else
-               "**Training did not improve on the base model**: the base model scores higher "
-               "than every trained step.")
+               "**Training did not improve on the base model**: the base model scores at least as "
+               "high as every trained step" + (", and it is the model saved." if cmp["best_step"] == 0 else "."))
     return ("\n## fastcl: the base model and the saved step\n\n"
             f"Selection metric: {name}, Spearman ×100 (SentEval's protocol).\n\n"
             "| model | step | score |\n| --- | --- | --- |\n"
@@ -339,43 +345,70 @@ def main(argv=None, prog: str = PROG) -> int:
             lock.release()
 
 
+def _evaluator(args, main_process: bool):
+    """The dev evaluator of ``--sts_dir``: STS-B dev and SICK-R dev, those it holds (the
+    shipped sample: STS-B dev's CC BY-SA part); parsed now, so a malformed file is an error
+    before step 1."""
+    from ..evaluate import DEV, task_source
+    from ..integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
+
+    tasks = []
+    for task in DEV:
+        try:
+            task_source(args.sts_dir, task)
+            tasks.append(task)
+        except FileNotFoundError:
+            pass
+    if not tasks:
+        raise FileNotFoundError(f"--sts_dir {args.sts_dir} holds neither stsb/sts-dev.csv nor "
+                                "sick/SICK_trial.txt (SentEval's data/downstream layout)")
+    if main_process and Path(args.sts_dir).resolve() == SAMPLES.resolve():
+        print(f"dev: the {len(load_task(args.sts_dir, 'stsb-dev'))} CC BY-SA pairs of STS-B dev that ship "
+              "with fastcl; for the full STS-B and SICK-R dev sets pass --sts_dir "
+              "SentEval/data/downstream (SimCSE's data/download_senteval.sh)", flush=True)
+    return SentEvalSTSEvaluator(args.sts_dir, tasks, name=build.DEV, metrics=True,
+                                batch_size=args.per_device_eval_batch_size,
+                                show_progress_bar=main_process, max_seq_length=args.model_max_seq_length)
+
+
 def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     import transformers
     from transformers import EarlyStoppingCallback
 
-    from ..integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
+    from ..data import read_training_data
 
     transformers.set_seed(args.seed)  # the head's initialization
-    device = "cpu" if args.device == "cpu" else None
-    dataset, skipped, source = build.build_dataset(args)
-    model = build.build_model(args, device=device)
-    loss = build.build_loss(args, model, device=device)
-    training_args = build.build_arguments(args)
-    evaluator = None
-    if args.sts_dir:
-        # parsed now: a missing or malformed dev file is an error before step 1, naming it
-        evaluator = SentEvalSTSEvaluator(args.sts_dir, ("stsb-dev", "sickr-dev"), name=build.DEV,
-                                         batch_size=args.eval_batch_size, metrics=True,
-                                         max_seq_length=args.model_max_seq_length)
-    if main_process:
-        if checkpoint:
-            truncate_log(out, step_of(checkpoint))
-        write_config(out, args)
-        append_log(out, {"type": "start", "step": step_of(checkpoint) if checkpoint else 0, "resumed": bool(checkpoint), "examples": len(dataset),
-                         "skipped": skipped, "processes": build.world_size(),
-                         "args": {k: v for k, v in vars(args).items() if k != "config"}})
-        pooling = args.pooler_used or "the base model's own modules"
-        print(f"{args.method}: {len(dataset)} examples from {source}"
-              + (f" ({skipped} skipped)" if skipped else "")
-              + f", batches of {args.batch_size}, pooling: {pooling}"
-              + ("" if args.sts_dir else "; no --sts-dir: no dev evaluation, the last model is saved"),
-              flush=True)
+    data = read_training_data(args.data, args.method, args.snli_splits, text_column=args.text_column,
+                              columns=args.columns, split=args.data_split)
+    batch = args.per_device_train_batch_size * build.world_size() * args.gradient_accumulation_steps
+    if len(data.dataset) < batch:
+        raise ValueError(f"--data: {len(data.dataset)} examples, fewer than one batch ({batch})")
+    model = build.build_model(args, device="cpu" if build.on_cpu(args) else None)
+    evaluator = _evaluator(args, main_process) if args.sts_dir else None
     stop = _stop_callback()
     callbacks = [_log_callback(out), stop]
     if args.early_stopping_patience:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping_patience))
-    trainer = _trainer_class()(model=model, args=training_args, train_dataset=dataset, loss=loss,
-                               evaluator=evaluator, callbacks=callbacks)
+    options = {k: getattr(args, k) for k in (*build.METHOD_OPTIONS, *build.GENERAL)
+               if k in build.GENERAL or args.method in build.METHOD_OPTIONS[k][0]}
+    trainer = build.build_trainer(args.method, model, data.dataset, training_arguments(args),
+                                  evaluator=evaluator, callbacks=callbacks, **options)
+    for name in FAMILY_DEFAULTS:   # DCLR's, resolved by the model's family
+        setattr(args, name, options.get(name))
+    if main_process:
+        if checkpoint:
+            truncate_log(out, step_of(checkpoint))
+        write_config(out, args)
+        append_log(out, {"type": "start", "step": step_of(checkpoint) if checkpoint else 0,
+                         "resumed": bool(checkpoint), "examples": len(data.dataset),
+                         "skipped": data.skipped, "processes": build.world_size(),
+                         "args": json_safe({k: getattr(v, "value", v) for k, v in vars(args).items()
+                                            if k != "config"})})
+        print(f"{args.method}: {len(data.dataset)} examples from {data.source}"
+              + (f" ({data.skipped} skipped)" if data.skipped else "")
+              + f", {batch} a step, pooling: {args.pooler_used or 'the base model own modules'}"
+              + ("" if args.sts_dir else "; --sts_dir none: no dev evaluation, the last step is saved"),
+              flush=True)
     trainer.train(resume_from_checkpoint=checkpoint)
     if stop.signum:
         if main_process:
@@ -386,11 +419,11 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     if not main_process:
         return 0
     records = read_log(out)
-    # with --sts-dir the trainer has loaded the best evaluated step's checkpoint
+    # with a dev evaluation the trainer holds the best evaluated step, step 0 included
     best = getattr(trainer.state, "best_global_step", None)
     if best is None and trainer.state.best_model_checkpoint:  # older transformers
         best = step_of(trainer.state.best_model_checkpoint)
-    saved_step = (best if args.sts_dir else None) or trainer.state.global_step
+    saved_step = best if args.load_best_model_at_end and best is not None else trainer.state.global_step
     cmp = comparison(records, args.select, saved_step) if args.sts_dir else None
     target = save_model(trainer.model, args, out, cmp)
     summary = {"method": args.method, "steps": trainer.state.global_step, "saved_step": saved_step,
@@ -403,9 +436,10 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
         _say(f"warning: the plots were not written ({err})")
     print(f"model saved to {target} (step {saved_step})")
     if cmp is not None and not cmp["improved"]:
+        what = ("the base model is saved (--keep_last saves the last step)" if saved_step == 0
+                else "the model card says so")
         _say(f"warning: training did not improve on the base model: {cmp['metric']} "
-             f"{cmp['step0']:.2f} at step 0, at best {cmp['best']:.2f} (step {cmp['best_step']}); "
-             "the model card says so")
+             f"{cmp['step0']:.2f} at step 0, at best {cmp['best_trained']:.2f}; {what}")
     if args.push_to_hub:
         from ..integrations.sentence_transformers._base import SentenceTransformer
         SentenceTransformer(str(target)).push_to_hub(args.hub_model_id or out.resolve().name)
