@@ -570,7 +570,7 @@ def test_an_interrupted_swap_is_finished_at_the_next_start(tmp_path):
     ({"sts_dir": "SAME", "save_steps": 3, "eval_steps": 2}, "--save_steps 3 must be a multiple of --eval_steps 2"),
     ({"resume_from_checkpoint": "x"}, "fastcl-train resumes with --resume"),
     ({"early_stopping_patience": 2}, "--early_stopping_patience needs a dev evaluation"),
-    ({"mlp_only_train": True, "pooler": "avg"}, "--mlp_only_train applies to --pooler cls only"),
+    ({"mlp_only_train": "true", "pooler": "avg"}, "--mlp_only_train applies to --pooler cls only"),
     ({"lr": 0.1}, "unrecognized arguments: --lr"),   # HF's names only, no abbreviations
 ])
 def test_bad_options_name_the_option(tiny, tmp_path, capsys, change, message):

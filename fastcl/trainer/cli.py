@@ -14,7 +14,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 
@@ -382,13 +382,15 @@ def effective_config(args) -> dict:
     """The options of a run as a config file holds them, so that ``--config`` of it repeats the
     run: every fastcl option that has a value and every training argument set away from its
     default (local paths absolute), but ``--resume`` and other methods' options."""
-    defaults = {f.name: f.default for f in fields(Arguments)}
+    defaults = {f.name: f.default_factory() if f.default is MISSING and f.default_factory is not MISSING
+                else f.default for f in fields(Arguments)}
     config = {}
     for key, value in vars(args).items():
         if key in ("config", "resume") or value is None:
             continue
         if key in FASTCL:
-            if key in METHOD_OPTIONS and args.method not in METHOD_OPTIONS[key][0]:
+            if key in METHOD_OPTIONS and args.method not in METHOD_OPTIONS[key][0] or \
+                    key == "mlp_only_train" and args.pooler not in (None, "cls"):
                 continue
         elif key not in defaults or (value == defaults[key] and key not in RUN_DEFINING):
             continue
@@ -396,6 +398,8 @@ def effective_config(args) -> dict:
             value = str(Path(value).resolve())
         value = value.value if isinstance(value, Enum) else value
         config[key] = list(value) if isinstance(value, tuple) else value
+    if args.sts_dir is None:
+        config["sts_dir"] = "none"   # no evaluation: not the shipped default
     return config
 
 
