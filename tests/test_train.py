@@ -36,7 +36,11 @@ pytestmark = pytest.mark.usefixtures("one_thread", "outside")
 def tiny(tmp_path_factory):
     """A tiny BERT, a tiny RoBERTa, the BERT as a sentence-transformers model (mean pooling,
     Normalize), and training / STS data over their vocabulary."""
-    root = tmp_path_factory.mktemp("tiny")
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+def make_tiny(root):
+    """The content of :func:`tiny`, written to ``root``."""
     rng = random.Random(5)
     make_tiny_model(root / "bert")
     make_tiny_model(root / "roberta", model_type="roberta")
