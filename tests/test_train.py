@@ -724,15 +724,16 @@ def test_a_folder_that_is_not_a_fastcl_run_is_refused(tiny, tmp_path):
     assert (other / "model" / "mine.txt").read_text() == "keep"
 
 
-def test_a_finished_run_is_only_replaced_when_asked_and_links_are_never_followed(tiny, tmp_path):
+def test_a_finished_run_is_only_replaced_when_asked_and_links_are_never_followed(tiny, tmp_path, outside):
     out = tmp_path / "done"
     assert train.main(base_args(tiny, out, steps=1)) == 0
     with pytest.raises(SystemExit, match=r"holds a finished run \(train_results.json\).*--overwrite-output-dir"):
         train.main(base_args(tiny, out, steps=1))
     # links out of the folder, where the model and a checkpoint were
-    victim = tmp_path / "victim"
+    victim = outside / "victim"
     victim.mkdir()
     (victim / "precious.txt").write_text("keep me")
+    outside.seal()
     import shutil
     shutil.rmtree(out / "model")
     os.symlink(victim, out / "model")
