@@ -82,6 +82,9 @@ class FastclArguments:
     mlp_only_train: bool | None = _opt(help="with --pooler cls: train with the MLP, evaluate and "
                                        "save without it (default: unsupervised methods)")
     resume: bool = _opt(False, "continue from the newest complete OUTPUT_DIR/checkpoint-N")
+    allow_changed_data: bool = _opt(False, "with --resume: continue although the training data "
+                                    "changed since the run started (size, time, first or last "
+                                    "bytes; a dataset's fingerprint)")
     allow_nonempty_output_dir: bool = _opt(False, "train into a non-empty folder that is not a "
                                            "fastcl run; nothing in it is removed")
     if _NEW_IN_HF5:   # transformers 5 dropped the field; fastcl keeps its meaning
@@ -234,6 +237,7 @@ def resolve_args(parser, args) -> argparse.Namespace:
          "--early_stopping_patience needs a dev evaluation (--sts_dir)"),
         (not args.resume_from_checkpoint, "--resume_from_checkpoint: fastcl-train resumes with "
          "--resume, from the newest complete checkpoint it verifies"),
+        (not args.allow_changed_data or args.resume, "--allow_changed_data applies to --resume only"),
         (pos(args.temperature), f"--temperature must be > 0, got {args.temperature}"),
         (args.sts_dir is None or Path(args.sts_dir).is_dir(), f"--sts_dir: no such folder: {args.sts_dir}"),
     ]
@@ -381,12 +385,13 @@ def parse_args(parser, argv=None) -> argparse.Namespace:
 def effective_config(args) -> dict:
     """The options of a run as a config file holds them, so that ``--config`` of it repeats the
     run: every fastcl option that has a value and every training argument set away from its
-    default (local paths absolute), but ``--resume`` and other methods' options."""
+    default (local paths absolute), but ``--resume``, ``--allow_changed_data`` and other
+    methods' options."""
     defaults = {f.name: f.default_factory() if f.default is MISSING and f.default_factory is not MISSING
                 else f.default for f in fields(Arguments)}
     config = {}
     for key, value in vars(args).items():
-        if key in ("config", "resume") or value is None:
+        if key in ("config", "resume", "allow_changed_data") or value is None:
             continue
         if key in FASTCL:
             if key in METHOD_OPTIONS and args.method not in METHOD_OPTIONS[key][0] or \
