@@ -457,6 +457,9 @@ def check_data(args, out: Path, dataset, resumed: bool) -> None:
     """Record the training data's fingerprint in ``out/DATA_RECORD``; on a resume, first
     compare it with the recorded one: changed data is an error naming the file, unless
     ``--allow_changed_data`` (a resume on other data trains on other batches)."""
+    if not Path(args.data).exists():   # a dataset name: the fingerprint of its rows
+        import datasets
+        dataset = datasets.Dataset.from_dict(dataset.to_dict())
     now = files.data_fingerprint(args.data, dataset)
     record = out / DATA_RECORD
     if resumed and not record.is_file():
