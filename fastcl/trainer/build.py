@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .. import common
+from .. import common, files
 from ..encoders import _hub_error, _looks_like_path
 
 try:
@@ -58,6 +58,7 @@ FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),
                    "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
 MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")   # the packaged weights
 DEV = "dev"   # the dev evaluator's metrics: eval_dev_<task>, eval_dev_avg
+CHECKPOINT_PREFIX = "checkpoint-"
 
 
 def world_size() -> int:
@@ -235,6 +236,63 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
     return st.AugmentedPositives(loss, o["augment"]) if o["augment"] else loss
 
 
+def _trainer_class():
+    try:
+        from sentence_transformers.sentence_transformer.trainer import SentenceTransformerTrainer
+    except ImportError:  # pragma: no cover - older releases
+        from sentence_transformers import SentenceTransformerTrainer
+    try:  # transformers ≥ 5: a function; before, the trainer's method
+        from transformers.trainer_utils import rotate_checkpoints
+    except ImportError:  # pragma: no cover - older releases
+        rotate_checkpoints = None
+
+    class Trainer(SentenceTransformerTrainer):
+        """sentence-transformers' trainer whose checkpoints carry a manifest: written once the
+        checkpoint is complete, before the rotation removes older checkpoints, so a crash at
+        any point leaves at least one complete checkpoint. Before each checkpoint ``guard()``
+        checks that the run writes through no link; a checkpoint holds the model with its
+        own input limit ``export_max_seq_length`` (as its dev score measured it), not the
+        training cut; a failed write (a full disk) is one error naming the folder."""
+
+        guard = None
+        export_max_seq_length = None
+
+        def _save_checkpoint(self, model, trial):
+            folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
+            if self.args.should_save and self.guard is not None:
+                self.guard()
+            limit, self.args.save_total_limit = self.args.save_total_limit, None
+            own = getattr(self.model, "_orig_mod", self.model)
+            cut = own.max_seq_length
+            if self.export_max_seq_length is not None:
+                own.max_seq_length = self.export_max_seq_length
+            try:
+                super()._save_checkpoint(model, trial)
+            except (OSError, RuntimeError) as err:
+                failure = files.write_failure(err, folder)
+                if failure is None:
+                    raise
+                raise OSError(f"{failure}; the checkpoint is incomplete (it has no manifest: "
+                              "--resume removes it and takes the one before); free space and "
+                              "continue with --resume") from err
+            finally:
+                self.args.save_total_limit = limit
+                own.max_seq_length = cut
+            if self.args.should_save:
+                files.crash_point("checkpoint-manifest")
+                files.write_manifest(folder)
+            if self.args.world_size > 1:
+                import torch.distributed as dist
+                dist.barrier()
+            if self.args.should_save and rotate_checkpoints is not None:
+                rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+            elif self.args.should_save:  # pragma: no cover - older releases
+                self._rotate_checkpoints(use_mtime=False, output_dir=str(folder.parent))
+
+    return Trainer
+
+
 def _callbacks():
     from transformers import TrainerCallback
 
@@ -291,6 +349,5 @@ def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=Non
         sharded = args.deepspeed or args.fsdp
         if args.load_best_model_at_end and not sharded:
             callbacks.append(keep_base(model))
-    from .run import _trainer_class
     return _trainer_class()(model=model, args=args, train_dataset=dataset, loss=loss,
                            evaluator=evaluator, callbacks=callbacks)

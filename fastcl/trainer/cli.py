@@ -25,7 +25,7 @@ from .. import augment, common
 from ..data import parse_columns
 from ..encoders import POOLERS
 from ..files import replace_text
-from .build import METHOD_OPTIONS, METHODS, SUPERVISED, FAMILY_DEFAULTS, Arguments, check_objective, world_size
+from .build import METHOD_OPTIONS, METHODS, SUPERVISED, Arguments, check_objective, world_size
 
 CONFIG_FILE = "fastcl_config.yaml"   # the run's options, written into --output_dir
 RECIPE = "recipe:"                   # --config recipe:NAME: a recipe shipped with fastcl
@@ -160,7 +160,7 @@ def _require(parser, ok: bool, message: str) -> None:
 def resolve_args(parser, args) -> argparse.Namespace:
     """Fill the defaults that depend on other options and check every rule between them;
     errors name the option."""
-    _require(parser, args.method is not None, f"the following arguments are required: --method")
+    _require(parser, args.method is not None, "the following arguments are required: --method")
     supervised = args.method in SUPERVISED
     try:
         check_objective(args.method, {k: getattr(args, k) for k in METHOD_OPTIONS})

@@ -36,76 +36,20 @@ from unittest import mock
 from .. import files
 from ..files import MANIFEST, LockedError, OutputLock, DamagedError
 from . import build
+from .build import CHECKPOINT_PREFIX
 from ..evaluate import load_task
-from .cli import (CONFIG_FILE, FAMILY_DEFAULTS, RUN_DEFINING, SAMPLES, build_parser, effective_config,
+from .build import FAMILY_DEFAULTS
+from .cli import (CONFIG_FILE, RUN_DEFINING, SAMPLES, build_parser, effective_config,
                   parse_args, resolve_args, training_arguments, write_config)
 from .logs import LOG, append_log, json_safe, read_log, truncate_log, write_plots
 
 PROG = "fastcl-train"
 MODEL_DIR = "model"
 RESULTS = "train_results.json"   # written last: a finished run
-CHECKPOINT_PREFIX = "checkpoint-"
 DATA_RECORD = "fastcl_data.json"  # the training data's fingerprint (files.data_fingerprint)
 # What a fastcl run writes at the top of its folder, besides checkpoint-N/.
 OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, DATA_RECORD, "loss_curve.png", "dev_curve.png",
        "align_uniform.png", "runs", "eval")
-
-
-def _trainer_class():
-    try:
-        from sentence_transformers.sentence_transformer.trainer import SentenceTransformerTrainer
-    except ImportError:  # pragma: no cover - older releases
-        from sentence_transformers import SentenceTransformerTrainer
-    try:  # transformers ≥ 5: a function; before, the trainer's method
-        from transformers.trainer_utils import rotate_checkpoints
-    except ImportError:  # pragma: no cover - older releases
-        rotate_checkpoints = None
-
-    class Trainer(SentenceTransformerTrainer):
-        """sentence-transformers' trainer whose checkpoints carry a manifest: written once the
-        checkpoint is complete, before the rotation removes older checkpoints, so a crash at
-        any point leaves at least one complete checkpoint. Before each checkpoint ``guard()``
-        checks that the run writes through no link; a checkpoint holds the model with its
-        own input limit ``export_max_seq_length`` (as its dev score measured it), not the
-        training cut; a failed write (a full disk) is one error naming the folder."""
-
-        guard = None
-        export_max_seq_length = None
-
-        def _save_checkpoint(self, model, trial):
-            folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
-            if self.args.should_save and self.guard is not None:
-                self.guard()
-            limit, self.args.save_total_limit = self.args.save_total_limit, None
-            own = getattr(self.model, "_orig_mod", self.model)
-            cut = own.max_seq_length
-            if self.export_max_seq_length is not None:
-                own.max_seq_length = self.export_max_seq_length
-            try:
-                super()._save_checkpoint(model, trial)
-            except (OSError, RuntimeError) as err:
-                failure = files.write_failure(err, folder)
-                if failure is None:
-                    raise
-                raise OSError(f"{failure}; the checkpoint is incomplete (it has no manifest: "
-                              "--resume removes it and takes the one before); free space and "
-                              "continue with --resume") from err
-            finally:
-                self.args.save_total_limit = limit
-                own.max_seq_length = cut
-            if self.args.should_save:
-                files.crash_point("checkpoint-manifest")
-                files.write_manifest(folder)
-            if self.args.world_size > 1:
-                import torch.distributed as dist
-                dist.barrier()
-            if self.args.should_save and rotate_checkpoints is not None:
-                rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
-            elif self.args.should_save:  # pragma: no cover - older releases
-                self._rotate_checkpoints(use_mtime=False, output_dir=str(folder.parent))
-
-    return Trainer
 
 
 def _log_callback(out: Path):
