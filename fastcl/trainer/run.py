@@ -1,27 +1,12 @@
-"""One training run on ``SentenceTransformerTrainer``, and what fastcl adds to it.
-
-sentence-transformers and transformers do the training: the loop, precision, accumulation,
-scheduling, the batch sampler, several processes, callbacks, trackers, checkpoints
-(``OUT/checkpoint-N``: model, optimizer, scheduler, every process's random states) and resume.
-fastcl adds:
-
-- **its losses and evaluator**: :func:`.build.build_trainer`; the dev evaluation runs at step 0
-  and the last step too, and the best of them all is saved: a run that never beats its base
-  model saves the base model and says so (on the console and in the model card);
-- **one run per folder**: an exclusive lock (:class:`fastcl.files.OutputLock`); a non-empty
-  folder that is not a fastcl run is refused (``--allow_nonempty_output_dir`` trains there
-  without removing anything), a finished run is not overwritten without
-  ``--overwrite_output_dir``, and nothing is ever removed through a link;
-- **checkpoints that prove they are whole**: each ``checkpoint-N`` gets a manifest of its
-  files' SHA-256, written last, before older checkpoints are rotated out. ``--resume`` takes
-  the newest complete checkpoint (a newer one a crash left incomplete is removed) and refuses
-  a damaged one, naming the file;
-- **the saved model**: ``OUT/model``, a plain sentence-transformers folder (no links, SimCSE's
-  training-only MLP dropped, the model's own input limit), staged beside it and swapped in
-  whole (:func:`fastcl.files.swap_in`);
-- **a stop that keeps the work**: the first SIGINT/SIGTERM ends training after the step in
-  progress with a checkpoint of that step;
-- ``train_log.jsonl`` (every logged step and evaluation) and its plots.
+"""One training run on ``SentenceTransformerTrainer`` (built by :func:`.build.build_trainer`),
+and what fastcl adds to it: the dev evaluation at step 0, every ``--eval_steps`` and the end,
+the best of them all saved (a run that never beats its base model saves the base model and
+says so, on the console and in the model card); one run per folder (a lock; a foreign or
+finished folder refused unless asked; never a write through a link); checkpoints that prove
+they are whole (a manifest of their files' SHA-256; ``--resume`` takes the newest complete
+one, refuses a damaged or crafted one, and a changed training set); the saved model
+``OUT/model`` (a plain sentence-transformers folder, staged and swapped in whole); a first
+SIGINT/SIGTERM that ends training with a checkpoint of its step; ``train_log.jsonl`` and plots.
 """
 
 from __future__ import annotations
@@ -381,8 +366,7 @@ def _evaluator(args, main_process: bool):
     tasks = []
     for task in DEV:
         try:
-            task_source(args.sts_dir, task)
-            tasks.append(task)
+            tasks.append(task_source(args.sts_dir, task) and task)
         except FileNotFoundError:
             pass
     if not tasks:
@@ -492,6 +476,9 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     state = trainer_state(Path(checkpoint)) if checkpoint else None
     if state is not None and training_finished(state, args):
         _finish_without_training(trainer, args, out, Path(checkpoint))
+        for callback in trainer.callback_handler.callbacks:   # step 0 competes here too
+            if type(callback).__name__ == "KeepBase":
+                callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
     else:
         trainer.train(resume_from_checkpoint=checkpoint)
     if stop.signum:
