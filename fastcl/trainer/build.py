@@ -178,8 +178,8 @@ def examples(dataset, method: str, hard_negative_weight: float = 0.0):
         text = "anchor" if "anchor" in names else "text" if "text" in names else names[0] if len(names) == 1 else None
         if text is None:
             raise ValueError(f"{method} trains on one text column, got columns {', '.join(names)}")
-        return dataset.select_columns([text]).rename_column(text, "anchor").map(
-            lambda row: {"positive": row["anchor"]})
+        dataset = dataset.select_columns([text]).rename_column(text, "anchor")
+        return dataset.add_column("positive", dataset["anchor"])
     dataset = dataset.rename_columns({k: v for k, v in (("sent0", "anchor"), ("sent1", "positive"),
                                                           ("hard_neg", "negative")) if k in names})
     if hard_negative_weight and "negative" not in dataset.column_names:
