@@ -334,12 +334,12 @@ def data_fingerprint(data, dataset=None) -> dict:
     ``BLOCK`` bytes; a dataset name by the loaded ``dataset``'s own fingerprint."""
     path = Path(data)
     if path.is_file():
-        return {"files": {path.name: _file_print(path)}}
+        return {"kind": "file", "files": {path.name: _file_print(path)}}
     if path.is_dir():
         found = sorted(p for p in path.rglob("*") if p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        return {"files": {p.relative_to(path).as_posix(): _file_print(p) for p in found}}
-    return {"dataset": str(data), "fingerprint": getattr(dataset, "_fingerprint", None)}
+        return {"kind": "folder", "files": {p.relative_to(path).as_posix(): _file_print(p) for p in found}}
+    return {"kind": "dataset", "dataset": str(data), "fingerprint": getattr(dataset, "_fingerprint", None)}
 
 
 def fingerprint_changes(data, saved: dict, now: dict) -> list:
@@ -351,7 +351,7 @@ def fingerprint_changes(data, saved: dict, now: dict) -> list:
                     f"at the start, {now.get('fingerprint')} now)"]
         return []
     path = Path(data)
-    where = (lambda name: path) if path.is_file() else (lambda name: path / name)
+    where = (lambda name: path) if now.get("kind") == "file" else (lambda name: path / name)
     changes = []
     before, after = saved["files"], now["files"]
     for name in sorted(set(before) | set(after)):
