@@ -12,10 +12,17 @@ fastcl adds:
   folder that is not a fastcl run is refused (``--allow-nonempty-output-dir`` trains there
   without removing anything), a finished run is not overwritten without
   ``--overwrite-output-dir``, and nothing is ever removed through a link;
+- **writes inside the run only**: before training and before each checkpoint and the export,
+  every entry the run (or sentence-transformers' trainer) writes is checked to hold no link
+  (:func:`guard_links`): a link is refused naming it; ``--overwrite-output-dir`` unlinks it;
 - **checkpoints that prove they are whole**: each ``checkpoint-N`` gets a manifest of its
   files' SHA-256, written last, before older checkpoints are rotated out. ``--resume`` takes
   the newest complete checkpoint (a newer one a crash left incomplete is removed) and refuses
-  a damaged one, naming the file;
+  a damaged or crafted one (each file must load as data, nothing of a pickle runs), naming
+  the file; a checkpoint keeps the model's own input limit, as its dev score measured it;
+- **a resume that lands where the run would have**: on the same data (its fingerprint,
+  ``fastcl_data.json``; ``--allow-changed-data`` overrides), and a run whose training had
+  ended (killed while exporting) only exports, running no step past the last;
 - **the saved model**: ``OUT/model``, a plain sentence-transformers folder (no links, SimCSE's
   training-only MLP dropped, the model's own input limit), staged beside it and swapped in
   whole (:func:`fastcl.files.swap_in`);
