@@ -640,6 +640,22 @@ def test_resume_refuses_changed_data_naming_the_file(tiny, tmp_path, monkeypatch
     assert f"continuing on changed data: {data} changed" in capsys.readouterr().err
 
 
+def test_the_data_record_of_a_resume(tmp_path, capsys):
+    """A run an earlier fastcl wrote has no record: its resume says the data is not compared,
+    and records it; a damaged record is an error naming it."""
+    from argparse import Namespace
+    data, out = tmp_path / "d.txt", tmp_path / "out"
+    data.write_text("a\nb\n")
+    out.mkdir()
+    args = Namespace(data=str(data), allow_changed_data=False)
+    train.check_data(args, out, None, resumed=True)
+    assert "fastcl_data.json is missing (a run of an earlier fastcl)" in capsys.readouterr().err
+    train.check_data(args, out, None, resumed=True)  # recorded: the same data passes
+    (out / train.DATA_RECORD).write_text("[1")
+    with pytest.raises(files.DamagedError, match=f"{out / train.DATA_RECORD} is damaged"):
+        train.check_data(args, out, None, resumed=True)
+
+
 def test_the_data_fingerprint_sees_each_kind_of_change(tmp_path):
     folder = tmp_path / "parts"
     folder.mkdir()
