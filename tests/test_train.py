@@ -29,7 +29,7 @@ from test_evaluate import DATA, make_tiny_model, minilm_path, needs_data, random
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
 
-pytestmark = pytest.mark.usefixtures("one_thread", "outside")
+pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # nothing written outside tmp_path
 
 
 @pytest.fixture(scope="module")
