@@ -548,15 +548,22 @@ def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_nothing_runs(stopped, t
     ("trainer_state.json:{\"global_step\": 3, \"max_steps\": 4}", r"trainer_state.json is damaged: not the trainer state of step 4 \(global_step: 3"),
     ("model.safetensors:not a safetensors file", r"checkpoint-4/model.safetensors cannot be loaded"),
     ("scheduler.pt:", r"checkpoint-4/scheduler.pt cannot be loaded"),
+    ("trainer_state.json:{\"global_step\": 4, \"max_steps\": 4, \"log_history\": [], \"x\": 1}",
+     r"trainer_state.json is damaged: .*unexpected keyword argument 'x'"),
+    ("rng_state.pth", r"checkpoint-4/rng_state.pth is damaged: it holds no python, numpy, cpu"),
+    ("optimizer.pt", r"checkpoint-4/optimizer.pt is damaged: it holds no param_groups"),
 ])
 def test_a_crafted_or_damaged_checkpoint_file_is_one_line_naming_it(stopped, tmp_path, damage, message):
     out, argv = copy_run(stopped, tmp_path / "damaged")
     folder = out / "checkpoint-4"
     if isinstance(damage, dict):  # a manifest of another shape
         (folder / files.MANIFEST).write_text(json.dumps(damage))
-    else:  # a file's content replaced, the manifest rewritten to match
+    elif ":" in damage:  # a file's content replaced, the manifest rewritten to match
         name, _, text = damage.partition(":")
         (folder / name).write_text(text)
+        files.write_manifest(folder)
+    else:  # tensors, not what transformers reads there
+        torch.save({"state": {}}, folder / damage)
         files.write_manifest(folder)
     with pytest.raises(SystemExit) as err:
         train.main(argv + ["--resume"])

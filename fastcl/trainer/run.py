@@ -307,7 +307,8 @@ def resume_point(out: Path, main_process: bool) -> Path:
                 return path
             continue
         if files.verify_manifest(path):
-            files.check_loadable(path)  # a crafted file (its manifest rewritten) is refused too
+            # a crafted file (its manifest rewritten to match) is refused too
+            files.check_loadable(path, TRAINING_STATE)
             trainer_state(path)
             return path
         _say(f"removed {path}: a checkpoint whose writing was interrupted")
@@ -316,6 +317,9 @@ def resume_point(out: Path, main_process: bool) -> Path:
 
 
 STATE = "trainer_state.json"
+# What transformers reads of a checkpoint's training state when it resumes.
+# (trainer_state.json: trainer_state)
+TRAINING_STATE = {"optimizer.pt": ("state", "param_groups"), "rng_state*.pth": ("python", "numpy", "cpu")}
 
 
 def trainer_state(checkpoint: Path) -> dict:
@@ -335,6 +339,11 @@ def trainer_state(checkpoint: Path) -> dict:
         raise DamagedError(f"{path} is damaged: not the trainer state of step {step} "
                            f"(global_step: {shown!r}, max_steps: "
                            f"{state.get('max_steps') if isinstance(state, dict) else None!r})")
+    from transformers import TrainerState
+    try:  # as transformers reads it
+        TrainerState(**state)
+    except TypeError as err:
+        raise DamagedError(f"{path} is damaged: {err}") from None
     return state
 
 
