@@ -262,18 +262,18 @@ def _tensor_globals():
         return contextlib.nullcontext()
 
 
-def _load_tensors(path: Path) -> None:
+def _load_tensors(path: Path):
     import warnings
 
     import torch
     with _tensor_globals(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's note on an unusual pickle protocol
         try:  # mapped, not read: an optimizer's state can be large
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as err:
             if "mmap" not in str(err):
                 raise
-            torch.load(path, map_location="cpu", weights_only=True)  # not a zip file
+            return torch.load(path, map_location="cpu", weights_only=True)  # not a zip file
 
 
 def _reason(err: BaseException) -> str:
@@ -289,27 +289,37 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}" + (f": {text[:300]}" if text else "")
 
 
-def check_loadable(folder) -> None:
+def check_loadable(folder, keys: dict | None = None) -> None:
     """Check that each file of ``folder`` parses as what its name says: ``.json`` as JSON,
     ``.safetensors`` by its header, ``.pt``/``.pth``/``.bin`` by ``torch.load`` with
     ``weights_only=True`` (tensors and plain containers: a pickle that would run code, or
-    that is cut short, is refused before anything of it runs). Raises :class:`DamagedError`
-    naming the file and what is wrong."""
+    that is cut short, is refused before anything of it runs); a file whose name matches a
+    pattern of ``keys`` (``fnmatch``) must hold a mapping with those keys. Raises
+    :class:`DamagedError` naming the file and what is wrong."""
+    import fnmatch
+
     folder = Path(folder)
     for name in _files(folder):
         path = folder / name
         suffix = path.suffix
         try:
             if suffix == ".json":
-                json.loads(path.read_text(encoding="utf-8"))
+                value = json.loads(path.read_text(encoding="utf-8"))
             elif suffix == ".safetensors":
                 from safetensors import safe_open
                 with safe_open(str(path), framework="pt") as f:
-                    list(f.keys())
+                    value = dict.fromkeys(f.keys())
             elif suffix in (".pt", ".pth", ".bin") and path.name not in NOT_LOADED:
-                _load_tensors(path)
+                value = _load_tensors(path)
+            else:
+                continue
         except Exception as err:  # noqa: BLE001 - whatever the parser says, as one line
             raise DamagedError(f"{path} cannot be loaded: {_reason(err)}") from None
+        for pattern, needed in (keys or {}).items():
+            if fnmatch.fnmatch(name, pattern):
+                missing = [k for k in needed if not isinstance(value, dict) or k not in value]
+                if missing:
+                    raise DamagedError(f"{path} is damaged: it holds no {', '.join(missing)}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -334,12 +344,12 @@ def data_fingerprint(data, dataset=None) -> dict:
     ``BLOCK`` bytes; a dataset name by the loaded ``dataset``'s own fingerprint."""
     path = Path(data)
     if path.is_file():
-        return {"files": {path.name: _file_print(path)}}
+        return {"kind": "file", "files": {path.name: _file_print(path)}}
     if path.is_dir():
         found = sorted(p for p in path.rglob("*") if p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        return {"files": {p.relative_to(path).as_posix(): _file_print(p) for p in found}}
-    return {"dataset": str(data), "fingerprint": getattr(dataset, "_fingerprint", None)}
+        return {"kind": "folder", "files": {p.relative_to(path).as_posix(): _file_print(p) for p in found}}
+    return {"kind": "dataset", "dataset": str(data), "fingerprint": getattr(dataset, "_fingerprint", None)}
 
 
 def fingerprint_changes(data, saved: dict, now: dict) -> list:
@@ -351,7 +361,7 @@ def fingerprint_changes(data, saved: dict, now: dict) -> list:
                     f"at the start, {now.get('fingerprint')} now)"]
         return []
     path = Path(data)
-    where = (lambda name: path) if path.is_file() else (lambda name: path / name)
+    where = (lambda name: path) if now.get("kind") == "file" else (lambda name: path / name)
     changes = []
     before, after = saved["files"], now["files"]
     for name in sorted(set(before) | set(after)):

@@ -29,7 +29,7 @@ from test_evaluate import DATA, make_tiny_model, minilm_path, needs_data, random
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
 
-pytestmark = pytest.mark.usefixtures("one_thread", "outside")
+pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # nothing written outside tmp_path
 
 
 @pytest.fixture(scope="module")
@@ -612,15 +612,22 @@ def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_nothing_runs(stopped, t
     ("trainer_state.json:{\"global_step\": 3, \"max_steps\": 4}", r"trainer_state.json is damaged: not the trainer state of step 4 \(global_step: 3"),
     ("model.safetensors:not a safetensors file", r"checkpoint-4/model.safetensors cannot be loaded"),
     ("scheduler.pt:", r"checkpoint-4/scheduler.pt cannot be loaded"),
+    ("trainer_state.json:{\"global_step\": 4, \"max_steps\": 4, \"log_history\": [], \"x\": 1}",
+     r"trainer_state.json is damaged: .*unexpected keyword argument 'x'"),
+    ("rng_state.pth", r"checkpoint-4/rng_state.pth is damaged: it holds no python, numpy, cpu"),
+    ("optimizer.pt", r"checkpoint-4/optimizer.pt is damaged: it holds no param_groups"),
 ])
 def test_a_crafted_or_damaged_checkpoint_file_is_one_line_naming_it(stopped, tmp_path, damage, message):
     out, argv = copy_run(stopped, tmp_path / "damaged")
     folder = out / "checkpoint-4"
     if isinstance(damage, dict):  # a manifest of another shape
         (folder / files.MANIFEST).write_text(json.dumps(damage))
-    else:  # a file's content replaced, the manifest rewritten to match
+    elif ":" in damage:  # a file's content replaced, the manifest rewritten to match
         name, _, text = damage.partition(":")
         (folder / name).write_text(text)
+        files.write_manifest(folder)
+    else:  # tensors, not what transformers reads there
+        torch.save({"state": {}}, folder / damage)
         files.write_manifest(folder)
     with pytest.raises(SystemExit) as err:
         train.main(argv + ["--resume"])
@@ -702,6 +709,22 @@ def test_resume_refuses_changed_data_naming_the_file(tiny, tmp_path, monkeypatch
     assert "--allow_changed_data" in message and "\n" not in message
     assert train.main(argv + ["--resume", "--allow-changed-data"]) == 0
     assert f"continuing on changed data: {data} changed" in capsys.readouterr().err
+
+
+def test_the_data_record_of_a_resume(tmp_path, capsys):
+    """A run an earlier fastcl wrote has no record: its resume says the data is not compared,
+    and records it; a damaged record is an error naming it."""
+    from argparse import Namespace
+    data, out = tmp_path / "d.txt", tmp_path / "out"
+    data.write_text("a\nb\n")
+    out.mkdir()
+    args = Namespace(data=str(data), allow_changed_data=False)
+    train.check_data(args, out, None, resumed=True)
+    assert "fastcl_data.json is missing (a run of an earlier fastcl)" in capsys.readouterr().err
+    train.check_data(args, out, None, resumed=True)  # recorded: the same data passes
+    (out / train.DATA_RECORD).write_text("[1")
+    with pytest.raises(files.DamagedError, match=f"{out / train.DATA_RECORD} is damaged"):
+        train.check_data(args, out, None, resumed=True)
 
 
 def test_the_data_fingerprint_sees_each_kind_of_change(tmp_path):

@@ -19,7 +19,7 @@ from fastcl.trainer.logs import read_log
 from test_evaluate import random_sentence
 from test_train import ROOT, base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread", "outside")
+pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # nothing written outside tmp_path
 
 
 @pytest.fixture(autouse=True)

@@ -2,11 +2,14 @@
 and what fastcl adds to it: the dev evaluation at step 0, every ``--eval_steps`` and the end,
 the best of them all saved (a run that never beats its base model saves the base model and
 says so, on the console and in the model card); one run per folder (a lock; a foreign or
-finished folder refused unless asked; never a write through a link); checkpoints that prove
-they are whole (a manifest of their files' SHA-256; ``--resume`` takes the newest complete
-one, refuses a damaged or crafted one, and a changed training set); the saved model
-``OUT/model`` (a plain sentence-transformers folder, staged and swapped in whole); a first
-SIGINT/SIGTERM that ends training with a checkpoint of its step; ``train_log.jsonl`` and plots.
+finished folder refused unless asked); writes inside the run only (every entry the run
+writes is checked for links before training, each checkpoint and the export:
+:func:`guard_links`); checkpoints that prove they are whole (a manifest of their files'
+SHA-256, the model's own input limit; ``--resume`` takes the newest complete one and refuses a
+damaged or crafted one, naming the file, and a changed training set: ``fastcl_data.json``);
+a run killed after its last step only exports on ``--resume``; the saved model ``OUT/model``
+(a plain sentence-transformers folder, staged and swapped in whole); a first SIGINT/SIGTERM
+that ends training with a checkpoint of its step; ``train_log.jsonl`` and plots.
 """
 
 from __future__ import annotations
@@ -234,7 +237,8 @@ def resume_point(out: Path, main_process: bool) -> Path:
                 return path
             continue
         if files.verify_manifest(path):
-            files.check_loadable(path)  # a crafted file (its manifest rewritten) is refused too
+            # a crafted file (its manifest rewritten to match) is refused too
+            files.check_loadable(path, TRAINING_STATE)
             trainer_state(path)
             return path
         _say(f"removed {path}: a checkpoint whose writing was interrupted")
@@ -243,6 +247,9 @@ def resume_point(out: Path, main_process: bool) -> Path:
 
 
 STATE = "trainer_state.json"
+# What transformers reads of a checkpoint's training state when it resumes.
+# (trainer_state.json: trainer_state)
+TRAINING_STATE = {"optimizer.pt": ("state", "param_groups"), "rng_state*.pth": ("python", "numpy", "cpu")}
 
 
 def trainer_state(checkpoint: Path) -> dict:
@@ -262,6 +269,11 @@ def trainer_state(checkpoint: Path) -> dict:
         raise DamagedError(f"{path} is damaged: not the trainer state of step {step} "
                            f"(global_step: {shown!r}, max_steps: "
                            f"{state.get('max_steps') if isinstance(state, dict) else None!r})")
+    from transformers import TrainerState
+    try:  # as transformers reads it
+        TrainerState(**state)
+    except TypeError as err:
+        raise DamagedError(f"{path} is damaged: {err}") from None
     return state
 
 
