@@ -86,7 +86,9 @@ rewritten after every case, so a run cut short keeps the targets it measured.
 ``--explain N`` prints fastcl's analytic cost model of one GPU infonce forward+backward at
 N=M (``bench/_explain.py``: per-chunk stages, launches, bytes and predicted time of the design
 as built, on ``--explain-device``, with ``--target-d`` and ``--target-dtype``). It is a model, not
-a measurement, and needs no GPU.
+a measurement, and needs no GPU. Below it: the gradient-filtering fractions measured on real
+embeddings (``bench/grad_filter.py``'s ``bench/results/cpu-grad-filter.json``) and the FLOPs
+skipping those tiles would save at that N.
 
 Outputs: a table (with a progress bar while it runs), ``<out>/<device>-<date>.json``
 and ``.csv`` (device, CPU/GPU model, versions, the exact command) and PNG plots
