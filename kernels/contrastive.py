@@ -713,6 +713,8 @@ def triton_tangent(u, x, inv_x, scale, out, x_hat=None, bounded=None):
         return out
     inv_z, pos_coef, keys, first_pos, dk = bounded if bounded is not None else (
         inv_x, inv_x, x, 0, out)                     # never read
+    if dk is None:        # the candidates take no gradient: dk is written with x_hat only
+        dk = out
     _tangent_kernel[(rows,)](
         u, x, inv_x, scale, out, x_hat if x_hat is not None else out,
         inv_z, pos_coef, keys, dk,

@@ -26,6 +26,7 @@ import fastcl
 from fastcl import common, reference
 
 from conftest import TOL, correlated, loss_and_grads, make
+from conftest import objectives as conftest_objectives
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed")
@@ -576,3 +577,48 @@ def test_released_names_every_extra_option():
 def test_bad_arguments_are_named(call, error, match):
     with pytest.raises(error, match=match):
         call(Batch(6, 8))
+
+
+#: Every objective of conftest.objectives, and the layout rules (MNRL's directions with a
+#: hard negative each, GIST's guide): ``f(anchors, positives, extra, **kw)``.
+def _objectives_with_rules(n, k):
+    out = dict(conftest_objectives(n, k))
+    out["mnrl-directions"] = lambda a, p, x, **kw: fastcl.contrastive(
+        a, p, x[:n], directions=("query_to_doc", "query_to_query", "doc_to_query"), **kw)
+    guide = lambda a: tuple(correlated(t, 0.3, seed=9).detach() for t in (a, a))  # noqa: E731
+    out["gist-guide"] = lambda a, p, x, **kw: fastcl.contrastive(
+        a, p, directions=fastcl.layout.gist(True, True), guide=(*guide(a), None, None), **kw)
+    return out
+
+
+REQUIRES_GRAD = list(itertools.product([False, True], repeat=3))
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("name", list(_objectives_with_rules(1, 0)))
+def test_every_requires_grad_combination(name, backend):
+    """Each of anchors, positives and the extra rows (negatives, hard negatives or noise) may
+    or may not take a gradient — a frozen document side, a fixed queue — on every objective:
+    the gradients that exist equal the reference's with all three taking one (float32, the
+    backend's tolerance), and the others are None (issue #42: the Triton launcher crashed
+    when the anchors took a gradient and the positives did not)."""
+    n, k, d = 5, 5, 7
+    fn = _objectives_with_rules(n, k)[name]
+    base = [make(n, d, seed=21), None, make(k, d, seed=22)]
+    base[1] = correlated(base[0], 0.7)
+    leaves = [t.detach().requires_grad_() for t in base]
+    _, want = loss_and_grads(lambda: fn(*leaves, backend="reference"), leaves)
+    tol = TRITON_TOL if backend == "triton" else TOL[torch.float32]
+    for flags in REQUIRES_GRAD:
+        xs = [t.detach().to(TRITON_DEVICE if backend == "triton" else "cpu").requires_grad_(f)
+              for t, f in zip(base, flags)]
+        loss = fn(*xs, backend=backend)
+        if not loss.requires_grad:
+            assert not any(flags[:2]), flags
+            continue
+        loss.backward()
+        for which, x, w, f in zip(("anchors", "positives", "extra"), xs, want, flags):
+            if not f or w is None:
+                assert x.grad is None or not f, (flags, which)
+                continue
+            torch.testing.assert_close(x.grad.cpu(), w, **tol, msg=lambda s: f"{flags} {which}: {s}")
