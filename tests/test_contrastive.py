@@ -400,7 +400,8 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
     """Every flag set the features produce (both directions, the noise update) is one of
     ``VARIANTS``, which the compile check builds for sm_80 and sm_90."""
     from fastcl import tiled
-    from fastcl.kernels.contrastive import VARIANTS, flags
+    from fastcl.kernels.configs import VARIANTS
+    from fastcl.kernels.contrastive import flags
     seen = []
     for name in ("contrastive_loss", "contrastive_forward"):
         original = getattr(tiled, name)
