@@ -110,9 +110,9 @@ def _bce_v(p, is_pos):
 
 @triton.jit
 def _bce_log_not(p):
-    """log(1 − p), accurate for small p, clamped at −100 as torch's BCE (p = 1 gives −100)."""
-    not_p = 1.0 - p
-    log_not = tl.where(p < 1e-4, -p - 0.5 * p * p, tl.log(tl.maximum(not_p, 1e-30)))
+    """log(1 − p) = log1p(−p), clamped at −100 as torch's BCE (p = 1 gives −100)."""
+    not_p = 1.0 - p                          # exact for p ≥ 0.5
+    log_not = tl.where(p <= 0.5, _log1p(-tl.minimum(p, 0.5)), tl.log(tl.maximum(not_p, 1e-30)))
     return tl.where(not_p > 0.0, tl.maximum(log_not, -100.0), -100.0)
 
 
@@ -357,6 +357,10 @@ def _similarity_kernel(
         else:
             e_store = e * (inv_t * ginv_k[None, :])
     else:
+        # the partials leave the positive out (the row kernel adds it, from its logit): the
+        # row's loss log(1 + Σ_{j≠i} e^(l_ij − l_ii)) and 1 − p_ii then keep their digits
+        # where the positive dominates; its stored e is 0 (never read)
+        l = tl.where(is_pos, float("-inf"), l)
         tile_max = tl.max(l, axis=1)
         safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
         e = tl.exp(l - safe_max[:, None])
@@ -399,6 +403,21 @@ def _log1p(x):
     u = 1 + x is undone by the ratio x/(u − 1)."""
     u = 1.0 + x
     return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _softplus(x):
+    """log(1 + e^x) with full relative precision for x ≪ 0 (0 at x = −inf)."""
+    big = x > 20.0
+    return tl.where(big, x, 0.0) + _log1p(tl.exp(tl.where(big, -x, x)))
+
+
+@triton.jit
+def _logaddexp(x, y):
+    """log(e^x + e^y), −inf when both are."""
+    top = tl.maximum(x, y)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    return top + tl.log(tl.exp(x - top) + tl.exp(y - top))
 
 
 @triton.jit
@@ -510,45 +529,67 @@ def _row_kernel(
     else:
         rows_g = first_pos + rows
         side1, g, own_anchor = rows < 0, rows_g, rows_g      # (read with RULES only)
+    # log Σ e^l over the row's columns but its positive (the similarity kernel's partials)
     lse = _row_lse(part_max_ptr, part_sum_ptr, row, T, BLOCK_T)
     scale = 1.0
     if POSITIVES & FLAGS:
         pos = tl.load(pos_ptr + row, mask=row < R_half, other=0.0)
     else:
         pos = 0.0
+    # the row's loss softplus(lse_o − l_ii) = lse − l_ii, and the others' share of its
+    # softmax q = σ(lse_o − l_ii) = 1 − p_ii, without the cancellation of either (a row
+    # without a positive: lse_o is its lse)
+    gap = lse - pos
+    if RULES & FLAGS:
+        # paired: rows i and R_half + i are the two sides of loss row i, with one softmax
+        # over both (joint), or each its own, the loss the mean of the two log-sum-exps
+        # and each side's softmax halved in the gradient (per direction)
+        paired = (rules & PAIRED) != 0
+        one_softmax = paired & ((rules & JOINT) != 0)
+        two_softmaxes = paired & ((rules & JOINT) == 0)
+        twin = tl.where(paired, tl.where(row >= R_half, row - R_half, row + R_half), row)
+        lse_twin = _row_lse(part_max_ptr, part_sum_ptr, twin, T, BLOCK_T)
+        if POSITIVES & FLAGS:
+            # the positive side's twin is an anchor row: its partials leave its positive out
+            twin_pos = tl.load(pos_ptr + twin, mask=(twin < R_half) & (row >= R_half), other=0.0)
+            lse_twin = tl.where((twin < R_half) & (row >= R_half),
+                                _logaddexp(lse_twin, twin_pos), lse_twin)
+        both = _logaddexp(lse, lse_twin)
+        gap = tl.where(one_softmax, both, lse) - pos
+        lse = tl.where(one_softmax, both, lse)
+        scale = tl.where(two_softmaxes, 0.5, 1.0)
+    share = _softplus(gap)
+    others = 1.0 / (1.0 + tl.exp(-gap))
+    if POSITIVES & FLAGS:
+        lse = tl.where(row < R_half, pos + share, lse)    # the full log-sum-exp, for p_ij
+        row_loss = share
+        if RULES & FLAGS:
+            row_loss = tl.where(two_softmaxes, 0.5 * (share + lse_twin - pos), share)
+    else:
+        row_loss = lse
 
     if RELEASED & FLAGS:
-        # BCE on the softmax: v = p/(1−p) off the positive, −1 on it. Pass 1: Σ_j v and
-        # Σ_j log(1−p) (accurate for small p, clamped at −100 like torch's BCE).
+        # BCE on the softmax: v = p/(1−p) off the positive and, with q = 1 − p_ii,
+        # v_ii = −p_ii·q/max(p_ii·q, 1e-12) (−1 unless clamped). Pass 1: Σ_{j≠i} v and
+        # Σ_{j≠i} log(1−p) (accurate for small p, clamped at −100 like torch's BCE).
         v_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         log_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         for c0 in range(0, M, BLOCK_N):
             cols, ok, p, s, is_pos, squared, dropped = _row_probs(
                 t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, n_pos, n_neg,
                 n_noise, rules, inv_t, focal_m, hard_w, hard_beta, FLAGS, TILE_M, BLOCK_N)
-            v_acc += tl.where(ok[None, :], _bce_v(p, is_pos), 0.0)
+            v_acc += tl.where(ok[None, :] & _not(is_pos), _bce_v(p, is_pos), 0.0)
             log_acc += tl.where(ok[None, :] & _not(is_pos), _bce_log_not(p), 0.0)
-        vsum = tl.sum(tl.sum(v_acc, axis=1), axis=0)
-        row_loss = -tl.sum(tl.sum(log_acc, axis=1), axis=0) - tl.maximum(pos - lse, -100.0)
+        v_others = tl.sum(tl.sum(v_acc, axis=1), axis=0)
+        p_pos = 1.0 / (1.0 + tl.exp(gap))
+        v_pos = -(p_pos * others) / tl.maximum(p_pos * others, 1e-12)
+        vsum = v_others + v_pos
+        row_loss = -tl.sum(tl.sum(log_acc, axis=1), axis=0) + tl.minimum(share, 100.0)
+        pos_g = v_pos * others - p_pos * v_others
     else:
         vsum = 0.0
-        row_loss = lse - pos
-        if RULES & FLAGS:
-            # paired: rows i and R_half + i are the two sides of loss row i, with one softmax
-            # over both (joint), or each its own, the loss the mean of the two log-sum-exps
-            # and each side's softmax halved in the gradient (per direction)
-            paired = (rules & PAIRED) != 0
-            one_softmax = paired & ((rules & JOINT) != 0)
-            two_softmaxes = paired & ((rules & JOINT) == 0)
-            twin = tl.where(paired, tl.where(row >= R_half, row - R_half, row + R_half), row)
-            lse_twin = _row_lse(part_max_ptr, part_sum_ptr, twin, T, BLOCK_T)
-            top = tl.maximum(lse, lse_twin)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            both = top + tl.log(tl.exp(lse - top) + tl.exp(lse_twin - top))
-            row_loss = tl.where(one_softmax, both,
-                                tl.where(two_softmaxes, 0.5 * (lse + lse_twin), lse)) - pos
-            lse = tl.where(one_softmax, both, lse)
-            scale = tl.where(two_softmaxes, 0.5, 1.0)
+        # ∂ℓ/∂l_ii = scale·p_ii − 1
+        pos_g = -(scale * others + (1.0 - scale))
     # the positive side has no loss row (a branch: the interpreter of Triton 3.1 takes a
     # scalar mask that is False for no mask at all)
     if row < R_half:
@@ -561,10 +602,10 @@ def _row_kernel(
                 t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, n_pos, n_neg,
                 n_noise, rules, inv_t, focal_m, hard_w, hard_beta, FLAGS, TILE_M, BLOCK_N)
             if RELEASED & FLAGS:
-                grad = (_bce_v(p, is_pos) - p * vsum) * inv_t
+                grad = tl.where(is_pos, pos_g, _bce_v(p, is_pos) - p * vsum) * inv_t
                 grad = tl.where(dropped, 0.0, grad)      # a × 0 logit has no slope in s
             else:
-                grad = tl.where(is_pos, p - 1.0, p)
+                grad = tl.where(is_pos, pos_g, p)
                 if FOCAL & FLAGS:
                     grad = grad * tl.where(squared, 2.0 * s, 2.0 * s + focal_m) * inv_t
                 else:
