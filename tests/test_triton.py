@@ -112,6 +112,28 @@ def test_autotune_timings_keep_every_tuned_key(monkeypatch):
     from triton.runtime.autotuner import Autotuner
     assert "self.configs_timings = " in inspect.getsource(Autotuner)
 
+    # record(): each autotuner fastcl hands out is kept, and a launch that tunes a new key
+    # leaves its times (a stand-in autotuner: no GPU here)
+    from fastcl.kernels import contrastive as kc
+    monkeypatch.setattr(_autotune, "_TIMINGS", {})
+    monkeypatch.setattr(_autotune, "_TUNERS", {})
+    config = SimpleNamespace(kwargs={"BLOCK_R": 64, "BLOCK_D": 32}, num_warps=8, num_stages=3)
+
+    class Tuner:
+        cache, configs, keys, configs_timings = {}, [config], ["M"], {"c": [0.5]}
+
+        def __getitem__(self, grid):
+            def launch(*args):
+                self.cache[args] = "c"
+            return launch
+    monkeypatch.setattr(kc, "_similarity", lambda f, dtype, device: Tuner())
+    assert _autotune.record() and _autotune.record()       # once: a second call changes nothing
+    kc._similarity(None, None, None)[(1,)](7)
+    kc._similarity(None, None, None)[(1,)](7)              # a key tuned before: no new times
+    listed = "_similarity_kernel[(64, 32, 8, 3)]"
+    assert _autotune.chosen_configs() == {listed: {"(7,)": "c"}}
+    assert _autotune.autotune_timings() == {listed: {"M=7": {"c": 0.5}}}
+
 
 # (chunks of one row: tests/test_contrastive.py's test_triton_chunks_every_feature)
 @pytest.mark.parametrize("chunk", [7, 16])
