@@ -399,6 +399,8 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
     or ``{}`` when none is on (plain InfoNCE's layout, no hardness, guide or ids). (Here and
     in the helpers, a row count is compared with 0, never tested for truth: torch.compile
     before torch 2.6 fixes a traced batch size at ``if n``.)"""
+    # checked whatever else is given (a strategy or margin without a guide is a mistake too)
+    check.choice("margin_strategy", margin_strategy, layout.MARGIN_STRATEGIES)
     if (layout.names_plain(directions, partition_mode) and hardness_mode is None
             and guide is None and duplicate_ids is None and anchor_candidates is None):
         return {}          # the plain layout, decided without building one (torch.compile)
@@ -417,7 +419,6 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
     if hardness_strength < 0:
         raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
     guide_margin = check.finite("guide_margin", guide_margin)
-    check.choice("margin_strategy", margin_strategy, layout.MARGIN_STRATEGIES)
     if lay.plain and hardness_mode is None and guide is None and duplicate_ids is None:
         if anchor_candidates is not None:
             raise ValueError("anchor_candidates is read only with directions that score the "

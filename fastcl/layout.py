@@ -81,7 +81,7 @@ def names_plain(directions, partition_mode: str = "joint") -> bool:
     """Whether ``directions`` given by name (and ``partition_mode``) are plain InfoNCE's, told
     without building a :class:`Layout` (which a torch.compile trace cannot) and without
     comparing a Layout with a tuple (where torch.compile before torch 2.6 breaks the graph)."""
-    return (not isinstance(directions, (Layout, str)) and tuple(directions) == ("query_to_doc",)
+    return (isinstance(directions, (tuple, list)) and tuple(directions) == ("query_to_doc",)
             and partition_mode == "joint")
 
 
@@ -92,6 +92,9 @@ def from_directions(directions, partition_mode: str = "joint") -> Layout:
     if isinstance(directions, str):
         raise TypeError(f"directions must be a tuple of names, got the string {directions!r} "
                         f"(write ({directions!r},))")
+    if not isinstance(directions, (tuple, list)):
+        raise TypeError(f"directions must be a tuple of names (or a fastcl.layout.Layout), got "
+                        f"{directions!r}")
     directions = tuple(directions)
     unknown = [d for d in directions if d not in DIRECTIONS]
     if unknown or not directions:

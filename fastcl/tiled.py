@@ -314,7 +314,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     probs = logits                                     # the buffer, as R'×M
     if ep.positives:
         gap = lse[:r] - pos_logit
-        share, others = torch.nn.functional.softplus(gap), torch.sigmoid(gap)
+        share, others = torch.logaddexp(gap, torch.zeros_like(gap)), torch.sigmoid(gap)
         probs[:r].mul_(others[:, None])                # the full softmax, off the positive
         if joint:
             probs[r:].mul_(others[:, None])
@@ -823,6 +823,8 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
     # the positive's entry taken out: where the positive dominates p_ii rounds to 1, and
     # −log p_ii and p_ii − 1 keep no digit; −log1p(−q) and −q keep them all. The
     # positive's entry of H is then 0, its whole term in g (below).
+    if not exact:
+        lse = top - p.amax(dim=1).log_()
     p_pos = p[:r].diagonal(first).clone()
     p[:r].diagonal(first).zero_()
     q = p[:r].sum(dim=1)
@@ -830,7 +832,6 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
     if exact:
         near = -p_pos.log()
     else:
-        lse = top - p.amax(dim=1).log_()
         if ep.paired and ep.layout.joint:
             # rows i and R + i share one softmax, log Σ_{both sides} e^l: each side's own
             # rescaled by e^(lse_side − lse). A positive side may drop every column (the
@@ -1148,6 +1149,13 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
         huge = bool((amax > huge_row_limit(z.dtype, z.shape[1])).any())
     anchors = anchors.detach()
     step = getattr(engine, "noise_step", None) or _noise_step   # the engine's fused step, if any
+    columns = z.shape[0] + (fixed[0].shape[0] if released else 0)
+    if _noise_may_underflow(temperature, columns, z.dtype):
+        with autocast_off(anchors.device):
+            for _ in range(steps):
+                _scaled_noise_step(anchors, fixed[0] if released else None, z, lr, temperature,
+                                   chunk_size, huge)
+        return z
     with autocast_off(anchors.device):
         anchor_norms = _norms(anchors, accumulate_dtype(anchors.dtype))
         for _ in range(steps):
@@ -1161,6 +1169,55 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
             first = raw[1].shape[0] - z.shape[0]     # the released step's h⁺ rows come first
             step(*(x[first:] for x in raw), z, lr, released)
     return z
+
+
+#: The widest logit range ``2/τ_u + ln M`` of DCLR's noise loss whose softmax entries stay
+#: normal numbers (with room for the gradient's factors): float32's e^(−87) is its smallest.
+_NOISE_SPREAD = {torch.float32: 80.0, torch.float64: 700.0}
+
+
+def _noise_may_underflow(temperature: float, columns: int, dtype: torch.dtype) -> bool:
+    """Whether a noise row's every softmax entry can underflow in ``dtype`` (a cosine gap of
+    2 to the rows' top logits at τ_u below ~0.025 in float32), where the engines' update,
+    whose gradient is formed from p itself, would leave the row in place (paper) or zero it
+    (released): :func:`_scaled_noise_step` then takes the step."""
+    return 2.0 / temperature + math.log(max(columns, 1)) > _NOISE_SPREAD.get(dtype, 80.0)
+
+
+def _scaled_noise_step(anchors, positives, z, lr, temperature, chunk_size, huge):
+    """One step of DCLR's noise update in place on ``z``, each row's direction formed from
+    log-weights: ``g_j ∝ Σ_i p_ij ∂s_ij/∂z_j`` with ``p_ij = e^(l_ij − lse_i)`` scaled by
+    ``1/max_i p_ij`` (the exact update's direction, which any positive factor leaves), so a
+    row whose every p_ij underflows still moves by lr. Two chunked passes of torch ops:
+    each anchor's log-sum-exp over ``[h⁺ (released); Z]``, then, Z's rows in chunks, the
+    softmax over the anchors of ``l_ij − lse_i`` (column j's weights, their largest 1) and
+    ``u_j = Σ_i w_ij ĥ_i``, then the chain rule through ẑ and the step as in
+    :func:`_noise_step`."""
+    from .common import project_out_radial, safe_direction, shrink_huge_rows
+    acc = z.dtype
+    unit = lambda x: torch.nn.functional.normalize(shrink_huge_rows(x.to(acc)), dim=1, eps=EPS)  # noqa: E731
+    h = unit(anchors)
+    z_in = shrink_huge_rows(z) if huge else z
+    keys = torch.nn.functional.normalize(z_in, dim=1, eps=EPS)
+    if positives is not None:
+        keys = torch.cat([unit(positives), keys])
+    n, m = h.shape[0], keys.shape[0]
+    budget = DEFAULT_MEMORY_BUDGET.get(h.device.type, DEFAULT_MEMORY_BUDGET["cpu"])
+    rows = chunk_size or max(1, budget // (2 * max(n, m) * h.element_size()))
+    lse = torch.cat([torch.logsumexp(h[r:r + rows] @ keys.T / temperature, dim=1)
+                     for r in range(0, n, rows)])
+    z_hat = keys[m - z.shape[0]:]
+    norm = torch.linalg.vector_norm(z_in, dim=1)
+    for r in range(0, z.shape[0], rows):
+        w = torch.softmax(z_hat[r:r + rows] @ h.T / temperature - lse[None, :], dim=1)
+        u = w @ h
+        # the chain through ẑ = z/max(‖z‖, EPS): no projection where the norm was clamped
+        radial = torch.einsum("jd,jd->j", z_hat[r:r + rows], u).masked_fill_(norm[r:r + rows] <= EPS, 0.0)
+        g = u.addcmul_(z_hat[r:r + rows], radial[:, None], value=-1.0)
+        direction, zero = safe_direction(project_out_radial(g, z_in[r:r + rows]))
+        z[r:r + rows].add_(direction, alpha=lr)
+        if positives is not None:
+            z[r:r + rows].masked_fill_(zero[:, None], 0.0)
 
 
 def _noise_step(u, x, norm, inv_x, z, lr, released):

@@ -32,7 +32,8 @@ from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
     MultipleNegativesRankingLoss)
 
 from fastcl.integrations.sentence_transformers import (  # noqa: E402
-    CachedFastDCLRLoss, CachedFastESCLLoss, CachedFastGISTEmbedLoss, CachedFastInfoNCELoss,
+    CachedFastDCLRLoss, CachedFastESCLLoss, CachedFastFocalInfoNCELoss, CachedFastGISTEmbedLoss,
+    CachedFastInfoNCELoss,
     FastDCLRLoss, FastESCLLoss, FastFocalInfoNCELoss, FastGISTEmbedLoss, FastInfoNCELoss)
 from fastcl.integrations.sentence_transformers._base import preprocess, text_ids  # noqa: E402
 from test_st_cached import (ANCHORS, NEGATIVES, POSITIVES, assert_same, features,  # noqa: E402,F401
@@ -163,6 +164,31 @@ def test_options_are_checked_where_the_loss_is_built(model):
         CachedFastInfoNCELoss(model, mini_batch_num_tokens=0)
     with pytest.raises(TypeError, match="string"):
         fastcl.contrastive(*_embeddings(2), directions="query_to_doc")
+
+
+@pytest.mark.parametrize("build,error,match", [
+    (lambda m: FastFocalInfoNCELoss(m, m=float("nan")), ValueError, "^m must be finite"),
+    (lambda m: FastFocalInfoNCELoss(m, temperature=True), TypeError, "temperature must be a real"),
+    (lambda m: CachedFastFocalInfoNCELoss(m, m=float("inf")), ValueError, "^m must be finite"),
+    (lambda m: FastDCLRLoss(m, m, phi=2), ValueError, "phi is a cosine threshold"),
+    (lambda m: FastDCLRLoss(m, None, noise_steps=-1), ValueError, "noise_steps must be"),
+    (lambda m: FastDCLRLoss(m, None, formulation="authors"), ValueError, "formulation must be"),
+    (lambda m: CachedFastDCLRLoss(m, m, phi=-1.5), ValueError, "phi is a cosine threshold"),
+    (lambda m: FastESCLLoss(m, weight=float("inf")), ValueError, "weight must be finite"),
+    (lambda m: FastESCLLoss(m, rd="hinge"), ValueError, "rd must be one of"),
+    (lambda m: CachedFastESCLLoss(m, weight=float("nan")), ValueError, "weight must be finite"),
+    (lambda m: FastInfoNCELoss(m, hard_negative_weight=float("nan")), ValueError,
+     "hard_negative_weight must be finite"),
+    (lambda m: FastGISTEmbedLoss(m, m, temperature=True), TypeError, "temperature must be a real"),
+], ids=["focal-m", "focal-temperature", "cached-focal-m", "dclr-phi", "dclr-steps",
+        "dclr-formulation", "cached-dclr-phi", "escl-weight", "escl-rd", "cached-escl-weight",
+        "infonce-weight", "gist-temperature"])
+def test_arguments_are_refused_where_the_loss_is_built(model, build, error, match):
+    """One policy: a bad argument fails where the loss is built, naming the argument as that
+    class calls it (issue #42: m=nan, phi=2, weight=inf ran until the first step, and the
+    focal loss's error named focal_m)."""
+    with pytest.raises(error, match=match):
+        build(model)
 
 
 # ---------------------------------------------------------------------------------------

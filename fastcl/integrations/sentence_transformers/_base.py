@@ -128,7 +128,7 @@ def number(name: str, value, *, positive: bool = False) -> float:
     """A real-number argument checked where the loss is built, so a bad one fails there with its
     name, not at the first step: finite (and > 0 with ``positive``); a string or a bool is a
     mistake, not a number."""
-    if isinstance(value, (str, bytes, bool)):
+    if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     return check.positive(name, value) if positive else check.finite(name, value)
 
