@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .common import (EPS, accumulate_dtype, draw_noise, noise_count, project_out_radial,  # noqa: F401
                      relative_difference, safe_direction, shrink_huge_rows, wide)
-from .layout import PLAIN, guide_threshold
+from .layout import PLAIN, guide_threshold, keep_twin_ties
 from .common import (ESCL_MARGINS, ESCL_RD, ESCL_WEIGHT, FOCAL_M, NOISE_LR, NOISE_RATIO, NOISE_STD,
                      NOISE_STEPS, PHI, TEMPERATURE)
 
@@ -183,8 +183,13 @@ def _sides(anchors, positives, candidates, negatives, keep, *, temperature, foca
     if guide is not None:
         g_anchors, g_positives, g_negatives, g_anchor_cands = guide
         g_documents = g_positives if g_negatives is None else torch.cat([g_positives, g_negatives])
-        theta = guide_threshold(torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset),
-                                guide_margin, margin_strategy)[:, None]
+        gamma = torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset)
+        theta = guide_threshold(gamma, guide_margin, margin_strategy)
+        scored = [g_documents] + ([g_anchor_cands] if layout.scores_anchors else [])
+        partners = [g_positives[g]] + ([g_anchors] if layout.positive_side else [])
+        theta = keep_twin_ties(theta, gamma, [unit_rows(wide(x)) for x in partners],
+                               torch.cat([unit_rows(wide(x)) for x in scored]),
+                               (1, int(layout.scores_anchors)))[:, None]
     if duplicate_ids is not None:
         pos_ids, neg_ids, anchor_ids = duplicate_ids
         doc_ids = pos_ids if neg_ids is None else torch.cat([pos_ids, neg_ids])
