@@ -343,7 +343,7 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     import transformers
     from transformers import EarlyStoppingCallback
 
-    from ..integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
+    from ..integrations.sentence_transformers.evaluation import SentEvalSTSEvaluator
 
     transformers.set_seed(args.seed)  # the head's initialization
     device = "cpu" if args.device == "cpu" else None
