@@ -13,7 +13,7 @@ import fastcl
 from fastcl.trainer import run as train
 from test_train import base_args, step_records, tiny  # noqa: F401  (tiny: the fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # trainer tests: nothing written outside tmp_path
 
 
 @pytest.mark.parametrize("method", ["dclr", "simcse-sup", "simcse"])
@@ -34,10 +34,10 @@ def test_trainer_focal_m_changes_the_loss(tiny, tmp_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("method,extra,message", [
-    ("focal", {"focal_m": 0.3}, "--focal-m applies to --method simcse, simcse-sup or dclr only; "
+    ("focal", {"focal_m": 0.3}, "--focal_m applies to --method simcse, simcse-sup or dclr only; "
                                 "--method focal takes its margin as --m"),
-    ("escl", {"focal_m": 0.3}, "--focal-m applies to --method"),
-    ("dclr", {"focal_m": 0.3, "dclr_formulation": "released"}, "--focal-m combines with"),
+    ("escl", {"focal_m": 0.3}, "--focal_m applies to --method"),
+    ("dclr", {"focal_m": 0.3, "dclr_formulation": "released"}, "--focal_m combines with"),
 ])
 def test_trainer_refuses_focal_m_where_it_does_not_apply(tiny, tmp_path, capsys, method, extra,  # noqa: F811
                                                          message):
