@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import fastcl
 from fastcl import _validation as check
-from fastcl import citations, common
+from fastcl import citations, common, distributed
 
 from ._base import FastLoss, Guided, SentenceTransformer, documented, gather_rows, number
 
@@ -136,8 +135,8 @@ class FastDCLRLoss(Guided, FastLoss):
         noise = fastcl.dclr_noise(all_anchors, positives.detach(), num, steps=self.noise_steps,
                                   lr=self.noise_lr, std=self.noise_std, temperature=self.temperature,
                                   generator=self.generator, formulation=self.formulation,
-                                  backend=self.backend, chunk_size=self.chunk_size).contiguous()
-        dist.broadcast(noise, src=0)
+                                  backend=self.backend, chunk_size=self.chunk_size)
+        noise = distributed.broadcast(noise, src=0)
         if complementary is not None:
             complementary = (complementary[0], guide_pos[0])
         return fastcl.contrastive(anchors, positives, complementary=complementary, noise=noise,
