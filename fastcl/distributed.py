@@ -51,3 +51,11 @@ def gather(x: torch.Tensor, group=None) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts)
+
+
+def broadcast(x: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+    """``x`` as process ``src`` has it, on every process (no gradient: a value every process
+    must share, such as DCLR's noise drawn and improved once for the whole batch)."""
+    x = x.detach().contiguous()
+    dist.broadcast(x, src=src, group=group)
+    return x

@@ -31,7 +31,7 @@ status is non-zero, with the reason, when no task file exists or a score is unde
 
 :func:`evaluate_embeddings` scores the embeddings of any embedding function under this
 protocol; :func:`evaluate` (a Hugging Face encoder) and
-:class:`fastcl.integrations.sentence_transformers_evaluation.SentEvalSTSEvaluator` (a
+:class:`fastcl.integrations.sentence_transformers.SentEvalSTSEvaluator` (a
 ``SentenceTransformer``, inside ``SentenceTransformerTrainer``) both use it.
 """
 
@@ -396,7 +396,7 @@ _ST_LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": 
                     "pooling_mode_weightedmean_tokens": "weightedmean",
                     "pooling_mode_lasttoken": "lasttoken"}
 _ST_UNSUPPORTED = ("; pass --pooler explicitly, or score the SentenceTransformer model itself "
-                   "(fastcl.integrations.sentence_transformers_evaluation.SentEvalSTSEvaluator)")
+                   "(fastcl.integrations.sentence_transformers.SentEvalSTSEvaluator)")
 
 
 def _read_json(path: Path, what: str):

@@ -399,6 +399,8 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
     or ``{}`` when none is on (plain InfoNCE's layout, no hardness, guide or ids). (Here and
     in the helpers, a row count is compared with 0, never tested for truth: torch.compile
     before torch 2.6 fixes a traced batch size at ``if n``.)"""
+    # checked whatever else is given (a strategy or margin without a guide is a mistake too)
+    check.choice("margin_strategy", margin_strategy, layout.MARGIN_STRATEGIES)
     if (layout.names_plain(directions, partition_mode) and hardness_mode is None
             and guide is None and duplicate_ids is None and anchor_candidates is None):
         return {}          # the plain layout, decided without building one (torch.compile)
@@ -417,7 +419,6 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
     if hardness_strength < 0:
         raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
     guide_margin = check.finite("guide_margin", guide_margin)
-    check.choice("margin_strategy", margin_strategy, layout.MARGIN_STRATEGIES)
     if lay.plain and hardness_mode is None and guide is None and duplicate_ids is None:
         if anchor_candidates is not None:
             raise ValueError("anchor_candidates is read only with directions that score the "
@@ -631,13 +632,17 @@ def _with_rules(fields, anchors, positives, negatives, blocks, rules, guide_dtyp
         g_anchors, g_positives, g_negatives, g_cands = guide
         u_anchors, u_positives = unit(g_anchors), unit(g_positives)
         u_own = u_positives[offset:offset + n]
-        theta = layout.guide_threshold((u_anchors * u_own).sum(dim=1), rules["guide_margin"],
-                                       rules["margin_strategy"])
+        gamma = (u_anchors * u_own).sum(dim=1)
+        theta = layout.guide_threshold(gamma, rules["guide_margin"], rules["margin_strategy"])
         g_rows = torch.cat([u_anchors, u_own]) if lay.positive_side else u_anchors
         parts = [u_positives] + ([unit(g_negatives)] if n_neg > 0 else [])
         parts.append(u_anchors.new_zeros(n_noise, u_anchors.shape[1]))   # never filtered
         parts += [unit(g_cands)] if n_a > 0 else []
         g_cols = torch.cat(parts)
+        theta = layout.keep_twin_ties(
+            theta, gamma, [u_own] + ([u_anchors] if lay.positive_side else []), g_cols[:n_pos + n_neg]
+            if n_a == 0 else torch.cat([g_cols[:n_pos + n_neg], g_cols[-n_a:]]),
+            (1, int(n_a > 0)))
         if guide_dtype is not None:
             g_rows, g_cols = g_rows.to(guide_dtype), g_cols.to(guide_dtype)
     if duplicate_ids is not None:

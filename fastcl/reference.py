@@ -1,4 +1,4 @@
-"""The reference objectives: the most literal PyTorch, full N×M matrices, ``F.cross_entropy``.
+"""The reference objectives: the most literal PyTorch, full N×M matrices, a cross-entropy per row.
 
 This module is the oracle that every fast path is tested against and benchmarked
 with. It favours being obviously right over being fast or lean: each function
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .common import (EPS, accumulate_dtype, draw_noise, noise_count, project_out_radial,  # noqa: F401
-                     relative_difference, row_cosine, safe_direction, shrink_huge_rows, wide)
-from .layout import PLAIN, guide_threshold
+                     relative_difference, safe_direction, shrink_huge_rows, wide)
+from .layout import PLAIN, guide_threshold, keep_twin_ties
 from .common import (ESCL_MARGINS, ESCL_RD, ESCL_WEIGHT, FOCAL_M, NOISE_LR, NOISE_RATIO, NOISE_STD,
                      NOISE_STEPS, PHI, TEMPERATURE)
 
@@ -36,11 +36,6 @@ def cosine_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``s_ij = x̂_i · ŷ_j`` (N×M): the product in the inputs' dtype, as a plain PyTorch loss
     computes it, returned in float32 or wider."""
     return wide(unit_rows(x) @ unit_rows(y).T)
-
-
-def _labels(n: int, device, offset: int = 0) -> torch.Tensor:
-    """Anchor i's positive column: ``offset + i`` (the anchors may be a slice of the batch)."""
-    return torch.arange(n, device=device) + offset
 
 
 def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
@@ -63,13 +58,43 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
         # round w (by ~1e-8) in a float64 loss
         own_negative = _at(n, sim.shape[1], n_pos + anchor_offset, sim.device).to(logits.dtype)
         logits = logits + hard_negative_weight * own_negative
-    labels = _labels(n, sim.device, anchor_offset)
     if formulation == "released":
-        probs = torch.softmax(logits if keep is None else logits * keep, dim=1)
-        return F.binary_cross_entropy(probs, F.one_hot(labels, logits.shape[1]).to(probs.dtype))
+        logits = logits if keep is None else logits * keep
+        probs = torch.softmax(logits, dim=1)
+        # where the positive dominates, p_ii rounds to 1: BCE(p_ii, 1) is then written as
+        # BCE(1 − p_ii, 0), the same value and gradient (torch's clamps are symmetric in
+        # p ↔ 1 − p), with 1 − p_ii = σ(gap) the others' share, formed apart
+        gap = _others_lse(logits, is_positive) - logits[is_positive]
+        flip = (gap < 0)[:, None] & is_positive
+        entries = torch.where(is_positive, torch.sigmoid(torch.where(gap < 0, gap, -gap))[:, None],
+                              probs)
+        return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
-    return F.cross_entropy(logits, labels)
+    return _cross_entropy(logits, is_positive).mean()
+
+
+def _others_lse(logits, is_positive, *more):
+    """``log Σ e^l`` over each row's entries other than its positive (one per row), and the
+    columns of ``more`` (more blocks of the same rows); −inf for a row with none."""
+    others = torch.cat([logits.masked_fill(is_positive, float("-inf")), *more], dim=1)
+    empty = torch.isneginf(others).all(dim=1, keepdim=True)
+    # an all −inf row's log-sum-exp has a NaN gradient: such a row takes log 1 = 0 instead,
+    # then −inf below (its gradient is then 0)
+    lse = torch.logsumexp(others.masked_fill(empty, 0.0), dim=1)
+    return lse.masked_fill(empty[:, 0], float("-inf"))
+
+
+def _cross_entropy(logits, is_positive, *more):
+    """Each row's ``−log p_i = log Σ_j e^{l_j} − l_i`` (``i``: the row's positive) as
+    ``softplus(log Σ_{j≠i} e^{l_j} − l_i) = log(1 + Σ_{j≠i} e^{l_j − l_i})``: where the
+    positive dominates (a trained model's easy batches), the difference of two log-sum-exps
+    keeps no digit of a loss below ``eps·|l_i|``, this keeps them all; its gradient on the
+    positive is minus the others' share of the softmax, not ``p_ii − 1``. ``more``: more
+    columns of the same softmax (blocks beside ``logits``)."""
+    gap = _others_lse(logits, is_positive, *more) - logits[is_positive]
+    # log(e^gap + 1) exactly (F.softplus returns gap itself above 20, 2e-9 short)
+    return torch.logaddexp(gap, torch.zeros_like(gap))
 
 
 def _modulated(sim, is_positive, temperature, focal_m):
@@ -158,8 +183,13 @@ def _sides(anchors, positives, candidates, negatives, keep, *, temperature, foca
     if guide is not None:
         g_anchors, g_positives, g_negatives, g_anchor_cands = guide
         g_documents = g_positives if g_negatives is None else torch.cat([g_positives, g_negatives])
-        theta = guide_threshold(torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset),
-                                guide_margin, margin_strategy)[:, None]
+        gamma = torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset)
+        theta = guide_threshold(gamma, guide_margin, margin_strategy)
+        scored = [g_documents] + ([g_anchor_cands] if layout.scores_anchors else [])
+        partners = [g_positives[g]] + ([g_anchors] if layout.positive_side else [])
+        theta = keep_twin_ties(theta, gamma, [unit_rows(wide(x)) for x in partners],
+                               torch.cat([unit_rows(wide(x)) for x in scored]),
+                               (1, int(layout.scores_anchors)))[:, None]
     if duplicate_ids is not None:
         pos_ids, neg_ids, anchor_ids = duplicate_ids
         doc_ids = pos_ids if neg_ids is None else torch.cat([pos_ids, neg_ids])
@@ -228,13 +258,17 @@ def _sides(anchors, positives, candidates, negatives, keep, *, temperature, foca
                                   g_documents[:width] if guide is not None else None,
                                   doc_ids[:width] if duplicate_ids is not None else None, None))
 
-    lse_a = torch.logsumexp(torch.cat(anchor_side, dim=1), dim=1)
+    # the positive sits in the first block: its share of the softmax is formed apart
+    # (_cross_entropy), the other blocks join its log-sum-exp
+    anchor_pos = torch.zeros_like(anchor_side[0], dtype=torch.bool)
+    anchor_pos[rows, g] = True
     if not positive_side:
-        return (lse_a - positive_logit).mean()
-    lse_p = torch.logsumexp(torch.cat(positive_side, dim=1), dim=1)
+        return _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:]).mean()
     if layout.joint:
-        return (torch.logaddexp(lse_a, lse_p) - positive_logit).mean()
-    return (0.5 * (lse_a + lse_p) - positive_logit).mean()
+        return _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:], *positive_side).mean()
+    lse_p = torch.logsumexp(torch.cat(positive_side, dim=1), dim=1)
+    return (0.5 * _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:])
+            + 0.5 * (lse_p - positive_logit)).mean()
 
 
 def _none(n, columns):
@@ -279,8 +313,12 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
     each step ``z_j ← z_j + lr · g_j/‖g_j‖``, ``g = ∂L_U/∂Z`` (a row with g_j = 0 stays put).
     ``formulation="released"``: the step's loss is the cross-entropy over ``[h⁺; Z]`` (the
     in-batch columns join the log-sum-exp), and a row with g_j = 0 becomes 0 (0/0 is NaN
-    there, which the code then zeroes). Written as the released code does it: an autograd
-    graph per step (also under ``torch.inference_mode``, where the step runs outside it).
+    there, which the code then zeroes). An autograd graph per step, as the released code
+    (also under ``torch.inference_mode``, where the step runs outside it), of
+    ``Σ_ij w_ij l_ij`` with the softmax's ``p_ij`` as constant weights, each column's scaled
+    by its largest: ``g_j`` up to a positive factor, so the same step, and every row with
+    ``g_j ≠ 0`` gets its direction (the exact update moves every row by ``lr``), also where
+    each of its ``p_ij`` underflows (float32: a cosine gap ≥ 103·τ_u).
     ``g/‖g‖`` is formed from ``g/max|g|`` (in float32 ‖g‖² is 0 for g ≈ 1e-25), after the
     gradient's rounding residual along z is projected out (the exact gradient is orthogonal
     to z; at d = 1 it is 0): :func:`fastcl.common.safe_direction`,
@@ -298,18 +336,18 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
     h_pos = positives.detach().to(h.dtype)
     z = (draw_noise(num, h.shape[1], std=std, generator=generator, device=h.device)
          if noise is None else noise.detach()).to(h.dtype).clone()
-    # the paper's positive term is constant in Z: it sets the value of L_U, not the step
-    positive = (None if formulation == "released" or not steps else
-                row_cosine(h, h_pos[anchor_offset:anchor_offset + h.shape[0]]) / temperature)
     for _ in range(steps):
         z.requires_grad_(True)
         with torch.enable_grad():
-            if formulation == "released":
-                logits = cosine_matrix(h, torch.cat([h_pos, z])) / temperature
-                loss = F.cross_entropy(logits, _labels(h.shape[0], h.device, anchor_offset))
-            else:
-                loss = (-positive + torch.logsumexp(cosine_matrix(h, z) / temperature, dim=1)).mean()
-            (grad,) = torch.autograd.grad(loss, z)
+            # ∂L_U/∂z_j = (1/N) Σ_i p_ij ∂l_ij/∂z_j, p the row softmax over Z (the paper's
+            # positive term is constant in Z) or over [h⁺; Z] (released): each column's p_ij
+            # scaled by 1/max_i p_ij, which leaves the direction and keeps the far rows' in
+            # range (in float32 a row 103·τ_u below every anchor's top logit has p = 0)
+            logits = cosine_matrix(h, z if formulation != "released" else torch.cat([h_pos, z]))
+            logits = logits / temperature
+            log_p = torch.log_softmax(logits.detach(), dim=1)[:, -z.shape[0]:]
+            weight = torch.exp(log_p - log_p.amax(dim=0, keepdim=True))
+            (grad,) = torch.autograd.grad((weight * logits[:, -z.shape[0]:]).sum(), z)
         step, zero = safe_direction(project_out_radial(grad, z.detach()))
         z = z.detach() + lr * step
         if formulation == "released":

@@ -295,32 +295,46 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     drop_rest = released and ep.complementary is not None and 0.0 > 20 * ep.phi
     if drop_rest:
         logits[:, n_pos:] = 0.0
-    pos_logit = logits[ar, diag].clone() if ep.positives else 0.0
-
-    # Row log-sum-exp, leaving the softmax in the buffer. Two sides in one softmax: rows i
-    # and R + i share the maximum and the sum; else each side's own, and a row's loss takes
-    # the mean of the two log-sum-exps (so each side's softmax enters the gradient halved).
+    # The positive apart: the softmax below is over each row's other columns (and, joint,
+    # the positive side's), its log-sum-exp ``lse_o``; the row's loss is then
+    # softplus(lse_o − l_ii) = log(1 + Σ_{j≠i} e^(l_ij − l_ii)) and the others' share of the
+    # full softmax q = σ(lse_o − l_ii) = 1 − p_ii: neither cancels where the positive
+    # dominates (lse − l_ii and p_ii − 1 keep no digit of a loss below eps·|l_ii|).
+    if ep.positives:
+        pos_logit = logits[ar, diag].clone()
+        logits[ar, diag] = float("-inf")
     joint = ep.paired and ep.layout.joint
     view = logits.view(2, r, m) if joint else logits.view(1, -1, m)
     row_max = view.amax(dim=(0, 2), keepdim=True)
+    row_max.masked_fill_(torch.isneginf(row_max), 0.0)      # a row with no other column
     probs = view.sub_(row_max).exp_()
     row_sum = probs.sum(dim=(0, 2), keepdim=True)
-    probs.div_(row_sum)
+    probs.div_(row_sum.clamp_min(torch.finfo(acc).tiny))
     lse = (row_max + row_sum.log()).reshape(-1)
     probs = logits                                     # the buffer, as R'×M
+    if ep.positives:
+        gap = lse[:r] - pos_logit
+        share, others = torch.logaddexp(gap, torch.zeros_like(gap)), torch.sigmoid(gap)
+        probs[:r].mul_(others[:, None])                # the full softmax, off the positive
+        if joint:
+            probs[r:].mul_(others[:, None])
+    else:
+        share = lse
     if ep.paired and not joint:
-        lse = 0.5 * (lse[:r] + lse[r:])
+        # each side its own softmax: the mean of the two log-sum-exps, each side's softmax
+        # halved in the gradient; the positive side has no positive of its own
+        share = 0.5 * (share + lse[r:] - pos_logit)
         probs.mul_(0.5)
 
     if released:
         # BCE on the softmax, mean over all N·M entries; log p and log(1−p) clamped at −100
-        # as torch's binary_cross_entropy does.
+        # as torch's binary_cross_entropy does (−log p_ii = share)
         log_not = torch.neg(probs).log1p_().clamp_min_(-100.0)
         log_not[ar, diag] = 0.0
-        row_loss = -log_not.sum(dim=1) - (pos_logit - lse).clamp_min(-100.0)
+        row_loss = -log_not.sum(dim=1) + share.clamp_max(100.0)
         del log_not
     else:
-        row_loss = lse - pos_logit
+        row_loss = share
     c.loss_out.copy_(row_loss)
     if not want_grad:
         return None
@@ -328,13 +342,16 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     grad = probs                                       # becomes ∂L/∂s in place
     if released:
         # v_ij = p·∂BCE/∂p = p(p − y)/max(p(1 − p), 1e-12), the clamp of torch's BCE backward:
-        # p/(1−p) off the positive, −1 on it, finite where p rounds to 1;
-        # ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ
-        p_pos = probs[ar, diag]
+        # p/(1−p) off the positive, −1 on it (−p_ii·q/max(p_ii·q, 1e-12), q = 1 − p_ii);
+        # ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ, on the positive v_ii·q − p_ii·Σ_{j≠i} v_j
+        p_pos = torch.sigmoid(-gap)
         v = torch.rsub(probs, 1.0).mul_(probs).clamp_min_(1e-12).reciprocal_()  # one extra slice
         v.mul_(probs).mul_(probs)
-        v[ar, diag] = p_pos * (p_pos - 1.0) / (p_pos * (1.0 - p_pos)).clamp_min(1e-12)
-        grad.mul_(-v.sum(dim=1, keepdim=True)).add_(v)
+        v[ar, diag] = 0.0
+        v_others = v.sum(dim=1)
+        v_pos = -(p_pos * others) / (p_pos * others).clamp_min(1e-12)
+        grad.mul_(-(v_others + v_pos)[:, None]).add_(v)
+        grad[ar, diag] = v_pos * others - p_pos * v_others
         del v
         if drop is not None:
             grad[:, :n_pos].masked_fill_(drop, 0.0)
@@ -342,7 +359,8 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
             grad[:, n_pos:] = 0.0
     else:
         if ep.positives:
-            grad[ar, diag] -= 1.0
+            # p_ii − 1 = −q; per direction, 0.5·p_ii − 1 = −0.5·q − 0.5
+            grad[ar, diag] = -others if not (ep.paired and not joint) else -0.5 * others - 0.5
         if ep.focal_m is not None:
             # g'(s) = (2s + m)/τ off the positive, 2s/τ on it
             slope = cos.mul_(2.0).add_(ep.focal_m)
@@ -795,17 +813,25 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
     rules.apply(logits, n_pos, cos, ep.hardness[1] if ep.hardness else 0.0)
     # Every row's own softmax, one fused pass. ℓ_i = lse_i − l_ii = −log p_ii where p_ii ≥
     # e^(−2·bound)/M cannot underflow (no positive side, no layout); else lse_i through the
-    # row's largest logit, whose p ≥ 1/M.
+    # row's largest logit, whose p ≥ 1/M. (Where the others' share q < 1/2: −log1p(−q).)
     exact = not ep.sided and 2.0 * _logit_bound(ep) + math.log(logits.shape[1]) <= _EXACT_LOG_BOUND
     if not exact:
         top = logits.amax(dim=1)
         pos = logits[:r].diagonal(first).clone()
     p = torch.ops.aten._softmax.out(logits, 1, False, out=out)
+    # The others' share of each anchor row's softmax, q = Σ_{j≠i} p_ij = 1 − p_ii, summed with
+    # the positive's entry taken out: where the positive dominates p_ii rounds to 1, and
+    # −log p_ii and p_ii − 1 keep no digit; −log1p(−q) and −q keep them all. The
+    # positive's entry of H is then 0, its whole term in g (below).
+    if not exact:
+        lse = top - p.amax(dim=1).log_()
+    p_pos = p[:r].diagonal(first).clone()
+    p[:r].diagonal(first).zero_()
+    q = p[:r].sum(dim=1)
     scale = 1.0                       # each row's softmax in the loss's: p_loss = scale·p
     if exact:
-        row_loss -= weight * p.diagonal(first).log()
+        near = -p_pos.log()
     else:
-        lse = top - p.amax(dim=1).log_()
         if ep.paired and ep.layout.joint:
             # rows i and R + i share one softmax, log Σ_{both sides} e^l: each side's own
             # rescaled by e^(lse_side − lse). A positive side may drop every column (the
@@ -815,17 +841,26 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
             lse = lse.masked_fill(dead, float("-inf"))
             joint = torch.logaddexp(lse[:r], lse[r:])
             scale = torch.exp(lse - joint.repeat(2))
+            q = scale[:r] * q + scale[r:] * (~dead[r:]).to(q.dtype)
             lse = joint
-        elif ep.paired:      # each side its own softmax: the mean of the two log-sum-exps
-            lse = 0.5 * (lse[:r] + lse[r:])
+        near = lse[:r] - pos
+        if ep.paired and not ep.layout.joint:
+            # each side its own softmax: the mean of the two log-sum-exps
             scale = 0.5
-        row_loss += weight * (lse - pos)
+            far = lse[r:] - pos
+    loss = torch.where(q < 0.5, torch.neg(q).log1p_().neg_(), near)
+    if ep.paired and not ep.layout.joint:
+        row_loss += weight * 0.5 * (loss + far)
+        q = 0.5 + 0.5 * q                  # 1 − 0.5·p_ii
+    else:
+        row_loss += weight * loss
     # ∂L/∂s^k = w_k (p − δ) g'(s)/N: g'(s) = 1/τ, or with focal modulation (2s + m)/τ off
     # the positive (and the positive side's own anchor) and 2s/τ on them; MNRL's β·sg(s) has
-    # no slope.
+    # no slope. The positive's p_loss − 1 = −q.
     base = inv_q * (weight * inv_t / n)
     row_f.copy_(base * scale)
-    pos_g.copy_(base[:r] * inv_k[first:first + r] * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
+    pos_g.copy_(base[:r] * inv_k[first:first + r] * q
+                * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
     if ep.focal_m is not None:
         slope = cos.mul_(2.0).add_(ep.focal_m)
         slope[:r].diagonal(first).sub_(ep.focal_m)
@@ -1114,6 +1149,13 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
         huge = bool((amax > huge_row_limit(z.dtype, z.shape[1])).any())
     anchors = anchors.detach()
     step = getattr(engine, "noise_step", None) or _noise_step   # the engine's fused step, if any
+    columns = z.shape[0] + (fixed[0].shape[0] if released else 0)
+    if _noise_may_underflow(temperature, columns, z.dtype):
+        with autocast_off(anchors.device):
+            for _ in range(steps):
+                _scaled_noise_step(anchors, fixed[0] if released else None, z, lr, temperature,
+                                   chunk_size, huge)
+        return z
     with autocast_off(anchors.device):
         anchor_norms = _norms(anchors, accumulate_dtype(anchors.dtype))
         for _ in range(steps):
@@ -1127,6 +1169,55 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
             first = raw[1].shape[0] - z.shape[0]     # the released step's h⁺ rows come first
             step(*(x[first:] for x in raw), z, lr, released)
     return z
+
+
+#: The widest logit range ``2/τ_u + ln M`` of DCLR's noise loss whose softmax entries stay
+#: normal numbers (with room for the gradient's factors): float32's e^(−87) is its smallest.
+_NOISE_SPREAD = {torch.float32: 80.0, torch.float64: 700.0}
+
+
+def _noise_may_underflow(temperature: float, columns: int, dtype: torch.dtype) -> bool:
+    """Whether a noise row's every softmax entry can underflow in ``dtype`` (a cosine gap of
+    2 to the rows' top logits at τ_u below ~0.025 in float32), where the engines' update,
+    whose gradient is formed from p itself, would leave the row in place (paper) or zero it
+    (released): :func:`_scaled_noise_step` then takes the step."""
+    return 2.0 / temperature + math.log(max(columns, 1)) > _NOISE_SPREAD.get(dtype, 80.0)
+
+
+def _scaled_noise_step(anchors, positives, z, lr, temperature, chunk_size, huge):
+    """One step of DCLR's noise update in place on ``z``, each row's direction formed from
+    log-weights: ``g_j ∝ Σ_i p_ij ∂s_ij/∂z_j`` with ``p_ij = e^(l_ij − lse_i)`` scaled by
+    ``1/max_i p_ij`` (the exact update's direction, which any positive factor leaves), so a
+    row whose every p_ij underflows still moves by lr. Two chunked passes of torch ops:
+    each anchor's log-sum-exp over ``[h⁺ (released); Z]``, then, Z's rows in chunks, the
+    softmax over the anchors of ``l_ij − lse_i`` (column j's weights, their largest 1) and
+    ``u_j = Σ_i w_ij ĥ_i``, then the chain rule through ẑ and the step as in
+    :func:`_noise_step`."""
+    from .common import project_out_radial, safe_direction, shrink_huge_rows
+    acc = z.dtype
+    unit = lambda x: torch.nn.functional.normalize(shrink_huge_rows(x.to(acc)), dim=1, eps=EPS)  # noqa: E731
+    h = unit(anchors)
+    z_in = shrink_huge_rows(z) if huge else z
+    keys = torch.nn.functional.normalize(z_in, dim=1, eps=EPS)
+    if positives is not None:
+        keys = torch.cat([unit(positives), keys])
+    n, m = h.shape[0], keys.shape[0]
+    budget = DEFAULT_MEMORY_BUDGET.get(h.device.type, DEFAULT_MEMORY_BUDGET["cpu"])
+    rows = chunk_size or max(1, budget // (2 * max(n, m) * h.element_size()))
+    lse = torch.cat([torch.logsumexp(h[r:r + rows] @ keys.T / temperature, dim=1)
+                     for r in range(0, n, rows)])
+    z_hat = keys[m - z.shape[0]:]
+    norm = torch.linalg.vector_norm(z_in, dim=1)
+    for r in range(0, z.shape[0], rows):
+        w = torch.softmax(z_hat[r:r + rows] @ h.T / temperature - lse[None, :], dim=1)
+        u = w @ h
+        # the chain through ẑ = z/max(‖z‖, EPS): no projection where the norm was clamped
+        radial = torch.einsum("jd,jd->j", z_hat[r:r + rows], u).masked_fill_(norm[r:r + rows] <= EPS, 0.0)
+        g = u.addcmul_(z_hat[r:r + rows], radial[:, None], value=-1.0)
+        direction, zero = safe_direction(project_out_radial(g, z_in[r:r + rows]))
+        z[r:r + rows].add_(direction, alpha=lr)
+        if positives is not None:
+            z[r:r + rows].masked_fill_(zero[:, None], 0.0)
 
 
 def _noise_step(u, x, norm, inv_x, z, lr, released):

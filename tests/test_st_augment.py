@@ -375,7 +375,9 @@ def test_what_sentence_transformers_reads_of_the_loss(model):
     assert loss.get_config_dict() == {"loss": "CachedFastInfoNCELoss", **inner.get_config_dict(),
                                       "augmentation": "feature_cutoff:0.25"}
     assert loss.citation == inner.citation == citations.SIMCSE + citations.GRADCACHE
-    assert get_losses(loss) == [loss, inner]  # the model card lists both
+    # the model card lists each, the cached loss's plain loss too (as sentence-transformers'
+    # own cached losses, which hold theirs)
+    assert get_losses(loss) == [loss, inner, inner.loss]
     # MatryoshkaLoss decorates the cached loss's calculate_loss through the wrapper
     matryoshka = MatryoshkaLoss(model, loss, [32, 16])
     assert matryoshka.uses_gradient_cache and inner.calculate_loss is loss.calculate_loss

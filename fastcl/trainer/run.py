@@ -373,7 +373,7 @@ def _evaluator(args, main_process: bool):
     shipped sample: STS-B dev's CC BY-SA part); parsed now, so a malformed file is an error
     before step 1."""
     from ..evaluate import DEV, task_source
-    from ..integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
+    from ..integrations.sentence_transformers.evaluation import SentEvalSTSEvaluator
 
     tasks = []
     for task in DEV:

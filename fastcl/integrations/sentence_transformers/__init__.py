@@ -87,7 +87,7 @@ from .escl import FastESCLLoss
 from .focal_infonce import FastFocalInfoNCELoss
 from .gist import FastGISTEmbedLoss
 from .infonce import FastInfoNCELoss
-from fastcl.integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
+from .evaluation import SentEvalSTSEvaluator
 
 __all__ = ["FastInfoNCELoss", "FastFocalInfoNCELoss", "FastDCLRLoss", "FastESCLLoss",
            "FastGISTEmbedLoss", "CachedFastInfoNCELoss", "CachedFastFocalInfoNCELoss",

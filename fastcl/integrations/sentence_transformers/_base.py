@@ -128,7 +128,7 @@ def number(name: str, value, *, positive: bool = False) -> float:
     """A real-number argument checked where the loss is built, so a bad one fails there with its
     name, not at the first step: finite (and > 0 with ``positive``); a string or a bool is a
     mistake, not a number."""
-    if isinstance(value, (str, bytes, bool)):
+    if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     return check.positive(name, value) if positive else check.finite(name, value)
 
@@ -253,18 +253,20 @@ class FastLoss(nn.Module):
     def get_config_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._config}
 
-    def _features(self, sentence_features: Iterable[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+    def _features(self, sentence_features: Iterable[dict[str, Tensor]],
+                  name: str | None = None) -> list[dict[str, Tensor]]:
         """The input columns as a list, checked before any forward: as many as the loss
-        takes, none of them empty (an encoder given no rows fails deep inside)."""
-        sentence_features = self._columns(list(sentence_features), type(self).__name__,
-                                          *self._column_counts)
+        takes, none of them empty (an encoder given no rows fails deep inside). ``name``: the
+        loss the errors name (default this one's class; a cached loss passes its own)."""
+        name = name or type(self).__name__
+        sentence_features = self._columns(list(sentence_features), name, *self._column_counts)
         for i, features in enumerate(sentence_features):
             try:
                 rows = batch_rows(features)
             except ValueError:  # no batched tensor at all: the tokenizer was given no text
                 rows = 0
             if rows == 0:
-                raise ValueError(f"{type(self).__name__} got an empty batch: input column {i} has no "
+                raise ValueError(f"{name} got an empty batch: input column {i} has no "
                                  "rows (a loss needs at least one example)")
         return sentence_features
 
@@ -396,15 +398,17 @@ class Guided:
             or (guide.max_seq_length or 0) < (model.max_seq_length or 0))
         self.tokenizer = model.tokenizer  # kept: the trainer may wrap self.model (DDP) later
 
+    def _guide_inputs(self, features) -> dict:
+        """The guide's input features of a column: the model's (a shallow copy: a model writes
+        its outputs into the feature dict it is given), or its texts tokenized again."""
+        if not self.must_retokenize:
+            return dict(features)
+        texts = self.tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
+        return {k: v.to(self.guide.device) if torch.is_tensor(v) else v
+                for k, v in preprocess(self.guide, texts).items()}
+
     def _guide_forward(self, features):
-        if self.must_retokenize:
-            texts = self.tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
-            features = {k: v.to(self.guide.device) if torch.is_tensor(v) else v
-                        for k, v in preprocess(self.guide, texts).items()}
-        else:
-            # a shallow copy: a model writes its outputs into the feature dict it is given
-            features = dict(features)
-        return self.guide(features)["sentence_embedding"]
+        return self.guide(self._guide_inputs(features))["sentence_embedding"]
 
     def _guide_embeddings(self, sentence_features, mini_batch_size: int | None = None):
         """The guide's embeddings of each column (eval mode unless ``guide_dropout``, no
@@ -419,6 +423,14 @@ class Guided:
         self.guide.train(self.guide_dropout)
         try:
             with torch.no_grad():
+                repeats = not self.guide_dropout and any(
+                    _same_inputs(sentence_features[j], f)
+                    for i, f in enumerate(sentence_features) for j in range(i))
+                if mini_batch_size is None and not repeats:
+                    # one forward over like columns, as sentence-transformers' own losses embed
+                    # the guide: equal texts in two columns get equal embeddings there
+                    inputs = [self._guide_inputs(f) for f in sentence_features]
+                    return [e.detach() for e in embed_columns(self.guide, inputs)]
                 columns = []
                 for i, features in enumerate(sentence_features):
                     same = None if self.guide_dropout else next(
@@ -432,17 +444,70 @@ class Guided:
                     else:
                         columns.append(torch.cat([self._guide_forward(minibatch(features, begin, end))
                                                   for begin, end in ranges]))
+                if mini_batch_size is not None and not self.guide_dropout:
+                    columns = _equal_texts_equal_rows(columns, sentence_features)
                 return [e.detach() for e in columns]
         finally:
             self.guide.train(was_training)
 
 
-class Cached(GRADCACHE_BASE):
-    """The two-pass forward around a Fast* loss; mixed in before it. Subclasses may add
-    columns to embed (:meth:`_views`) and loss inputs computed once in pass 1
+def _equal_texts_equal_rows(columns: list[Tensor], sentence_features: list) -> list[Tensor]:
+    """Each row's embedding replaced by that of the first row with the same text (the same
+    token ids, :func:`text_ids`) over all columns. Forwards in mini-batches pad each one to
+    its own length, which moves a text's embedding in its last bits from column to column;
+    one forward over like columns (sentence-transformers' plain losses) gives equal texts
+    equal embeddings, and a guide's filter compares them as equal (an exact tie)."""
+    if "input_ids" not in sentence_features[0]:
+        return columns
+    ids = torch.cat([text_ids(f) for f in sentence_features])
+    rows = torch.cat(columns)
+    _, inverse = torch.unique(ids, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), rows.shape[0], dtype=torch.long, device=rows.device)
+    first.scatter_reduce_(0, inverse.to(rows.device), torch.arange(rows.shape[0], device=rows.device),
+                          reduce="amin")
+    return list(rows[first[inverse.to(rows.device)]].split([c.shape[0] for c in columns]))
+
+
+class Cached(GRADCACHE_BASE, nn.Module):
+    """A ``Fast*`` loss with the two-pass (GradCache) forward, as sentence-transformers'
+    cached losses wrap their plain loss: it holds the plain loss (``self.loss``), which owns
+    and checks every option and computes the loss from the embeddings, and adds only the
+    mini-batching. The plain loss's attributes read (and assign) through it. Subclasses may
+    add columns to embed (:meth:`_views`) and loss inputs computed once in pass 1
     (:meth:`_pass_one_inputs`)."""
 
     _pass_one: dict = {}
+    #: the plain loss's class
+    _plain: type = FastLoss
+    #: the plain loss's attributes assigned through the wrapper besides its ``_config``
+    _delegated = ("chunk_size", "guide", "generator", "similarity_fct")
+
+    def __init__(self, loss: FastLoss, mini_batch_size: int, show_progress_bar: bool = False,
+                 mini_batch_num_tokens: int | None = None):
+        nn.Module.__init__(self)
+        self.model = loss.model
+        self.loss = loss
+        self._init_cache(mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+
+    def __getattr__(self, name: str):
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            if name == "loss" or "loss" not in self.__dict__.get("_modules", {}):
+                raise
+            return getattr(self._modules["loss"], name)
+
+    def __setattr__(self, name: str, value) -> None:
+        # the plain loss's options are its own: assigned there (nn.Module would keep a module
+        # value, a guide, on the wrapper where the plain loss never sees it)
+        loss = self.__dict__.get("_modules", {}).get("loss")
+        if loss is not None and (name in loss._config or name in self._delegated):
+            setattr(loss, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._config}
 
     def _views(self, sentence_features: list) -> list:
         return sentence_features
@@ -470,13 +535,17 @@ class Cached(GRADCACHE_BASE):
         self.mini_batch_num_tokens = mini_batch_num_tokens
 
     def forward(self, sentence_features, labels=None):
-        sentence_features = self._features(sentence_features)
-        self._pass_one = {**self._feature_inputs(sentence_features),
+        sentence_features = self.loss._features(sentence_features, type(self).__name__)
+        self._pass_one = {**self.loss._feature_inputs(sentence_features),
                           **self._pass_one_inputs(sentence_features)}
         try:
             return self.forward_cached(self._views(sentence_features), labels)
         finally:
             self._pass_one = {}
+
+    def compute_loss_from_embeddings(self, embeddings, labels=None, **inputs):
+        """The plain loss's, on the whole batch's embeddings."""
+        return self.loss.compute_loss_from_embeddings(embeddings, labels, **inputs)
 
     def calculate_loss(self, reps, labels=None, *, with_backward=False):
         """The loss of the whole batch from the mini-batch embeddings ``reps[column][mini-batch]``;
@@ -492,4 +561,4 @@ class Cached(GRADCACHE_BASE):
 
     @property
     def citation(self) -> str:
-        return super().citation + citations.GRADCACHE
+        return self._plain.citation.fget(self) + citations.GRADCACHE   # (reads no state)

@@ -14,7 +14,7 @@ __all__ = ["CachedFastDCLRLoss"]
 
 @documented(inputs="pairs", data="unsupervised",
             loss="CachedFastDCLRLoss(model, guide, phi=0.9, mini_batch_size=32)")
-class CachedFastDCLRLoss(Cached, FastDCLRLoss):
+class CachedFastDCLRLoss(Cached):
     r""":class:`FastDCLRLoss` with GradCache (``mini_batch_size`` inputs per forward).
 
     The loss of :class:`FastDCLRLoss` (the guide's mask α, the noise negatives ``z_k``),
@@ -55,6 +55,7 @@ class CachedFastDCLRLoss(Cached, FastDCLRLoss):
         {example}
     """
 
+    _plain = FastDCLRLoss
     _config = FastDCLRLoss._config + ("mini_batch_size",)
 
     def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, phi: float = common.PHI,
@@ -66,11 +67,11 @@ class CachedFastDCLRLoss(Cached, FastDCLRLoss):
                  backend: str = "auto", chunk_size: int | None = None, focal_m: float | None = None,
                  guide_dropout: bool = False, mask_duplicates: bool = False,
                  mini_batch_num_tokens: int | None = None):
-        FastDCLRLoss.__init__(self, model, guide, phi, noise_ratio, noise_steps, noise_lr, noise_std,
-                              temperature, formulation, generator, backend=backend, chunk_size=chunk_size,
-                              gather_across_devices=gather_across_devices, focal_m=focal_m,
-                              guide_dropout=guide_dropout, mask_duplicates=mask_duplicates)
-        self._init_cache(mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+        super().__init__(FastDCLRLoss(
+            model, guide, phi, noise_ratio, noise_steps, noise_lr, noise_std, temperature,
+            formulation, generator, backend=backend, chunk_size=chunk_size,
+            gather_across_devices=gather_across_devices, focal_m=focal_m, guide_dropout=guide_dropout,
+            mask_duplicates=mask_duplicates), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
 
     def _pass_one_inputs(self, sentence_features):
         return {"complementary": self._guide_embeddings(sentence_features, self.mini_batch_size)}

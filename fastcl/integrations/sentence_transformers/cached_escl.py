@@ -19,7 +19,7 @@ class _SensitiveView(dict):
 
 @documented(inputs="pairs", data="unsupervised",
             loss="CachedFastESCLLoss(model, weight=2.5e-3, mini_batch_size=32)")
-class CachedFastESCLLoss(Cached, FastESCLLoss):
+class CachedFastESCLLoss(Cached):
     r""":class:`FastESCLLoss` with GradCache (``mini_batch_size`` inputs per forward).
 
     The loss of :class:`FastESCLLoss` (InfoNCE plus λ times the relative difference to the
@@ -57,6 +57,7 @@ class CachedFastESCLLoss(Cached, FastESCLLoss):
         {example}
     """
 
+    _plain = FastESCLLoss
     _config = FastESCLLoss._config + ("mini_batch_size",)
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
@@ -65,10 +66,10 @@ class CachedFastESCLLoss(Cached, FastESCLLoss):
                  show_progress_bar: bool = False, gather_across_devices: bool = False,
                  margins: tuple[float, float] = common.ESCL_MARGINS, backend: str = "auto",
                  chunk_size: int | None = None, mask_duplicates: bool = False):
-        FastESCLLoss.__init__(self, model, temperature, weight, rd, sensitive_dropout, backend=backend,
-                              chunk_size=chunk_size, gather_across_devices=gather_across_devices,
-                              margins=margins, mask_duplicates=mask_duplicates)
-        self._init_cache(mini_batch_size, show_progress_bar)
+        super().__init__(FastESCLLoss(
+            model, temperature, weight, rd, sensitive_dropout, backend=backend, chunk_size=chunk_size,
+            gather_across_devices=gather_across_devices, margins=margins,
+            mask_duplicates=mask_duplicates), mini_batch_size, show_progress_bar)
 
     def _views(self, sentence_features):
         return [*sentence_features, _SensitiveView(sentence_features[0])]

@@ -12,7 +12,7 @@ __all__ = ["CachedFastFocalInfoNCELoss"]
 
 @documented(inputs="negatives", data="unsupervised",
             loss="CachedFastFocalInfoNCELoss(model, m=0.3, mini_batch_size=32)")
-class CachedFastFocalInfoNCELoss(Cached, FastFocalInfoNCELoss):
+class CachedFastFocalInfoNCELoss(Cached):
     r""":class:`FastFocalInfoNCELoss` with GradCache (``mini_batch_size`` inputs per forward).
 
     The loss of :class:`FastFocalInfoNCELoss` (positive logit ``s²/τ``, every other
@@ -51,6 +51,7 @@ class CachedFastFocalInfoNCELoss(Cached, FastFocalInfoNCELoss):
         {example}
     """
 
+    _plain = FastFocalInfoNCELoss
     _config = FastFocalInfoNCELoss._config + ("mini_batch_size",)
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
@@ -58,8 +59,7 @@ class CachedFastFocalInfoNCELoss(Cached, FastFocalInfoNCELoss):
                  gather_across_devices: bool = False, backend: str = "auto", chunk_size: int | None = None,
                  hard_negative_weight: float = 0.0, mask_duplicates: bool = False,
                  mini_batch_num_tokens: int | None = None):
-        FastFocalInfoNCELoss.__init__(self, model, temperature, m, backend=backend, chunk_size=chunk_size,
-                                      gather_across_devices=gather_across_devices,
-                                      hard_negative_weight=hard_negative_weight,
-                                      mask_duplicates=mask_duplicates)
-        self._init_cache(mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+        super().__init__(FastFocalInfoNCELoss(
+            model, temperature, m, backend=backend, chunk_size=chunk_size,
+            gather_across_devices=gather_across_devices, hard_negative_weight=hard_negative_weight,
+            mask_duplicates=mask_duplicates), mini_batch_size, show_progress_bar, mini_batch_num_tokens)

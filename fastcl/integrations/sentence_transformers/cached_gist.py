@@ -10,7 +10,7 @@ __all__ = ["CachedFastGISTEmbedLoss"]
 
 @documented(inputs="negatives", data="pairs",
             loss="CachedFastGISTEmbedLoss(model, guide, temperature=0.01, mini_batch_size=32)")
-class CachedFastGISTEmbedLoss(Cached, FastGISTEmbedLoss):
+class CachedFastGISTEmbedLoss(Cached):
     r""":class:`FastGISTEmbedLoss` with GradCache: a drop-in for ``CachedGISTEmbedLoss``.
 
     The loss of :class:`FastGISTEmbedLoss` (the guide's per-row threshold
@@ -52,6 +52,7 @@ class CachedFastGISTEmbedLoss(Cached, FastGISTEmbedLoss):
         {example}
     """
 
+    _plain = FastGISTEmbedLoss
     _config = FastGISTEmbedLoss._config + ("mini_batch_size", "mini_batch_num_tokens")
 
     def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, temperature: float = 0.01,
@@ -61,13 +62,11 @@ class CachedFastGISTEmbedLoss(Cached, FastGISTEmbedLoss):
                  gather_across_devices: bool = False, *, focal_m: float | None = None,
                  mask_duplicates: bool = False, matryoshka_dims=None, matryoshka_weights=None,
                  backend: str = "auto", chunk_size: int | None = None):
-        FastGISTEmbedLoss.__init__(self, model, guide, temperature, margin_strategy, margin,
-                                   contrast_anchors, contrast_positives, gather_across_devices,
-                                   focal_m=focal_m, mask_duplicates=mask_duplicates,
-                                   matryoshka_dims=matryoshka_dims,
-                                   matryoshka_weights=matryoshka_weights, backend=backend,
-                                   chunk_size=chunk_size)
-        self._init_cache(mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+        super().__init__(FastGISTEmbedLoss(
+            model, guide, temperature, margin_strategy, margin, contrast_anchors, contrast_positives,
+            gather_across_devices, focal_m=focal_m, mask_duplicates=mask_duplicates,
+            matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights, backend=backend,
+            chunk_size=chunk_size), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
 
     def _pass_one_inputs(self, sentence_features):
         return {"guide_embeddings": self._guide_embeddings(sentence_features, self.mini_batch_size)}

@@ -13,7 +13,7 @@ __all__ = ["CachedFastInfoNCELoss"]
 
 @documented(inputs="negatives", data="pairs",
             loss="CachedFastInfoNCELoss(model, scale=20.0, mini_batch_size=32)")
-class CachedFastInfoNCELoss(Cached, FastInfoNCELoss):
+class CachedFastInfoNCELoss(Cached):
     r""":class:`FastInfoNCELoss` with GradCache: a drop-in for ``CachedMultipleNegativesRankingLoss``.
 
     The loss of :class:`FastInfoNCELoss` (the same formula, ``scale`` and columns),
@@ -62,6 +62,7 @@ class CachedFastInfoNCELoss(Cached, FastInfoNCELoss):
         {example}
     """
 
+    _plain = FastInfoNCELoss
     _config = FastInfoNCELoss._config + ("mini_batch_size", "mini_batch_num_tokens")
 
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
@@ -73,10 +74,9 @@ class CachedFastInfoNCELoss(Cached, FastInfoNCELoss):
                  hard_negative_weight: float = 0.0, focal_m: float | None = None,
                  mask_duplicates: bool = False, matryoshka_dims=None, matryoshka_weights=None,
                  backend: str = "auto", chunk_size: int | None = None):
-        FastInfoNCELoss.__init__(self, model, scale, similarity_fct, gather_across_devices, directions,
-                                 partition_mode, hardness_mode, hardness_strength, symmetric=symmetric,
-                                 hard_negative_weight=hard_negative_weight, focal_m=focal_m,
-                                 mask_duplicates=mask_duplicates, matryoshka_dims=matryoshka_dims,
-                                 matryoshka_weights=matryoshka_weights, backend=backend,
-                                 chunk_size=chunk_size)
-        self._init_cache(mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+        super().__init__(FastInfoNCELoss(
+            model, scale, similarity_fct, gather_across_devices, directions, partition_mode,
+            hardness_mode, hardness_strength, symmetric=symmetric,
+            hard_negative_weight=hard_negative_weight, focal_m=focal_m, mask_duplicates=mask_duplicates,
+            matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights, backend=backend,
+            chunk_size=chunk_size), mini_batch_size, show_progress_bar, mini_batch_num_tokens)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import fastcl
-from fastcl import citations, common
+from fastcl import _validation as check
+from fastcl import citations, common, distributed
 
-from ._base import FastLoss, Guided, SentenceTransformer, documented, gather_rows
+from ._base import FastLoss, Guided, SentenceTransformer, documented, gather_rows, number
 
 __all__ = ["FastDCLRLoss"]
 
@@ -96,10 +96,17 @@ class FastDCLRLoss(Guided, FastLoss):
         self.mask_duplicates = bool(mask_duplicates)
         self._init_guide(model, guide, "the frozen model whose cosines drop DCLR's false "
                          "negatives; it may be the model itself; None for none", guide_dropout)
-        self.focal_m = focal_m
-        self.phi, self.noise_ratio, self.noise_steps = phi, noise_ratio, noise_steps
-        self.noise_lr, self.noise_std, self.temperature = noise_lr, noise_std, temperature
-        self.formulation, self.generator = formulation, generator
+        self.focal_m = None if focal_m is None else number("focal_m", focal_m)
+        self.phi = check.phi(phi)
+        self.noise_ratio = number("noise_ratio", noise_ratio)
+        if self.noise_ratio < 0:
+            raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
+        self.noise_steps = check.non_negative_int("noise_steps", noise_steps)
+        self.noise_lr = number("noise_lr", noise_lr)
+        self.noise_std = number("noise_std", noise_std, positive=True)
+        self.temperature = number("temperature", temperature, positive=True)
+        self.formulation = check.choice("formulation", formulation, ("paper", "released"))
+        self.generator = generator
         self.backend, self.chunk_size = backend, chunk_size
         self.gather_across_devices = gather_across_devices
 
@@ -128,8 +135,8 @@ class FastDCLRLoss(Guided, FastLoss):
         noise = fastcl.dclr_noise(all_anchors, positives.detach(), num, steps=self.noise_steps,
                                   lr=self.noise_lr, std=self.noise_std, temperature=self.temperature,
                                   generator=self.generator, formulation=self.formulation,
-                                  backend=self.backend, chunk_size=self.chunk_size).contiguous()
-        dist.broadcast(noise, src=0)
+                                  backend=self.backend, chunk_size=self.chunk_size)
+        noise = distributed.broadcast(noise, src=0)
         if complementary is not None:
             complementary = (complementary[0], guide_pos[0])
         return fastcl.contrastive(anchors, positives, complementary=complementary, noise=noise,
