@@ -24,11 +24,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from . import common, layout
 from .common import EPS, accumulate_dtype
-from .layout import PLAIN, Layout, column_blocks, column_groups, hardness_columns, visible_blocks
+from .layout import PLAIN, column_blocks, column_groups, hardness_columns, visible_blocks
+from .spec import Epilogue, LossSpec, bits
 
 #: Default bytes for the per-chunk R×M work buffers (all of them together). On a GPU a chunk
 #: must also be large, for the GEMMs and to keep each chunk's launches behind the GPU's work:
@@ -41,45 +44,6 @@ MIN_CHUNK_ROWS = {"cuda": 4096}
 #: The share of the device's free memory that the chunk buffers may take to reach
 #: ``MIN_CHUNK_ROWS``.
 MIN_ROWS_FREE_SHARE = 0.25
-
-
-@dataclass(frozen=True)
-class Epilogue:
-    """How a chunk of cosines becomes logits and a loss. Candidates are laid out as
-    ``[positives (N rows); other candidates]``; anchor i's positive is column i."""
-
-    temperature: float
-    focal_m: float | None = None           # focal modulation on
-    hard_negative_weight: float = 0.0      # log-weight added at column N + i
-    phi: float | None = None               # DCLR mask threshold (needs `complementary`)
-    complementary: tuple[torch.Tensor, torch.Tensor] | None = None
-    formulation: str = "paper"             # "paper" (cross-entropy) or "released" (DCLR's BCE)
-    positives: bool = True                 # False: no column is a positive (DCLR's noise loss)
-    anchor_offset: int = 0                 # anchors are rows [offset, offset+N) of a larger batch
-    chunk_size: int | None = None
-    memory_budget: int | None = None       # bytes; None: DEFAULT_MEMORY_BUDGET for the device
-    # The rules of fastcl.layout. With a positive side the anchors handed to the driver are
-    # 2N rows, [anchors; their own positives]: rows i and N + i are the two sides of row i.
-    layout: Layout | None = None                     # None: fastcl.layout.PLAIN
-    blocks: tuple[int, int, int, int] | None = None  # (N_b, K, K_z, N_a): the column blocks
-    hardness: tuple[str, float] | None = None        # MNRL's (hardness_mode, hardness_strength)
-    guide: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    #      (guide unit rows of the 2N (or N) anchor rows, of the M columns, θ (N,)), float32+
-    #      (for the Triton engine the unit rows in the GEMM dtype, cast once a call)
-    ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (column text ids (M,), row keys (N,))
-    # Matryoshka: ((d_1 < … < d_K), (w_1, …, w_K)), the loss Σ_k w_k·L(x[:, :d_k]) in one pass
-    matryoshka: tuple[tuple[int, ...], tuple[float, ...]] | None = None
-
-    @property
-    def paired(self) -> bool:
-        """Whether the anchors are ``[anchors; positives]``, two sides per row."""
-        return self.layout is not None and self.layout.positive_side
-
-    @property
-    def sided(self) -> bool:
-        """Whether the chunk needs :func:`_layout_drops` (any rule of :mod:`fastcl.layout`)."""
-        return not ((self.layout or PLAIN).plain and self.hardness is None and self.guide is None
-                    and self.ids is None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,14 +147,15 @@ def chunk_rows(engine, ep: Epilogue, n: int, m: int, n_pos: int, dtype: torch.dt
     """The rows per chunk the driver uses for ``engine`` (the benchmarks ask it too)."""
     device = torch.device(device)
     return rows_per_chunk(n, m, ep, engine.row_bytes(ep, dtype, m, n_pos), device.type,
-                          getattr(engine, "row_multiple", 16), _free_bytes(device))
+                          engine.row_multiple, _free_bytes(device))
 
 
 class TiledContrastive(torch.autograd.Function):
     """``loss = TiledContrastive.apply(epilogue, engine, anchors, positives, *others)``.
 
     The gradient is produced in the forward pass (the loss is the last op of the graph);
-    backward only scales it by the incoming gradient.
+    backward only scales it by the incoming gradient (:func:`_scaled`, which the custom op's
+    backward shares).
     """
 
     @staticmethod
@@ -198,25 +163,29 @@ class TiledContrastive(torch.autograd.Function):
         loss, grads = contrastive_forward(ep, anchors, candidates, need=ctx.needs_input_grad[2:],
                                           engine=engine)
         ctx.save_for_backward(*[g if g is not None else torch.empty(0) for g in grads])
-        ctx.has_grad = [g is not None for g in grads]
+        ctx.need = [g is not None for g in grads]
         ctx.dtypes = [anchors.dtype] + [c.dtype for c in candidates]
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if torch.is_grad_enabled():
-            # create_graph=True (a gradient penalty, a Hessian-vector product): the stored
-            # gradient has no graph, so a second derivative would silently miss this loss
-            raise RuntimeError(
-                "fastcl's fused backends (tiled, triton) compute the gradient in the forward "
-                "pass and cannot be differentiated twice (backward with create_graph=True); "
-                "use backend='reference' for higher-order gradients")
-        out = [None, None]
-        # Always scaled: testing for a grad of exactly 1 would be a host sync, and the
-        # multiply is one N×d elementwise pass, small next to the chunk GEMMs.
-        for has, g, dtype in zip(ctx.has_grad, ctx.saved_tensors, ctx.dtypes):
-            out.append(None if not has else (g * grad_loss.to(g.dtype)).to(dtype))
-        return tuple(out)
+        return (None, None, *_scaled(ctx, grad_loss))
+
+
+def _scaled(ctx, grad_loss) -> list:
+    """The backward of both front-ends: each stored gradient (``ctx.saved_tensors``, where
+    ``ctx.need`` says one was wanted) times the incoming scalar, in its input's dtype."""
+    if torch.is_grad_enabled():
+        # create_graph=True (a gradient penalty, a Hessian-vector product): the stored
+        # gradient has no graph, so a second derivative would silently miss this loss
+        raise RuntimeError(
+            "fastcl's fused backends (tiled, triton) compute the gradient in the forward "
+            "pass and cannot be differentiated twice (backward with create_graph=True); "
+            "use backend='reference' for higher-order gradients")
+    # Always scaled: testing for a grad of exactly 1 would be a host sync, and the
+    # multiply is one N×d elementwise pass, small next to the chunk GEMMs.
+    return [None if not want else (g * grad_loss.to(g.dtype)).to(dtype)
+            for g, want, dtype in zip(ctx.saved_tensors, ctx.need, ctx.dtypes)]
 
 
 @dataclass
@@ -260,36 +229,18 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
 
     logits = _mm(c.q, c.keys.T, acc)                   # R×M raw dots → cosines → logits
     logits.mul_(c.inv_q[:, None]).mul_(c.inv_k[None, :])
-    layout_drop = penalty = None
-    if ep.sided:
-        layout_drop, hard = _layout_drops(ep, c)
-        if hard is not None:                           # MNRL's β·sg(s): no slope of its own
-            penalty = logits[:r].mul(hard).mul_(ep.hardness[1])
-            del hard
+    rules = _RowRules(ep, c, acc)
+    # the cosines, kept where the slope (focal) or MNRL's β·sg(s) reads them
+    cos = logits.clone() if ep.focal_m is not None else (
+        logits[:r].clone() if rules.hard is not None else None)
     if ep.focal_m is not None:
-        # the positive side's own anchor (its mirror) is the positive pair too: s²/τ there
-        mirror = _mirror(ep, c) if ep.paired and ep.layout.positive_to_anchors else None
-        pos_cos = logits[ar, diag].clone()
-        mirror_cos = None if mirror is None else logits[mirror].clone()
-        cos = logits.clone()
-        logits.add_(ep.focal_m).mul_(cos).mul_(inv_t)      # s(s+m)/τ on negatives
-        logits[ar, diag] = pos_cos * pos_cos * inv_t       # s²/τ on the positive
-        if mirror is not None:
-            logits[mirror] = mirror_cos * mirror_cos * inv_t
+        _focal_logits(logits, cos, ep, r, c.first_pos, rules.mirror)
     else:
         logits.mul_(inv_t)
-    if ep.hard_negative_weight:
-        logits[ar, n_pos + diag] += ep.hard_negative_weight
-    if penalty is not None:
-        logits[:r].add_(penalty)
-        del penalty
-    drop = None
-    if ep.complementary is not None:
-        drop = _complementary_drop(ep, c.comp_q, c.comp_k, c.first_pos, acc)
-        logits[:r, :n_pos].masked_fill_(drop, 0.0 if released else float("-inf"))
-    if layout_drop is not None:
-        logits.masked_fill_(layout_drop, float("-inf"))
-        del layout_drop
+    rules.apply(logits, n_pos, cos, c.first_pos)
+    if ep.focal_m is None:
+        del cos
+    drop, rules = rules.comp_drop, None                # the layout's masks are released here
     # the released code gives the other columns (DCLR's noise) a complementary cosine of 0,
     # so its test drops all of them when 0/τ > 20φ, i.e. φ < 0
     drop_rest = released and ep.complementary is not None and 0.0 > 20 * ep.phi
@@ -344,12 +295,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         if ep.positives:
             grad[ar, diag] -= 1.0
         if ep.focal_m is not None:
-            # g'(s) = (2s + m)/τ off the positive, 2s/τ on it
-            slope = cos.mul_(2.0).add_(ep.focal_m)
-            slope[ar, diag] -= ep.focal_m
-            if mirror is not None:
-                slope[mirror] -= ep.focal_m
-            grad.mul_(slope)
+            grad.mul_(_focal_slope(cos, ep, r, c.first_pos, _RowRules.mirror_of(ep, c)))
     grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
     return grad.to(c.q.dtype)
 
@@ -369,13 +315,6 @@ def _mirror_column(ep: Epilogue, c: Chunk) -> int:
     R + i's is this + i."""
     n_pos, n_neg, n_noise, n_anchor = ep.blocks
     return n_pos + n_neg + n_noise + (c.first_pos if n_anchor == n_pos else c.r0)
-
-
-def _mirror(ep: Epilogue, c: Chunk):
-    """(rows, columns) of each positive-side row's own anchor in the anchors block."""
-    r = c.r1 - c.r0
-    ar = torch.arange(r, device=c.q.device)
-    return r + ar, _mirror_column(ep, c) + ar
 
 
 def _layout_drops(ep: Epilogue, c: Chunk):
@@ -433,11 +372,40 @@ def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> in
     mask = n_pos * (acc + 1) if ep.complementary is not None else 0
     sides = 2 if ep.paired else 1
     # the layout's masks: a few bool slices per side, the guide's cosines, the hardness term
-    rules = m * (4 + acc * (ep.guide is not None) + acc * (ep.hardness is not None)) if ep.sided else 0
+    # (MNRL's hardness: its factor and the cosines it reads)
+    rules = m * (4 + acc * (ep.guide is not None) + 2 * acc * (ep.hardness is not None)) if ep.sided else 0
     return sides * (m * (acc * _slices(ep) + cast) + rules) + mask
 
 
-torch_chunk.row_bytes = _torch_row_bytes
+@dataclass(frozen=True)
+class Engine:
+    """A chunk engine of the driver: ``chunk(ep, c, want_grad)`` writes the row losses and
+    returns H (:func:`torch_chunk`'s contract); ``row_bytes(ep, dtype, M, N_b)`` its buffers
+    per anchor row; chunks are rounded to ``row_multiple`` rows; ``tangent`` and
+    ``noise_step`` its fused chain rule and DCLR noise step (None: the driver's PyTorch ones,
+    :func:`_tangent_` and :func:`_noise_step`)."""
+
+    name: str
+    chunk: Callable
+    row_bytes: Callable
+    row_multiple: int = 16
+    tangent: Callable | None = None
+    noise_step: Callable | None = None
+
+
+TORCH = Engine("torch", torch_chunk, _torch_row_bytes)
+_TRITON: list = []
+
+
+def engine_for(backend: str) -> Engine:
+    """The engine of a resolved backend ("tiled": :data:`TORCH`; "triton": the kernels')."""
+    if backend != "triton":
+        return TORCH
+    if not _TRITON:
+        from .kernels import contrastive as k
+        _TRITON.append(Engine("triton", k.triton_chunk, k._row_bytes, k.ROW_MULTIPLE,
+                              k.triton_tangent, k.triton_noise_step))
+    return _TRITON[0]
 
 
 def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
@@ -467,7 +435,7 @@ def _norms(x: torch.Tensor, acc: torch.dtype):
     return torch.linalg.vector_norm(x, dim=1, dtype=acc).clamp_min_(EPS)
 
 
-def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_chunk,
+def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine = TORCH,
                         gemm_dtype: torch.dtype | None = None,
                         anchor_norms: torch.Tensor | None = None, raw_candidates: bool = False):
     """The chunked driver shared by every engine. Returns
@@ -524,7 +492,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
     rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device)
     denom = n * m if released else n
     row_loss = torch.empty(n, dtype=acc, device=device)
-    tangent = getattr(engine, "tangent", None)    # the engine's fused chain rule, if it has one
+    tangent = engine.tangent                  # the engine's fused chain rule, if it has one
     w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -534,7 +502,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine=torch_ch
         chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q_c, inv_k,
                       ginv_k, loss_out=row_loss[r0:r1], comp_q=comp[0][r0:r1] if comp else None,
                       comp_k=comp[1] if comp else None)
-        h = engine(ep, chunk, need_q or need_k)
+        h = engine.chunk(ep, chunk, need_q or need_k)
         if h is not None:
             dq_c = None
             if need_q:
@@ -637,7 +605,9 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
         take = functools.partial(_chunk_rows, r0=r0, r1=r1, n=n, paired=ep.paired)
         q = take(q_all)
         first = ep.anchor_offset + r0               # the column of row r0's positive
-        rules = _MatryoshkaRules(ep, Chunk(r0, r1, n, n_pos, first, q, keys, None, None, None), comp, acc)
+        rules = _RowRules(ep, Chunk(r0, r1, n, n_pos, first, q, keys, None, None, None,
+                                    comp_q=comp[0][r0:r1] if comp else None,
+                                    comp_k=comp[1] if comp else None), acc)
         dots, pool = buffers[0][:sides * r], [b[:sides * r] for b in buffers[1:len(dims) + 2]]
         cos = buffers[-1][:sides * r] if slices > 2 + len(dims) else None
         # per width: Ã^k = diag(f^k) H^k − δ·g^k, and the radial sums
@@ -694,34 +664,65 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     return loss, grads
 
 
-class _MatryoshkaRules:
-    """What a chunk's rows drop and weigh, the same at every width: DCLR's mask (R×N_b, the
-    anchor side), :func:`_layout_drops`' masks (R'×M) and MNRL's hardness columns (R×M),
-    and where the positive side's own anchor sits (focal gives it s²/τ)."""
+class _RowRules:
+    """What a chunk's rows drop and weigh, the same at every Matryoshka width: DCLR's mask
+    (R×N_b, the anchor side), :func:`_layout_drops`' masks (R'×M), MNRL's hardness columns
+    (R×M, as a factor), and the column of the positive side's own anchor (focal gives it
+    s²/τ: :func:`_focal_logits`)."""
 
-    def __init__(self, ep: Epilogue, c: Chunk, comp, acc: torch.dtype):
-        self.r = c.r1 - c.r0
+    def __init__(self, ep: Epilogue, c: Chunk, acc: torch.dtype):
+        self.r, self.ep = c.r1 - c.r0, ep
         self.comp_drop = None
-        if comp is not None:
-            self.comp_drop = _complementary_drop(ep, comp[0][c.r0:c.r1], comp[1], c.first_pos, acc)
+        if ep.complementary is not None:
+            self.comp_drop = _complementary_drop(ep, c.comp_q, c.comp_k, c.first_pos, acc)
         self.drop = self.hard = None
         if ep.sided:
             self.drop, hard = _layout_drops(ep, c)
             if hard is not None:      # as a factor, for an in-place addcmul at every width
                 self.hard = hard.to(acc)
-        self.mirror = None       # the column of side 1's diagonal, with a positive side
-        if ep.paired and ep.layout.positive_to_anchors:
-            self.mirror = _mirror_column(ep, c)
+        self.mirror = self.mirror_of(ep, c)
 
-    def apply(self, logits, n_pos, cos, beta):
-        """Drops (−inf) and MNRL's ``β·sg(s)`` on the hardness columns, in place."""
-        r = self.r
+    @staticmethod
+    def mirror_of(ep: Epilogue, c: Chunk) -> int | None:
+        """The column of side 1's diagonal (each positive-side row's own anchor), or None."""
+        return _mirror_column(ep, c) if ep.paired and ep.layout.positive_to_anchors else None
+
+    def apply(self, logits, n_pos: int, cos, first: int) -> None:
+        """In place on the logits: the hard negative's log-weight ``w`` at column
+        ``N_b + first + i``, MNRL's ``β·sg(s)`` on the hardness columns (``cos``: the rows'
+        cosines), then the drops (−inf; DCLR's released code: logit 0)."""
+        r, ep = self.r, self.ep
+        if ep.hard_negative_weight:
+            logits[:r].diagonal(n_pos + first).add_(ep.hard_negative_weight)
         if self.hard is not None:
-            logits[:r].addcmul_(cos[:r], self.hard, value=beta)
+            logits[:r].addcmul_(cos[:r], self.hard, value=ep.hardness[1])
         if self.comp_drop is not None:
-            logits[:r, :n_pos].masked_fill_(self.comp_drop, float("-inf"))
+            fill = 0.0 if ep.formulation == "released" else float("-inf")
+            logits[:r, :n_pos].masked_fill_(self.comp_drop, fill)
         if self.drop is not None:
             logits.masked_fill_(self.drop, float("-inf"))
+
+
+def _focal_logits(out, cos, ep: Epilogue, r: int, first: int, mirror: int | None):
+    """Focal-InfoNCE's logits into ``out`` from the cosines ``cos`` (R'×M): ``s(s+m)/τ``, and
+    ``s²/τ`` on each anchor-side row's positive (column ``first + i``) and on the positive
+    side's own anchor (row R + i, column ``mirror + i``)."""
+    inv_t = 1.0 / ep.temperature
+    torch.add(cos, ep.focal_m, out=out).mul_(cos).mul_(inv_t)
+    out[:r].diagonal(first).copy_(cos[:r].diagonal(first).square().mul_(inv_t))
+    if mirror is not None:
+        out[r:].diagonal(mirror).copy_(cos[r:].diagonal(mirror).square().mul_(inv_t))
+    return out
+
+
+def _focal_slope(cos, ep: Epilogue, r: int, first: int, mirror: int | None):
+    """In place on the cosines: the focal logits' slope τ·g'(s), ``2s + m`` off the positives
+    and ``2s`` on them (the positions of :func:`_focal_logits`' ``s²/τ``)."""
+    slope = cos.mul_(2.0).add_(ep.focal_m)
+    slope[:r].diagonal(first).sub_(ep.focal_m)
+    if mirror is not None:
+        slope[r:].diagonal(mirror).sub_(ep.focal_m)
+    return slope
 
 
 def _even_chunks(n: int, rows: int, multiple: int = 16) -> int:
@@ -781,18 +782,11 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
     if cos is not None:
         torch.mul(dots, inv_q[:, None], out=cos).mul_(inv_k[None, :])
     if ep.focal_m is not None:
-        # s(s + m)/τ off the positive (and off the positive side's own anchor), s²/τ on them
         pos_cos = cos[:r].diagonal(first).clone()
-        logits = torch.add(cos, ep.focal_m, out=spare).mul_(cos).mul_(inv_t)
-        logits[:r].diagonal(first).copy_(pos_cos.square().mul_(inv_t))
-        if rules.mirror is not None:
-            own = cos[r:].diagonal(rules.mirror)
-            logits[r:].diagonal(rules.mirror).copy_(own.square().mul_(inv_t))
+        logits = _focal_logits(spare, cos, ep, r, first, rules.mirror)
     else:
         logits = torch.mul(dots, (inv_q * inv_t)[:, None], out=spare).mul_(inv_k[None, :])
-    if ep.hard_negative_weight:
-        logits[:r].diagonal(n_pos + first).add_(ep.hard_negative_weight)
-    rules.apply(logits, n_pos, cos, ep.hardness[1] if ep.hardness else 0.0)
+    rules.apply(logits, n_pos, cos, first)
     # Every row's own softmax, one fused pass. ℓ_i = lse_i − l_ii = −log p_ii where p_ii ≥
     # e^(−2·bound)/M cannot underflow (no positive side, no layout); else lse_i through the
     # row's largest logit, whose p ≥ 1/M.
@@ -827,11 +821,7 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
     row_f.copy_(base * scale)
     pos_g.copy_(base[:r] * inv_k[first:first + r] * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
     if ep.focal_m is not None:
-        slope = cos.mul_(2.0).add_(ep.focal_m)
-        slope[:r].diagonal(first).sub_(ep.focal_m)
-        if rules.mirror is not None:
-            slope[r:].diagonal(rules.mirror).sub_(ep.focal_m)
-        p.mul_(slope)
+        p.mul_(_focal_slope(cos, ep, r, first, rules.mirror))
     held = p.mul_(inv_k[None, :])
     # the radial sums: Σ_j Ã_ij D_ij = f_i Σ_j H_ij D_ij − g_i D_ii, and by columns
     product = torch.mul(held, dots, out=spare)
@@ -898,14 +888,13 @@ def _fp16_gain(ep: Epilogue, dtype: torch.dtype) -> float:
     return 2.0 ** max(0, math.floor(math.log2(2**14 / slope)))
 
 
-def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):
-    """Differentiable entry point used by :mod:`fastcl.functional`. Autocast is off inside
-    (for the inputs' device type): the chunk GEMMs read the dtype :func:`matmul_dtype`
-    chooses, and autocast would round the cosines, hence the logits and log-sum-exp, to 16
-    bits. Under ``torch.compile`` the call is the custom op ``fastcl::tiled_contrastive``
-    (one node of the graph, shapes from its fake kernel), where it can be one."""
-    from .common import autocast_off
-    with autocast_off(anchors.device):
+def contrastive_loss(ep: Epilogue, anchors, *candidates, engine: Engine = TORCH):
+    """The driver as a differentiable loss. Autocast is off inside (for the inputs' device
+    type): the chunk GEMMs read the dtype :func:`matmul_dtype` chooses, and autocast would
+    round the cosines, hence the logits and log-sum-exp, to 16 bits. Under
+    ``torch.compile`` the call is the custom op ``fastcl::tiled_contrastive`` (one node of
+    the graph, shapes from its fake kernel), where it can be one."""
+    with common.autocast_off(anchors.device):
         if torch.compiler.is_compiling():
             return _as_op(ep, engine, anchors, candidates)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (anchors, *candidates)):
@@ -918,15 +907,7 @@ def contrastive_loss(ep: Epilogue, anchors, *candidates, engine=torch_chunk):
 # --------------------------------------------------------------------------- custom op
 # For torch.compile: the driver as one opaque op (its chunk loop and host-side choices never
 # traced), its gradient computed in the forward as TiledContrastive does, backward a scale.
-# The epilogue travels as schema types: the layout as bits, its blocks as sizes, the hardness
-# as "mode:β", the guide's and the ids' tensors as lists.
-
-def _engine_by_name(name: str):
-    if name == "triton":
-        from .kernels.contrastive import triton_chunk
-        return triton_chunk
-    return torch_chunk
-
+# The epilogue travels as schema types (Epilogue.op_args, Epilogue.from_op_args).
 
 def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the gradients the driver returns (float16 ones stay in float32)."""
@@ -953,29 +934,21 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
                          need: int, scan: bool
                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(loss, ∂L/∂anchors, [∂L/∂candidates…])`` of :func:`contrastive_forward` (empty
-    tensors where ``need``, a bit per input, says no). ``matryoshka``: ``"d:w,d:w…"`` or "".
-    The layout's rules: ``layout`` (:func:`_layout_bits`, −1 for none), ``blocks``
-    (``[N_b, K, K_z, N_a]``, zeros for none: sizes, so that another batch size is no new
-    graph), ``hardness`` (``"mode:β"`` or ""), ``guide`` (rows, columns, θ, or none),
-    ``ids`` (columns, rows, or none). ``scan``: test the inputs for NaN/Inf here (the traced
-    caller could not read them)."""
-    need = _bits(need, 1 + len(candidates))
+    tensors where ``need``, a bit per input, says no); the epilogue's arguments as
+    :meth:`~fastcl.spec.Epilogue.op_args` writes them. ``scan``: test the inputs for
+    NaN/Inf here (the traced caller could not read them)."""
+    need = bits(need, 1 + len(candidates))
     if scan:                                # one host read for every input
         inputs = [("anchors", anchors), *((f"candidates[{i}]", c) for i, c in enumerate(candidates))]
         finite = torch.stack([torch.isfinite(x).all() for _, x in inputs]).tolist()
         for (name, _), ok in zip(inputs, finite):
             if not ok:
                 raise ValueError(f"fastcl.tiled_contrastive: {name} contains NaN or Inf values")
-    mode, _, beta = hardness.partition(":")
-    ep = Epilogue(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
-                  phi=phi if complementary else None,
-                  complementary=tuple(complementary) if complementary else None,
-                  formulation=formulation, anchor_offset=anchor_offset, chunk_size=chunk_size,
-                  matryoshka=_widths(matryoshka), layout=_layout_of(layout),
-                  blocks=tuple(blocks) if any(blocks) else None,
-                  hardness=(mode, float(beta)) if mode else None,
-                  guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None)
-    loss, grads = contrastive_forward(ep, anchors, tuple(candidates), need, engine=_engine_by_name(engine))
+    ep = Epilogue.from_op_args(complementary, temperature, focal_m, hard_negative_weight, phi,
+                               formulation, anchor_offset, chunk_size, matryoshka, layout,
+                               blocks, hardness, guide, ids)
+    loss, grads = contrastive_forward(ep, anchors, tuple(candidates), need,
+                                      engine=engine_for("triton" if engine == "triton" else "tiled"))
     empty = lambda x: x.new_empty(0, dtype=_grad_dtype(x.dtype))  # noqa: E731
     # the candidates' gradients are views of one M×d tensor; an op's outputs may not alias
     dks = [g if g is None or i == 0 else g.clone() for i, g in enumerate(grads[1:])]
@@ -983,40 +956,9 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
             [g if g is not None else empty(c) for g, c in zip(dks, candidates)])
 
 
-def _bits(mask: int, count: int) -> list[bool]:
-    return [bool(mask >> i & 1) for i in range(count)]
-
-
-#: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
-_LAYOUT_FIELDS = ("anchor_to_anchors", "positive_to_anchors", "positive_to_positives",
-                  "positive_to_negatives", "exclude_own", "joint")
-
-
-def _layout_bits(layout: Layout | None) -> int:
-    if layout is None:
-        return -1
-    return sum(1 << i for i, name in enumerate(_LAYOUT_FIELDS) if getattr(layout, name))
-
-
-def _layout_of(bits: int) -> Layout | None:
-    if bits < 0:
-        return None
-    return Layout(**dict(zip(_LAYOUT_FIELDS, _bits(bits, len(_LAYOUT_FIELDS)))))
-
-
-def _widths(text: str):
-    """``"d:w,d:w…"`` as ``((d…), (w…))``; "" as None (the op's schema has no nested types)."""
-    if not text:
-        return None
-    pairs = [item.split(":") for item in text.split(",")]
-    return tuple(int(d) for d, _ in pairs), tuple(float(w) for _, w in pairs)
-
-
 @tiled_contrastive_op.register_fake
-def _(anchors, candidates, complementary, temperature, focal_m, hard_negative_weight, phi,
-      formulation, anchor_offset, chunk_size, matryoshka, layout, blocks, hardness, guide, ids,
-      engine, need, scan):
-    need = _bits(need, 1 + len(candidates))
+def _(anchors, candidates, *args):
+    need = bits(args[-2], 1 + len(candidates))
 
     def grad(x, want):
         return x.new_empty(x.shape if want else (0,), dtype=_grad_dtype(x.dtype))
@@ -1027,7 +969,7 @@ def _(anchors, candidates, complementary, temperature, focal_m, hard_negative_we
 def _op_setup(ctx, inputs, output):
     _, dq, dks = output
     ctx.save_for_backward(dq, *dks)
-    ctx.need = _bits(inputs[-2], 1 + len(inputs[1]))
+    ctx.need = bits(inputs[-2], 1 + len(inputs[1]))
     ctx.dtypes = [inputs[0].dtype] + [c.dtype for c in inputs[1]]
     # the structure of the inputs, which backward's result repeats: a tensor list's length,
     # or None (the blocks, a list of sizes, are one leaf)
@@ -1036,14 +978,7 @@ def _op_setup(ctx, inputs, output):
 
 
 def _op_backward(ctx, grad_loss, grad_dq, grad_dks):
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "fastcl's fused backends (tiled, triton) compute the gradient in the forward "
-            "pass and cannot be differentiated twice (backward with create_graph=True); "
-            "use backend='reference' for higher-order gradients")
-    dq, *dks = ctx.saved_tensors
-    scaled = [None if not want else (g * grad_loss.to(g.dtype)).to(dtype)
-              for g, want, dtype in zip([dq, *dks], ctx.need, ctx.dtypes)]
+    scaled = _scaled(ctx, grad_loss)
     # one entry per input, a list for a list: the anchors' and the candidates' gradients,
     # nothing for the rest (the complementary pair, the guide and the ids: lists of None)
     return tuple(scaled[0] if i == 0 else scaled[1:] if i == 1 else None if n is None else [None] * n
@@ -1053,25 +988,138 @@ def _op_backward(ctx, grad_loss, grad_dq, grad_dks):
 tiled_contrastive_op.register_autograd(_op_backward, setup_context=_op_setup)
 
 
-def _as_op(ep: Epilogue, engine, anchors, candidates):
+def _as_op(ep: Epilogue, engine: Engine, anchors, candidates):
     """:func:`contrastive_loss` through ``fastcl::tiled_contrastive``."""
     from . import _validation
     want = torch.is_grad_enabled()
     need = sum(1 << i for i, t in enumerate((anchors, *candidates)) if want and t.requires_grad)
-    widths = "" if ep.matryoshka is None else ",".join(f"{d}:{float(w)!r}" for d, w in zip(*ep.matryoshka))
-    loss, _, _ = tiled_contrastive_op(
-        anchors, list(candidates), list(ep.complementary or ()), float(ep.temperature),
-        None if ep.focal_m is None else float(ep.focal_m), float(ep.hard_negative_weight),
-        float(ep.phi or 0.0), ep.formulation, int(ep.anchor_offset), ep.chunk_size, widths,
-        _layout_bits(ep.layout), list(ep.blocks or (0, 0, 0, 0)),
-        "" if ep.hardness is None else f"{ep.hardness[0]}:{float(ep.hardness[1])!r}",
-        list(ep.guide or ()), list(ep.ids or ()),
-        "triton" if engine is not torch_chunk else "torch", need, _validation._CHECK_FINITE)
+    loss, _, _ = tiled_contrastive_op(anchors, list(candidates), *ep.op_args(), engine.name, need,
+                                      _validation._CHECK_FINITE)
     return loss
 
 
+# --------------------------------------------------------------------------- a spec's loss
+
+def spec_loss(spec: LossSpec, anchors, positives, negatives=None):
+    """The fused paths' loss of ``spec`` (:func:`fastcl.spec.build_spec`) on checked
+    embeddings: the candidate blocks (DCLR's noise drawn and updated here), then the driver
+    on the spec's engine. Matryoshka is one pass over every width where the engine takes
+    them (the torch engine), else a call per width (the Triton kernels take one width)."""
+    engine = engine_for(spec.backend)
+    cands = None if spec.rules is None else spec.rules.anchor_candidates
+    if spec.matryoshka is not None and engine is not TORCH:
+        cut = lambda x, d: None if x is None else x[:, :d]  # noqa: E731
+        return sum(w * _terms(spec, engine, *(cut(x, d) for x in (anchors, positives, negatives, cands)))
+                   for d, w in zip(*spec.matryoshka))
+    return _terms(spec, engine, anchors, positives, negatives, cands, spec.matryoshka)
+
+
+def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands, widths=None):
+    logits, mask, offset = spec.logits, spec.mask, spec.anchor_offset
+    blocks = [positives] + ([] if negatives is None else [negatives])
+    if spec.noise is not None:
+        z = dclr_noise(spec.noise, anchors, positives, formulation=spec.formulation,
+                       anchor_offset=offset, engine=engine, chunk_size=spec.chunk_size)
+        # Z is not rescaled before its update (a step of lr is not scale-free); as loss
+        # candidates its rows only enter through cosines
+        blocks.append(common.shrink_huge_rows(z).to(anchors.dtype))
+    fields = dict(temperature=logits.temperature, focal_m=logits.focal_m,
+                  hard_negative_weight=logits.hard_negative_weight,
+                  phi=None if mask is None else mask.phi,
+                  complementary=None if mask is None else mask.complementary,
+                  formulation=spec.formulation, chunk_size=spec.chunk_size, anchor_offset=offset,
+                  matryoshka=widths)
+    if spec.two_directions:
+        # ½(L→ + L←): the positives against the anchor candidates, focal and (symmetric) the
+        # transposed mask there; negatives, w and Z belong to the forward direction only
+        n, n_pos = anchors.shape[0], positives.shape[0]
+        reverse = Epilogue(logits.temperature, focal_m=logits.focal_m,
+                           phi=mask.phi if mask is not None and mask.reverse else None,
+                           complementary=(mask.complementary[1], mask.complementary[0])
+                           if mask is not None and mask.reverse else None,
+                           chunk_size=spec.chunk_size, matryoshka=widths,
+                           anchor_offset=offset if cands.shape[0] == n_pos else 0)
+        forward = contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
+        return 0.5 * (forward + contrastive_loss(reverse, positives[offset:offset + n], cands,
+                                                 engine=engine))
+    if spec.ruled:
+        rows, blocks, ep = _ruled_inputs(spec, fields, anchors, positives, negatives, blocks, cands,
+                                         matmul_dtype(anchors.dtype, anchors.device)
+                                         if engine is not TORCH else None)
+        return contrastive_loss(ep, rows, *blocks, engine=engine)
+    return contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
+
+
+def _ruled_inputs(spec: LossSpec, fields, anchors, positives, negatives, blocks, cands,
+                  guide_dtype=None):
+    """The driver's inputs for a spec with :mod:`fastcl.layout`'s rules: the rows
+    (``[anchors; own positives]`` with a positive side), the candidate blocks with the
+    anchors block last, and the epilogue of ``fields`` with the column blocks, the guide's
+    unit rows (in ``guide_dtype``, default the accumulate dtype) and thresholds (always in
+    the accumulate dtype), the ids. (Epilogues are built whole, never
+    ``dataclasses.replace``d: torch.compile before torch 2.6 breaks the graph there.)"""
+    lay, hardness = spec.layout, None if spec.rules is None else spec.rules.hardness
+    n, n_pos = anchors.shape[0], positives.shape[0]
+    offset = spec.anchor_offset
+    n_neg = 0 if negatives is None else negatives.shape[0]
+    n_noise = sum(b.shape[0] for b in blocks) - n_pos - n_neg
+    n_a = 0 if cands is None else cands.shape[0]
+    own = positives[offset:offset + n]
+    rows = torch.cat([anchors, own]) if lay.positive_side else anchors
+    blocks = list(blocks) + ([cands] if n_a > 0 else [])
+    guide = ids = None
+    if spec.guide is not None:
+        acc = accumulate_dtype(anchors.dtype)
+        unit = lambda x: torch.nn.functional.normalize(common.wide(x), dim=1, eps=EPS).to(acc)  # noqa: E731
+        g_anchors, g_positives, g_negatives, g_cands = spec.guide.embeddings
+        u_anchors, u_positives = unit(g_anchors), unit(g_positives)
+        u_own = u_positives[offset:offset + n]
+        theta = layout.guide_threshold((u_anchors * u_own).sum(dim=1), spec.guide.margin,
+                                       spec.guide.strategy)
+        g_rows = torch.cat([u_anchors, u_own]) if lay.positive_side else u_anchors
+        parts = [u_positives] + ([unit(g_negatives)] if n_neg > 0 else [])
+        parts.append(u_anchors.new_zeros(n_noise, u_anchors.shape[1]))   # never filtered
+        parts += [unit(g_cands)] if n_a > 0 else []
+        g_cols = torch.cat(parts)
+        if guide_dtype is not None:
+            g_rows, g_cols = g_rows.to(guide_dtype), g_cols.to(guide_dtype)
+        guide = (g_rows, g_cols, theta)
+    if spec.ids is not None:
+        pos_ids, neg_ids, anchor_ids = spec.ids
+        parts = [pos_ids] + ([neg_ids] if n_neg > 0 else [])
+        parts.append(pos_ids.new_zeros(n_noise))                          # never compared
+        parts += [anchor_ids] if n_a > 0 else []
+        ids = (torch.cat(parts), pos_ids[offset:offset + n])
+    ep = Epilogue(**fields, layout=lay, blocks=(n_pos, n_neg, n_noise, n_a), hardness=hardness,
+                  guide=guide, ids=ids)
+    return rows, blocks, ep
+
+
+def dclr_noise(noise, anchors, positives, *, formulation="paper", anchor_offset=0,
+               engine: Engine = TORCH, chunk_size=None):
+    """DCLR's noise negatives (:class:`fastcl.spec.Noise`) on the fused paths: drawn (or the
+    given start), then :func:`noise_update`."""
+    with common.autocast_off(anchors.device):
+        # whether Z can have rows too large to square, where that is known without reading Z:
+        # drawn, its entries are std·N(0, 1), and no normal draw of torch's reaches NORMAL_MAX;
+        # given, this call's scan of its inputs has cleared it
+        from . import _validation
+        z = noise.start
+        if z is None:
+            z = common.draw_noise(noise.count, anchors.shape[1], std=noise.std,
+                                  generator=noise.generator, device=anchors.device)
+            limit = common.huge_row_limit(z.dtype, z.shape[1])
+            huge = None if noise.std * common.NORMAL_MAX > limit else False
+        else:
+            huge = False if _validation.inputs_read() else None
+        return noise_update(anchors, z, steps=noise.steps, lr=noise.lr,
+                            temperature=noise.temperature, chunk_size=chunk_size, engine=engine,
+                            positives=positives if formulation == "released" else None,
+                            anchor_offset=anchor_offset, huge_rows=huge)
+
+
 @torch.no_grad()
-def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, engine=torch_chunk,
+def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, engine: Engine = TORCH,
                  positives=None, anchor_offset=0, huge_rows=None):
     """DCLR's normalized gradient ascent on the noise, chunked, without an autograd graph.
 
@@ -1113,7 +1161,7 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
         amax = torch.linalg.vector_norm(z, ord=float("inf"), dim=1)
         huge = bool((amax > huge_row_limit(z.dtype, z.shape[1])).any())
     anchors = anchors.detach()
-    step = getattr(engine, "noise_step", None) or _noise_step   # the engine's fused step, if any
+    step = engine.noise_step or _noise_step   # the engine's fused step, if any
     with autocast_off(anchors.device):
         anchor_norms = _norms(anchors, accumulate_dtype(anchors.dtype))
         for _ in range(steps):

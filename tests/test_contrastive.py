@@ -24,6 +24,7 @@ import torch
 
 import fastcl
 from fastcl import common, reference
+from fastcl.spec import build_spec
 
 from conftest import TOL, correlated, loss_and_grads, make
 
@@ -513,20 +514,22 @@ def test_reference_gradcheck(combo):
     batch = Batch(5, 6, k_queue=3 if "queue" in combo else None, dtype=torch.float64)
     negatives, kw = kwargs(batch, combo)
     neg = negatives if negatives is not None else batch.neg
-    fn = lambda a, p, n: reference.contrastive(a, p, n if negatives is not None else None, **kw)
+    fn = lambda a, p, n: reference.contrastive(*build_spec(a, p, n if negatives is not None else None,
+                                                           backend="reference", **kw))
     assert torch.autograd.gradcheck(fn, (batch.a, batch.p, neg), eps=1e-6, atol=1e-5, rtol=1e-4)
 
 
 def test_reference_gradcheck_offset_and_released():
     batch = Batch(6, 5, dtype=torch.float64)
     comp = (batch.comp[0][2:5], batch.comp[1])
-    fn = lambda a, p: reference.contrastive(a[2:5], p, temperature=0.5, focal_m=0.3,
-                                            complementary=comp, phi=PHI, noise=batch.z,
-                                            noise_steps=0, anchor_offset=2)
+    fn = lambda a, p: reference.contrastive(*build_spec(a[2:5], p, temperature=0.5, focal_m=0.3,
+                                                        complementary=comp, phi=PHI, noise=batch.z,
+                                                        noise_steps=0, anchor_offset=2,
+                                                        backend="reference"))
     assert torch.autograd.gradcheck(fn, (batch.a, batch.p), eps=1e-6, atol=1e-5, rtol=1e-4)
-    fn = lambda a, p: reference.contrastive(a, p, temperature=0.5, complementary=batch.comp,
-                                            phi=PHI, noise=batch.z, noise_steps=0,
-                                            formulation="released")
+    fn = lambda a, p: reference.contrastive(*build_spec(a, p, temperature=0.5, complementary=batch.comp,
+                                                        phi=PHI, noise=batch.z, noise_steps=0,
+                                                        formulation="released", backend="reference"))
     assert torch.autograd.gradcheck(fn, (batch.a, batch.p), eps=1e-6, atol=1e-5, rtol=1e-4)
 
 
