@@ -1,4 +1,4 @@
-"""The reference objectives: the most literal PyTorch, full N×M matrices, ``F.cross_entropy``.
+"""The reference objectives: the most literal PyTorch, full N×M matrices, a cross-entropy per row.
 
 This module is the oracle that every fast path is tested against and benchmarked
 with. It favours being obviously right over being fast or lean: each function
@@ -64,13 +64,41 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
         # round w (by ~1e-8) in a float64 loss
         own_negative = _at(n, sim.shape[1], n_pos + anchor_offset, sim.device).to(logits.dtype)
         logits = logits + hard_negative_weight * own_negative
-    labels = _labels(n, sim.device, anchor_offset)
     if formulation == "released":
-        probs = torch.softmax(logits if keep is None else logits * keep, dim=1)
-        return F.binary_cross_entropy(probs, F.one_hot(labels, logits.shape[1]).to(probs.dtype))
+        logits = logits if keep is None else logits * keep
+        probs = torch.softmax(logits, dim=1)
+        # where the positive dominates, p_ii rounds to 1: BCE(p_ii, 1) is then written as
+        # BCE(1 − p_ii, 0), the same value and gradient (torch's clamps are symmetric in
+        # p ↔ 1 − p), with 1 − p_ii = σ(gap) the others' share, formed apart
+        gap = _others_lse(logits, is_positive) - logits[is_positive]
+        flip = (gap < 0)[:, None] & is_positive
+        entries = torch.where(is_positive, torch.sigmoid(torch.where(gap < 0, gap, -gap))[:, None],
+                              probs)
+        return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
-    return F.cross_entropy(logits, labels)
+    return _cross_entropy(logits, is_positive).mean()
+
+
+def _others_lse(logits, is_positive, *more):
+    """``log Σ e^l`` over each row's entries other than its positive (one per row), and the
+    columns of ``more`` (more blocks of the same rows); −inf for a row with none."""
+    others = torch.cat([logits.masked_fill(is_positive, float("-inf")), *more], dim=1)
+    empty = torch.isneginf(others).all(dim=1, keepdim=True)
+    # an all −inf row's log-sum-exp has a NaN gradient: such a row takes log 1 = 0 instead,
+    # then −inf below (its gradient is then 0)
+    lse = torch.logsumexp(others.masked_fill(empty, 0.0), dim=1)
+    return lse.masked_fill(empty[:, 0], float("-inf"))
+
+
+def _cross_entropy(logits, is_positive, *more):
+    """Each row's ``−log p_i = log Σ_j e^{l_j} − l_i`` (``i``: the row's positive) as
+    ``softplus(log Σ_{j≠i} e^{l_j} − l_i) = log(1 + Σ_{j≠i} e^{l_j − l_i})``: where the
+    positive dominates (a trained model's easy batches), the difference of two log-sum-exps
+    keeps no digit of a loss below ``eps·|l_i|``, this keeps them all; its gradient on the
+    positive is minus the others' share of the softmax, not ``p_ii − 1``. ``more``: more
+    columns of the same softmax (blocks beside ``logits``)."""
+    return F.softplus(_others_lse(logits, is_positive, *more) - logits[is_positive])
 
 
 def _modulated(sim, is_positive, temperature, focal_m):
@@ -224,13 +252,17 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
                                   g_documents[:width] if guide is not None else None,
                                   doc_ids[:width] if duplicate_ids is not None else None, None))
 
-    lse_a = torch.logsumexp(torch.cat(anchor_side, dim=1), dim=1)
+    # the positive sits in the first block: its share of the softmax is formed apart
+    # (_cross_entropy), the other blocks join its log-sum-exp
+    anchor_pos = torch.zeros_like(anchor_side[0], dtype=torch.bool)
+    anchor_pos[rows, g] = True
     if not positive_side:
-        return (lse_a - positive_logit).mean()
-    lse_p = torch.logsumexp(torch.cat(positive_side, dim=1), dim=1)
+        return _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:]).mean()
     if layout.joint:
-        return (torch.logaddexp(lse_a, lse_p) - positive_logit).mean()
-    return (0.5 * (lse_a + lse_p) - positive_logit).mean()
+        return _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:], *positive_side).mean()
+    lse_p = torch.logsumexp(torch.cat(positive_side, dim=1), dim=1)
+    return (0.5 * _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:])
+            + 0.5 * (lse_p - positive_logit)).mean()
 
 
 def _none(n, columns):

@@ -246,32 +246,46 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     drop_rest = released and ep.complementary is not None and 0.0 > 20 * ep.phi
     if drop_rest:
         logits[:, n_pos:] = 0.0
-    pos_logit = logits[ar, diag].clone() if ep.positives else 0.0
-
-    # Row log-sum-exp, leaving the softmax in the buffer. Two sides in one softmax: rows i
-    # and R + i share the maximum and the sum; else each side's own, and a row's loss takes
-    # the mean of the two log-sum-exps (so each side's softmax enters the gradient halved).
+    # The positive apart: the softmax below is over each row's other columns (and, joint,
+    # the positive side's), its log-sum-exp ``lse_o``; the row's loss is then
+    # softplus(lse_o − l_ii) = log(1 + Σ_{j≠i} e^(l_ij − l_ii)) and the others' share of the
+    # full softmax q = σ(lse_o − l_ii) = 1 − p_ii: neither cancels where the positive
+    # dominates (lse − l_ii and p_ii − 1 keep no digit of a loss below eps·|l_ii|).
+    if ep.positives:
+        pos_logit = logits[ar, diag].clone()
+        logits[ar, diag] = float("-inf")
     joint = ep.paired and ep.layout.joint
     view = logits.view(2, r, m) if joint else logits.view(1, -1, m)
     row_max = view.amax(dim=(0, 2), keepdim=True)
+    row_max.masked_fill_(torch.isneginf(row_max), 0.0)      # a row with no other column
     probs = view.sub_(row_max).exp_()
     row_sum = probs.sum(dim=(0, 2), keepdim=True)
-    probs.div_(row_sum)
+    probs.div_(row_sum.clamp_min(torch.finfo(acc).tiny))
     lse = (row_max + row_sum.log()).reshape(-1)
     probs = logits                                     # the buffer, as R'×M
+    if ep.positives:
+        gap = lse[:r] - pos_logit
+        share, others = torch.nn.functional.softplus(gap), torch.sigmoid(gap)
+        probs[:r].mul_(others[:, None])                # the full softmax, off the positive
+        if joint:
+            probs[r:].mul_(others[:, None])
+    else:
+        share = lse
     if ep.paired and not joint:
-        lse = 0.5 * (lse[:r] + lse[r:])
+        # each side its own softmax: the mean of the two log-sum-exps, each side's softmax
+        # halved in the gradient; the positive side has no positive of its own
+        share = 0.5 * (share + lse[r:] - pos_logit)
         probs.mul_(0.5)
 
     if released:
         # BCE on the softmax, mean over all N·M entries; log p and log(1−p) clamped at −100
-        # as torch's binary_cross_entropy does.
+        # as torch's binary_cross_entropy does (−log p_ii = share)
         log_not = torch.neg(probs).log1p_().clamp_min_(-100.0)
         log_not[ar, diag] = 0.0
-        row_loss = -log_not.sum(dim=1) - (pos_logit - lse).clamp_min(-100.0)
+        row_loss = -log_not.sum(dim=1) + share.clamp_max(100.0)
         del log_not
     else:
-        row_loss = lse - pos_logit
+        row_loss = share
     c.loss_out.copy_(row_loss)
     if not want_grad:
         return None
@@ -279,13 +293,16 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     grad = probs                                       # becomes ∂L/∂s in place
     if released:
         # v_ij = p·∂BCE/∂p = p(p − y)/max(p(1 − p), 1e-12), the clamp of torch's BCE backward:
-        # p/(1−p) off the positive, −1 on it, finite where p rounds to 1;
-        # ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ
-        p_pos = probs[ar, diag]
+        # p/(1−p) off the positive, −1 on it (−p_ii·q/max(p_ii·q, 1e-12), q = 1 − p_ii);
+        # ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ, on the positive v_ii·q − p_ii·Σ_{j≠i} v_j
+        p_pos = torch.sigmoid(-gap)
         v = torch.rsub(probs, 1.0).mul_(probs).clamp_min_(1e-12).reciprocal_()  # one extra slice
         v.mul_(probs).mul_(probs)
-        v[ar, diag] = p_pos * (p_pos - 1.0) / (p_pos * (1.0 - p_pos)).clamp_min(1e-12)
-        grad.mul_(-v.sum(dim=1, keepdim=True)).add_(v)
+        v[ar, diag] = 0.0
+        v_others = v.sum(dim=1)
+        v_pos = -(p_pos * others) / (p_pos * others).clamp_min(1e-12)
+        grad.mul_(-(v_others + v_pos)[:, None]).add_(v)
+        grad[ar, diag] = v_pos * others - p_pos * v_others
         del v
         if drop is not None:
             grad[:, :n_pos].masked_fill_(drop, 0.0)
@@ -293,7 +310,8 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
             grad[:, n_pos:] = 0.0
     else:
         if ep.positives:
-            grad[ar, diag] -= 1.0
+            # p_ii − 1 = −q; per direction, 0.5·p_ii − 1 = −0.5·q − 0.5
+            grad[ar, diag] = -others if not (ep.paired and not joint) else -0.5 * others - 0.5
         if ep.focal_m is not None:
             grad.mul_(_focal_slope(cos, ep, r, c.first_pos, _RowRules.mirror_of(ep, c)))
     grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
@@ -789,15 +807,22 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
     rules.apply(logits, n_pos, cos, first)
     # Every row's own softmax, one fused pass. ℓ_i = lse_i − l_ii = −log p_ii where p_ii ≥
     # e^(−2·bound)/M cannot underflow (no positive side, no layout); else lse_i through the
-    # row's largest logit, whose p ≥ 1/M.
+    # row's largest logit, whose p ≥ 1/M. (Where the others' share q < 1/2: −log1p(−q).)
     exact = not ep.sided and 2.0 * _logit_bound(ep) + math.log(logits.shape[1]) <= _EXACT_LOG_BOUND
     if not exact:
         top = logits.amax(dim=1)
         pos = logits[:r].diagonal(first).clone()
     p = torch.ops.aten._softmax.out(logits, 1, False, out=out)
+    # The others' share of each anchor row's softmax, q = Σ_{j≠i} p_ij = 1 − p_ii, summed with
+    # the positive's entry taken out: where the positive dominates p_ii rounds to 1, and
+    # −log p_ii and p_ii − 1 keep no digit; −log1p(−q) and −q keep them all. The
+    # positive's entry of H is then 0, its whole term in g (below).
+    p_pos = p[:r].diagonal(first).clone()
+    p[:r].diagonal(first).zero_()
+    q = p[:r].sum(dim=1)
     scale = 1.0                       # each row's softmax in the loss's: p_loss = scale·p
     if exact:
-        row_loss -= weight * p.diagonal(first).log()
+        near = -p_pos.log()
     else:
         lse = top - p.amax(dim=1).log_()
         if ep.paired and ep.layout.joint:
@@ -809,17 +834,26 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
             lse = lse.masked_fill(dead, float("-inf"))
             joint = torch.logaddexp(lse[:r], lse[r:])
             scale = torch.exp(lse - joint.repeat(2))
+            q = scale[:r] * q + scale[r:] * (~dead[r:]).to(q.dtype)
             lse = joint
-        elif ep.paired:      # each side its own softmax: the mean of the two log-sum-exps
-            lse = 0.5 * (lse[:r] + lse[r:])
+        near = lse[:r] - pos
+        if ep.paired and not ep.layout.joint:
+            # each side its own softmax: the mean of the two log-sum-exps
             scale = 0.5
-        row_loss += weight * (lse - pos)
+            far = lse[r:] - pos
+    loss = torch.where(q < 0.5, torch.neg(q).log1p_().neg_(), near)
+    if ep.paired and not ep.layout.joint:
+        row_loss += weight * 0.5 * (loss + far)
+        q = 0.5 + 0.5 * q                  # 1 − 0.5·p_ii
+    else:
+        row_loss += weight * loss
     # ∂L/∂s^k = w_k (p − δ) g'(s)/N: g'(s) = 1/τ, or with focal modulation (2s + m)/τ off
     # the positive (and the positive side's own anchor) and 2s/τ on them; MNRL's β·sg(s) has
-    # no slope.
+    # no slope. The positive's p_loss − 1 = −q.
     base = inv_q * (weight * inv_t / n)
     row_f.copy_(base * scale)
-    pos_g.copy_(base[:r] * inv_k[first:first + r] * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
+    pos_g.copy_(base[:r] * inv_k[first:first + r] * q
+                * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
     if ep.focal_m is not None:
         p.mul_(_focal_slope(cos, ep, r, first, rules.mirror))
     held = p.mul_(inv_k[None, :])

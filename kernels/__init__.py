@@ -6,6 +6,23 @@ it with ``[tool.setuptools.package-dir] "fastcl.kernels" = "kernels"``, so an in
 """
 
 import importlib.util
+import os
+import sys
+
+if __name__ != "fastcl.kernels":
+    # Found as a top-level ``kernels``: a checkout's root is on sys.path (``python -m pytest``,
+    # ``python train.py``), and that name belongs to another package (Hugging Face's
+    # ``kernels``, which transformers imports). Hand the name to the next package that has it,
+    # so that this folder never shadows it; without one, the import fails as it would have.
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    _spec = importlib.machinery.PathFinder.find_spec(__name__, _path)
+    if _spec is None:
+        del sys.modules[__name__]
+        raise ModuleNotFoundError(f"No module named {__name__!r}", name=__name__)
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules[__name__] = _module     # the import statement returns what sys.modules holds
+    _spec.loader.exec_module(_module)
 
 
 def triton_available() -> bool:

@@ -99,9 +99,9 @@ def _bce_v(p, is_pos):
 
 @triton.jit
 def _bce_log_not(p):
-    """log(1 − p), accurate for small p, clamped at −100 as torch's BCE (p = 1 gives −100)."""
-    not_p = 1.0 - p
-    log_not = tl.where(p < 1e-4, -p - 0.5 * p * p, tl.log(tl.maximum(not_p, 1e-30)))
+    """log(1 − p) = log1p(−p), clamped at −100 as torch's BCE (p = 1 gives −100)."""
+    not_p = 1.0 - p                          # exact for p ≥ 0.5
+    log_not = tl.where(p <= 0.5, _log1p(-tl.minimum(p, 0.5)), tl.log(tl.maximum(not_p, 1e-30)))
     return tl.where(not_p > 0.0, tl.maximum(log_not, -100.0), -100.0)
 
 
@@ -423,6 +423,10 @@ def _similarity_tile(
         else:
             e_store = e * (inv_t * ginv_k[None, :])
     else:
+        # the partials leave the positive out (the row kernel adds it, from its logit): the
+        # row's loss log(1 + Σ_{j≠i} e^(l_ij − l_ii)) and 1 − p_ii then keep their digits
+        # where the positive dominates; its stored e is 0 (never read)
+        l = tl.where(is_pos, float("-inf"), l)
         tile_max = tl.max(l, axis=1)
         safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
         e = tl.exp(l - safe_max[:, None])
@@ -471,6 +475,21 @@ def _log1p(x):
     u = 1 + x is undone by the ratio x/(u − 1)."""
     u = 1.0 + x
     return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _softplus(x):
+    """log(1 + e^x) with full relative precision for x ≪ 0 (0 at x = −inf)."""
+    big = x > 20.0
+    return tl.where(big, x, 0.0) + _log1p(tl.exp(tl.where(big, -x, x)))
+
+
+@triton.jit
+def _logaddexp(x, y):
+    """log(e^x + e^y), −inf when both are."""
+    top = tl.maximum(x, y)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    return top + tl.log(tl.exp(x - top) + tl.exp(y - top))
 
 
 @triton.jit
@@ -583,16 +602,48 @@ def _row_kernel(
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
+    # log Σ e^l over the row's columns but its positive (the similarity kernel's partials)
     lse = _row_lse(part_max_ptr, part_sum_ptr, row, T, stride_part, BLOCK_T)
     scale = 1.0
     if POSITIVES:
         pos = tl.load(pos_ptr + row, mask=row < R_half, other=0.0)
     else:
         pos = 0.0
+    # the row's loss softplus(lse_o − l_ii) = lse − l_ii, and the others' share of its
+    # softmax q = σ(lse_o − l_ii) = 1 − p_ii, without the cancellation of either (a row
+    # without a positive: lse_o is its lse)
+    gap = lse - pos
+    if RULES:
+        # paired: rows i and R_half + i are the two sides of loss row i, with one softmax
+        # over both (joint), or each its own, the loss the mean of the two log-sum-exps
+        # and each side's softmax halved in the gradient (per direction)
+        one_softmax = (paired != 0) & (joint != 0)
+        two_softmaxes = (paired != 0) & (joint == 0)
+        twin = tl.where(paired != 0, tl.where(row >= R_half, row - R_half, row + R_half), row)
+        lse_twin = _row_lse(part_max_ptr, part_sum_ptr, twin, T, stride_part, BLOCK_T)
+        if POSITIVES:
+            # the positive side's twin is an anchor row: its partials leave its positive out
+            twin_pos = tl.load(pos_ptr + twin, mask=(twin < R_half) & (row >= R_half), other=0.0)
+            lse_twin = tl.where((twin < R_half) & (row >= R_half),
+                                _logaddexp(lse_twin, twin_pos), lse_twin)
+        both = _logaddexp(lse, lse_twin)
+        gap = tl.where(one_softmax, both, lse) - pos
+        lse = tl.where(one_softmax, both, lse)
+        scale = tl.where(two_softmaxes, 0.5, 1.0)
+    share = _softplus(gap)
+    others = 1.0 / (1.0 + tl.exp(-gap))
+    if POSITIVES:
+        lse = tl.where(row < R_half, pos + share, lse)    # the full log-sum-exp, for p_ij
+        row_loss = share
+        if RULES:
+            row_loss = tl.where(two_softmaxes, 0.5 * (share + lse_twin - pos), share)
+    else:
+        row_loss = lse
 
     if RELEASED:
-        # BCE on the softmax: v = p/(1−p) off the positive, −1 on it. Pass 1: Σ_j v and
-        # Σ_j log(1−p) (accurate for small p, clamped at −100 like torch's BCE).
+        # BCE on the softmax: v = p/(1−p) off the positive and, with q = 1 − p_ii,
+        # v_ii = −p_ii·q/max(p_ii·q, 1e-12) (−1 unless clamped). Pass 1: Σ_{j≠i} v and
+        # Σ_{j≠i} log(1−p) (accurate for small p, clamped at −100 like torch's BCE).
         v_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         log_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         for c0 in range(0, M, BLOCK_N):
@@ -601,28 +652,18 @@ def _row_kernel(
                 stride_part, inv_t, focal_m, hard_w, R_half, anchor_base, n_neg, n_noise, vis0,
                 vis1, rule_bits, hard_mode, hard_beta, FOCAL, HARD, MASK, RELEASED, POSITIVES,
                 RULES, STORE_EXP, TILE_M, BLOCK_N)
-            v_acc += tl.where(ok[None, :], _bce_v(p, is_pos), 0.0)
+            v_acc += tl.where(ok[None, :] & _not(is_pos), _bce_v(p, is_pos), 0.0)
             log_acc += tl.where(ok[None, :] & _not(is_pos), _bce_log_not(p), 0.0)
-        vsum = tl.sum(tl.sum(v_acc, axis=1), axis=0)
-        row_loss = -tl.sum(tl.sum(log_acc, axis=1), axis=0) - tl.maximum(pos - lse, -100.0)
+        v_others = tl.sum(tl.sum(v_acc, axis=1), axis=0)
+        p_pos = 1.0 / (1.0 + tl.exp(gap))
+        v_pos = -(p_pos * others) / tl.maximum(p_pos * others, 1e-12)
+        vsum = v_others + v_pos
+        row_loss = -tl.sum(tl.sum(log_acc, axis=1), axis=0) + tl.minimum(share, 100.0)
+        pos_g = v_pos * others - p_pos * v_others
     else:
         vsum = 0.0
-        row_loss = lse - pos
-        if RULES:
-            # paired: rows i and R_half + i are the two sides of loss row i, with one softmax
-            # over both (joint), or each its own, the loss the mean of the two log-sum-exps
-            # and each side's softmax halved in the gradient (per direction)
-            one_softmax = (paired != 0) & (joint != 0)
-            two_softmaxes = (paired != 0) & (joint == 0)
-            twin = tl.where(paired != 0, tl.where(row >= R_half, row - R_half, row + R_half), row)
-            lse_twin = _row_lse(part_max_ptr, part_sum_ptr, twin, T, stride_part, BLOCK_T)
-            top = tl.maximum(lse, lse_twin)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            both = top + tl.log(tl.exp(lse - top) + tl.exp(lse_twin - top))
-            row_loss = tl.where(one_softmax, both,
-                                tl.where(two_softmaxes, 0.5 * (lse + lse_twin), lse)) - pos
-            lse = tl.where(one_softmax, both, lse)
-            scale = tl.where(two_softmaxes, 0.5, 1.0)
+        # ∂ℓ/∂l_ii = scale·p_ii − 1
+        pos_g = -(scale * others + (1.0 - scale))
     # the positive side has no loss row (a branch: the interpreter of Triton 3.1 takes a
     # scalar mask that is False for no mask at all)
     if row < R_half:
@@ -636,10 +677,10 @@ def _row_kernel(
                 vis1, rule_bits, hard_mode, hard_beta, FOCAL, HARD, MASK, RELEASED, POSITIVES,
                 RULES, STORE_EXP, TILE_M, BLOCK_N)
             if RELEASED:
-                g = (_bce_v(p, is_pos) - p * vsum) * inv_t
+                g = tl.where(is_pos, pos_g, _bce_v(p, is_pos) - p * vsum) * inv_t
                 g = tl.where(dropped, 0.0, g)            # a × 0 logit has no slope in s
             else:
-                g = tl.where(is_pos, p - 1.0, p)
+                g = tl.where(is_pos, pos_g, p)
                 if FOCAL:
                     g = g * tl.where(squared, 2.0 * s, 2.0 * s + focal_m) * inv_t
                 else:
@@ -713,6 +754,8 @@ def triton_tangent(u, x, inv_x, scale, out, x_hat=None, bounded=None):
         return out
     inv_z, pos_coef, keys, first_pos, dk = bounded if bounded is not None else (
         inv_x, inv_x, x, 0, out)                     # never read
+    if dk is None:        # the candidates take no gradient: dk is written with x_hat only
+        dk = out
     _tangent_kernel[(rows,)](
         u, x, inv_x, scale, out, x_hat if x_hat is not None else out,
         inv_z, pos_coef, keys, dk,

@@ -1,4 +1,4 @@
-"""The layers of fastcl and which may import which (README, "Architecture").
+"""The layers of fastcl and which may import which (docs/architecture.md).
 
 Read from the source with ``ast`` (imports inside functions count too), so a change that
 breaks a rule fails here, not in a review.
@@ -61,7 +61,7 @@ def layer(name):
             if (name == m or name.startswith(m + ".") and m != "fastcl") and (
                     best is None or len(m) > best[1]):
                 best = (i, len(m))
-    assert best is not None, f"{name} belongs to no layer: add it to LAYERS and the README"
+    assert best is not None, f"{name} belongs to no layer: add it to LAYERS and docs/architecture.md"
     return best[0]
 
 
@@ -116,3 +116,22 @@ def test_the_trainer_trains_with_the_sentence_transformers_losses_only():
         source = path.read_text(encoding="utf-8")
         for loss in ("infonce(", "focal_infonce(", "dclr_loss(", "escl_loss(", "contrastive("):
             assert f"fastcl.{loss}" not in source and f" {loss}" not in source, (path.name, loss)
+
+
+def test_the_kernels_folder_never_shadows_another_kernels_package():
+    """From a checkout's root (``python -m pytest``, ``python train.py``) the top-level
+    ``kernels/`` folder is importable as ``kernels``, the name of Hugging Face's package that
+    transformers imports: it must hand that name on (or fail as a missing module would)."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    code = "import kernels, sys; print(kernels.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        assert out.returncode != 0 and "No module named 'kernels'" in out.stderr, out
+        return
+    assert out.returncode == 0, out.stderr
+    assert not Path(out.stdout.strip()).resolve().is_relative_to(ROOT), out.stdout

@@ -6,7 +6,7 @@ sentence-transformers path, on the packaged all-MiniLM-L6-v2:
 - train mode: the replay in pass 2 draws the dropout masks of pass 1, for every loss;
 - fastcl's own GradCache (older sentence-transformers) gives the same numbers;
 - two gloo processes with gather_across_devices=True give the gradients of one process;
-- SentenceTransformerTrainer runs with every cached loss, and the README example runs.
+- SentenceTransformerTrainer runs with every cached loss, and the example of docs/sentence-transformers.md runs.
 """
 
 import importlib
@@ -440,12 +440,13 @@ def test_trainer_two_steps_with_cached_loss(guide, name, tmp_path):
     assert len(moved) > len(before) // 2, f"only {len(moved)} of {len(before)} tensors changed"
 
 
-def test_readme_cached_example_runs(tmp_path, monkeypatch):
+def test_docs_cached_example_runs(tmp_path, monkeypatch):
     model_path()
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    doc = "docs/sentence-transformers.md"
+    text = (ROOT / doc).read_text(encoding="utf-8")
     match = re.search(re.escape("<!-- example: st-cached") + r".*?\n```python\n(.*?)```", text, re.S)
-    assert match, "README.md has no python block after '<!-- example: st-cached'"
+    assert match, f"{doc} has no python block after '<!-- example: st-cached'"
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__main__"}
-    exec(compile(match.group(1), "README.md (st-cached example)", "exec"), namespace)
+    exec(compile(match.group(1), f"{doc} (st-cached example)", "exec"), namespace)
     assert (tmp_path / "runs" / "st-cached" / "final" / "config.json").exists()
