@@ -116,16 +116,6 @@ class LossSpec:
                 and lay.positive_to_anchors and not lay.positive_to_positives
                 and not lay.positive_to_negatives)
 
-    @property
-    def at_widths(self):
-        """``[(weight, spec of the prefix width)]``: Matryoshka's terms, one spec each (for
-        engines that take one width a call); ``[(1, self)]`` without Matryoshka."""
-        if self.matryoshka is None:
-            return [(1.0, self)]
-        return [(w, LossSpec(self.logits, self.mask, None, self.rules, self.guide, self.ids, None,
-                             self.formulation, self.anchor_offset, self.chunk_size, self.backend))
-                for w in self.matryoshka.weights]
-
 
 @dataclass(frozen=True)
 class Epilogue:

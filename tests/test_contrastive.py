@@ -419,13 +419,14 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
     from fastcl import tiled
     from fastcl.kernels.contrastive import VARIANTS, flags
     seen = []
-    for name in ("contrastive_loss", "contrastive_forward"):
-        original = getattr(tiled, name)
+    # the loss calls and the noise update's driver calls
+    for module, name in ((tiled, "contrastive_loss"), (tiled.noise, "contrastive_forward")):
+        original = getattr(module, name)
 
         def spy(ep, *args, _original=original, **kw):
             seen.append(ep)
             return _original(ep, *args, **kw)
-        monkeypatch.setattr(tiled, name, spy)
+        monkeypatch.setattr(module, name, spy)
     batch = Batch(5, 8)
     for combo in COMBOS:
         _call(batch, combo, "tiled", noise_steps=1)

@@ -240,8 +240,8 @@ def test_noise_step_is_one_launch(formulation, monkeypatch):
             launches.append(grid[0])
             return step[grid]
     monkeypatch.setattr(kc, "_noise_step_kernel", Spy())
-    original = fastcl.tiled._noise_step
-    monkeypatch.setattr(fastcl.tiled, "_noise_step",
+    original = fastcl.tiled.noise._noise_step
+    monkeypatch.setattr(fastcl.tiled.noise, "_noise_step",
                         lambda *a: torch_steps.append(a[4].shape[0]) or original(*a))
     a = make(13, 40).to(DEVICE)
     p = correlated(a).to(DEVICE)
