@@ -6,8 +6,8 @@
     git worktree add /tmp/base HEAD~1 && python bench/ab.py --base /tmp/base   # two commits
 
 Variants of this checkout, measured one after the other on the same inputs in one process:
-``new`` (the default), ``sim=descriptor`` (the candidate similarity design, ``FASTCL_SIM``:
-see ``fastcl/_switches.py``), ``chunk=R`` (``chunk_size=R`` anchor rows per chunk) and
+``new`` (the default), ``autotune=0`` (``FASTCL_AUTOTUNE=0``: the first config of each
+autotune list), ``chunk=R`` (``chunk_size=R`` anchor rows per chunk) and
 ``no-input-checks`` (``fastcl.set_input_checks(False)``: no NaN/Inf scan of the inputs, whose
 result the host waits for). A performance change is compared between commits, not kept
 behind a switch: ``--base DIR`` (a checkout of the other commit, e.g. a ``git worktree``)
@@ -41,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _autotune
 import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
 import _report
 from _cases import NOISE_STEPS, from_spec, num_candidates
@@ -50,9 +51,9 @@ from _runner import measure_in_process
 
 HERE = Path(__file__).resolve().parent
 #: The variants run by default (``--variants``), besides ``new``.
-DEFAULT_VARIANTS = ("sim=descriptor", "chunk=4096", "chunk=6144", "no-input-checks")
+DEFAULT_VARIANTS = ("chunk=4096", "chunk=6144", "no-input-checks")
 #: The environment variables a ``NAME=VALUE`` variant may set (``FASTCL_NAME=VALUE``).
-OPT_IN = ("FASTCL_SIM",)
+OPT_IN = ("FASTCL_AUTOTUNE",)
 
 
 #: The variant that switches fastcl's input checks off (the current design otherwise).
@@ -78,17 +79,23 @@ def apply_variant(spec: dict, variant: str) -> dict:
     return spec
 
 
+def record_autotuning() -> None:
+    """Keep what autotuning chooses and measures from here on (``_autotune.record``)."""
+    try:
+        _autotune.record()
+    except Exception:  # no Triton, or a broken import: chosen_configs() says which
+        pass
+
+
 def chosen_configs(what: str = "chosen_configs"):
-    """What autotuning picked so far in this process (fastcl's ``chosen_configs()``; with
+    """What autotuning picked so far in this process (``_autotune.chosen_configs()``; with
     ``what="autotune_timings"`` every config's time), or a string saying why that is not
     available."""
     try:
-        from fastcl.kernels import contrastive
+        from fastcl.kernels import contrastive  # noqa: F401
     except Exception as exc:  # no Triton, or a broken import: report it
         return f"not available: {type(exc).__name__}: {exc}".splitlines()[0][:200]
-    fn = getattr(contrastive, what, None)
-    if fn is None:
-        return f"not available: fastcl.kernels.contrastive has no {what}()"
+    fn = getattr(_autotune, what)
     try:
         return json.loads(json.dumps(fn(), default=str))
     except Exception as exc:
@@ -179,6 +186,7 @@ def worker(job: dict) -> dict:
 
     import fastcl
     torch.set_num_threads(job["threads"])
+    record_autotuning()
     row = {"fastcl_file": fastcl.__file__, **measure_in_process(
         job["spec"], job["device"], job["warmup_ms"], job["rep_ms"])}
     if row.get("ok") and job["spec"]["objective"] == "noise":
@@ -214,7 +222,7 @@ def table(rows) -> str:
 
 
 def autotune_lines(timed) -> list:
-    """Every config autotuning timed in the process (fastcl's ``autotune_timings()``), fastest
+    """Every config autotuning timed in the process (``_autotune.autotune_timings()``), fastest
     first per list and key: what the tile lists are chosen by on a GPU."""
     lines = []
     for configs, keys in (timed if isinstance(timed, dict) else {}).items():
@@ -265,7 +273,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
     p.add_argument("--variants", default=",".join(("new",) + DEFAULT_VARIANTS),
                    help="comma list: new (the default), NAME=VALUE (FASTCL_NAME=VALUE: "
-                        f"sim=descriptor), chunk=R (chunk_size=R), {NO_CHECKS}")
+                        f"autotune=0), chunk=R (chunk_size=R), {NO_CHECKS}")
     p.add_argument("--base", type=Path, default=None,
                    help="a checkout of another commit: each case runs in two fresh processes, "
                         "fastcl from DIR (base) and from this checkout (new); --variants ignored")
@@ -287,6 +295,7 @@ def main(argv=None) -> int:
     import torch
 
     device, gpu = select_device(args.device, args.threads)
+    record_autotuning()
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     ns = [int(x) for x in (args.n or ("32768,16384" if gpu else "256")).split(",") if x.strip()]
     noise_ns = [int(x) for x in (args.noise_n if args.noise_n is not None

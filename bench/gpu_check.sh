@@ -9,13 +9,13 @@
 #   tests-gpu  pytest (FASTCL_AUTOTUNE=0) every Triton test on the GPU: tests/test_triton.py
 #                                        (bf16, fp16, fp32, every objective, each kept autotune
 #                                        config alone, the loss and gradients at 16384 against
-#                                        the reference, the descriptor design) and the Triton
+#                                        the reference) and the Triton
 #                                        cases of tests/test_contrastive.py (every composed
 #                                        flag set)
 #   targets    bench/run.py --targets    the acceptance targets, PASS/FAIL with numbers
-#   ab         bench/ab.py               the default against the candidate design
-#                                        (FASTCL_SIM=descriptor), chunks of 4096 and 6144 rows,
-#                                        no input checks; the time of every config autotuned
+#   ab         bench/ab.py               the default against chunks of 4096 and 6144 rows
+#                                        and no input checks; the time of every config
+#                                        autotuned
 #   profile    bench/profile_step.py     kernel families, launches, GPU busy share of the
 #                                        call's span, at N = 16384 and 32768
 #   e2e        bench/e2e_cached.py       a training step of a BERT-base-sized encoder (random
@@ -74,7 +74,7 @@ if [ -z "$PY" ]; then echo "no python with torch found" >&2; exit 2; fi
 export PYTHONPATH="$ROOT/bench:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-unset FASTCL_AUTOTUNE FASTCL_SIM   # ab.py sets the candidate design's switch itself
+unset FASTCL_AUTOTUNE
 
 DATE=$(date +%F)
 if [ $DRY -eq 1 ]; then
@@ -143,12 +143,12 @@ if [ $DRY -eq 1 ]; then         # tiny sizes, one thread
     ENV_ARGS=("${CPU[@]}")
     TARGET_ARGS=("${CPU[@]}" --target-n 256 --target-big-n 512 --target-d 64 --target-chunks 128
                  --compile-reserve 0)
-    AB_ARGS=("${CPU[@]}" --n 256 --noise-n 128 --d 64 --variants new,sim=descriptor,chunk=64,no-input-checks)
+    AB_ARGS=("${CPU[@]}" --n 256 --noise-n 128 --d 64 --variants new,chunk=64,no-input-checks)
     PROFILE_ARGS=("${CPU[@]}" --n 128,256 --d 64)
     E2E_ARGS=(--dry-run)
     LARGEST_ARGS=(--dry-run)
     # the interpreter is slow: a few tests
-    TESTS=(tests/test_triton.py -k "not matches_reference and not descriptor and not bf16 and not 16bit and not gpu_tiles")
+    TESTS=(tests/test_triton.py -k "not matches_reference and not bf16 and not 16bit and not gpu_tiles")
     XDIST=()
 else
     ENV_ARGS=()
@@ -179,7 +179,7 @@ T=$(limit 60)
 stage targets "$T" 30 "$PY" bench/run.py --targets "${FAST[@]}" --time-budget $((T - 15)) \
     --out-stem "$STEM-targets" ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
 
-T=$(limit 45)   # 5 variants × 3 cases; the candidate autotunes its own tiles
+T=$(limit 45)   # 4 variants × 3 cases
 stage ab "$T" 20 "$PY" bench/ab.py --time-budget $((T - 10)) --out-stem "$STEM-ab" \
     ${AB_ARGS[@]+"${AB_ARGS[@]}"}
 

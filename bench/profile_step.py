@@ -39,7 +39,7 @@ import _report
 from _cases import build
 from _env import device_slug, environment
 from _measure import default_threads, select_device, sync
-from ab import chosen_configs
+from ab import chosen_configs, record_autotuning
 
 HERE = Path(__file__).resolve().parent
 FAMILIES = [  # first match wins
@@ -205,6 +205,7 @@ def main(argv=None) -> int:
     import torch
 
     device, gpu = select_device(args.device, args.threads)
+    record_autotuning()
     ns = [int(x) for x in (args.n or ("16384,32768" if gpu else "256")).split(",") if x.strip()]
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     stem = Path(args.out_stem) if args.out_stem else (

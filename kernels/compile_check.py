@@ -16,25 +16,24 @@ So every specialization names a launch (``LAUNCHES``): ``aligned``, the argument
 large-batch step (N = M = 32768, d = 768, chunks of 4096 rows; every buffer 16-byte
 aligned), for which fastcl's kept configs must compile without spills; ``unaligned``, odd
 sizes and views at an odd offset (no argument divisible by 16), which must compile, their
-spills reported (the autotuner times every config at the shape it is given); ``odd``, for
-the descriptor design (which takes only aligned buffers), odd sizes alone. The default run
-builds the default design's aligned and unaligned launches and the candidate descriptor
-design's aligned ones, on covering subsets (``pairwise``: every kernel, flag set, mode and
-design, each flag set in each design on each target, each flag set unaligned on one of
-them; ``--exhaustive``: all of them, and the descriptor design's odd sizes).
-``--default-design`` leaves the candidate out (the range check on the older Tritons, and the
-other dtypes in the default test run). The marks are made by Triton's own launch-time
-function where the installed Triton exposes it.
+spills reported (the autotuner times every config at the shape it is given). The default
+run builds the aligned launches and, on a covering subset (``pairwise``: every kernel, flag
+set and mode, each flag set unaligned on one of the targets), the unaligned ones
+(``--exhaustive``: all of them). The marks are made by Triton's own launch-time function
+where the installed Triton exposes it.
 
     python -m fastcl.kernels.compile_check                # the representative subset
+    python -m fastcl.kernels.compile_check --arch 80 90 --dtype bfloat16   # bf16, both targets
     python -m fastcl.kernels.compile_check --full --json report.json
     python -m fastcl.kernels.compile_check --exhaustive      # the subset, no covering subsets
     python -m fastcl.kernels.compile_check --aligned-only --first-config --pairwise
     python -m fastcl.kernels.compile_check --sim-candidates   # what the lists are chosen from
 
 A specialization fails on a compile error, or on register spills in a config that fastcl
-keeps, for the aligned launch (``--allow-spills`` reports them only). The report's ``async`` column counts the
-asynchronous copies (cp.async, TMA) in the PTX: a pipelined K loop has them. Each run
+keeps, for the aligned launch (``--allow-spills`` reports them only); the lists a Triton
+keeps are its own (``configs.sim_configs``: an older Triton leaves out what spills there).
+The report's ``async`` column counts the asynchronous copies (cp.async) in the PTX: a
+pipelined K loop has them. Each run
 compiles into a fresh, private ``TRITON_CACHE_DIR``: Triton's cache key does not see every
 module global a kernel reads, so a cached build of a fixed kernel could make a broken one
 look fine. It must run without ``TRITON_INTERPRET=1``
@@ -64,22 +63,19 @@ FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps", "bound", 
 #: The integer arguments of the launches compiled, by name (the kernels share their names),
 #: and whether their buffers start on a 16-byte boundary. ``aligned``: the second chunk of
 #: 4096 rows of an N = M = 32768, d = 768 step (256 column tiles of partials). ``unaligned``:
-#: 1000 anchors of width 130 from a view one element in, with an anchor offset (the default
-#: design: the descriptor designs refuse such inputs). ``odd``: 1000 anchors of width 768,
-#: aligned buffers (what the descriptor design takes with sizes not divisible by 16).
+#: 1000 anchors of width 130 from a view one element in, with an anchor offset.
 #: Without the layout's rules the launcher passes R_half = R and zeros for the other rule
 #: integers; with them (RULES), those of a paired chunk of MNRL's four directions with
 #: in-batch hardness: half the rows a side, the anchors block after the positives.
-_NO_RULES = dict(anchor_base=0, n_neg=0, n_noise=0, vis0=0, vis1=0, rule_bits=0, hard_mode=0,
-                 paired=0, joint=0)
-RULES_ARGS = dict(vis0=9, vis1=9, rule_bits=1, hard_mode=1, paired=1, joint=1)
+_NO_RULES = dict(anchor_base=0, n_neg=0, n_noise=0, rules=0)
+#: ``rules`` of that chunk: each side sees the positives and the anchors (blocks 0 and 3),
+#: MNRL's exclusions, in-batch hardness, paired rows in one softmax
+RULES_ARGS = dict(vis0=9, vis1=9, exclude_own=True, hard_mode=1, paired=True, joint=True)
 LAUNCHES = {
     "aligned": dict(aligned=True, R=4096, M=32768, D=768, DC=768, first_pos=4096, n_pos=32768,
                     T=256, n_ck=32768, R_half=4096, **_NO_RULES),
     "unaligned": dict(aligned=False, R=1000, M=1000, D=130, DC=130, first_pos=1000,
                       n_pos=1000, T=8, n_ck=1000, R_half=1000, **_NO_RULES),
-    "odd": dict(aligned=True, R=1000, M=1000, D=768, DC=768, first_pos=1000, n_pos=1000, T=8,
-                n_ck=1000, R_half=1000, **_NO_RULES),
 }
 
 
@@ -102,14 +98,11 @@ class Spec:
 
     @property
     def name(self) -> str:
-        desc = self.constexprs.get("DESC")
         flags = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}"
-                         for k, v in self.constexprs.items()
-                         if k not in FLAG_NAMES + ("PREC", "DESC")
-                         and (k != "GROUP_R" or desc))
+                         for k, v in self.constexprs.items() if k not in FLAG_NAMES)
         return (f"{self.kernel}[{self.variant}] {self.dtype} sm_{self.arch} "
                 f"w{self.num_warps} s{self.num_stages} {flags}"
-                + (" descriptor" if desc else "") + (" (candidate)" if self.candidate else "")
+                + (" (candidate)" if self.candidate else "")
                 + (f" ({self.launch})" if self.launch != "aligned" else "")
                 + "".join(f" {k}={v}" for k, v in self.args.items()))
 
@@ -147,30 +140,24 @@ class Result:
 #: The flags a variant's name says (left out of a specialization's name).
 FLAG_NAMES = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES", "GUIDE")
 
-#: The representative subset: every kernel and flag set, on these (arch, dtype) pairs.
-SUBSET = ((90, "bfloat16"), (80, "float32"))
+#: The representative subset: every kernel and flag set, on these (arch, dtype) pairs (bf16
+#: on both targets: the dtype of large-batch training; fp32's tiles on one).
+SUBSET = ((90, "bfloat16"), (80, "bfloat16"), (80, "float32"))
 
 
-def _sim_spec(kc, variant, f, dtype, arch, prec, store_exp, config, bounded=False,
-              **kw) -> Spec:
-    """One similarity-kernel specialization: a 4-tuple config is the default design, a
-    5-tuple (GROUP_R last) the descriptor design (FASTCL_SIM=descriptor); ``bounded``: the
-    bounded design (``logit_bound``), which stores E in the GEMM dtype."""
-    br, bd, warps, stages = config[:4]
-    desc = len(config) > 4
+def _sim_spec(variant, f, dtype, arch, store_exp, config, bounded=False, **kw) -> Spec:
+    """One similarity-kernel specialization with ``config`` (BLOCK_R, BLOCK_D, num_warps,
+    num_stages); ``bounded``: the bounded design (``logit_bound``), which stores E in the
+    GEMM dtype."""
+    from . import configs as cfg
+
+    br, bd, warps, stages = config
     store_exp = store_exp or bounded
     return Spec("_similarity_kernel", variant, dtype, arch,
-                dict(f, STORE_EXP=store_exp, BOUNDED=bounded, PREC=prec, BLOCK_R=br,
-                     BLOCK_M=kc.SIM_BLOCK_M, BLOCK_D=bd, DESC=desc,
-                     GROUP_R=config[4] if desc else 1),
+                dict(f, STORE_EXP=store_exp, BOUNDED=bounded, BLOCK_R=br,
+                     BLOCK_M=cfg.SIM_BLOCK_M, BLOCK_D=bd),
                 warps, stages, ("q_ptr", "k_ptr", "cq_ptr", "ck_ptr")
                 + (("t_ptr",) if store_exp else ()), **kw)
-
-
-def descriptor_supported() -> bool:
-    """Whether the installed Triton has tensor descriptors (the descriptor design)."""
-    import triton.language as tl
-    return hasattr(tl, "make_tensor_descriptor")
 
 
 def modes(f: dict, dtype: str) -> list[tuple[bool, bool]]:
@@ -185,47 +172,36 @@ def modes(f: dict, dtype: str) -> list[tuple[bool, bool]]:
     return ([(True, True)] if bounded else []) + two_pass
 
 
-def candidates(archs=ARCHS, dtypes=None, design=None) -> list[Spec]:
-    """Every config a list is chosen from, for every flag set, for the aligned launch, in
-    each mode the objective is launched in (spills reported): the default design's
-    (``SIM_CANDIDATES``) and the descriptor design's (``DESC_CANDIDATES``). ``design``:
-    "default" or "descriptor" alone."""
-    from . import contrastive as kc
+def candidates(archs=ARCHS, dtypes=None) -> list[Spec]:
+    """Every config a list is chosen from (``SIM_CANDIDATES``), for every flag set, for the
+    aligned launch, in each mode the objective is launched in (spills reported)."""
+    from . import configs as cfg
 
-    designs = [d for d in ("default", "descriptor") if design in (None, d)
-               and (d == "default" or descriptor_supported())]
     specs = []
     for arch in archs:
         for dtype in dtypes or list(DTYPES):
-            prec = "ieee" if dtype == "float32" else "tf32"
             kind = "fp32" if dtype == "float32" else "16bit"
-            for variant, f in kc.VARIANTS.items():
-                for name in designs:
-                    pool = kc.SIM_CANDIDATES if name == "default" else kc.DESC_CANDIDATES
-                    specs += [_sim_spec(kc, variant, f, dtype, arch, prec, exp, config,
-                                        bounded, candidate=True)
-                              for config in pool[kind] for exp, bounded in modes(f, dtype)]
+            for variant, f in cfg.VARIANTS.items():
+                specs += [_sim_spec(variant, f, dtype, arch, exp, config, bounded, candidate=True)
+                          for config in cfg.SIM_CANDIDATES[kind]
+                          for exp, bounded in modes(f, dtype)]
     return specs
 
 
 def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = False,
                     launches=("aligned", "unaligned"), exhaustive: bool = False) -> list[Spec]:
-    """What fastcl can launch: every kernel and flag set with the configs in use (the
-    descriptor design's too, where this Triton has tensor descriptors), each in every mode
-    its objective is launched in (``modes``). The pairs of (arch, dtype): by default ``SUBSET``, bf16 on sm_90 and
-    fp32 on sm_80; ``full``: every dtype on every arch; ``rest``: the full matrix less the
-    subset. ``launches``: the aligned large-batch launch, and (unless ``full`` or ``rest``)
-    the same specializations as an unaligned launch (odd sizes for the descriptor design).
-    The default subset takes the default design's aligned launches (what every call runs)
+    """What fastcl can launch: every kernel and flag set with the configs in use (the lists
+    of the installed Triton), each in every mode its objective is launched in (``modes``).
+    The pairs of (arch, dtype): by default ``SUBSET``, bf16 on both targets and fp32 on
+    sm_80; ``full``: every dtype on every arch; ``rest``: the full matrix less the subset.
+    ``launches``: the aligned large-batch launch, and (unless ``full`` or ``rest``) the same
+    specializations as an unaligned launch. The default subset takes the aligned launches
     in the first config of each list for every flag set and mode, and each config of each
     list at least once on each target (``exhaustive``: every config with every flag set; each
-    must compile without spills), and covering subsets (``pairwise``) of the rest: of the
-    descriptor design's aligned launches (the candidate
-    FASTCL_SIM=descriptor: each flag set on each target, every pair of flag set, mode and
-    target, each config of its lists on each target) and of the default design's unaligned
+    must compile without spills), and a covering subset (``pairwise``) of the unaligned
     launches (their first configs: every kernel, flag set and mode, each flag set on each
-    target; they must compile, their spills are reported); ``exhaustive``: all of them, and
-    the descriptor design's odd sizes."""
+    target; they must compile, their spills are reported); ``exhaustive``: all of them."""
+    from . import configs as cfg
     from . import contrastive as kc
 
     if dtypes is not None:
@@ -234,31 +210,28 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
         pairs = [(a, d) for a in archs for d in DTYPES if not (rest and (a, d) in SUBSET)]
     else:
         pairs = [(a, d) for a, d in SUBSET if a in archs]
-    designs = ("", "descriptor") if descriptor_supported() else ("",)
     specs = []
     for arch, dtype in pairs:
-        prec = "ieee" if dtype == "float32" else "tf32"
-        for variant, f in kc.VARIANTS.items():
+        for variant, f in cfg.VARIANTS.items():
             exp = kc.stores_exp(f)
-            for design in designs:
-                specs += [_sim_spec(kc, variant, f, dtype, arch, prec, store, config, bounded)
-                          for config in kc.sim_configs(f, dtype, arch, design=design)
-                          for store, bounded in modes(f, dtype)]
-            row = {k: v for k, v in kc.ROW_BLOCK.items() if k != "num_warps"}
+            specs += [_sim_spec(variant, f, dtype, arch, store, config, bounded)
+                      for config in cfg.sim_configs(f, dtype, arch)
+                      for store, bounded in modes(f, dtype)]
+            row = {k: v for k, v in cfg.ROW_BLOCK.items() if k != "num_warps"}
             for want_grad in (True, False):
                 specs.append(Spec(
                     "_row_kernel", variant, dtype, arch,
                     dict(kc.row_flags(f), STORE_EXP=exp, WANT_GRAD=want_grad,
-                         TILE_M=kc.SIM_BLOCK_M, **row),
-                    kc.ROW_BLOCK.get("num_warps", 4), 3,
+                         TILE_M=cfg.SIM_BLOCK_M, **row),
+                    cfg.ROW_BLOCK.get("num_warps", 4), 3,
                     ("g_ptr",) + (("t_ptr",) if exp else ())))
         # the bounded design's rows: loss, 1/Z and the positive's coefficient from the partials
-        finish = {k: v for k, v in kc.FINISH_BLOCK.items() if k != "num_warps"}
+        finish = {k: v for k, v in cfg.FINISH_BLOCK.items() if k != "num_warps"}
         if dtype != "float16":
             for positives in (True, False):
                 specs.append(Spec("_row_finish_kernel", f"positives={int(positives)}", dtype,
                                   arch, dict(POSITIVES=positives, **finish),
-                                  kc.FINISH_BLOCK.get("num_warps", 4), 3))
+                                  cfg.FINISH_BLOCK.get("num_warps", 4), 3))
         # the chain rule through the normalization, at the widths of common encoders (dq
         # writes x̂ for the second GEMM when dk is wanted; a weight a row for dq, one scalar
         # for dk, a weight a row for dk in fp16; the bounded design's dq, with and without dk)
@@ -280,21 +253,16 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
     covered = full or rest or exhaustive
     aligned = specs if "aligned" in launches else []
     if aligned and not covered:
-        # the default design: every flag set and mode in the first config of its list (the
-        # largest tile, the likeliest to spill), and each config of each list at least once
-        # on each target (the full product: the slow test, --exhaustive)
-        default = [s for s in aligned if not s.constexprs.get("DESC")]
-        firsts = first_configs(default)
-        aligned = firsts + [s for s in pairwise(default, configs=True) if s not in firsts] + pairwise(
-            [s for s in aligned if s.constexprs.get("DESC")], configs=True)
+        # every flag set and mode in the first config of its list (the largest tile, the
+        # likeliest to spill), and each config of each list at least once on each target
+        # (the full product: the slow test, --exhaustive)
+        firsts = first_configs(aligned)
+        aligned = firsts + [s for s in pairwise(aligned, configs=True) if s not in firsts]
     if "unaligned" in launches and not (full or rest):
         # the subset again for odd sizes and unaligned views: they must compile too (the
-        # descriptor design takes only aligned buffers: odd sizes, in the full product only;
-        # the chain rule at the unaligned launch's own width)
-        mirror = [replace(s, launch="odd" if s.constexprs.get("DESC") else "unaligned",
-                          args={k: v for k, v in s.args.items() if k != "D"})
-                  for s in specs if s.args.get("D", 768) == 768
-                  and (exhaustive or not s.constexprs.get("DESC"))]
+        # chain rule at the unaligned launch's own width)
+        mirror = [replace(s, launch="unaligned", args={k: v for k, v in s.args.items() if k != "D"})
+                  for s in specs if s.args.get("D", 768) == 768]
         aligned = aligned + (mirror if exhaustive else pairwise(first_configs(mirror), given=aligned))
     return aligned
 
@@ -402,7 +370,7 @@ def _ast_source(fn, sig: dict, constexprs: dict, attrs: dict):
 
 def first_configs(specs: list[Spec]) -> list[Spec]:
     """``specs`` with one config of each similarity list: the first (the largest tile, the
-    likeliest to spill), for every kernel, flag set, mode, design and launch; the other
+    likeliest to spill), for every kernel, flag set, mode and launch; the other
     kernels whole. What ``.ci/triton_range.sh`` compiles on the older Tritons: every kernel's
     source through each one's code generator, in a few minutes (the full subset and matrix
     run on the newest)."""
@@ -418,9 +386,12 @@ def first_configs(specs: list[Spec]) -> list[Spec]:
 
 
 def _int_args(spec: Spec) -> dict:
+    from . import contrastive as kc
+
     values = {k: v for k, v in LAUNCHES[spec.launch].items() if k != "aligned"}
     if spec.constexprs.get("RULES"):
-        values.update(RULES_ARGS, R_half=values["R"] // 2, anchor_base=values["first_pos"])
+        values.update(rules=kc.pack_rules(**RULES_ARGS), R_half=values["R"] // 2,
+                      anchor_base=values["first_pos"])
     second = spec.constexprs.get("MASK") or spec.constexprs.get("GUIDE")
     if spec.kernel == "_similarity_kernel" and not second:
         values["DC"] = values["n_ck"] = 0  # the launcher passes no complementary width
@@ -435,15 +406,18 @@ def _int_args(spec: Spec) -> dict:
 
 def _specialize(fn, spec: Spec):
     """``(signature, constexprs, attrs)`` of ``fn`` as a launch with ``spec.launch``'s
-    arguments builds them: pointer dtypes from the spec, the divisibility marks and the
-    integers equal to 1 from what the launch would pass."""
+    arguments builds them: pointer dtypes from the spec, the flags packed as the launcher
+    packs them, the divisibility marks and the integers equal to 1 from what the launch
+    would pass."""
     import torch
+
+    from . import contrastive as kc
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                    "i64": torch.int64}
     aligned = LAUNCHES[spec.launch]["aligned"]
     ints = _int_args(spec)
-    sig, constexprs, attrs = {}, dict(spec.constexprs), {}
+    sig, constexprs, attrs = {}, kc.kernel_constexprs(fn, spec.constexprs), {}
     for i, name in enumerate(fn.arg_names):
         if i in fn.constexprs:
             sig[name] = "constexpr"
@@ -511,12 +485,9 @@ def _ptxas_log(kernel, arch: int, printed: str) -> str:
 
 
 _WIDE_ADDPTR = re.compile(r"tt\.addptr %(\w+_ptr), %[\w.#]+ : !tt\.ptr<\w+>, i64")
-#: a tensor descriptor's shape and strides are int64 by the op's definition (FASTCL_SIM=descriptor);
-#: where the target has no TMA (sm_80) Triton rewrites it into int64 offset tensors on a pointer
 _SPLAT = re.compile(r"%([\w.#]+) = tt\.splat %(\w+_ptr) :")
 _WIDE_TENSOR = re.compile(r"tt\.addptr %([\w.#]+), %[\w.#]+ : tensor<[\dx]+x!tt\.ptr<\w+>>, "
                           r"tensor<[\dx]+xi64>")
-_WIDE_DESCRIPTOR = re.compile(r"tt\.make_tensor_descriptor %(\w+_ptr), \[[^\]]*\], \[%[\w.#]+, %c1_i64\]")
 
 
 def _named_ttir(ttir: str, names: list) -> str:
@@ -562,7 +533,7 @@ def compile_one(spec: Spec) -> Result:
     copies = ptx.count("cp.async.cg") + ptx.count("cp.async.ca") + ptx.count("cp.async.bulk")
     # which buffers are addressed with an int64 offset (R·M or M·d can pass 2³¹)
     ttir = _named_ttir(kernel.asm.get("ttir", ""), [n for n, t in sig.items() if t != "constexpr"])
-    wide = set(_WIDE_ADDPTR.findall(ttir)) | set(_WIDE_DESCRIPTOR.findall(ttir))
+    wide = set(_WIDE_ADDPTR.findall(ttir))
     splats = {}                    # SSA names repeat across regions: the latest one, in order
     for line in ttir.splitlines():
         splats.update(_SPLAT.findall(line))
@@ -578,14 +549,13 @@ def compile_one(spec: Spec) -> Result:
 #: width for the chain rule), the dtype and the arch, and for the similarity kernel the config
 #: list they choose (16-bit or fp32, on sm_80 or sm_90: the tiles, hence the registers and
 #: shared memory, differ), the launch, the mode (the similarity kernel's (STORE_EXP, BOUNDED),
-#: the row kernel's WANT_GRAD, the chain rule's (WRITE_X_HAT, BOUNDED, scale_stride)) and the
-#: design (FASTCL_SIM=descriptor or not).
+#: the row kernel's WANT_GRAD, the chain rule's (WRITE_X_HAT, BOUNDED, scale_stride)).
 def _factors(spec: Spec) -> dict:
     c = spec.constexprs
     mode = (c.get("STORE_EXP"), c.get("BOUNDED"), c.get("WANT_GRAD"), c.get("WRITE_X_HAT"),
             spec.args.get("scale_stride"))
     out = {"flags": spec.variant, "dtype": spec.dtype, "arch": spec.arch, "launch": spec.launch,
-           "mode": mode, "design": bool(c.get("DESC"))}
+           "mode": mode}
     if spec.kernel == "_similarity_kernel":
         out["list"] = ("fp32" if spec.dtype == "float32" else "16bit", spec.arch)
     return out
@@ -598,32 +568,29 @@ def _pairs(spec: Spec, configs: bool = False, every_target: bool = True) -> set:
     f = _factors(spec)
     items = sorted((k, repr(v)) for k, v in f.items())
     out = {(spec.kernel,) + a + b for a, b in itertools.combinations(items, 2)}
-    if every_target and not f["design"]:
-        out.add((spec.kernel, "default design", f["flags"], f["dtype"], f["arch"]))
+    if every_target:
+        out.add((spec.kernel, "target", f["flags"], f["dtype"], f["arch"]))
     if configs:
         c = spec.constexprs
-        out.add((spec.kernel, "config", f["dtype"], f["arch"], f["design"], c.get("BLOCK_R"),
-                 c.get("BLOCK_D"), spec.num_warps, spec.num_stages, c.get("GROUP_R")))
+        out.add((spec.kernel, "config", f["dtype"], f["arch"], c.get("BLOCK_R"),
+                 c.get("BLOCK_D"), spec.num_warps, spec.num_stages))
     return out
 
 
 def pairwise(specs: list[Spec], configs: bool = False, given: list[Spec] = ()) -> list[Spec]:
     """A subset of ``specs`` in which, for each kernel, every pair of factor values that some
     specialization of ``specs`` has (``_factors``: flag set × dtype, flag set × arch, flag
-    set × mode, flag set × design, the similarity kernel's flag set × config list, mode ×
-    dtype, dtype × arch, arch × launch, …) is compiled at least once, and each flag set on
-    each target in the default design (the one launched unless FASTCL_SIM says otherwise);
-    with ``configs``, each config of each design on each target too: every kernel, flag set,
-    mode and design on every target without the full product of flag sets, modes, designs
-    and configs. ``given``: specializations compiled anyway (in the same run), whose pairs
+    set × mode, the similarity kernel's flag set × config list, mode × dtype, dtype × arch,
+    arch × launch, …) is compiled at least once, and each flag set on each target; with
+    ``configs``, each config on each target too: every kernel, flag set and mode on every
+    target without the full product of flag sets, modes and configs. ``given``: specializations compiled anyway (in the same run), whose pairs
     count as covered, and then each flag set on each target is not asked for: the default
     subset's unaligned launches given its aligned ones (each flag set unaligned once, on
     either target), the other dtypes given the default subset (each flag set in float16
     and in the config lists the subset does not use: 16-bit on sm_80, fp32 on sm_90).
     Greedy and deterministic: the earliest specialization that covers the most pairs not
     yet covered (so after ``first_configs`` still the first config of a list), in the order
-    of ``specs``. What ``.ci/triton_range.sh`` compiles on the older Tritons; the default
-    run's unaligned launches and descriptor design, and the other dtypes in
+    of ``specs``. The default run's unaligned launches, and the other dtypes in
     ``tests/test_compile.py``."""
     every_target = not given
     covers = [_pairs(s, configs, every_target) for s in specs]
@@ -704,36 +671,28 @@ def main(argv=None) -> int:
                    help="only the first config of each similarity list (the range check "
                         "on older Tritons, .ci/triton_range.sh)")
     p.add_argument("--pairwise", action="store_true",
-                   help="only a subset that compiles every pair of flag set, target, launch, "
-                        "mode and design values at least once (after --first-config)")
+                   help="only a subset that compiles every pair of flag set, target, launch and "
+                        "mode values at least once (after --first-config)")
     p.add_argument("--aligned-only", action="store_true",
                    help="only the aligned large-batch launch (not the unaligned one)")
-    p.add_argument("--default-design", action="store_true",
-                   help="only the design fastcl launches (not the candidate FASTCL_SIM="
-                        "descriptor, which the default run checks on the newest Triton)")
     p.add_argument("--exhaustive", action="store_true",
-                   help="the default subset in full: every config of the descriptor design, "
-                        "every config and mode of the unaligned launches (by default covering "
+                   help="the default subset in full: every config with every flag set, every "
+                        "config and mode of the unaligned launches (by default covering "
                         "subsets, compile_check.pairwise)")
-    p.add_argument("--sim-candidates", nargs="?", const="all",
-                   choices=["all", "default", "descriptor"],
+    p.add_argument("--sim-candidates", action="store_true",
                    help="only every config the similarity kernel's lists are chosen from "
-                        "(SIM_CANDIDATES, DESC_CANDIDATES), spills reported, not failed")
+                        "(SIM_CANDIDATES), spills reported, not failed")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     p.add_argument("--allow-spills", action="store_true", help="report spills, do not fail on them")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    specs = (candidates(tuple(args.arch), args.dtype,
-                        None if args.sim_candidates == "all" else args.sim_candidates)
-             if args.sim_candidates else
+    specs = (candidates(tuple(args.arch), args.dtype) if args.sim_candidates else
              specializations(args.full, tuple(args.arch), args.dtype, args.rest,
                              ("aligned",) if args.aligned_only else ("aligned", "unaligned"),
                              # (--first-config, --pairwise: their own subsets of all of it)
                              args.exhaustive or args.first_config or args.pairwise))
     if args.kernel:
         specs = [s for s in specs if s.kernel == args.kernel]
-    if args.default_design:
-        specs = [s for s in specs if not s.constexprs.get("DESC")]
     if args.first_config:
         specs = first_configs(specs)
     if args.pairwise:

@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the contrastive family (InfoNCE, focal, DCLR, noise update).
+"""Fused Triton kernels for the contrastive family (InfoNCE, focal, DCLR, noise update),
+and their launches.
 
 The driver in :mod:`fastcl.tiled` walks anchor rows in chunks of R; for each chunk this
 module replaces the PyTorch epilogue with two kernels:
@@ -34,10 +35,9 @@ kept inside, they put G′ near 1e-9, where fp16 flushes it to zero. Partials pe
 rather than one program per row block: a tile grid keeps every SM busy at any chunk size
 (the split-softmax idea of flash-decoding). No atomics: results are bit-identical run to run.
 
-``FASTCL_SIM=descriptor`` (:mod:`fastcl._switches`) runs the one candidate similarity
-design not yet measured on a GPU: operands and stored tile through tensor descriptors (TMA
-on sm_90) in a grouped 1-D tile order; ``_similarity_tile`` is the tile body both designs
-share. It needs a Triton with ``tl.make_tensor_descriptor`` (``descriptor_supported``).
+A flag set (:data:`fastcl.kernels.configs.VARIANTS`) and the launch's mode reach the kernels
+as one constexpr, ``FLAGS`` (a bit each: ``FOCAL & FLAGS``); the layout's rules as one
+integer, ``rules``. Launch sizes and autotune lists are in :mod:`fastcl.kernels.configs`.
 
 Offsets that scale with R·M or M·d are formed in int64: a chunk of R·M ≥ 2³¹ entries is
 reachable with a large ``chunk_size``.
@@ -46,16 +46,17 @@ reachable with a large ``chunk_size``.
 # (no `from __future__ import annotations`: Triton 3.1 finds a kernel's constexpr
 # parameters by their annotation objects, and its interpreter misses them as strings)
 import functools
-import os
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from fastcl._switches import autotune_pinned, sim_design
 from fastcl.common import EPS
 from fastcl.layout import PLAIN, visible_blocks
+
+from . import configs
+from .configs import INTERPRET
 
 
 #: A cosine never exceeds 1: this value in the stored s marks a dropped in-batch negative.
@@ -66,22 +67,32 @@ DROPPED = tl.constexpr(4.0)
 #: column index and no ``n_pos + column`` ever equals it.
 NO_POSITIVE = tl.constexpr(-(2**30))
 
-#: Bits of the kernels' ``rule_bits`` (the rules of :mod:`fastcl.layout`).
-EXCLUDE_OWN = tl.constexpr(1)     # MNRL's self and own-document exclusions
-NEG_GROUPED = tl.constexpr(2)     # negative j belongs to group j mod N_b (K a multiple of N_b)
-HAS_IDS = tl.constexpr(4)         # duplicate masking: compare the text ids
+#: Bits of the kernels' constexpr ``FLAGS``: the flag set (``configs.VARIANTS``), then the
+#: launch's mode (what the similarity kernel stores, the bounded design, the gradient).
+#: Tested as ``FOCAL & FLAGS`` (the constexpr first: the interpreter passes FLAGS as an int).
+FOCAL = tl.constexpr(1)
+HARD = tl.constexpr(2)
+MASK = tl.constexpr(4)
+RELEASED = tl.constexpr(8)
+POSITIVES = tl.constexpr(16)
+RULES = tl.constexpr(32)
+GUIDE = tl.constexpr(64)
+STORE_EXP = tl.constexpr(128)
+BOUNDED = tl.constexpr(256)
+WANT_GRAD = tl.constexpr(512)
+_BITS = dict(FOCAL=FOCAL, HARD=HARD, MASK=MASK, RELEASED=RELEASED, POSITIVES=POSITIVES,
+             RULES=RULES, GUIDE=GUIDE, STORE_EXP=STORE_EXP, BOUNDED=BOUNDED, WANT_GRAD=WANT_GRAD)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-#: ``tl.make_tensor_descriptor`` where this Triton has it (3.4+), else None: a Triton that
-#: lacks it resolves every global a kernel names, in branches never taken too, so the kernel
-#: names this alias instead of the attribute.
-_make_descriptor = getattr(tl, "make_tensor_descriptor", None)
-if INTERPRET and _make_descriptor is not None:
-    def _make_descriptor(*args, **kwargs):
-        # the interpreter swaps tl's builtins for its own while a kernel runs: look it up then
-        return tl.make_tensor_descriptor(*args, **kwargs)
-
+#: The kernels' ``rules`` (:mod:`fastcl.layout`'s rules of a chunk, one integer): the blocks
+#: each side scores (4 bits a side: positives, negatives, noise, anchors), then these bits,
+#: then MNRL's hardness mode (2 bits: 1 in-batch negatives, 2 hard negatives, 3 all).
+VIS_BITS = tl.constexpr(4)
+EXCLUDE_OWN = tl.constexpr(1 << 8)    # MNRL's self and own-document exclusions
+NEG_GROUPED = tl.constexpr(1 << 9)    # negative j belongs to group j mod N_b (K a multiple of N_b)
+HAS_IDS = tl.constexpr(1 << 10)       # duplicate masking: compare the text ids
+PAIRED = tl.constexpr(1 << 11)        # rows [anchors; their positives], R_half each
+JOINT = tl.constexpr(1 << 12)         # paired rows share one softmax
+HARD_SHIFT = tl.constexpr(13)
 
 @triton.jit
 def _not(b):
@@ -105,29 +116,29 @@ def _bce_log_not(p):
     return tl.where(not_p > 0.0, tl.maximum(log_not, -100.0), -100.0)
 
 
+
 @triton.jit
-def _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w,
-            FOCAL: tl.constexpr, HARD: tl.constexpr):
+def _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS: tl.constexpr):
     """l = s/τ, or focal s²/τ (positive) and s(s+m)/τ (negatives); + w on column N+i."""
-    if FOCAL:
+    if FOCAL & FLAGS:
         l = tl.where(is_pos, s * s, s * (s + focal_m)) * inv_t
     else:
         l = s * inv_t
-    if HARD:
+    if HARD & FLAGS:
         l = tl.where(cols[None, :] == n_pos + rows_g[:, None], l + hard_w, l)
     return l
 
 
 @triton.jit
-def _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL: tl.constexpr,
-                   HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr):
+def _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS: tl.constexpr):
     """Logits recomputed from stored cosines, where ``DROPPED`` marks the masked negatives
-    (logit × 0 in the released code, out of the denominator in the paper); and that mask."""
-    l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
+    (logit × 0 in the released code, out of the denominator in the paper and the layout's
+    rules); and that mask."""
+    l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
     dropped = is_pos & (s == DROPPED)        # all False: the positive is never dropped
-    if MASK:
+    if (MASK | RULES) & FLAGS:
         dropped = s == DROPPED
-        if RELEASED:
+        if RELEASED & FLAGS:
             l = tl.where(dropped, 0.0, l)
         else:
             l = tl.where(dropped, float("-inf"), l)
@@ -145,22 +156,24 @@ def _rule_rows(rows, R_half, first_pos, anchor_base):
     return side1, i, first_pos + i, anchor_base + i
 
 
+
+
 @triton.jit
-def _rule_columns(cols, n_pos, n_neg, n_noise, rule_bits):
+def _rule_columns(cols, n_pos, n_neg, n_noise, rules):
     """Each column's block (0 positives, 1 negatives, 2 noise, 3 anchors) and group
     (``fastcl.layout.column_groups``: −1 for noise and ungrouped negatives)."""
     first_noise = n_pos + n_neg
     first_anchor = first_noise + n_noise
     block = ((cols >= n_pos).to(tl.int32) + (cols >= first_noise).to(tl.int32)
              + (cols >= first_anchor).to(tl.int32))
-    neg_group = tl.where((rule_bits & NEG_GROUPED) != 0, (cols - n_pos) % n_pos, -1)
+    neg_group = tl.where((rules & NEG_GROUPED) != 0, (cols - n_pos) % n_pos, -1)
     group = tl.where(block == 0, cols,
                      tl.where(block == 1, neg_group, tl.where(block == 3, cols - first_anchor, -1)))
     return block, group
 
 
 @triton.jit
-def _rule_masks(side1, g, own_anchor, cols, block, group, vis0, vis1, rule_bits, hard_mode):
+def _rule_masks(side1, g, own_anchor, cols, block, group, rules):
     """The index rules of a tile (``fastcl.tiled._layout_drops``): the entries the layout
     drops (blocks a side does not score; with EXCLUDE_OWN the anchor side's own anchor
     column and the positive side's own documents), the entries the guide and the ids may not
@@ -168,13 +181,14 @@ def _rule_masks(side1, g, own_anchor, cols, block, group, vis0, vis1, rule_bits,
     hardness columns (anchor side; mode 1 in-batch negatives, 2 hard negatives, 3 all) and
     the positive side's own anchor (its mirror: focal takes s² there)."""
     side = side1[:, None]
-    vis = tl.where(side, vis1, vis0)
+    vis = tl.where(side, (rules >> VIS_BITS) & 15, rules & 15)
     drop = ((vis >> block[None, :]) & 1) == 0
     own_group = group[None, :] == g[:, None]
     docs = (block <= 1)[None, :]
     mine = (block == 3)[None, :] & (group[None, :] == own_anchor[:, None])
-    drop = drop | (tl.where(side, docs & own_group, mine) & ((rule_bits & EXCLUDE_OWN) != 0))
+    drop = drop | (tl.where(side, docs & own_group, mine) & ((rules & EXCLUDE_OWN) != 0))
     protect = tl.where(side, mine, cols[None, :] == g[:, None])
+    hard_mode = (rules >> HARD_SHIFT) & 3
     hard = tl.where(hard_mode == 1, docs & _not(own_group),
                     tl.where(hard_mode == 2, (block == 1)[None, :] & own_group,
                              docs & (cols[None, :] != g[:, None])))
@@ -190,26 +204,16 @@ def _tile_at(pid_r, pid_m, R, M, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
     return rows, cols, rows < R, cols < M
 
 
-@triton.jit
-def _grouped_tile(pid, R, M, GROUP_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(row block, column tile) of tile ``pid`` of a 1-D order in groups of GROUP_R row
-    blocks: consecutive tiles take the group's row blocks on one column tile, then the next
-    column tile (the matmul tutorial's L2 swizzle); the last group may be shorter."""
-    n_r = tl.cdiv(R, BLOCK_R)
-    per_group = GROUP_R * tl.cdiv(M, BLOCK_M)
-    first_r = (pid // per_group) * GROUP_R
-    size = tl.minimum(n_r - first_r, GROUP_R)
-    in_group = pid % per_group
-    return first_r + in_group % size, in_group // size
 
 
 @triton.jit
 def _tile_dot(a_ptr, b_ptr, a_start, b_start, a_rows, b_rows, K, stride_a, stride_b,
-              PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_D: tl.constexpr):
+              BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """a[a_start : +BLOCK_R] · b[b_start : +BLOCK_M]ᵀ for one tile (rows past ``a_rows`` /
     ``b_rows`` read as 0), accumulated in fp32 over K in BLOCK_D steps, like a matmul: K
-    (the embedding width, 384–4096) is too wide to keep a row block resident."""
+    (the embedding width, 384–4096) is too wide to keep a row block resident. fp32 inputs
+    get exact products (TF32 would move cosines by ~1e-3, logits by ~0.02); 16-bit inputs
+    use the tensor cores whatever the precision says."""
     ra = tl.arange(0, BLOCK_R)
     rb = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_D)
@@ -225,22 +229,10 @@ def _tile_dot(a_ptr, b_ptr, a_start, b_start, a_rows, b_rows, K, stride_a, strid
                     mask=a_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr + rb[:, None] * stride_b + (k0 + kk)[None, :],
                     mask=b_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-    return acc
-
-
-@triton.jit
-def _tile_dot_desc(a_desc, b_desc, a_start, b_start, K, PREC: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``_tile_dot`` through tensor descriptors (``FASTCL_SIM=descriptor``): the same
-    product, the edges (rows past the operands' rows, columns past K) read as zeros by the
-    descriptors' bounds (TMA on sm_90). Shapes and strides of a descriptor are int64; the
-    launcher checks what TMA needs: 16-byte aligned bases and row strides, unit column stride."""
-    acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_D):
-        a = a_desc.load([a_start, k0])
-        b = b_desc.load([b_start, k0])
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        if a.dtype == tl.float32:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="tf32")
     return acc
 
 
@@ -253,9 +245,9 @@ def _tile_ptrs(ptr, stride, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _positive(cols, rows_g, POSITIVES: tl.constexpr):
+def _positive(cols, rows_g, FLAGS: tl.constexpr):
     """Where column j holds row i's positive (j = i); nowhere for DCLR's noise loss."""
-    if POSITIVES:
+    if POSITIVES & FLAGS:
         is_pos = cols[None, :] == rows_g[:, None]
     else:
         is_pos = cols[None, :] < 0
@@ -264,153 +256,95 @@ def _positive(cols, rows_g, POSITIVES: tl.constexpr):
 
 @triton.jit
 def _similarity_kernel(
-    q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr,
-    t_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, pos_sg_ptr,
-    theta_ptr, col_ids_ptr, row_ids_ptr,
-    R, M, D, DC, first_pos, n_pos, n_ck,
-    R_half, anchor_base, n_neg, n_noise, vis0, vis1, rule_bits, hard_mode,
-    stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
+    q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr, t_ptr, part_max_ptr, part_sum_ptr,
+    pos_ptr, ginv_k_ptr, theta_ptr, col_ids_ptr, row_ids_ptr,
+    R, M, D, DC, n_ck, first_pos, n_pos, R_half, anchor_base, n_neg, n_noise, rules,
+    stride_q, stride_k, stride_cq, stride_ck,
     inv_t, focal_m, hard_w, phi, bound, hard_beta,
-    FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, RULES: tl.constexpr, GUIDE: tl.constexpr,
-    STORE_EXP: tl.constexpr, BOUNDED: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    DESC: tl.constexpr, GROUP_R: tl.constexpr,
+    FLAGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # DESC (FASTCL_SIM=descriptor): a 1-D grid in groups of GROUP_R row blocks, the operands
-    # and the stored tile through tensor descriptors; else a (row, column) grid with pointer
-    # loads
-    q_desc, k_desc, cq_desc, ck_desc, t_desc = q_ptr, k_ptr, cq_ptr, ck_ptr, t_ptr
-    if DESC:
-        q_desc = _make_descriptor(q_ptr, [R, D], [stride_q, 1], [BLOCK_R, BLOCK_D])
-        k_desc = _make_descriptor(k_ptr, [M, D], [stride_k, 1], [BLOCK_M, BLOCK_D])
-        if MASK or GUIDE:                  # the complementary positives (n_pos rows), the guide's columns
-            cq_desc = _make_descriptor(cq_ptr, [R, DC], [stride_cq, 1],
-                                                [BLOCK_R, BLOCK_D])
-            ck_desc = _make_descriptor(ck_ptr, [n_ck, DC], [stride_ck, 1],
-                                                [BLOCK_M, BLOCK_D])
-        # the store clips at the buffer's bounds: no mask
-        t_desc = _make_descriptor(t_ptr, [R, M], [stride_t, 1], [BLOCK_R, BLOCK_M])
-        pid_r, pid_m = _grouped_tile(tl.program_id(0), R, M, GROUP_R, BLOCK_R, BLOCK_M)
-    else:
-        pid_r = tl.program_id(0)
-        pid_m = tl.program_id(1)
-    _similarity_tile(
-        pid_r, pid_m, q_desc, k_desc, inv_q_ptr, inv_k_ptr, cq_desc, ck_desc,
-        t_desc, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, pos_sg_ptr,
-        theta_ptr, col_ids_ptr, row_ids_ptr,
-        R, M, D, DC, first_pos, n_pos, n_ck,
-        R_half, anchor_base, n_neg, n_noise, vis0, vis1, rule_bits, hard_mode,
-        stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
-        inv_t, focal_m, hard_w, phi, bound, hard_beta, FOCAL, HARD, MASK, RELEASED, POSITIVES,
-        RULES, GUIDE, STORE_EXP, BOUNDED, PREC, BLOCK_R, BLOCK_M, BLOCK_D, DESC)
-
-
-@triton.jit
-def _similarity_tile(
-    pid_r, pid_m, q_ptr, k_ptr, inv_q_ptr, inv_k_ptr, cq_ptr, ck_ptr,
-    t_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, pos_sg_ptr,
-    theta_ptr, col_ids_ptr, row_ids_ptr,
-    R, M, D, DC, first_pos, n_pos, n_ck,
-    R_half, anchor_base, n_neg, n_noise, vis0, vis1, rule_bits, hard_mode,
-    stride_q, stride_k, stride_cq, stride_ck, stride_t, stride_part,
-    inv_t, focal_m, hard_w, phi, bound, hard_beta,
-    FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, RULES: tl.constexpr, GUIDE: tl.constexpr,
-    STORE_EXP: tl.constexpr, BOUNDED: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DESC: tl.constexpr,
-):
-    """One R×128 tile of the chunk: cosines, logits, the DCLR mask, the stored tile and its
-    rows' partials. With DESC, ``q_ptr``, ``k_ptr``, ``cq_ptr``, ``ck_ptr`` and ``t_ptr`` are
-    tensor descriptors of those buffers.
+    """Tile (program_id(0), program_id(1)) of the R×M chunk, R×128: cosines, logits, the
+    DCLR mask, the stored tile (t, R×M) and its rows' partials (R × ⌈M/128⌉).
 
     BOUNDED (every logit at most ``bound``): the tile stores the gradient's numerator
     ``E_ij = exp(l_ij − B) · ∂l_ij/∂s_ij · ginv_k_j`` in the GEMM dtype with the positive's
     entry 0, and each row's ``Σ_{j≠i} exp(l_ij − B)``; the diagonal tiles write the positive's
-    logit and ``∂l_ii/∂s_ii · ginv_k_i``. Nothing else reads the tile before the gradient
-    GEMMs: ``H = E/Z − δ·(1 − p_ii)·slope·ginv``, with Z and p_ii per row (``_row_finish``).
-    Else the (max, Σexp) partials of each tile, for the row kernel."""
-    rows, cols, row_ok, col_ok = _tile_at(pid_r, pid_m, R, M, BLOCK_R, BLOCK_M)
-    if RULES:
+    logit and ``∂l_ii/∂s_ii · ginv_k_i`` (``pos_ptr``, then ``pos_ptr + R``). Nothing else
+    reads the tile before the gradient GEMMs: ``H = E/Z − δ·(1 − p_ii)·slope·ginv``, with Z
+    and p_ii per row (``_row_finish_kernel``). Else the (max, Σexp) partials of each tile,
+    for the row kernel."""
+    pid_m = tl.program_id(1)
+    T = tl.cdiv(M, BLOCK_M)
+    rows, cols, row_ok, col_ok = _tile_at(tl.program_id(0), pid_m, R, M, BLOCK_R, BLOCK_M)
+    if RULES & FLAGS:
         # paired rows: the positive side (rows ≥ R_half) has no positive column
         side1, i_side, g, own_anchor = _rule_rows(rows, R_half, first_pos, anchor_base)
         rows_g = tl.where(side1, NO_POSITIVE, g)
     else:
         rows_g = first_pos + rows          # global anchor index = its positive's column
 
-    row0 = pid_r * BLOCK_R
+    row0 = tl.program_id(0) * BLOCK_R
     col0 = pid_m * BLOCK_M
-    if DESC:
-        acc = _tile_dot_desc(q_ptr, k_ptr, row0, col0, D, PREC, BLOCK_R, BLOCK_M, BLOCK_D)
-    else:
-        acc = _tile_dot(q_ptr, k_ptr, row0, col0, R, M, D, stride_q, stride_k,
-                        PREC, BLOCK_R, BLOCK_M, BLOCK_D)
+    acc = _tile_dot(q_ptr, k_ptr, row0, col0, R, M, D, stride_q, stride_k,
+                    BLOCK_R, BLOCK_M, BLOCK_D)
     inv_q = tl.load(inv_q_ptr + rows, mask=row_ok, other=0.0)
     inv_k = tl.load(inv_k_ptr + cols, mask=col_ok, other=0.0)
     s = acc * inv_q[:, None] * inv_k[None, :]
 
-    is_pos = _positive(cols, rows_g, POSITIVES)
-    l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FOCAL, HARD)
+    is_pos = _positive(cols, rows_g, FLAGS)
+    l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
     # Without the mask the positives are written before e exists, so that l need not stay
     # live beside it (the mask never drops a positive; with it, that order costs registers)
-    if POSITIVES and not (MASK or RULES):
+    if (POSITIVES & FLAGS) and not ((MASK | RULES) & FLAGS):
         _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
-                        first_pos, M, pos_ptr, pos_sg_ptr, inv_t, FOCAL, BOUNDED, BLOCK_R, BLOCK_M)
+                        first_pos, R, M, pos_ptr, inv_t, FLAGS, BLOCK_R, BLOCK_M)
 
-    if MASK:
+    if MASK & FLAGS:
         # the complementary model's cosine, in the same tile: no N×M mask ever exists
         in_batch = cols < n_pos
-        if DESC:
-            cacc = _tile_dot_desc(cq_ptr, ck_ptr, row0, col0, DC, PREC, BLOCK_R, BLOCK_M, BLOCK_D)
-        else:
-            cacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_ck, DC, stride_cq, stride_ck,
-                             PREC, BLOCK_R, BLOCK_M, BLOCK_D)
-        if RELEASED:
+        cacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_ck, DC, stride_cq, stride_ck,
+                         BLOCK_R, BLOCK_M, BLOCK_D)
+        if RELEASED & FLAGS:
             too_close = cacc * inv_t > 20.0 * phi      # the released code's test
         else:
             too_close = cacc >= phi
         # the released code gives noise columns a complementary cosine of 0 (the tile dot
         # reads their rows as 0), so φ < 0 drops them too; the paper keeps them
         drop = too_close & (cols[None, :] != rows_g[:, None])
-        if not RELEASED:
+        if not (RELEASED & FLAGS):
             drop = drop & in_batch[None, :]
         s = tl.where(drop, DROPPED, s)
-        if RELEASED:
+        if RELEASED & FLAGS:
             l = tl.where(drop, 0.0, l)                 # released: logit × 0
         else:
             l = tl.where(drop, float("-inf"), l)       # paper: leaves the denominator
 
-    if RULES:
-        block, group = _rule_columns(cols, n_pos, n_neg, n_noise, rule_bits)
-        drop, protect, hard, mirror = _rule_masks(side1, g, own_anchor, cols, block, group,
-                                                  vis0, vis1, rule_bits, hard_mode)
+    if RULES & FLAGS:
+        block, group = _rule_columns(cols, n_pos, n_neg, n_noise, rules)
+        drop, protect, hard, mirror = _rule_masks(side1, g, own_anchor, cols, block, group, rules)
         l = l + tl.where(hard, hard_beta * s, 0.0)     # MNRL's β·sg(s): no slope of its own
-        if FOCAL:
+        if FOCAL & FLAGS:
             l = tl.where(mirror, s * s * inv_t, l)
         # duplicate texts (loads masked off without ids) and, with GUIDE, the guide's
         # cosine above the row's threshold: never the pair's own entries or the noise
-        ids_on = (rule_bits // HAS_IDS) % 2              # 0 or 1
+        ids_on = (rules // HAS_IDS) % 2                  # 0 or 1
         col_ids = tl.load(col_ids_ptr + cols, mask=cols < M * ids_on, other=-1)
         row_ids = tl.load(row_ids_ptr + i_side, mask=rows < R * ids_on, other=-2)
         filtered = col_ids[None, :] == row_ids[:, None]
-        if GUIDE:
-            if DESC:
-                gacc = _tile_dot_desc(cq_ptr, ck_ptr, row0, col0, DC, PREC, BLOCK_R, BLOCK_M,
-                                      BLOCK_D)
-            else:
-                gacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_ck, DC, stride_cq, stride_ck,
-                                 PREC, BLOCK_R, BLOCK_M, BLOCK_D)
+        if GUIDE & FLAGS:
+            gacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_ck, DC, stride_cq, stride_ck,
+                             BLOCK_R, BLOCK_M, BLOCK_D)
             theta = tl.load(theta_ptr + i_side, mask=row_ok, other=0.0)
             filtered = filtered | (gacc > theta[:, None])
         drop = drop | (filtered & _not(protect) & (block != 2)[None, :])
         s = tl.where(drop, DROPPED, s)
         l = tl.where(drop, float("-inf"), l)
 
-    if POSITIVES and (MASK or RULES):
+    if (POSITIVES & FLAGS) and ((MASK | RULES) & FLAGS):
         _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
-                        first_pos, M, pos_ptr, pos_sg_ptr, inv_t, FOCAL, BOUNDED, BLOCK_R, BLOCK_M)
+                        first_pos, R, M, pos_ptr, inv_t, FLAGS, BLOCK_R, BLOCK_M)
     l = tl.where(col_ok[None, :], l, float("-inf"))
-    if BOUNDED:
+    if BOUNDED & FLAGS:
         # exp(l − B) ≤ 1 for every logit, and no row-wide maximum is needed: the row sums
         # are the tiles' own. The positive stays out of both (its term is formed per row,
         # in float32, where p_ii → 1 would cancel in a 16-bit E_ii/Z − 1).
@@ -418,7 +352,7 @@ def _similarity_tile(
         e = tl.where(is_pos, 0.0, tl.exp(l - bound))
         tile_sum = tl.sum(e, axis=1)
         ginv_k = tl.load(ginv_k_ptr + cols, mask=col_ok, other=0.0)
-        if FOCAL:
+        if FOCAL & FLAGS:
             e_store = e * (2.0 * s + focal_m) * (inv_t * ginv_k[None, :])
         else:
             e_store = e * (inv_t * ginv_k[None, :])
@@ -432,41 +366,35 @@ def _similarity_tile(
         e = tl.exp(l - safe_max[:, None])
         e_store = e
         tile_sum = tl.sum(e, axis=1)
-    if DESC:
-        if STORE_EXP:
-            t_ptr.store([row0, col0], e_store.to(t_ptr.dtype))
-        else:
-            t_ptr.store([row0, col0], s)
+    ok = row_ok[:, None] & col_ok[None, :]
+    t_ptrs = _tile_ptrs(t_ptr, M, BLOCK_R, BLOCK_M)
+    if STORE_EXP & FLAGS:
+        tl.store(t_ptrs, e_store.to(t_ptr.dtype.element_ty), mask=ok)
     else:
-        ok = row_ok[:, None] & col_ok[None, :]
-        t_ptrs = _tile_ptrs(t_ptr, stride_t, BLOCK_R, BLOCK_M)
-        if STORE_EXP:
-            tl.store(t_ptrs, e_store.to(t_ptr.dtype.element_ty), mask=ok)
-        else:
-            tl.store(t_ptrs, s, mask=ok)
-    if not BOUNDED:
-        tl.store(part_max_ptr + rows * stride_part + pid_m, tile_max, mask=row_ok)
-    tl.store(part_sum_ptr + rows * stride_part + pid_m, tile_sum, mask=row_ok)
+        tl.store(t_ptrs, s, mask=ok)
+    if not (BOUNDED & FLAGS):
+        tl.store(part_max_ptr + rows * T + pid_m, tile_max, mask=row_ok)
+    tl.store(part_sum_ptr + rows * T + pid_m, tile_sum, mask=row_ok)
 
 
 @triton.jit
 def _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
-                    first_pos, M, pos_ptr, pos_sg_ptr, inv_t, FOCAL: tl.constexpr,
-                    BOUNDED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+                    first_pos, R, M, pos_ptr, inv_t, FLAGS: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
     """The tiles on the diagonal write each anchor's positive logit: the very value that
     enters the tile's sums (a separate dot would round differently, and lse − l_ii must
     cancel exactly when the loss is ~1e-5); the others skip the reduction. BOUNDED: also the
-    positive's ``∂l_ii/∂s_ii · ginv_k_i`` (1/τ, focal 2s/τ)."""
+    positive's ``∂l_ii/∂s_ii · ginv_k_i`` (1/τ, focal 2s/τ), R entries further."""
     if (first_pos + row0 < col0 + BLOCK_M) & (first_pos + row0 + BLOCK_R > col0):
         pos_here = row_ok & (rows_g >= col0) & (rows_g < col0 + BLOCK_M) & (rows_g < M)
         tl.store(pos_ptr + rows, tl.sum(tl.where(is_pos, l, 0.0), axis=1), mask=pos_here)
-        if BOUNDED:
+        if BOUNDED & FLAGS:
             ginv_k = tl.load(ginv_k_ptr + cols, mask=col_ok, other=0.0)
-            if FOCAL:
+            if FOCAL & FLAGS:
                 slope = tl.where(is_pos, 2.0 * s * ginv_k[None, :], 0.0)
             else:
                 slope = tl.where(is_pos, ginv_k[None, :], 0.0)
-            tl.store(pos_sg_ptr + rows, tl.sum(slope, axis=1) * inv_t, mask=pos_here)
+            tl.store(pos_ptr + R + rows, tl.sum(slope, axis=1) * inv_t, mask=pos_here)
 
 
 @triton.jit
@@ -525,16 +453,18 @@ def _row_finish_kernel(part_sum_ptr, pos_ptr, pos_coef_ptr, loss_ptr, inv_z_ptr,
     tl.store(inv_z_ptr + rows, inv_z, mask=ok)
 
 
+
+
 @triton.jit
-def _row_lse(part_max_ptr, part_sum_ptr, row, T, stride_part, BLOCK_T: tl.constexpr):
-    """log Σ_j exp(l_ij) of one row from its per-tile (max, Σexp) partials."""
+def _row_lse(part_max_ptr, part_sum_ptr, row, T, BLOCK_T: tl.constexpr):
+    """log Σ_j exp(l_ij) of one row from its per-tile (max, Σexp) partials (T a row)."""
     run_max = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     run_sum = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         ok = t < T
-        pm = tl.load(part_max_ptr + row * stride_part + t, mask=ok, other=float("-inf"))
-        ps = tl.load(part_sum_ptr + row * stride_part + t, mask=ok, other=0.0)
+        pm = tl.load(part_max_ptr + row * T + t, mask=ok, other=float("-inf"))
+        ps = tl.load(part_sum_ptr + row * T + t, mask=ok, other=0.0)
         new_max = tl.maximum(run_max, pm)
         base = tl.where(new_max == float("-inf"), 0.0, new_max)
         run_sum = run_sum * tl.exp(run_max - base) + ps * tl.exp(pm - base)
@@ -545,44 +475,33 @@ def _row_lse(part_max_ptr, part_sum_ptr, row, T, stride_part, BLOCK_T: tl.conste
 
 
 @triton.jit
-def _row_probs(t_ptr, part_max_ptr, row, row64, c0, M, lse, scale, first_pos, n_pos, stride_t,
-               stride_part, inv_t, focal_m, hard_w,
-               R_half, anchor_base, n_neg, n_noise, vis0, vis1, rule_bits, hard_mode, hard_beta,
-               FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr,
-               RELEASED: tl.constexpr, POSITIVES: tl.constexpr, RULES: tl.constexpr,
-               STORE_EXP: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Columns [c0, c0 + BLOCK_N) of one row: their indices and bounds, ``scale`` × the
-    softmax p over ``lse``, the stored cosines s (unused in exp mode), the positive, where
-    focal's slope is 2s (the positive, and the mirror with RULES) and the dropped columns,
-    from whatever the similarity kernel stored."""
+def _row_probs(t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, n_pos, n_neg,
+               n_noise, rules, inv_t, focal_m, hard_w, hard_beta,
+               FLAGS: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns [c0, c0 + BLOCK_N) of one row (its stored row ``t_row``, its tile maxima
+    ``max_row``; ``rows_g`` … ``own_anchor`` from ``_rule_rows``): their indices and bounds,
+    ``scale`` × the softmax p over ``lse``, the stored cosines s (unused in exp mode), the
+    positive, where focal's slope is 2s (the positive, and the mirror with RULES) and the
+    dropped columns, from whatever the similarity kernel stored."""
     cols = c0 + tl.arange(0, BLOCK_N)
     ok = cols < M
-    x = tl.load(t_ptr + row64 * stride_t + cols, mask=ok, other=0.0).to(tl.float32)
-    rows = tl.full((1,), 0, tl.int32) + row
-    if RULES:
-        side1, i_side, g, own_anchor = _rule_rows(rows, R_half, first_pos, anchor_base)
-        rows_g = tl.where(side1, NO_POSITIVE, g)
-    else:
-        rows_g = first_pos + rows
-    is_pos = _positive(cols, rows_g, POSITIVES)
+    x = tl.load(t_row + cols, mask=ok, other=0.0).to(tl.float32)
+    is_pos = _positive(cols, rows_g, FLAGS)
     squared = is_pos
-    if STORE_EXP:
+    if STORE_EXP & FLAGS:
         # p = exp(l − tile max) · exp(tile max − lse); a fully masked tile has max −inf, e 0
-        tile_max = tl.load(part_max_ptr + row * stride_part + cols // TILE_M, mask=ok,
-                           other=float("-inf"))
+        tile_max = tl.load(max_row + cols // TILE_M, mask=ok, other=float("-inf"))
         p = (x * (scale * tl.where(tile_max == float("-inf"), 0.0, tl.exp(tile_max - lse))))[None, :]
         s = p                                # unused: exp mode has no slope or mask to read
         dropped = is_pos
     else:
         s = x[None, :]
-        l, dropped = _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w,
-                                    FOCAL, HARD, MASK or RULES, RELEASED)
-        if RULES:
-            block, group = _rule_columns(cols, n_pos, n_neg, n_noise, rule_bits)
-            _, _, hard, mirror = _rule_masks(side1, g, own_anchor, cols, block, group, vis0,
-                                             vis1, rule_bits, hard_mode)
+        l, dropped = _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
+        if RULES & FLAGS:
+            block, group = _rule_columns(cols, n_pos, n_neg, n_noise, rules)
+            _, _, hard, mirror = _rule_masks(side1, g, own_anchor, cols, block, group, rules)
             l = l + tl.where(hard & _not(dropped), hard_beta * s, 0.0)
-            if FOCAL:
+            if FOCAL & FLAGS:
                 l = tl.where(mirror & _not(dropped), s * s * inv_t, l)
                 squared = squared | mirror
         p = tl.exp(l - lse) * scale
@@ -593,19 +512,27 @@ def _row_probs(t_ptr, part_max_ptr, row, row64, c0, M, lse, scale, first_pos, n_
 @triton.jit
 def _row_kernel(
     t_ptr, g_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, loss_ptr,
-    M, T, first_pos, n_pos, stride_t, stride_g, stride_part,
-    R_half, paired, joint, anchor_base, n_neg, n_noise, vis0, vis1, rule_bits, hard_mode,
+    M, first_pos, n_pos, R_half, anchor_base, n_neg, n_noise, rules,
     inv_t, focal_m, hard_w, hard_beta,
-    FOCAL: tl.constexpr, HARD: tl.constexpr, MASK: tl.constexpr, RELEASED: tl.constexpr,
-    POSITIVES: tl.constexpr, RULES: tl.constexpr, STORE_EXP: tl.constexpr,
-    WANT_GRAD: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    FLAGS: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """One row of the chunk (``t`` and ``g`` R×M, the partials R × ⌈M/TILE_M⌉): its loss,
+    and with WANT_GRAD its gradient row ``g``."""
     row = tl.program_id(0)
-    row64 = row.to(tl.int64)
+    T = tl.cdiv(M, TILE_M)
+    t_row = t_ptr + row.to(tl.int64) * M
+    max_row = part_max_ptr + row * T
+    rows = tl.full((1,), 0, tl.int32) + row
+    if RULES & FLAGS:
+        side1, i_side, g, own_anchor = _rule_rows(rows, R_half, first_pos, anchor_base)
+        rows_g = tl.where(side1, NO_POSITIVE, g)
+    else:
+        rows_g = first_pos + rows
+        side1, g, own_anchor = rows < 0, rows_g, rows_g      # (read with RULES only)
     # log Σ e^l over the row's columns but its positive (the similarity kernel's partials)
-    lse = _row_lse(part_max_ptr, part_sum_ptr, row, T, stride_part, BLOCK_T)
+    lse = _row_lse(part_max_ptr, part_sum_ptr, row, T, BLOCK_T)
     scale = 1.0
-    if POSITIVES:
+    if POSITIVES & FLAGS:
         pos = tl.load(pos_ptr + row, mask=row < R_half, other=0.0)
     else:
         pos = 0.0
@@ -613,15 +540,16 @@ def _row_kernel(
     # softmax q = σ(lse_o − l_ii) = 1 − p_ii, without the cancellation of either (a row
     # without a positive: lse_o is its lse)
     gap = lse - pos
-    if RULES:
+    if RULES & FLAGS:
         # paired: rows i and R_half + i are the two sides of loss row i, with one softmax
         # over both (joint), or each its own, the loss the mean of the two log-sum-exps
         # and each side's softmax halved in the gradient (per direction)
-        one_softmax = (paired != 0) & (joint != 0)
-        two_softmaxes = (paired != 0) & (joint == 0)
-        twin = tl.where(paired != 0, tl.where(row >= R_half, row - R_half, row + R_half), row)
-        lse_twin = _row_lse(part_max_ptr, part_sum_ptr, twin, T, stride_part, BLOCK_T)
-        if POSITIVES:
+        paired = (rules & PAIRED) != 0
+        one_softmax = paired & ((rules & JOINT) != 0)
+        two_softmaxes = paired & ((rules & JOINT) == 0)
+        twin = tl.where(paired, tl.where(row >= R_half, row - R_half, row + R_half), row)
+        lse_twin = _row_lse(part_max_ptr, part_sum_ptr, twin, T, BLOCK_T)
+        if POSITIVES & FLAGS:
             # the positive side's twin is an anchor row: its partials leave its positive out
             twin_pos = tl.load(pos_ptr + twin, mask=(twin < R_half) & (row >= R_half), other=0.0)
             lse_twin = tl.where((twin < R_half) & (row >= R_half),
@@ -632,15 +560,15 @@ def _row_kernel(
         scale = tl.where(two_softmaxes, 0.5, 1.0)
     share = _softplus(gap)
     others = 1.0 / (1.0 + tl.exp(-gap))
-    if POSITIVES:
+    if POSITIVES & FLAGS:
         lse = tl.where(row < R_half, pos + share, lse)    # the full log-sum-exp, for p_ij
         row_loss = share
-        if RULES:
+        if RULES & FLAGS:
             row_loss = tl.where(two_softmaxes, 0.5 * (share + lse_twin - pos), share)
     else:
         row_loss = lse
 
-    if RELEASED:
+    if RELEASED & FLAGS:
         # BCE on the softmax: v = p/(1−p) off the positive and, with q = 1 − p_ii,
         # v_ii = −p_ii·q/max(p_ii·q, 1e-12) (−1 unless clamped). Pass 1: Σ_{j≠i} v and
         # Σ_{j≠i} log(1−p) (accurate for small p, clamped at −100 like torch's BCE).
@@ -648,10 +576,8 @@ def _row_kernel(
         log_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         for c0 in range(0, M, BLOCK_N):
             cols, ok, p, s, is_pos, squared, dropped = _row_probs(
-                t_ptr, part_max_ptr, row, row64, c0, M, lse, scale, first_pos, n_pos, stride_t,
-                stride_part, inv_t, focal_m, hard_w, R_half, anchor_base, n_neg, n_noise, vis0,
-                vis1, rule_bits, hard_mode, hard_beta, FOCAL, HARD, MASK, RELEASED, POSITIVES,
-                RULES, STORE_EXP, TILE_M, BLOCK_N)
+                t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, n_pos, n_neg,
+                n_noise, rules, inv_t, focal_m, hard_w, hard_beta, FLAGS, TILE_M, BLOCK_N)
             v_acc += tl.where(ok[None, :] & _not(is_pos), _bce_v(p, is_pos), 0.0)
             log_acc += tl.where(ok[None, :] & _not(is_pos), _bce_log_not(p), 0.0)
         v_others = tl.sum(tl.sum(v_acc, axis=1), axis=0)
@@ -669,27 +595,25 @@ def _row_kernel(
     if row < R_half:
         tl.store(loss_ptr + row, row_loss)
 
-    if WANT_GRAD:
+    if WANT_GRAD & FLAGS:
+        g_row = g_ptr + row.to(tl.int64) * M
         for c0 in range(0, M, BLOCK_N):
             cols, ok, p, s, is_pos, squared, dropped = _row_probs(
-                t_ptr, part_max_ptr, row, row64, c0, M, lse, scale, first_pos, n_pos, stride_t,
-                stride_part, inv_t, focal_m, hard_w, R_half, anchor_base, n_neg, n_noise, vis0,
-                vis1, rule_bits, hard_mode, hard_beta, FOCAL, HARD, MASK, RELEASED, POSITIVES,
-                RULES, STORE_EXP, TILE_M, BLOCK_N)
-            if RELEASED:
-                g = tl.where(is_pos, pos_g, _bce_v(p, is_pos) - p * vsum) * inv_t
-                g = tl.where(dropped, 0.0, g)            # a × 0 logit has no slope in s
+                t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, n_pos, n_neg,
+                n_noise, rules, inv_t, focal_m, hard_w, hard_beta, FLAGS, TILE_M, BLOCK_N)
+            if RELEASED & FLAGS:
+                grad = tl.where(is_pos, pos_g, _bce_v(p, is_pos) - p * vsum) * inv_t
+                grad = tl.where(dropped, 0.0, grad)      # a × 0 logit has no slope in s
             else:
-                g = tl.where(is_pos, pos_g, p)
-                if FOCAL:
-                    g = g * tl.where(squared, 2.0 * s, 2.0 * s + focal_m) * inv_t
+                grad = tl.where(is_pos, pos_g, p)
+                if FOCAL & FLAGS:
+                    grad = grad * tl.where(squared, 2.0 * s, 2.0 * s + focal_m) * inv_t
                 else:
-                    g = g * inv_t
+                    grad = grad * inv_t
             ginv_k = tl.load(ginv_k_ptr + cols, mask=ok, other=0.0)
-            g = g * ginv_k[None, :]
+            grad = grad * ginv_k[None, :]
             # in exp mode g_ptr is t_ptr: each block is read before it is overwritten
-            tl.store(g_ptr + row64 * stride_g + cols[None, :], g.to(g_ptr.dtype.element_ty),
-                     mask=ok[None, :])
+            tl.store(g_row + cols[None, :], grad.to(g_ptr.dtype.element_ty), mask=ok[None, :])
 
 
 @triton.jit
@@ -814,148 +738,17 @@ def triton_noise_step(u, x, norm, inv_x, z, lr, released):
         **({} if INTERPRET else {"num_warps": 4 if d <= 1024 else 8}))
 
 
-# --------------------------------------------------------------------------- variants
+# --------------------------------------------------------------------------- launches
 #: Offsets inside one tile of a row-major R×M buffer are int32: a 256-row tile of M columns.
 MAX_CANDIDATES = 2**31 // 256
 
-#: The similarity tile's width is fixed (the partials are laid out by column tile). The
-#: interpreter's launches are smaller (the tests' small shapes then cross several tiles);
-#: tests/test_triton.py's ``gpu_tiles`` runs the GPU's ``GPU_*`` sizes in the interpreter too.
-GPU_SIM_BLOCK_M = 128
-SIM_BLOCK_M = 16 if INTERPRET else GPU_SIM_BLOCK_M
-
-#: Autotune lists (BLOCK_R, BLOCK_D, num_warps, num_stages) with BLOCK_M = 128, by input kind
-#: and mask, chosen from ``SIM_CANDIDATES`` by ``python -m fastcl.kernels.compile_check
-#: --sim-candidates``: each config compiles without register spills, for every flag set and
-#: dtype on sm_80 and sm_90, as a large-batch launch specializes it (16-byte aligned buffers,
-#: sizes that are multiples of 16: the 16-bit K loop is pipelined through asynchronous
-#: copies), in the mode its objective stores. The masked DCLR tile holds a second
-#: accumulator; exact fp32 products (no tensor cores) need thinner K steps. Dropped, with
-#: ptxas's spill bytes: 256×128×64 (hundreds to thousands of bytes for nearly every flag set);
-#: with the mask, the 128-row tiles on sm_80 (focal 56–192 B, the released DCLR 80 B) and,
-#: for focal with the mask, on sm_90 (152–184 B); in fp32 on sm_90, 32×128×16 (8–40 B) and
-#: with the mask 64×128×32 (40–64 B).
-SIM_CONFIGS = {
-    ("16bit", False): [(128, 64, 8, 3), (128, 32, 8, 4), (64, 64, 8, 3)],
-    ("16bit", True): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    ("fp32", False): [(64, 32, 8, 3), (32, 32, 8, 3)],
-    ("fp32", True): [(64, 16, 8, 3), (32, 16, 8, 3)],
-}
-#: Where a target takes another list: sm_90 has the registers for the 128-row masked tile.
-SIM_CONFIGS_BY_ARCH = {90: {("16bit", True): [(128, 64, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3)]}}
-#: Where one flag set (a name in VARIANTS) needs its own list on one target, by (arch, input
-#: kind, variant): focal with the mask spills in the 128-row 16-bit tile on sm_90.
-SIM_CONFIGS_BY_VARIANT = {
-    (90, "16bit", "focal-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    # the bounded design's focal tile holds s beside E: 128×128×64 spills 8 B (focal-hard)
-    # and, with the mask, 316 B (48 B in the two-pass mode)
-    (90, "16bit", "focal-hard"): [(128, 32, 8, 4), (64, 64, 8, 3)],
-    (90, "16bit", "focal-hard-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    # fp32 on sm_90 (exact products, no tensor cores): focal 32×128×32 spills 40 B in the
-    # two-pass mode, focal-hard 64×128×32 24 B in the bounded one, focal-hard-mask 64×128×16
-    # 48–232 B in both
-    (90, "fp32", "focal"): [(64, 32, 8, 3)],
-    (90, "fp32", "focal-hard"): [(32, 32, 8, 3)],
-    (90, "fp32", "focal-hard-mask"): [(32, 16, 8, 3)],
-    # the layout's rules hold their masks beside the tile: on sm_90 128×128×32 spills in 16
-    # bits (rules); with focal or the guide every 128-row 16-bit tile spills on both targets
-    # (24–772 B), and in fp32 on sm_80 focal with the guide spills at 32×128×16 (16 B)
-    (90, "16bit", "rules"): [(128, 64, 8, 3), (64, 64, 8, 3)],
-    (80, "16bit", "focal-rules"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (90, "16bit", "focal-rules"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (90, "16bit", "rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (90, "16bit", "focal-rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (80, "fp32", "focal-rules-guide"): [(64, 16, 8, 3)],
-}
-
-#: What the compile check tries for the default design's lists, (BLOCK_R, BLOCK_D, num_warps,
-#: num_stages) with BLOCK_M = 128 (``--sim-candidates`` reports each one for the aligned launch).
-SIM_CANDIDATES = {
-    "16bit": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (256, 64, 8, 3), (64, 64, 8, 3),
-              (64, 32, 8, 3), (64, 16, 8, 4), (32, 64, 8, 3)],
-    "fp32": [(64, 32, 8, 3), (64, 16, 8, 3), (32, 32, 8, 3), (32, 16, 8, 3)],
-}
-
-#: ``FASTCL_SIM=descriptor``: what the compile check tries, (BLOCK_R, BLOCK_D, num_warps,
-#: num_stages, GROUP_R) with BLOCK_M = 128 (``--sim-candidates`` reports each one). The
-#: column tile stays 128 wide (the partials are laid out by it), so the 128×256 tile is tried
-#: as 256 rows × 128 columns.
-DESC_CANDIDATES = {
-    "16bit": [(128, 64, 8, 3, 8), (128, 64, 8, 4, 8), (256, 64, 8, 3, 8), (128, 32, 8, 4, 8),
-              (64, 64, 8, 3, 8), (64, 64, 8, 4, 8), (64, 32, 8, 3, 8)],
-    "fp32": [(64, 32, 8, 3, 8), (64, 16, 8, 3, 8), (32, 32, 8, 3, 8), (32, 16, 8, 3, 8),
-             (128, 16, 8, 3, 8)],
-}
-#: Its kept lists, by (arch, input kind, mask): the candidates that compile without spills for
-#: the flag sets that hold the most registers (focal-hard, focal-hard-mask, released DCLR
-#: with the mask), checked for every flag set by the compile check. Dropped, with ptxas's
-#: spill bytes (stores + loads): on sm_90 in 16 bits, 256×128×64 (200 B for InfoNCE, 2236 B
-#: focal-hard, 4248 B focal-hard-mask) and, with the mask, the 128-row tiles (released DCLR
-#: 64–88 B; 255 registers without spills for focal-hard-mask); on sm_80 in 16 bits every
-#: 128-row tile (InfoNCE 716 B at 128×128×64, 756 B at ×32) and 64×128×64 with the mask
-#: (392–416 B); in fp32 (exact products, no tensor cores) 64×128×32 (16–64 B on sm_80,
-#: 856–2420 B on sm_90), 128×128×16 (256–4092 B), and with the mask 32×128×32 (24–48 B) and
-#: on sm_90 64×128×16 (8 B focal-hard-mask).
-DESC_SIM_CONFIGS = {
-    (90, "16bit", False): [(128, 64, 8, 3, 8), (128, 64, 8, 4, 8), (64, 64, 8, 3, 8)],
-    (90, "16bit", True): [(64, 64, 8, 3, 8), (64, 32, 8, 3, 8)],
-    (90, "fp32", False): [(64, 16, 8, 3, 8), (32, 32, 8, 3, 8)],
-    (90, "fp32", True): [(32, 16, 8, 3, 8)],
-    (80, "16bit", False): [(64, 32, 8, 3, 8)],
-    (80, "16bit", True): [(64, 32, 8, 3, 8)],
-    (80, "fp32", False): [(32, 32, 8, 3, 8), (32, 16, 8, 3, 8)],
-    (80, "fp32", True): [(32, 16, 8, 3, 8)],
-}
-#: Where one flag set needs its own descriptor list: focal's bounded tile spills 32 B at
-#: 128×128×64 on sm_90 (focal, focal-hard), and so on as noted.
-DESC_SIM_CONFIGS_BY_VARIANT = {
-    (90, "16bit", "focal"): [(64, 64, 8, 3, 8)],
-    (90, "16bit", "focal-hard"): [(64, 64, 8, 3, 8)],
-    # fp32 DCLR mask: 32×128×16 spills 16 B in the two-pass mode
-    (90, "fp32", "dclr-mask"): [(32, 32, 8, 3, 8)],
-    # focal with the layout's rules: 128×128×64 spills 552 B
-    (90, "16bit", "focal-rules"): [(64, 64, 8, 3, 8)],
-}
-
-SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
-DESC_FIXED = {**SIM_FIXED, "GROUP_R": 2}                  # groups shorter than the row blocks
-GPU_ROW_BLOCK = {"BLOCK_N": 2048, "BLOCK_T": 256, "num_warps": 8}
-GPU_FINISH_BLOCK = {"BLOCK_R": 32, "BLOCK_T": 128, "num_warps": 4}
-ROW_BLOCK = {"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET else GPU_ROW_BLOCK
-FINISH_BLOCK = {"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET else GPU_FINISH_BLOCK
 #: The widest ``B − lowest row maximum`` the bounded design takes (exp(−80) ≈ 1.8e-35: a
 #: float32 normal number, with room for the slope and column factors).
 BOUND_SPREAD = 80.0
 
-#: Every flag set an objective launches, by name (the compile test builds each one).
-_OFF = dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True, RULES=False,
-            GUIDE=False)
-VARIANTS = {
-    "infonce": dict(_OFF),
-    "infonce-hard": dict(_OFF, HARD=True),
-    "focal": dict(_OFF, FOCAL=True),
-    "dclr-mask": dict(_OFF, MASK=True),
-    # fastcl.contrastive's combinations (noise columns and the symmetric reverse add no flag)
-    "focal-hard": dict(_OFF, FOCAL=True, HARD=True),
-    "focal-mask": dict(_OFF, FOCAL=True, MASK=True),
-    "hard-mask": dict(_OFF, HARD=True, MASK=True),
-    "focal-hard-mask": dict(_OFF, FOCAL=True, HARD=True, MASK=True),
-    "dclr-released": dict(_OFF, RELEASED=True),
-    "dclr-released-mask": dict(_OFF, RELEASED=True, MASK=True),
-    "noise": dict(_OFF, POSITIVES=False),
-    # fastcl.layout's rules (MNRL's directions and hardness, duplicate ids), and GIST's
-    # guide, on InfoNCE and focal
-    "rules": dict(_OFF, RULES=True),
-    "rules-guide": dict(_OFF, RULES=True, GUIDE=True),
-    "focal-rules": dict(_OFF, FOCAL=True, RULES=True),
-    "focal-rules-guide": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True),
-}
-#: The constexpr flags that make a variant.
-FLAGS = tuple(_OFF)
-
 
 def flags(ep) -> dict:
-    """The kernels' constexpr flags for an epilogue (one of ``VARIANTS``)."""
+    """The kernels' flags for an epilogue (one of ``configs.VARIANTS``)."""
     return dict(FOCAL=ep.focal_m is not None, HARD=bool(ep.hard_negative_weight),
                 MASK=ep.complementary is not None, RELEASED=ep.formulation == "released",
                 POSITIVES=ep.positives, RULES=ep.sided, GUIDE=ep.guide is not None)
@@ -967,12 +760,6 @@ def row_flags(f: dict) -> dict:
     return {k: v for k, v in f.items() if k != "GUIDE"}
 
 
-def variant_name(f: dict) -> str | None:
-    """The name in ``VARIANTS`` of these flags (None for a flag set no objective launches)."""
-    f = {k: bool(f[k]) for k in FLAGS}
-    return next((name for name, v in VARIANTS.items() if v == f), None)
-
-
 def stores_exp(f: dict) -> bool:
     """Whether the gradient needs only the softmax: then the chunk buffer holds
     exp(l − tile max) in the GEMM dtype; focal needs s for its slope and the released DCLR
@@ -980,21 +767,30 @@ def stores_exp(f: dict) -> bool:
     return not (f["FOCAL"] or f["RELEASED"])
 
 
-def sim_configs(f: dict, dtype, arch: int = 90, design: str = "") -> list[tuple]:
-    """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
-    its name) and compute capability (90 for sm_90; an sm_80-class GPU uses 80). The
-    ``descriptor`` design (``FASTCL_SIM``) has its own lists, 5-tuples ending in GROUP_R."""
-    # the guide's cosines take the tile the complementary model's take
-    key = ("fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit",
-           bool(f["MASK"] or f.get("GUIDE")))
-    arch = 80 if arch < 90 else 90
-    if design == "descriptor":
-        own = DESC_SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
-        return own or DESC_SIM_CONFIGS[(arch,) + key]
-    own = SIM_CONFIGS_BY_VARIANT.get((arch, key[0], variant_name(f)))
-    if own:
-        return own
-    return SIM_CONFIGS_BY_ARCH.get(arch, {}).get(key, SIM_CONFIGS[key])
+def pack_flags(**on) -> int:
+    """The kernels' constexpr ``FLAGS`` from flags by name (``FOCAL=True``, …,
+    ``STORE_EXP``, ``BOUNDED``, ``WANT_GRAD``)."""
+    return sum(_BITS[name].value for name, value in on.items() if value)
+
+
+def kernel_constexprs(kernel, constexprs: dict) -> dict:
+    """``kernel``'s constexpr arguments from flags by name and the other constexprs (block
+    sizes): the flags packed into ``FLAGS`` where the kernel takes them so."""
+    if "FLAGS" not in kernel.arg_names:
+        return dict(constexprs)
+    named = {k: v for k, v in constexprs.items() if k in _BITS}
+    return {**{k: v for k, v in constexprs.items() if k not in _BITS},
+            "FLAGS": pack_flags(**named)}
+
+
+def pack_rules(vis0=0, vis1=0, exclude_own=False, neg_grouped=False, has_ids=False,
+               hard_mode=0, paired=False, joint=False) -> int:
+    """The kernels' ``rules`` integer (see ``EXCLUDE_OWN`` …): each side's visible blocks
+    as bits, the rules' bits, MNRL's hardness mode."""
+    return (vis0 | vis1 << VIS_BITS.value | EXCLUDE_OWN.value * bool(exclude_own)
+            | NEG_GROUPED.value * bool(neg_grouped) | HAS_IDS.value * bool(has_ids)
+            | PAIRED.value * bool(paired) | JOINT.value * bool(joint)
+            | hard_mode << HARD_SHIFT.value)
 
 
 def _device_index(device) -> int:
@@ -1007,111 +803,25 @@ def _arch(device_index: int) -> int:
     return 10 * major + minor
 
 
-_TUNED = {}
-_AUTOTUNE_KEY = ["M", "D", "DC", "FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES",
-                 "GUIDE", "STORE_EXP", "BOUNDED"]
+@functools.lru_cache(maxsize=None)
+def _autotuned(kept: tuple):
+    """The similarity kernel autotuned over ``kept`` (one autotuner a list: the flags are in
+    its key, so each objective gets its own choice)."""
+    return triton.autotune(
+        configs=[triton.Config({"BLOCK_R": r, "BLOCK_D": d}, num_warps=w, num_stages=s)
+                 for r, d, w, s in kept],
+        key=["M", "D", "DC", "FLAGS"])(_similarity_kernel)
 
 
-def _similarity(f: dict, dtype: torch.dtype, device, design: str = ""):
-    """The similarity kernel for these flags and its key in ``_TUNED``: autotuned on GPU (the
-    flags are in the autotune key, so each objective gets its own choice), the bare kernel
-    (key None) under the interpreter."""
+def _similarity(f: dict, dtype: torch.dtype, device):
+    """The similarity kernel for these flags: autotuned on a GPU over its list
+    (``configs.sim_configs``), the bare kernel under the interpreter."""
     if INTERPRET:
-        return _similarity_kernel, None
-    configs = sim_configs(f, dtype, _arch(_device_index(device)), design)
-    if autotune_pinned():
-        configs = configs[:1]
-    key = (design, tuple(configs))         # one autotuner per design and config list
-    if key not in _TUNED:
-        _TUNED[key] = triton.autotune(
-            configs=[triton.Config({"BLOCK_R": c[0], "BLOCK_D": c[1],
-                                    **({"GROUP_R": c[4]} if len(c) > 4 else {})},
-                                   num_warps=c[2], num_stages=c[3])
-                     for c in configs],
-            key=_AUTOTUNE_KEY)(_similarity_kernel)
-    return _TUNED[key], key
+        return _similarity_kernel
+    kept = configs.sim_configs(f, dtype, _arch(_device_index(device)))
+    return _autotuned(tuple(kept[:1] if configs.autotune_pinned() else kept))
 
 
-def descriptor_supported() -> bool:
-    """Whether this Triton builds tensor descriptors inside a kernel (the descriptor design)."""
-    return _make_descriptor is not None
-
-
-def descriptor_ready(*tensors) -> bool:
-    """Whether these 2-D inputs meet what a tensor descriptor (TMA) needs: unit column
-    stride, 16-byte aligned base and row stride. Else ``FASTCL_SIM=descriptor`` takes the
-    default path for the call (a narrow fp32 width such as d = 130, a strided view)."""
-    for x in tensors:
-        size = x.element_size()
-        if (x.shape[1] > 1 and x.stride(1) != 1) or x.data_ptr() % 16 or (x.stride(0) * size) % 16:
-            return False
-    return True
-
-
-def _allocate_descriptors(device) -> None:
-    """Kernels that build tensor descriptors need Triton's launch-time allocator (a scratch
-    buffer for the TMA descriptors on sm_90); set one (a torch buffer) unless the caller has.
-    A context variable: checked at every launch (autograd may launch from its own thread)."""
-    try:
-        from triton.runtime import _allocation
-        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            return
-    except (ImportError, AttributeError):
-        pass
-    triton.set_allocator(lambda size, alignment, stream:
-                         torch.empty(size, dtype=torch.int8, device=device))
-
-
-def chosen_configs() -> dict:
-    """What autotuning picked so far in this process: {config list: {key: config}}."""
-    return {_tuner_name(key): {str(k): str(v) for k, v in tuner.cache.items()}
-            for key, tuner in _TUNED.items()}
-
-
-def _tuner_name(key) -> str:
-    """``_similarity_kernel[design]`` and its config list, for reports."""
-    design, configs = key
-    return f"_similarity_kernel[{design or 'default'}]{list(configs)}"
-
-
-#: Every config's time when autotuning tuned a key in this process, by (autotuner, key):
-#: Triton's autotuner keeps only its last tuning's.
-_TIMINGS = {}
-
-
-def _note_timings(tuner, tuned, tuned_before: int) -> None:
-    """After a launch through ``tuner`` (``_TUNED[tuned]``): if it tuned a new key, keep the
-    median time (ms) of every config it measured (nothing when there was one config to try)."""
-    if len(tuner.cache) <= tuned_before:
-        return
-    key = next(reversed(tuner.cache))
-    timings = getattr(tuner, "configs_timings", None) or {}
-    if tuner.cache[key] not in timings:
-        return
-    _TIMINGS[(tuned, key)] = {
-        str(config): float(t[0] if isinstance(t, (list, tuple)) else t)
-        for config, t in timings.items()}
-
-
-def autotune_timings() -> dict:
-    """What autotuning measured so far in this process: {design and config list: {key:
-    {config: ms}}}."""
-    out = {}
-    for (tuned, key), times in _TIMINGS.items():
-        # the key by name (its argument dtypes after these left out)
-        name = (", ".join(f"{n}={v}" for n, v in zip(_AUTOTUNE_KEY, key))
-                if isinstance(key, tuple) else str(key))
-        out.setdefault(_tuner_name(tuned), {})[name] = times
-    return out
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get exact fp32 products (TF32 would move cosines by ~1e-3, logits by ~0.02);
-    # 16-bit inputs use the tensor cores whatever this says.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-# --------------------------------------------------------------------------- engine
 def logit_bound(ep, dtype: torch.dtype) -> float | None:
     """The bound B ≥ every logit of a row, where the bounded design applies; else None.
 
@@ -1143,27 +853,25 @@ _HARD_MODES = {"in_batch_negatives": 1, "hard_negatives": 2, "all_negatives": 3}
 
 def _rules(ep, c):
     """The kernels' arguments for :mod:`fastcl.layout`'s rules on chunk ``c``: the integers
-    (rows a side, each side's visible blocks as bits, the column blocks' sizes,
-    ``rule_bits``, the hardness mode, whether the rows are paired and share one softmax),
+    (rows a side, the anchors block's first group, the column blocks' sizes and ``rules``),
     MNRL's β, and the tensors (the ids of the columns and of the chunk's rows; the guide's
     rows and columns in the GEMM dtype, and the rows' thresholds). Without rules: one side
     of R rows, zeros, and stand-ins never read."""
     if not ep.sided:
-        return (dict(R_half=c.q.shape[0], anchor_base=0, n_neg=0, n_noise=0, vis0=0, vis1=0,
-                     rule_bits=0, hard_mode=0, paired=0, joint=0), 0.0, c.inv_k, c.inv_k, None)
+        return (dict(R_half=c.q.shape[0], anchor_base=0, n_neg=0, n_noise=0, rules=0), 0.0,
+                c.inv_k, c.inv_k, None)
     r = c.r1 - c.r0
     n_pos, n_neg, n_noise, n_anchor = ep.blocks or (c.n_pos, c.keys.shape[0] - c.n_pos, 0, 0)
     lay = ep.layout or PLAIN
     mode, beta = ep.hardness or (None, 0.0)
     ints = dict(
         R_half=r, anchor_base=c.first_pos if n_anchor == n_pos else c.r0, n_neg=n_neg,
-        n_noise=n_noise, vis0=sum(1 << b for b in visible_blocks(lay, 0)),
-        vis1=sum(1 << b for b in visible_blocks(lay, 1)),
-        rule_bits=(EXCLUDE_OWN.value * lay.exclude_own
-                   + NEG_GROUPED.value * (n_neg > 0 and n_neg % n_pos == 0)
-                   + HAS_IDS.value * (ep.ids is not None)),
-        hard_mode=_HARD_MODES[mode] if mode is not None and beta else 0,
-        paired=int(ep.paired), joint=int(lay.joint))
+        n_noise=n_noise, rules=pack_rules(
+            vis0=sum(1 << b for b in visible_blocks(lay, 0)),
+            vis1=sum(1 << b for b in visible_blocks(lay, 1)), exclude_own=lay.exclude_own,
+            neg_grouped=n_neg > 0 and n_neg % n_pos == 0, has_ids=ep.ids is not None,
+            hard_mode=_HARD_MODES[mode] if mode is not None and beta else 0,
+            paired=ep.paired, joint=lay.joint))
     if ep.ids is not None:
         col_ids, row_ids = ep.ids[0], ep.ids[1][c.r0:c.r1].contiguous()
     else:
@@ -1188,7 +896,6 @@ def _launch_similarity(ep, c, f, rules, store_exp, bound=None):
                          "(32-bit offsets inside a tile); use backend='tiled'")
     dev = c.q.device
     ints, beta, col_ids, row_ids, guide = rules
-    ints = {k: v for k, v in ints.items() if k not in ("paired", "joint")}   # the row kernel's
     theta = c.inv_q                        # read with GUIDE only
     if f["MASK"]:
         cq, ck = c.comp_q, c.comp_k
@@ -1198,49 +905,26 @@ def _launch_similarity(ep, c, f, rules, store_exp, bound=None):
         dc = cq.shape[1]
     else:
         cq, ck, dc = c.q, c.keys, 0        # never read
-    t_dtype = c.q.dtype if store_exp else torch.float32
-    design = sim_design()
-    if design and not descriptor_supported():
-        raise RuntimeError(f"FASTCL_SIM=descriptor needs tl.make_tensor_descriptor, which "
-                           f"Triton {triton.__version__} lacks; unset FASTCL_SIM")
-    if design and not descriptor_ready(c.q, c.keys, cq, ck):
-        design = ""
-    if design:                             # descriptor
-        # rows padded to 16 bytes (≤ 7 columns) for the descriptor of the stored tile
-        per = 16 // (torch.finfo(t_dtype).bits // 8)
-        t = torch.empty(R, triton.cdiv(M, per) * per, dtype=t_dtype, device=dev)[:, :M]
-        if not INTERPRET:
-            _allocate_descriptors(dev)
-    else:
-        t = torch.empty(R, M, dtype=t_dtype, device=dev)
-    tiles = triton.cdiv(M, SIM_BLOCK_M)
+    t = torch.empty(R, M, dtype=c.q.dtype if store_exp else torch.float32, device=dev)
+    tiles = triton.cdiv(M, configs.SIM_BLOCK_M)
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     # the bounded design needs no maxima (the pointer stands in, never written)
     part_max = part_sum if bound is not None else torch.empty_like(part_sum)
-    pos = torch.empty(R, dtype=torch.float32, device=dev)   # every row's positive is written
-    pos_sg = torch.empty(R, dtype=torch.float32, device=dev) if bound is not None else pos
-    if design:                             # 1-D, in groups of GROUP_R row blocks
-        grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]) * tiles,)
-        extra = dict(DESC=True, **(DESC_FIXED if INTERPRET else {}))
-    else:
-        grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)
-        extra = dict(DESC=False, GROUP_R=1, **(SIM_FIXED if INTERPRET else {}))
-    kernel, tuned = _similarity(f, c.q.dtype, c.q.device, design)
-    tuned_before = None if tuned is None else len(kernel.cache)
-    kernel[grid](
-        c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos, c.ginv_k, pos_sg,
+    # every row's positive logit is written; bounded, its coefficient after it
+    pos = torch.empty(2 if bound is not None else 1, R, dtype=torch.float32, device=dev)
+    kernel = _similarity(f, c.q.dtype, c.q.device)
+    kernel[lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)](
+        c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos, c.ginv_k,
         theta, col_ids, row_ids,
-        R, M, d, dc, c.first_pos, c.n_pos, ck.shape[0] if dc else 0, **ints,
+        R, M, d, dc, ck.shape[0] if dc else 0, c.first_pos, c.n_pos, **ints,
         stride_q=c.q.stride(0), stride_k=c.keys.stride(0), stride_cq=cq.stride(0),
-        stride_ck=ck.stride(0), stride_t=t.stride(0), stride_part=tiles,
+        stride_ck=ck.stride(0),
         inv_t=1.0 / ep.temperature, focal_m=float(ep.focal_m or 0.0),
         hard_w=float(ep.hard_negative_weight), phi=float(ep.phi or 0.0), bound=float(bound or 0.0),
         hard_beta=beta,
-        PREC=_precision(c.q.dtype), STORE_EXP=store_exp, BOUNDED=bound is not None,
-        BLOCK_M=SIM_BLOCK_M, **f, **extra)
-    if tuned is not None:
-        _note_timings(kernel, tuned, tuned_before)
-    return t, part_max, part_sum, pos, pos_sg
+        FLAGS=pack_flags(**f, STORE_EXP=store_exp, BOUNDED=bound is not None),
+        BLOCK_M=configs.SIM_BLOCK_M, **(configs.SIM_FIXED if INTERPRET else {}))
+    return t, part_max, part_sum, pos[0], pos[-1]
 
 
 def triton_chunk(ep, c, want_grad):
@@ -1257,9 +941,10 @@ def triton_chunk(ep, c, want_grad):
         t, _, part_sum, pos, pos_coef = _launch_similarity(ep, c, f, rules, True, bound)
         R = t.shape[0]
         inv_z = torch.empty(R, dtype=torch.float32, device=t.device)
-        _row_finish_kernel[(triton.cdiv(R, FINISH_BLOCK["BLOCK_R"]),)](
+        finish = configs.FINISH_BLOCK
+        _row_finish_kernel[(triton.cdiv(R, finish["BLOCK_R"]),)](
             part_sum, pos, pos_coef, c.loss_out, inv_z, R, part_sum.shape[1],
-            part_sum.stride(0), bound, POSITIVES=f["POSITIVES"], **FINISH_BLOCK)
+            part_sum.stride(0), bound, POSITIVES=f["POSITIVES"], **finish)
         if not want_grad:
             return None
         return t, inv_z, pos_coef if f["POSITIVES"] else None
@@ -1271,13 +956,11 @@ def triton_chunk(ep, c, want_grad):
     g = t if store_exp else (torch.empty(R, M, dtype=c.q.dtype, device=t.device)
                              if want_grad else t)
     _row_kernel[(R,)](
-        t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out,
-        M, part_max.shape[1], c.first_pos, c.n_pos, t.stride(0), g.stride(0), part_max.stride(0),
-        **ints,
+        t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out, M, c.first_pos, c.n_pos, **ints,
         inv_t=1.0 / ep.temperature, focal_m=float(ep.focal_m or 0.0),
         hard_w=float(ep.hard_negative_weight), hard_beta=beta,
-        STORE_EXP=store_exp, WANT_GRAD=want_grad, TILE_M=SIM_BLOCK_M, **row_flags(f),
-        **ROW_BLOCK)
+        FLAGS=pack_flags(**row_flags(f), STORE_EXP=store_exp, WANT_GRAD=want_grad),
+        TILE_M=configs.SIM_BLOCK_M, **configs.ROW_BLOCK)
     return g if want_grad else None
 
 

@@ -135,34 +135,14 @@ def inputs(n, k, d, dtype, noise=0.7):
 
 
 def _spy_similarity(monkeypatch, record):
-    """Calls ``record(gemm_dtype, design)`` at each similarity launch."""
+    """Calls ``record(gemm_dtype)`` at each similarity launch."""
     from fastcl.kernels import contrastive as kc
     original = kc._similarity
 
-    def spy(f, dtype, device, design=""):
-        record(dtype, design)
-        return original(f, dtype, device, design)
+    def spy(f, dtype, device):
+        record(dtype)
+        return original(f, dtype, device)
     monkeypatch.setattr(kc, "_similarity", spy)
-
-
-class _Taken(list):
-    """The design each similarity launch took; ``design``: the one switched on."""
-    design = ""
-
-
-@pytest.fixture
-def descriptor(monkeypatch):
-    """Switch the descriptor design on (FASTCL_SIM=descriptor); yields the design each
-    similarity launch took. Skipped on a Triton without tensor descriptors."""
-    from fastcl.kernels import contrastive as kc
-    if not kc.descriptor_supported():
-        import triton
-        pytest.skip(f"Triton {triton.__version__} has no tl.make_tensor_descriptor")
-    monkeypatch.setenv("FASTCL_SIM", "descriptor")
-    taken = _Taken()
-    taken.design = "descriptor"
-    _spy_similarity(monkeypatch, lambda dtype, design: taken.append(design))
-    yield taken
 
 
 @pytest.fixture
@@ -187,7 +167,7 @@ def gpu_buffers(monkeypatch):
         pytest.skip("a GPU keeps 16-bit buffers itself (the GPU tests)")
     monkeypatch.setattr(fastcl.tiled.driver, "matmul_dtype", lambda dtype, device: dtype)
     seen = []
-    _spy_similarity(monkeypatch, lambda dtype, design: seen.append(dtype))
+    _spy_similarity(monkeypatch, seen.append)
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lower layers never import higher ones. Within a layer, imports are allowed (no cycles).
 LAYERS = [
-    ("fastcl.common", "fastcl.citations", "fastcl._switches", "fastcl._validation",
+    ("fastcl.common", "fastcl.citations", "fastcl._validation",
      "fastcl.files", "fastcl.layout", "fastcl.spec"),                        # leaves
     ("fastcl.kernels", "fastcl.reference"),                                  # kernels; the oracle
     ("fastcl.tiled",),                                                       # the tiled driver
@@ -83,11 +83,11 @@ def test_the_reference_is_a_leaf_only_functional_uses():
 
 
 def test_kernels_know_nothing_of_the_rest():
-    # the switches, and the leaves every path shares: the numerics (EPS: where a norm counts
-    # as clamped) and the layout's rules
+    # the leaves every path shares: the numerics (EPS: where a norm counts as clamped) and
+    # the layout's rules
     for name, deps in MODULES.items():
         if name.startswith("fastcl.kernels"):
-            assert deps <= {"fastcl._switches", "fastcl.common", "fastcl.layout",
+            assert deps <= {"fastcl.common", "fastcl.layout", "fastcl.kernels.configs",
                             "fastcl.kernels.contrastive"}, (name, deps)
 
 

@@ -9,14 +9,12 @@ also odd, unaligned ones), and reads ptxas's report; these tests run it in a sep
 (the kernels must be the jitted ones, and this process may have ``TRITON_INTERPRET=1``) and
 fail on any compile error, or on a register spill in the aligned launch. The default run
 covers every kernel, flag set and mode in use in the first config of its list, and each
-config of each list at least once (bf16 on sm_90, fp32 on sm_80), and on covering subsets (``compile_check.pairwise``) the similarity kernel's candidate design
-(``FASTCL_SIM=descriptor``: each flag set on each target, each config of its lists there)
-and the default design's unaligned launches (every kernel, flag set and mode; each flag set
-on each target). The other dtypes on both targets compile the same way in the default
-design, the first config of each list (``--rest --first-config --pairwise --default-design``).
-The ``slow`` test (``pytest -m slow``) compiles what those leave out: every config and
-mode of every dtype on both targets with every flag set, of the unaligned launches, and of
-the descriptor design (its odd sizes too).
+config of each list at least once (bf16 on sm_80 and sm_90, fp32 on sm_80), and on a
+covering subset (``compile_check.pairwise``) the unaligned launches (every kernel, flag set
+and mode; each flag set on each target). The other dtypes on both targets compile the same
+way, the first config of each list (``--rest --first-config --pairwise``). The ``slow``
+test (``pytest -m slow``) compiles what those leave out: every config and mode of every
+dtype on both targets with every flag set, and of the unaligned launches.
 """
 
 import json
@@ -75,13 +73,14 @@ def test_every_kernel_compiles_without_spills(subset):
 
 
 def test_every_variant_and_kernel_is_covered(subset):
-    from fastcl.kernels.contrastive import VARIANTS
+    from fastcl.kernels.configs import VARIANTS
     _, results = subset
     seen = {(r["spec"]["kernel"], r["spec"]["variant"], r["spec"]["dtype"], r["spec"]["arch"])
             for r in results}
     for kernel in ("_similarity_kernel", "_row_kernel"):
         for variant in VARIANTS:
             assert (kernel, variant, "bfloat16", 90) in seen
+            assert (kernel, variant, "bfloat16", 80) in seen
             assert (kernel, variant, "float32", 80) in seen
     for width in (384, 768, 1536, 4096):
         assert ("_tangent_kernel", f"d={width}", "bfloat16", 90) in seen
@@ -98,41 +97,14 @@ def test_every_variant_and_kernel_is_covered(subset):
     for kernel in ("_similarity_kernel", "_row_kernel"):
         assert {(kernel, v) for v in VARIANTS} <= unaligned, kernel
     assert ("_tangent_kernel", "d=768") in unaligned
-    from fastcl.kernels.compile_check import descriptor_supported
-    if not descriptor_supported():
-        return
-    # the descriptor design, aligned: every flag set on each target, each config of its lists
-    # there (the product, and its odd sizes: the slow test)
-    _assert_descriptor_lists(results, every_pair=False)
-
-
-def _assert_descriptor_lists(results, every_pair):
-    """The descriptor design's aligned launches: each config of each flag set's list on bf16
-    sm_90 and fp32 sm_80 (``every_pair``), or every flag set and each config of its lists on
-    each of them."""
-    from fastcl.kernels.contrastive import VARIANTS, sim_configs
-    desc = {(r["spec"]["variant"], r["spec"]["dtype"], r["spec"]["arch"],
-             tuple(r["spec"]["constexprs"][k] for k in ("BLOCK_R", "BLOCK_D"))
-             + (r["spec"]["num_warps"], r["spec"]["num_stages"], r["spec"]["constexprs"]["GROUP_R"]))
-            for r in results if r["spec"]["constexprs"].get("DESC") and r["spec"]["launch"] == "aligned"}
-    for variant, f in VARIANTS.items():
-        for arch, dtype in ((90, "bfloat16"), (80, "float32")):
-            assert any(d[:3] == (variant, dtype, arch) for d in desc), (variant, dtype, arch)
-            for config in sim_configs(f, dtype, arch, design="descriptor"):
-                if every_pair:
-                    assert (variant, dtype, arch, tuple(config)) in desc, (variant, dtype, arch, config)
-                else:
-                    assert any(d[1:] == (dtype, arch, tuple(config)) for d in desc), (dtype, arch, config)
 
 
 def test_the_aligned_launch_pipelines_the_k_loop(subset):
     """What the compile check measures is the kernel a large-batch launch builds: its K loop
-    loads through asynchronous copies (cp.async, TMA), several stages deep in shared memory."""
+    loads through asynchronous copies (cp.async), several stages deep in shared memory."""
     _, results = subset
-    # (the default design's pointer loads: the descriptor design's TMA copies are
-    # asynchronous whether or not their loop is pipelined)
     sims = [r for r in results if r["spec"]["kernel"] == "_similarity_kernel"
-            and r["spec"]["launch"] == "aligned" and not r["spec"]["constexprs"]["DESC"]]
+            and r["spec"]["launch"] == "aligned"]
     assert sims
     for r in sims:
         c = r["spec"]["constexprs"]
@@ -145,11 +117,11 @@ _SPECIALIZE = """
 import json
 from dataclasses import replace
 from fastcl.kernels import compile_check as cc
+from fastcl.kernels import configs as cfg
 from fastcl.kernels import contrastive as kc
 
 out = {}
-spec = cc._sim_spec(kc, "dclr-mask", kc.VARIANTS["dclr-mask"], "bfloat16", 90, "tf32", True,
-                    (64, 64, 8, 3))
+spec = cc._sim_spec("dclr-mask", cfg.VARIANTS["dclr-mask"], "bfloat16", 90, True, (64, 64, 8, 3))
 fn = kc._similarity_kernel
 for launch in ("aligned", "unaligned"):
     sig, constexprs, attrs = cc._specialize(fn, replace(spec, launch=launch))
@@ -251,42 +223,51 @@ def test_the_marks_reach_the_compiler():
 
 
 def test_kept_lists_come_from_the_candidates():
-    """Every config of the kept lists is one the candidate run reports on."""
-    from fastcl.kernels import contrastive as kc
+    """Every config of the kept lists, an older Triton's too, is one the candidate run
+    reports on; an older Triton takes its own list only where it has one."""
+    from fastcl.kernels import configs as cfg
 
-    for name, f in kc.VARIANTS.items():
+    for name, f in cfg.VARIANTS.items():
         for dtype in ("float32", "bfloat16", "float16"):
             kind = "fp32" if dtype == "float32" else "16bit"
             for arch in (80, 90):
-                assert set(kc.sim_configs(f, dtype, arch)) <= set(kc.SIM_CANDIDATES[kind])
-                desc = kc.sim_configs(f, dtype, arch, design="descriptor")
-                assert desc and set(desc) <= set(kc.DESC_CANDIDATES[kind])
-    assert kc.sim_configs(kc.VARIANTS["infonce"], "bfloat16", 90)[0] == (128, 64, 8, 3)
+                new = cfg.sim_configs(f, dtype, arch, version=cfg.OLDER_TRITON)
+                old = cfg.sim_configs(f, dtype, arch, version=(3, 1))
+                assert new and old and set(new + old) <= set(cfg.SIM_CANDIDATES[kind])
+                assert old == cfg.SIM_CONFIGS_OLDER_TRITON.get((arch, kind, name), new)
+    assert cfg.sim_configs(cfg.VARIANTS["infonce"], "bfloat16", 90)[0] == (128, 64, 8, 3)
+    masked = cfg.VARIANTS["dclr-mask"]
+    assert cfg.sim_configs(masked, "bfloat16", 90, version=(3, 6))[0] == (128, 64, 8, 3)
+    assert cfg.sim_configs(masked, "bfloat16", 90, version=(3, 5))[0] == (64, 64, 8, 3)
 
 
-def test_the_engine_autotunes_over_the_design_list(monkeypatch):
-    """What the GPU engine hands Triton's autotuner: the kept list, or the descriptor
-    design's under FASTCL_SIM=descriptor (the autotuner itself replaced: no GPU here)."""
+def test_the_engine_autotunes_over_the_kept_list(monkeypatch):
+    """What the GPU engine hands Triton's autotuner: the kept list of the installed Triton,
+    or its first config under FASTCL_AUTOTUNE=0 (the autotuner itself replaced: no GPU
+    here)."""
     import torch
+    from fastcl.kernels import configs as cfg
     from fastcl.kernels import contrastive as kc
 
-    handed = []
-
-    def autotune(configs, key):
-        handed.append([(c.kwargs["BLOCK_R"], c.kwargs["BLOCK_D"], c.num_warps, c.num_stages)
-                       + ((c.kwargs["GROUP_R"],) if "GROUP_R" in c.kwargs else ())
-                       for c in configs])
-        return lambda fn: object()
+    def autotune(configs, key):          # the "autotuner": the list it was handed
+        handed = [(c.kwargs["BLOCK_R"], c.kwargs["BLOCK_D"], c.num_warps, c.num_stages)
+                  for c in configs]
+        return lambda fn: (handed, key)
     monkeypatch.setattr(kc, "INTERPRET", False)
     monkeypatch.setattr(kc, "_arch", lambda index: 90)
-    monkeypatch.setattr(kc, "_TUNED", {})
     monkeypatch.setattr(kc.triton, "autotune", autotune)
-    f = kc.VARIANTS["infonce"]
-    cuda = torch.device("cuda", 0)
-    for design in ("", "descriptor"):
-        kc._similarity(f, torch.bfloat16, cuda, design)
-        assert handed[-1] == [tuple(c) for c in kc.sim_configs(f, "bfloat16", 90, design=design)]
-    assert handed[0] != handed[1]
+    kc._autotuned.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        for name in ("infonce", "dclr-mask"):
+            f = cfg.VARIANTS[name]
+            kept = list(cfg.sim_configs(f, "bfloat16", 90))
+            assert kc._similarity(f, torch.bfloat16, cuda) == (kept, ["M", "D", "DC", "FLAGS"])
+            monkeypatch.setenv("FASTCL_AUTOTUNE", "0")
+            assert kc._similarity(f, torch.bfloat16, cuda)[0] == kept[:1]
+            monkeypatch.delenv("FASTCL_AUTOTUNE")
+    finally:
+        kc._autotuned.cache_clear()
 
 
 def test_resources_are_read(subset):
@@ -302,7 +283,7 @@ def test_large_buffers_are_addressed_in_int64(subset):
     _, results = subset
     for r in results:
         kernel, c = r["spec"]["kernel"], r["spec"]["constexprs"]
-        if kernel == "_similarity_kernel":    # (the descriptor design's too: int64 strides)
+        if kernel == "_similarity_kernel":
             need = {"q_ptr", "k_ptr", "t_ptr"} | ({"ck_ptr"} if c["MASK"] else set())
         elif kernel == "_row_kernel":          # without a gradient only the BCE reads the row
             need = ({"t_ptr", "g_ptr"} if c["WANT_GRAD"] else
@@ -335,7 +316,8 @@ def test_candidates_beyond_int32_tiles_are_refused():
 def test_engine_flags_are_known_variants():
     """Every objective launches a flag set the compile check covers."""
     import torch
-    from fastcl.kernels.contrastive import VARIANTS, flags
+    from fastcl.kernels.configs import VARIANTS
+    from fastcl.kernels.contrastive import flags
     from fastcl.layout import gist
     from fastcl.tiled import Epilogue
     c = (torch.ones(2, 3), torch.ones(2, 3))
@@ -356,18 +338,17 @@ def test_engine_flags_are_known_variants():
     assert sorted(map(str, (flags(ep) for ep in eps))) == sorted(map(str, VARIANTS.values()))
 
 
-REST = {("float32", 90), ("bfloat16", 80), ("float16", 80), ("float16", 90)}
+REST = {("float32", 90), ("float16", 80), ("float16", 90)}
 
 
 def test_every_dtype_compiles_on_both_targets(tmp_path):
-    """Every dtype on sm_80 and sm_90 beyond the subset, without spills, in the design fastcl
-    launches (the first config of each list; the slow test has all, and the candidate
-    descriptor design), on a covering subset beside the default run's: each kernel and flag
-    set in float16, the similarity kernel with each flag set in the config lists the subset
-    does not use (16-bit tiles on sm_80, fp32 tiles on sm_90), each kernel on each of these
+    """Every dtype on sm_80 and sm_90 beyond the subset, without spills (the first config
+    of each list; the slow test has all), on a covering subset beside the default run's:
+    each kernel and flag set in float16, the similarity kernel with each flag set in the
+    config list the subset does not use (fp32 tiles on sm_90), each kernel on each of these
     targets, and each mode."""
-    from fastcl.kernels.contrastive import VARIANTS
-    proc, results = _run_check(tmp_path, "--rest", "--first-config", "--pairwise", "--default-design")
+    from fastcl.kernels.configs import VARIANTS
+    proc, results = _run_check(tmp_path, "--rest", "--first-config", "--pairwise")
     assert not _problems(results), "\n".join(_problems(results))
     assert proc.returncode == 0
     specs = [r["spec"] for r in results]
@@ -380,8 +361,6 @@ def test_every_dtype_compiles_on_both_targets(tmp_path):
             assert any(k == kernel and v == variant and d == "float16"
                        for k, v, d, _ in seen), (kernel, variant)
         assert ("_similarity_kernel", variant, "float32", 90) in seen, variant
-        assert any(k == "_similarity_kernel" and v == variant and d != "float32" and a == 80
-                   for k, v, d, a in seen), variant
     for width in (384, 768, 1536, 4096):
         assert any(k == "_tangent_kernel" and v == f"d={width}" and d == "float16"
                    for k, v, d, _ in seen), width
@@ -390,16 +369,15 @@ def test_every_dtype_compiles_on_both_targets(tmp_path):
     for s in sims:
         modes.setdefault(("fp32" if s["dtype"] == "float32" else "16bit", s["arch"]), set()).add(
             (s["constexprs"]["STORE_EXP"], s["constexprs"]["BOUNDED"]))
-    assert modes[("fp32", 90)] == modes[("16bit", 80)] == {(True, True), (True, False), (False, False)}
-    assert not any(s["constexprs"].get("DESC") for s in sims)
+    assert modes[("fp32", 90)] == {(True, True), (True, False), (False, False)}
+    assert modes[("16bit", 80)] == modes[("16bit", 90)] == {(True, False), (False, False)}  # fp16
 
 
 @pytest.mark.slow
 def test_full_matrix_compiles_without_spills(tmp_path):
     """What the default run leaves out: every dtype on sm_80 and sm_90 beyond the subset, every
-    config and mode, both designs; the subset in full (``--exhaustive``): every config of the
-    descriptor design with every flag set and its odd sizes, every config and mode of the
-    unaligned launches."""
+    config and mode; the subset in full (``--exhaustive``): every config with every flag set,
+    every config and mode of the unaligned launches."""
     proc, results = _run_check(tmp_path, "--rest")
     assert not _problems(results), "\n".join(_problems(results))
     assert {(r["spec"]["dtype"], r["spec"]["arch"]) for r in results} >= REST
@@ -408,10 +386,5 @@ def test_full_matrix_compiles_without_spills(tmp_path):
     proc, results = _run_check(tmp_path / "subset", "--exhaustive")
     assert not _problems(results), "\n".join(_problems(results))
     assert proc.returncode == 0
-    from fastcl.kernels.compile_check import descriptor_supported, specializations
+    from fastcl.kernels.compile_check import specializations
     assert len(results) == len(specializations(exhaustive=True))
-    if descriptor_supported():
-        _assert_descriptor_lists(results, every_pair=True)
-        odd = {r["spec"]["variant"] for r in results if r["spec"]["launch"] == "odd"}
-        from fastcl.kernels.contrastive import VARIANTS
-        assert set(VARIANTS) <= odd

@@ -196,22 +196,6 @@ def test_triton_matches_reference_more_shapes_every_combination(combo, shape):
     _more_shapes(combo, shape)
 
 
-#: The combinations the descriptor design takes here (not the mask: see below), and one with it.
-DESCRIPTOR_COMBOS = [c for c in COMBOS if "mask" not in c] + [FEATURES]
-
-
-@needs_triton
-@pytest.mark.parametrize("combo", DESCRIPTOR_COMBOS, ids=["+".join(c) or "plain" for c in DESCRIPTOR_COMBOS])
-def test_triton_descriptor_design(combo, descriptor):
-    """FASTCL_SIM=descriptor (the similarity kernel through tensor descriptors): every
-    combination without the mask at N = 17, d = 24 (96-byte rows) in chunks of 7. The mask's
-    complementary embeddings here are 6 wide (24-byte rows), which a descriptor cannot
-    address: those calls take the default path, which the grid above runs for each of them
-    (one of them here: the fall-back; tests/test_triton.py covers the mask with 8)."""
-    compare(Batch(17, 24, device=TRITON_DEVICE), combo, "triton", TRITON_TOL, chunk_size=7)
-    assert set(descriptor) == ({""} if "mask" in combo else {descriptor.design})
-
-
 @needs_triton
 @pytest.mark.parametrize("chunk", [1, 7])
 def test_triton_chunks_every_feature(chunk):
@@ -417,7 +401,8 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
     """Every flag set the features produce (both directions, the noise update) is one of
     ``VARIANTS``, which the compile check builds for sm_80 and sm_90."""
     from fastcl import tiled
-    from fastcl.kernels.contrastive import VARIANTS, flags
+    from fastcl.kernels.configs import VARIANTS
+    from fastcl.kernels.contrastive import flags
     seen = []
     # the loss calls and the noise update's driver calls
     for module, name in ((tiled, "contrastive_loss"), (tiled.noise, "contrastive_forward")):

@@ -75,134 +75,64 @@ def test_triton_matches_reference(name, shape):
     _compare(name, *shape)
 
 
-# FASTCL_SIM=descriptor (fastcl/_switches.py): the similarity kernel through tensor
-# descriptors in a grouped 1-D grid. Its own shapes add widths a descriptor takes that are not
-# a power of two (fp32 rows of 80 and 144 bytes) and more row blocks than a group (N = 33);
-# d = 130 (rows of 520 bytes) is not 16-byte aligned: the default path, as
-# for the DCLR objectives here, whose complementary embeddings are 6 wide (24-byte rows);
-# test_descriptor_design_mask gives them 8.
-DESC_SHAPES = [(1, 0, 24), (1, 3, 130), (17, 16, 24), (5, 28, 20), (33, 7, 36)]
-
-
-def _aligned(d, dtype=torch.float32):
-    return d * torch.finfo(dtype).bits // 8 % 16 == 0
-
-
-#: The DCLR mask's 6-wide complementary embeddings take the default path: at one shape here
-#: (the fall-back; the grid above runs them at every shape, test_descriptor_design_mask
-#: through descriptors)
-DESC_CASES = [(name, shape) for shape in DESC_SHAPES for name in NAMES
-              if name not in ("dclr-weighted", "dclr-released") or shape == (17, 16, 24)]
-#: The default run's: each objective once, at each shape in turn (``-m slow``: all of them).
-_DESC_FIRST = {name: DESC_SHAPES[i % len(DESC_SHAPES)] for i, name in enumerate(NAMES)}
-DESC_CASES = [pytest.param(name, shape, marks=()
-                           if shape == _DESC_FIRST[name] or name in ("dclr-weighted", "dclr-released")
-                           else pytest.mark.slow, id=f"{name}-N{shape[0]}K{shape[1]}d{shape[2]}")
-              for name, shape in DESC_CASES]
-
-
-@pytest.mark.parametrize("name,shape", DESC_CASES)
-def test_descriptor_design_matches_reference(name, shape, descriptor):
-    _compare(name, *shape)
-    takes = _aligned(shape[2]) and name not in ("dclr-weighted", "dclr-released")
-    assert descriptor and set(descriptor) == {descriptor.design if takes else ""}
-
-
-@pytest.mark.parametrize("formulation", ["paper", "released"])
-@pytest.mark.parametrize("n,k,d", [(1, 3, 24), (17, 5, 24), (40, 9, 20)])
-def test_descriptor_design_mask(n, k, d, formulation, descriptor):
-    """DCLR's mask through descriptors: complementary embeddings 8 wide (32-byte rows) in 4
-    clusters, φ = 0.2 (no pair near it), noise columns; values and gradients."""
-    a = make(n, d, seed=n + d).to(DEVICE)
-    p = correlated(a, 0.7)
-    c = torch.nn.functional.one_hot(torch.arange(n) % 4, 8).double()
-    c = (c + 0.01 * torch.randn(n, 8, generator=torch.Generator().manual_seed(2),
-                                dtype=torch.float64)).float().to(DEVICE)
-    comp = (c, correlated(c, 0.01, seed=3).detach())
-    z = make(k, d, seed=4, grad=False).to(DEVICE)
-    kw = dict(complementary=comp, phi=0.2, noise=z, noise_steps=0, formulation=formulation)
-    ref, ref_g = loss_and_grads(lambda: fastcl.dclr_loss(a, p, backend="reference", **kw), [a, p])
-    got, got_g = loss_and_grads(lambda: fastcl.dclr_loss(a, p, backend="triton", **kw), [a, p])
-    torch.testing.assert_close(got, ref, **FP32)
-    for g, rg in zip(got_g, ref_g):
-        torch.testing.assert_close(g, rg, **FP32)
-    assert set(descriptor) == {descriptor.design}
-
-
-@pytest.mark.parametrize("name", ["infonce", "focal-negatives", "infonce-symmetric", "dclr"])
-def test_descriptor_design_chunks_and_bf16(name, descriptor):
-    _compare(name, 17, 16, 24, chunk=7)
-    _compare(name, 17, 16, 24, dtype=torch.bfloat16, tol=BF16)
-    assert set(descriptor) == {descriptor.design}
-
-
-@pytest.mark.parametrize("name,dtype", [
-    pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}",
-                 marks=() if dtype == DTYPES_16[i % 2] else pytest.mark.slow)
-    for i, name in enumerate(["infonce", "focal-negatives", "infonce-symmetric", "dclr"])
-    for dtype in DTYPES_16])
-def test_descriptor_design_16bit_buffers(name, dtype, descriptor, gpu_buffers):
-    """Descriptors over 16-bit tiles (rows of 48 bytes), the stored tile's rows padded to 16
-    bytes, as a GPU runs them (inputs as test_16bit_buffers_match_reference's)."""
-    _compare(name, 17, 16, 24, dtype=dtype, tol=BF16, chunk=7, noise=POSITIVE_NOISE_16)
-    assert set(descriptor) == {descriptor.design} and set(gpu_buffers) == {dtype}
-
-
-def test_descriptor_design_non_contiguous_inputs(descriptor):
-    base = make(17, 64).to(DEVICE)
-    a, p = base[:, ::2], base.flip(0)[:, 1::2]
-    torch.testing.assert_close(fastcl.infonce(a, p, backend="triton"),
-                               fastcl.infonce(a, p, backend="reference"), **FP32)
-    assert set(descriptor) == {descriptor.design}
-
-
-def test_descriptor_ready_checks_what_a_descriptor_needs():
-    from fastcl.kernels.contrastive import descriptor_ready
-    x = torch.zeros(8, 24)
-    assert descriptor_ready(x, x[2:])                         # 96-byte rows, aligned bases
-    assert not descriptor_ready(torch.zeros(8, 130))          # 520-byte rows
-    assert not descriptor_ready(torch.zeros(8, 48)[:, ::2])   # a strided column
-    assert not descriptor_ready(torch.zeros(8 * 24 + 1)[1:].view(8, 24))  # a base 4 bytes off
-    assert descriptor_ready(torch.zeros(8, 24, dtype=torch.bfloat16))
-    assert not descriptor_ready(torch.zeros(8, 12, dtype=torch.bfloat16))
-
-
-def test_unknown_sim_design_is_refused(monkeypatch):
-    monkeypatch.setenv("FASTCL_SIM", "blockpointers")
-    a = make(4, 8).to(DEVICE)
-    with pytest.raises(ValueError, match="FASTCL_SIM"):
-        fastcl.infonce(a, correlated(a), backend="triton")
-
-
 def test_autotune_timings_keep_every_tuned_key(monkeypatch):
-    """Triton's autotuner keeps only its last tuning's times; fastcl keeps each key's, for
-    bench/ab.py to report every tile it tried."""
+    """Triton's autotuner keeps only its last tuning's times; the benchmark's record
+    (bench/_autotune.py) keeps each key's, for bench/ab.py to report every tile it tried."""
+    import sys
+    from pathlib import Path
     from types import SimpleNamespace
 
-    from fastcl.kernels import contrastive as kc
-    monkeypatch.setattr(kc, "_TIMINGS", {})
-    configs = ((128, 64, 8, 3), (64, 64, 8, 3))
-    tuned = ("", configs)
-    tuner = SimpleNamespace(cache={}, configs_timings=None)
-    tuner.cache["key1"] = "big"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import _autotune
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(_autotune, "_TIMINGS", {})
+    monkeypatch.setattr(_autotune, "_TUNERS", {})
+    name = "_similarity_kernel[(128, 64, 8, 3), (64, 64, 8, 3)]"
+    tuner = SimpleNamespace(cache={}, configs_timings=None, keys=["M"])
+    _autotune._TUNERS[name] = tuner
+    tuner.cache[(1,)] = "big"
     tuner.configs_timings = {"big": [1.0, 0.9, 1.1], "small": [2.0, 1.9, 2.1]}
-    kc._note_timings(tuner, tuned, 0)
-    tuner.cache["key2"] = "small"
+    _autotune.note_timings(tuner, name, 0)
+    tuner.cache[(2,)] = "small"
     tuner.configs_timings = {"big": [3.0, 2.9, 3.1], "small": [2.5, 2.4, 2.6]}
-    kc._note_timings(tuner, tuned, 1)
-    kc._note_timings(tuner, tuned, 2)              # no new key: nothing changes
-    name = f"_similarity_kernel[default]{list(configs)}"
-    assert kc.autotune_timings() == {name: {"key1": {"big": 1.0, "small": 2.0},
-                                            "key2": {"big": 3.0, "small": 2.5}}}
-    tuner.cache["key3"] = "big"                    # one config: nothing was timed for it
+    _autotune.note_timings(tuner, name, 1)
+    _autotune.note_timings(tuner, name, 2)              # no new key: nothing changes
+    assert _autotune.autotune_timings() == {name: {"M=1": {"big": 1.0, "small": 2.0},
+                                                   "M=2": {"big": 3.0, "small": 2.5}}}
+    tuner.cache[(3,)] = "big"                          # one config: nothing was timed for it
     tuner.configs_timings = {"other": [1.0]}
-    kc._note_timings(tuner, tuned, 2)
-    assert set(kc.autotune_timings()[name]) == {"key1", "key2"}
+    _autotune.note_timings(tuner, name, 2)
+    assert set(_autotune.autotune_timings()[name]) == {"M=1", "M=2"}
+    assert _autotune.chosen_configs() == {name: {"(1,)": "big", "(2,)": "small", "(3,)": "big"}}
     # the attribute read is the one Triton's autotuner writes
     import inspect
 
     from triton.runtime.autotuner import Autotuner
     assert "self.configs_timings = " in inspect.getsource(Autotuner)
+
+    # record(): each autotuner fastcl hands out is kept, and a launch that tunes a new key
+    # leaves its times (a stand-in autotuner: no GPU here)
+    from fastcl.kernels import contrastive as kc
+    monkeypatch.setattr(_autotune, "_TIMINGS", {})
+    monkeypatch.setattr(_autotune, "_TUNERS", {})
+    config = SimpleNamespace(kwargs={"BLOCK_R": 64, "BLOCK_D": 32}, num_warps=8, num_stages=3)
+
+    class Tuner:
+        cache, configs, keys, configs_timings = {}, [config], ["M"], {"c": [0.5]}
+
+        def __getitem__(self, grid):
+            def launch(*args):
+                self.cache[args] = "c"
+            return launch
+    monkeypatch.setattr(kc, "_similarity", lambda f, dtype, device: Tuner())
+    assert _autotune.record() and _autotune.record()       # once: a second call changes nothing
+    kc._similarity(None, None, None)[(1,)](7)
+    kc._similarity(None, None, None)[(1,)](7)              # a key tuned before: no new times
+    listed = "_similarity_kernel[(64, 32, 8, 3)]"
+    assert _autotune.chosen_configs() == {listed: {"(7,)": "c"}}
+    assert _autotune.autotune_timings() == {listed: {"M=7": {"c": 0.5}}}
 
 
 # (chunks of one row: tests/test_contrastive.py's test_triton_chunks_every_feature)
@@ -394,19 +324,16 @@ LISTS = [("infonce", torch.bfloat16), ("dclr-weighted", torch.bfloat16),
 def test_gpu_every_kept_config(name, dtype, monkeypatch):
     """Each config of the kept autotune lists, launched alone, matches the reference (the
     autotuner would otherwise run only its fastest, or with FASTCL_AUTOTUNE=0 its first)."""
+    from fastcl.kernels import configs as cfg
     from fastcl.kernels import contrastive as kc
     from fastcl.tiled import Epilogue
     comp = (torch.ones(2, 2), torch.ones(2, 2)) if name == "dclr-weighted" else None
     ep = Epilogue(0.05, focal_m=0.5 if name.startswith("focal") else None,
                   phi=0.2 if comp else None, complementary=comp)
     arch = kc._arch(torch.cuda.current_device())
-    configs = kc.sim_configs(kc.flags(ep), dtype, arch)
-    original = kc.sim_configs
-    for config in configs:
-        monkeypatch.setattr(kc, "_TUNED", {})
-        monkeypatch.setattr(kc, "sim_configs", lambda *a, config=config, **k: [config])
+    for config in cfg.sim_configs(kc.flags(ep), dtype, arch):
+        monkeypatch.setattr(cfg, "sim_configs", lambda *a, config=config, **k: [config])
         _compare(name, 517, 300, 1024, dtype=dtype, tol=FP32 if dtype == torch.float32 else BF16)
-    monkeypatch.setattr(kc, "sim_configs", original)
 
 
 @needs_gpu
@@ -414,14 +341,6 @@ def test_gpu_every_kept_config(name, dtype, monkeypatch):
 def test_gpu_16384_matches_reference(name):
     """The loss and gradients at the benchmark's size, bf16, against the float32 reference."""
     _compare(name, 16384, 0, 768, dtype=torch.bfloat16, tol=BF16)
-
-
-@needs_gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES[1:3], ids=[f"N{n}K{k}d{d}" for n, k, d in GPU_SHAPES[1:3]])
-@pytest.mark.parametrize("name", ["infonce", "dclr-weighted"])
-def test_gpu_descriptor_bf16(name, shape, descriptor):
-    _compare(name, *shape, dtype=torch.bfloat16, tol=BF16)
-    assert set(descriptor) == {descriptor.design}
 
 
 @needs_gpu
@@ -730,13 +649,6 @@ def test_every_layout_rule_matches_the_reference(case):
     _compare_rules(case)
 
 
-@pytest.mark.parametrize("case", [_covering()[4], _covering()[8]], ids=_rule_id)
-def test_descriptor_design_layout_rules(case, descriptor):
-    """The rules through descriptors: d = 24 and the guide's 8-wide rows are aligned."""
-    _compare_rules(case)
-    assert set(descriptor) == {descriptor.design}
-
-
 def test_rules_refused_beside_what_the_kernels_lack():
     """The rules beside a hard-negative weight or DCLR's mask: refused on backend='triton'
     with the reason, run tiled by 'auto'. Matryoshka runs a kernel call per width."""
@@ -825,42 +737,35 @@ def test_16bit_buffers_matryoshka(extra, dtype, gpu_buffers):
 # The interpreter launches small tiles (16 × 16 similarity tiles of 16-wide d blocks, short
 # row and finishing blocks) so that small shapes cross several of them. These tests launch
 # the GPU's instead, in the interpreter: the 128-wide tile, each kept config's row and d
-# blocks (the descriptor design's with its group), the row and finishing kernels' GPU blocks
-# (kernels/contrastive.py's GPU_* constants). N = 130: two to five row blocks, the last one
-# short; M = 270 with the extra columns: three column tiles, the last 14 wide; d = 104: cut
-# by every d block, and 16-byte rows in bf16 and fp32 (the descriptor design takes them).
+# blocks, the row and finishing kernels' GPU blocks (kernels/configs.py's GPU_* constants).
+# N = 130: two to five row blocks, the last one short; M = 270 with the extra columns: three
+# column tiles, the last 14 wide; d = 104: cut by every d block.
 GPU_TILE_SHAPE = (130, 140, 104)
 GPU_TILE_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-def _kept_tiles(design=""):
-    """Every (BLOCK_R, BLOCK_D) of the default design's kept lists, or (BLOCK_R, BLOCK_D,
-    GROUP_R) of the descriptor design's, largest first."""
-    from fastcl.kernels import contrastive as kc
-    if design:
-        lists = [*kc.DESC_SIM_CONFIGS.values(), *kc.DESC_SIM_CONFIGS_BY_VARIANT.values()]
-    else:
-        lists = [*kc.SIM_CONFIGS.values(), *kc.SIM_CONFIGS_BY_VARIANT.values(),
-                 *(kept for by in kc.SIM_CONFIGS_BY_ARCH.values() for kept in by.values())]
-    return sorted({c[:2] + c[4:] for kept in lists for c in kept}, reverse=True)
+def _kept_tiles():
+    """Every (BLOCK_R, BLOCK_D) of the kept lists, largest first."""
+    from fastcl.kernels import configs as cfg
+    lists = [*cfg.SIM_CONFIGS.values(), *cfg.SIM_CONFIGS_BY_VARIANT.values(),
+             *(kept for by in cfg.SIM_CONFIGS_BY_ARCH.values() for kept in by.values())]
+    return sorted({c[:2] for kept in lists for c in kept}, reverse=True)
 
 
 @pytest.fixture
 def gpu_tiles(monkeypatch):
-    """``gpu_tiles(tile)``: the GPU's launch sizes with ``tile`` = (BLOCK_R, BLOCK_D[,
-    GROUP_R]) for the similarity kernel, in the interpreter (on a GPU the autotuner launches
-    them: test_gpu_every_kept_config)."""
-    from fastcl.kernels import contrastive as kc
-    if not kc.INTERPRET:
+    """``gpu_tiles(tile)``: the GPU's launch sizes with ``tile`` = (BLOCK_R, BLOCK_D) for
+    the similarity kernel, in the interpreter (on a GPU the autotuner launches them:
+    test_gpu_every_kept_config)."""
+    from fastcl.kernels import configs as cfg
+    if not cfg.INTERPRET:
         pytest.skip("a GPU launches its own tiles (test_gpu_every_kept_config)")
 
     def use(tile):
-        block = {"BLOCK_R": tile[0], "BLOCK_D": tile[1]}
-        monkeypatch.setattr(kc, "SIM_BLOCK_M", kc.GPU_SIM_BLOCK_M)
-        monkeypatch.setattr(kc, "SIM_FIXED", block)
-        monkeypatch.setattr(kc, "DESC_FIXED", {**block, "GROUP_R": tile[2] if len(tile) > 2 else 1})
-        monkeypatch.setattr(kc, "ROW_BLOCK", kc.GPU_ROW_BLOCK)
-        monkeypatch.setattr(kc, "FINISH_BLOCK", kc.GPU_FINISH_BLOCK)
+        monkeypatch.setattr(cfg, "SIM_BLOCK_M", cfg.GPU_SIM_BLOCK_M)
+        monkeypatch.setattr(cfg, "SIM_FIXED", {"BLOCK_R": tile[0], "BLOCK_D": tile[1]})
+        monkeypatch.setattr(cfg, "ROW_BLOCK", cfg.GPU_ROW_BLOCK)
+        monkeypatch.setattr(cfg, "FINISH_BLOCK", cfg.GPU_FINISH_BLOCK)
     return use
 
 
@@ -891,18 +796,6 @@ def test_gpu_tiles_match_reference(tile, name, dtype, gpu_tiles, gpu_buffers):
     of 128 rows (the last one 2 rows)."""
     gpu_tiles(tile)
     _compare_tiles(name, dtype, chunk=128)
-
-
-#: The descriptor design's objectives: those test_descriptor_design_matches_reference runs
-#: through descriptors (the DCLR mask's 6-wide complementary rows take the default path)
-DESC_NAMES = [name for name in NAMES if name not in ("dclr-weighted", "dclr-released")]
-
-
-@pytest.mark.parametrize("tile,name,dtype", _tile_cases(_kept_tiles("descriptor"), DESC_NAMES, every=5))
-def test_gpu_tiles_descriptor_design(tile, name, dtype, gpu_tiles, gpu_buffers, descriptor):
-    gpu_tiles(tile)
-    _compare_tiles(name, dtype, chunk=None)
-    assert set(descriptor) == {descriptor.design}
 
 
 def _gpu_tile_rule(case):

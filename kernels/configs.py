@@ -1,0 +1,143 @@
+"""Launch sizes of the kernels in :mod:`fastcl.kernels.contrastive`: the flag sets they are
+built for, the similarity kernel's autotune lists and the other kernels' blocks.
+
+The lists are chosen by ``python -m fastcl.kernels.compile_check --sim-candidates`` from
+``SIM_CANDIDATES``: a kept config compiles without register spills, for every flag set on
+sm_80 and sm_90, as a large-batch launch specializes it (16-byte aligned buffers, sizes that
+are multiples of 16: the 16-bit K loop is pipelined through asynchronous copies), in each
+mode its objective is launched in. The tests hold every list to that on the floor Triton of
+pyproject.toml, on 3.6 and on the newest.
+"""
+
+from __future__ import annotations
+
+import os
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+#: Every flag set an objective launches, by name (the compile check builds each one).
+_OFF = dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True, RULES=False,
+            GUIDE=False)
+VARIANTS = {
+    "infonce": dict(_OFF),
+    "infonce-hard": dict(_OFF, HARD=True),
+    "focal": dict(_OFF, FOCAL=True),
+    "dclr-mask": dict(_OFF, MASK=True),
+    # fastcl.contrastive's combinations (noise columns and the symmetric reverse add no flag)
+    "focal-hard": dict(_OFF, FOCAL=True, HARD=True),
+    "focal-mask": dict(_OFF, FOCAL=True, MASK=True),
+    "hard-mask": dict(_OFF, HARD=True, MASK=True),
+    "focal-hard-mask": dict(_OFF, FOCAL=True, HARD=True, MASK=True),
+    "dclr-released": dict(_OFF, RELEASED=True),
+    "dclr-released-mask": dict(_OFF, RELEASED=True, MASK=True),
+    "noise": dict(_OFF, POSITIVES=False),
+    # fastcl.layout's rules (MNRL's directions and hardness, duplicate ids), and GIST's
+    # guide, on InfoNCE and focal
+    "rules": dict(_OFF, RULES=True),
+    "rules-guide": dict(_OFF, RULES=True, GUIDE=True),
+    "focal-rules": dict(_OFF, FOCAL=True, RULES=True),
+    "focal-rules-guide": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True),
+}
+#: The flags that make a variant.
+FLAGS = tuple(_OFF)
+
+
+def variant_name(f: dict) -> str | None:
+    """The name in ``VARIANTS`` of these flags (None for a flag set no objective launches)."""
+    f = {k: bool(f[k]) for k in FLAGS}
+    return next((name for name, v in VARIANTS.items() if v == f), None)
+
+
+#: The similarity tile's width is fixed (the partials are laid out by column tile). The
+#: interpreter's launches are smaller (the tests' small shapes then cross several tiles);
+#: tests/test_triton.py's ``gpu_tiles`` runs the GPU's ``GPU_*`` sizes in the interpreter too.
+GPU_SIM_BLOCK_M = 128
+SIM_BLOCK_M = 16 if INTERPRET else GPU_SIM_BLOCK_M
+
+#: Autotune lists (BLOCK_R, BLOCK_D, num_warps, num_stages) with BLOCK_M = 128, by input kind
+#: and whether the tile holds a second product (DCLR's mask, GIST's guide). The second
+#: accumulator takes registers; exact fp32 products (no tensor cores) need thinner K steps.
+SIM_CONFIGS = {
+    ("16bit", False): [(128, 64, 8, 3), (128, 32, 8, 4), (64, 64, 8, 3)],
+    ("16bit", True): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    ("fp32", False): [(64, 32, 8, 3), (32, 32, 8, 3)],
+    ("fp32", True): [(64, 16, 8, 3), (32, 16, 8, 3)],
+}
+#: Where a target takes another list: sm_90 has the registers for the 128-row masked tile.
+SIM_CONFIGS_BY_ARCH = {90: {("16bit", True): [(128, 64, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3)]}}
+#: Where one flag set (a name in VARIANTS) needs its own list on one target, by (arch, input
+#: kind, variant): the flag sets that hold the most beside the tile (focal's s beside E, the
+#: layout's masks, the guide's second product) take smaller tiles there.
+SIM_CONFIGS_BY_VARIANT = {
+    (90, "16bit", "focal-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "focal-hard"): [(128, 32, 8, 4), (64, 64, 8, 3)],
+    (90, "16bit", "focal-hard-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "fp32", "focal"): [(64, 32, 8, 3)],
+    (90, "fp32", "focal-hard"): [(32, 32, 8, 3)],
+    (90, "fp32", "focal-hard-mask"): [(32, 16, 8, 3)],
+    (90, "16bit", "rules"): [(128, 64, 8, 3), (64, 64, 8, 3)],
+    (80, "16bit", "focal-rules"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "focal-rules"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "focal-rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (80, "fp32", "focal-rules-guide"): [(64, 16, 8, 3)],
+}
+#: Tritons before this version allocate registers less tightly: their code for these flag
+#: sets spills in the tiles above (on the floor, 3.1: 8–240 bytes in a 16-bit launch, where
+#: 3.6 and the newest use 180–250 registers and no spills), so such a Triton autotunes over
+#: these lists instead (each spill-free there). A per-version list rather than smaller tiles
+#: for every Triton: 3.6 and the newest keep their larger tiles.
+OLDER_TRITON = (3, 6)
+SIM_CONFIGS_OLDER_TRITON = {
+    (90, "16bit", "dclr-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "hard-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "dclr-released-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "rules"): [(64, 64, 8, 3)],
+    (80, "16bit", "rules-guide"): [(64, 32, 8, 3)],
+    (90, "16bit", "rules-guide"): [(64, 32, 8, 3)],
+    (80, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)],
+    (90, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)],
+}
+
+#: What the compile check tries for the lists, (BLOCK_R, BLOCK_D, num_warps, num_stages) with
+#: BLOCK_M = 128 (``--sim-candidates`` reports each one for the aligned launch).
+SIM_CANDIDATES = {
+    "16bit": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (256, 64, 8, 3), (64, 64, 8, 3),
+              (64, 32, 8, 3), (64, 16, 8, 4), (32, 64, 8, 3)],
+    "fp32": [(64, 32, 8, 3), (64, 16, 8, 3), (32, 32, 8, 3), (32, 16, 8, 3)],
+}
+
+SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (tl.dot needs ≥ 16)
+GPU_ROW_BLOCK = {"BLOCK_N": 2048, "BLOCK_T": 256, "num_warps": 8}
+GPU_FINISH_BLOCK = {"BLOCK_R": 32, "BLOCK_T": 128, "num_warps": 4}
+ROW_BLOCK = {"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET else GPU_ROW_BLOCK
+FINISH_BLOCK = {"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET else GPU_FINISH_BLOCK
+
+
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton."""
+    import triton
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def sim_configs(f: dict, dtype, arch: int = 90, version: tuple | None = None) -> list[tuple]:
+    """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
+    its name), compute capability (90 for sm_90; an sm_80-class GPU uses 80) and Triton
+    version (``(major, minor)``; the installed one by default)."""
+    # the guide's cosines take the tile the complementary model's take
+    kind = "fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit"
+    arch = 80 if arch < 90 else 90
+    name = variant_name(f)
+    second = bool(f["MASK"] or f.get("GUIDE"))
+    older = (version or triton_version()) < OLDER_TRITON
+    return ((older and SIM_CONFIGS_OLDER_TRITON.get((arch, kind, name)))
+            or SIM_CONFIGS_BY_VARIANT.get((arch, kind, name))
+            or SIM_CONFIGS_BY_ARCH.get(arch, {}).get((kind, second))
+            or SIM_CONFIGS[(kind, second)])
+
+
+def autotune_pinned() -> bool:
+    """``FASTCL_AUTOTUNE=0``: the first config of each list instead of autotuning (bounded
+    compile time in tests on a GPU). Read at every call."""
+    return os.environ.get("FASTCL_AUTOTUNE", "1") == "0"
