@@ -79,7 +79,9 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     positive in column i). The per-pair features apply to both directions — the focal
     modulation, and the mask transposed, ``α'_ij = 1[cos(c⁺_i, c_j) < φ]`` — while the extra
     columns belong to the forward direction only: ``L^←`` has no ``negatives``, no ``w``
-    and no ``Z``. It needs every anchor of the batch (no ``anchor_offset``).
+    and no ``Z``. It needs every anchor of the batch (no ``anchor_offset``). It is the layout
+    ``directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"`` below
+    (:data:`fastcl.spec.SYMMETRIC`) with DCLR's mask transposed on the reverse direction.
 
     **formulation="released"** is DCLR as the authors' released code computes it (the table
     in :func:`dclr_loss`'s docstring: logits multiplied by α, binary cross-entropy on the row
