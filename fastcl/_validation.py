@@ -256,6 +256,8 @@ def finite(name: str, value) -> float:
         raise TypeError(f"{name} is a tensor that requires grad, but fastcl's losses take it as "
                         f"a number and return no gradient for it; pass float({name}) (a "
                         f"learnable {name} is not supported)")
+    if isinstance(value, bool):         # a switch where a number belongs: True is not 1.0
+        raise TypeError(f"{name} must be a real number, got {value!r}")
     try:
         value = float(value)
     except (TypeError, ValueError):

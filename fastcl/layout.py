@@ -81,7 +81,7 @@ def names_plain(directions, partition_mode: str = "joint") -> bool:
     """Whether ``directions`` given by name (and ``partition_mode``) are plain InfoNCE's, told
     without building a :class:`Layout` (which a torch.compile trace cannot) and without
     comparing a Layout with a tuple (where torch.compile before torch 2.6 breaks the graph)."""
-    return (not isinstance(directions, (Layout, str)) and tuple(directions) == ("query_to_doc",)
+    return (isinstance(directions, (tuple, list)) and tuple(directions) == ("query_to_doc",)
             and partition_mode == "joint")
 
 
@@ -92,6 +92,9 @@ def from_directions(directions, partition_mode: str = "joint") -> Layout:
     if isinstance(directions, str):
         raise TypeError(f"directions must be a tuple of names, got the string {directions!r} "
                         f"(write ({directions!r},))")
+    if not isinstance(directions, (tuple, list)):
+        raise TypeError(f"directions must be a tuple of names (or a fastcl.layout.Layout), got "
+                        f"{directions!r}")
     directions = tuple(directions)
     unknown = [d for d in directions if d not in DIRECTIONS]
     if unknown or not directions:
@@ -134,6 +137,31 @@ def guide_threshold(guide_positive_cosine: torch.Tensor, margin: float,
     if strategy == "absolute":
         return guide_positive_cosine - margin
     return guide_positive_cosine - guide_positive_cosine.abs() * margin
+
+
+def keep_twin_ties(theta: torch.Tensor, gamma: torch.Tensor, partners, columns: torch.Tensor,
+                   own_columns=(1, 1)) -> torch.Tensor:
+    """``θ`` raised by a rounding margin on the rows whose guide pair has an exact twin.
+
+    Equal texts have equal guide embeddings (sentence-transformers embeds like columns in one
+    forward), so GISTEmbedLoss's guide cosine of a candidate equal to the row's positive is
+    ``γ_i`` exactly, and its strict ``>`` keeps it at margin 0. The fused paths form ``γ_i``
+    and the chunk's guide cosines by different products, which can put the same cosine an
+    ulp above ``θ_i`` and drop it. On the rows where a column's guide unit row equals a row
+    of ``partners`` bitwise (one tensor per side: the row's positive's, on the positive side
+    its anchor's) beyond ``own_columns`` (each side's: the positive's own column; the
+    anchor's own in the anchors block, 0 without one), and whose threshold
+    keeps a tie (``θ_i ≥ γ_i``), ``θ_i`` becomes ``θ_i + 16·ε·(1 + |θ_i|)`` (ε of θ's
+    dtype), above any rounding of the same cosine and below any cosine that differs."""
+    ids = torch.unique(torch.cat([columns, *partners]), dim=0, return_inverse=True)[1]
+    counts = torch.bincount(ids[:columns.shape[0]], minlength=int(ids.max()) + 1)
+    twin = torch.zeros_like(theta, dtype=torch.bool)
+    start = columns.shape[0]
+    for side, rows in enumerate(partners):
+        twin |= counts[ids[start:start + rows.shape[0]]] > own_columns[side]
+        start += rows.shape[0]
+    eps = torch.finfo(theta.dtype).eps
+    return torch.where(twin & (theta >= gamma), theta + 16 * eps * (1 + theta.abs()), theta)
 
 
 def column_groups(n_pos: int, n_neg: int, n_noise: int, n_anchor: int, device) -> torch.Tensor:

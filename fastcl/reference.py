@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .common import (EPS, accumulate_dtype, draw_noise, noise_count, project_out_radial,  # noqa: F401
-                     relative_difference, row_cosine, safe_direction, shrink_huge_rows, wide)
-from .layout import guide_threshold
+                     relative_difference, safe_direction, shrink_huge_rows, wide)
+from .layout import guide_threshold, keep_twin_ties
 from .spec import SYMMETRIC, Logits, LossSpec, Mask, Noise, Rules
 from .common import (ESCL_MARGINS, ESCL_RD, ESCL_WEIGHT, FOCAL_M, NOISE_LR, NOISE_RATIO, NOISE_STD,
                      NOISE_STEPS, PHI, TEMPERATURE)
@@ -37,11 +37,6 @@ def cosine_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``s_ij = x̂_i · ŷ_j`` (N×M): the product in the inputs' dtype, as a plain PyTorch loss
     computes it, returned in float32 or wider."""
     return wide(unit_rows(x) @ unit_rows(y).T)
-
-
-def _labels(n: int, device, offset: int = 0) -> torch.Tensor:
-    """Anchor i's positive column: ``offset + i`` (the anchors may be a slice of the batch)."""
-    return torch.arange(n, device=device) + offset
 
 
 def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
@@ -98,7 +93,9 @@ def _cross_entropy(logits, is_positive, *more):
     keeps no digit of a loss below ``eps·|l_i|``, this keeps them all; its gradient on the
     positive is minus the others' share of the softmax, not ``p_ii − 1``. ``more``: more
     columns of the same softmax (blocks beside ``logits``)."""
-    return F.softplus(_others_lse(logits, is_positive, *more) - logits[is_positive])
+    gap = _others_lse(logits, is_positive, *more) - logits[is_positive]
+    # log(e^gap + 1) exactly (F.softplus returns gap itself above 20, 2e-9 short)
+    return torch.logaddexp(gap, torch.zeros_like(gap))
 
 
 def _modulated(sim, is_positive, temperature, focal_m):
@@ -178,8 +175,13 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     if guide is not None:
         g_anchors, g_positives, g_negatives, g_anchor_cands = guide
         g_documents = g_positives if g_negatives is None else torch.cat([g_positives, g_negatives])
-        theta = guide_threshold(torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset),
-                                spec.guide.margin, spec.guide.strategy)[:, None]
+        gamma = torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset)
+        theta = guide_threshold(gamma, spec.guide.margin, spec.guide.strategy)
+        scored = [g_documents] + ([g_anchor_cands] if layout.scores_anchors else [])
+        partners = [g_positives[g]] + ([g_anchors] if layout.positive_side else [])
+        theta = keep_twin_ties(theta, gamma, [unit_rows(wide(x)) for x in partners],
+                               torch.cat([unit_rows(wide(x)) for x in scored]),
+                               (1, int(layout.scores_anchors)))[:, None]
     if duplicate_ids is not None:
         pos_ids, neg_ids, anchor_ids = duplicate_ids
         doc_ids = pos_ids if neg_ids is None else torch.cat([pos_ids, neg_ids])
@@ -308,8 +310,12 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
     each step ``z_j ← z_j + lr · g_j/‖g_j‖``, ``g = ∂L_U/∂Z`` (a row with g_j = 0 stays put).
     ``formulation="released"``: the step's loss is the cross-entropy over ``[h⁺; Z]`` (the
     in-batch columns join the log-sum-exp), and a row with g_j = 0 becomes 0 (0/0 is NaN
-    there, which the code then zeroes). Written as the released code does it: an autograd
-    graph per step (also under ``torch.inference_mode``, where the step runs outside it).
+    there, which the code then zeroes). An autograd graph per step, as the released code
+    (also under ``torch.inference_mode``, where the step runs outside it), of
+    ``Σ_ij w_ij l_ij`` with the softmax's ``p_ij`` as constant weights, each column's scaled
+    by its largest: ``g_j`` up to a positive factor, so the same step, and every row with
+    ``g_j ≠ 0`` gets its direction (the exact update moves every row by ``lr``), also where
+    each of its ``p_ij`` underflows (float32: a cosine gap ≥ 103·τ_u).
     ``g/‖g‖`` is formed from ``g/max|g|`` (in float32 ‖g‖² is 0 for g ≈ 1e-25), after the
     gradient's rounding residual along z is projected out (the exact gradient is orthogonal
     to z; at d = 1 it is 0): :func:`fastcl.common.safe_direction`,
@@ -327,18 +333,18 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
     h_pos = positives.detach().to(h.dtype)
     z = (draw_noise(num, h.shape[1], std=std, generator=generator, device=h.device)
          if noise is None else noise.detach()).to(h.dtype).clone()
-    # the paper's positive term is constant in Z: it sets the value of L_U, not the step
-    positive = (None if formulation == "released" or not steps else
-                row_cosine(h, h_pos[anchor_offset:anchor_offset + h.shape[0]]) / temperature)
     for _ in range(steps):
         z.requires_grad_(True)
         with torch.enable_grad():
-            if formulation == "released":
-                logits = cosine_matrix(h, torch.cat([h_pos, z])) / temperature
-                loss = F.cross_entropy(logits, _labels(h.shape[0], h.device, anchor_offset))
-            else:
-                loss = (-positive + torch.logsumexp(cosine_matrix(h, z) / temperature, dim=1)).mean()
-            (grad,) = torch.autograd.grad(loss, z)
+            # ∂L_U/∂z_j = (1/N) Σ_i p_ij ∂l_ij/∂z_j, p the row softmax over Z (the paper's
+            # positive term is constant in Z) or over [h⁺; Z] (released): each column's p_ij
+            # scaled by 1/max_i p_ij, which leaves the direction and keeps the far rows' in
+            # range (in float32 a row 103·τ_u below every anchor's top logit has p = 0)
+            logits = cosine_matrix(h, z if formulation != "released" else torch.cat([h_pos, z]))
+            logits = logits / temperature
+            log_p = torch.log_softmax(logits.detach(), dim=1)[:, -z.shape[0]:]
+            weight = torch.exp(log_p - log_p.amax(dim=0, keepdim=True))
+            (grad,) = torch.autograd.grad((weight * logits[:, -z.shape[0]:]).sum(), z)
         step, zero = safe_direction(project_out_radial(grad, z.detach()))
         z = z.detach() + lr * step
         if formulation == "released":

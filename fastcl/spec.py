@@ -362,6 +362,8 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
     """The options of :mod:`fastcl.layout` checked: ``(Rules or None, Guide or None, ids or
     None)``, all None when none is on. (A row count is compared with 0 here, never tested
     for truth: torch.compile before torch 2.6 fixes a traced batch size at ``if n``.)"""
+    # checked whatever else is given (a strategy or margin without a guide is a mistake too)
+    check.choice("margin_strategy", margin_strategy, layout.MARGIN_STRATEGIES)
     if (layout.names_plain(directions, partition_mode) and hardness_mode is None
             and guide is None and duplicate_ids is None and anchor_candidates is None):
         return None, None, None   # the plain layout, decided without building one (torch.compile)
@@ -380,7 +382,6 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
     if hardness_strength < 0:
         raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
     guide_margin = check.finite("guide_margin", guide_margin)
-    check.choice("margin_strategy", margin_strategy, layout.MARGIN_STRATEGIES)
     unread = ValueError("anchor_candidates is read only with directions that score the "
                         "anchors ('query_to_query', 'doc_to_query')")
     if lay.plain and hardness_mode is None and guide is None and duplicate_ids is None:

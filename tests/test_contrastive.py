@@ -562,6 +562,15 @@ def test_released_names_every_extra_option():
      "formulation must be one of 'paper', 'released'"),
     (lambda b: fastcl.contrastive(b.a, b.p, temperature=0.0), ValueError, "temperature must be > 0"),
     (lambda b: fastcl.contrastive(b.a, b.p, b.neg[:, :4]), ValueError, "negatives has width 4"),
+    # issue #42: each of these ran, or failed naming nothing
+    (lambda b: fastcl.contrastive(b.a, b.p, directions=None), TypeError,
+     "directions must be a tuple of names"),
+    (lambda b: fastcl.contrastive(b.a, b.p, margin_strategy="x"), ValueError,
+     "margin_strategy must be one of"),
+    (lambda b: fastcl.contrastive(b.a, b.p, temperature=True), TypeError,
+     "temperature must be a real number, got True"),
+    (lambda b: fastcl.infonce(b.a, b.p, temperature=True), TypeError,
+     "temperature must be a real number, got True"),
 ])
 def test_bad_arguments_are_named(call, error, match):
     with pytest.raises(error, match=match):

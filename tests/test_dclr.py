@@ -1,5 +1,7 @@
 """DCLR specifics: the noise update, its reproducibility, and the instance-weighting mask."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -165,3 +167,34 @@ class TestMask:
         paper = reference.dclr_weights(*comp, 0, phi=phi, temperature=0.05)
         released = reference.dclr_weights(*comp, 0, phi=phi, temperature=0.05, formulation="released")
         assert torch.equal(paper, released) or bool(((cos - phi).abs() < 1e-12).any())
+
+
+@pytest.mark.parametrize("formulation", ["paper", "released"])
+@pytest.mark.parametrize("backend", ["reference", "tiled", pytest.param(
+    "triton", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                       reason="triton is not installed"))])
+def test_noise_rows_whose_softmax_underflows_still_move(backend, formulation):
+    """The exact update moves every noise row by lr along g_j/‖g_j‖, also a row far below
+    every anchor's top logit, whose softmax entries underflow float32 (τ_u ≤ 0.01, a cosine
+    gap of 1.8 here: e^(−180) and less). float64 moves it; float32 now does too, in the
+    same direction, on every backend (issue #42: it stayed put, paper, or was zeroed,
+    released). Anchors in a cluster; noise rows near it, opposite and across."""
+    g = torch.Generator().manual_seed(5)
+    d = 8
+    centre = torch.nn.functional.normalize(torch.randn(1, d, generator=g, dtype=torch.float64), dim=1)
+    a = (3 * centre + 0.3 * torch.randn(6, d, generator=g, dtype=torch.float64)).float()
+    p = (a.double() + 0.1 * torch.randn(6, d, generator=g, dtype=torch.float64)).float()
+    z = torch.cat([2 * centre, -2 * centre, torch.randn(2, d, generator=g, dtype=torch.float64)]).float()
+    lr = 1e-2
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    for tau in (0.01, 0.005):
+        want = fastcl.dclr_noise(a.double(), p.double(), None, noise=z.double(), steps=2, lr=lr,
+                                 temperature=tau, formulation=formulation, backend="reference")
+        got = fastcl.dclr_noise(a.to(device), p.to(device), None, noise=z.to(device), steps=2,
+                                lr=lr, temperature=tau, formulation=formulation,
+                                backend=backend).double().cpu()
+        step = (got - z.double()).norm(dim=1)
+        assert ((want - z.double()).norm(dim=1) > 1.9 * lr).all()       # float64 moves each
+        assert (step > 1.9 * lr).all(), f"τ_u={tau}: steps {step.tolist()}"
+        # z's own float32 rounding (≈ 2.4e-7 at |z| ≈ 2) is 2.4e-5·lr
+        assert ((got - want).norm(dim=1) <= 1e-3 * lr).all(), f"τ_u={tau}: {(got - want).norm(dim=1)}"

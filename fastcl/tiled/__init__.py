@@ -113,13 +113,17 @@ def _ruled_inputs(spec: LossSpec, fields, anchors, positives, negatives, blocks,
         g_anchors, g_positives, g_negatives, g_cands = spec.guide.embeddings
         u_anchors, u_positives = unit(g_anchors), unit(g_positives)
         u_own = u_positives[offset:offset + n]
-        theta = layout.guide_threshold((u_anchors * u_own).sum(dim=1), spec.guide.margin,
-                                       spec.guide.strategy)
+        gamma = (u_anchors * u_own).sum(dim=1)
+        theta = layout.guide_threshold(gamma, spec.guide.margin, spec.guide.strategy)
         g_rows = torch.cat([u_anchors, u_own]) if lay.positive_side else u_anchors
         parts = [u_positives] + ([unit(g_negatives)] if n_neg > 0 else [])
         parts.append(u_anchors.new_zeros(n_noise, u_anchors.shape[1]))   # never filtered
         parts += [unit(g_cands)] if n_a > 0 else []
         g_cols = torch.cat(parts)
+        theta = layout.keep_twin_ties(
+            theta, gamma, [u_own] + ([u_anchors] if lay.positive_side else []), g_cols[:n_pos + n_neg]
+            if n_a == 0 else torch.cat([g_cols[:n_pos + n_neg], g_cols[-n_a:]]),
+            (1, int(n_a > 0)))
         if guide_dtype is not None:
             g_rows, g_cols = g_rows.to(guide_dtype), g_cols.to(guide_dtype)
         guide = (g_rows, g_cols, theta)

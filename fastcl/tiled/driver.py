@@ -403,6 +403,8 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
     # the positive's entry taken out: where the positive dominates p_ii rounds to 1, and
     # −log p_ii and p_ii − 1 keep no digit; −log1p(−q) and −q keep them all. The
     # positive's entry of H is then 0, its whole term in g (below).
+    if not exact:
+        lse = top - p.amax(dim=1).log_()
     p_pos = p[:r].diagonal(first).clone()
     p[:r].diagonal(first).zero_()
     q = p[:r].sum(dim=1)
@@ -410,7 +412,6 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
     if exact:
         near = -p_pos.log()
     else:
-        lse = top - p.amax(dim=1).log_()
         if ep.paired and ep.layout.joint:
             # rows i and R + i share one softmax, log Σ_{both sides} e^l: each side's own
             # rescaled by e^(lse_side − lse). A positive side may drop every column (the

@@ -150,7 +150,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     probs = logits                                     # the buffer, as R'×M
     if ep.positives:
         gap = lse[:r] - pos_logit
-        share, others = torch.nn.functional.softplus(gap), torch.sigmoid(gap)
+        share, others = torch.logaddexp(gap, torch.zeros_like(gap)), torch.sigmoid(gap)
         probs[:r].mul_(others[:, None])                # the full softmax, off the positive
         if joint:
             probs[r:].mul_(others[:, None])

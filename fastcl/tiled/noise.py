@@ -3,13 +3,15 @@ through the driver (:func:`noise_update`)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import _validation, common
-from ..common import (accumulate_dtype, autocast_off, huge_row_limit, project_out_radial,
+from ..common import (EPS, accumulate_dtype, autocast_off, huge_row_limit, project_out_radial,
                       safe_direction, shrink_huge_rows)
 from ..spec import Epilogue
-from .driver import _norms, _tangent_, contrastive_forward
+from .driver import DEFAULT_MEMORY_BUDGET, _norms, _tangent_, contrastive_forward
 from .engine import TORCH, Engine
 
 
@@ -77,6 +79,13 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
         huge = bool((amax > huge_row_limit(z.dtype, z.shape[1])).any())
     anchors = anchors.detach()
     step = engine.noise_step or _noise_step   # the engine's fused step, if any
+    columns = z.shape[0] + (fixed[0].shape[0] if released else 0)
+    if _noise_may_underflow(temperature, columns, z.dtype):
+        with autocast_off(anchors.device):
+            for _ in range(steps):
+                _scaled_noise_step(anchors, fixed[0] if released else None, z, lr, temperature,
+                                   chunk_size, huge)
+        return z
     with autocast_off(anchors.device):
         anchor_norms = _norms(anchors, accumulate_dtype(anchors.dtype))
         for _ in range(steps):
@@ -90,6 +99,54 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
             first = raw[1].shape[0] - z.shape[0]     # the released step's h⁺ rows come first
             step(*(x[first:] for x in raw), z, lr, released)
     return z
+
+
+#: The widest logit range ``2/τ_u + ln M`` of DCLR's noise loss whose softmax entries stay
+#: normal numbers (with room for the gradient's factors): float32's e^(−87) is its smallest.
+_NOISE_SPREAD = {torch.float32: 80.0, torch.float64: 700.0}
+
+
+def _noise_may_underflow(temperature: float, columns: int, dtype: torch.dtype) -> bool:
+    """Whether a noise row's every softmax entry can underflow in ``dtype`` (a cosine gap of
+    2 to the rows' top logits at τ_u below ~0.025 in float32), where the engines' update,
+    whose gradient is formed from p itself, would leave the row in place (paper) or zero it
+    (released): :func:`_scaled_noise_step` then takes the step."""
+    return 2.0 / temperature + math.log(max(columns, 1)) > _NOISE_SPREAD.get(dtype, 80.0)
+
+
+def _scaled_noise_step(anchors, positives, z, lr, temperature, chunk_size, huge):
+    """One step of DCLR's noise update in place on ``z``, each row's direction formed from
+    log-weights: ``g_j ∝ Σ_i p_ij ∂s_ij/∂z_j`` with ``p_ij = e^(l_ij − lse_i)`` scaled by
+    ``1/max_i p_ij`` (the exact update's direction, which any positive factor leaves), so a
+    row whose every p_ij underflows still moves by lr. Two chunked passes of torch ops:
+    each anchor's log-sum-exp over ``[h⁺ (released); Z]``, then, Z's rows in chunks, the
+    softmax over the anchors of ``l_ij − lse_i`` (column j's weights, their largest 1) and
+    ``u_j = Σ_i w_ij ĥ_i``, then the chain rule through ẑ and the step as in
+    :func:`_noise_step`."""
+    acc = z.dtype
+    unit = lambda x: torch.nn.functional.normalize(shrink_huge_rows(x.to(acc)), dim=1, eps=EPS)  # noqa: E731
+    h = unit(anchors)
+    z_in = shrink_huge_rows(z) if huge else z
+    keys = torch.nn.functional.normalize(z_in, dim=1, eps=EPS)
+    if positives is not None:
+        keys = torch.cat([unit(positives), keys])
+    n, m = h.shape[0], keys.shape[0]
+    budget = DEFAULT_MEMORY_BUDGET.get(h.device.type, DEFAULT_MEMORY_BUDGET["cpu"])
+    rows = chunk_size or max(1, budget // (2 * max(n, m) * h.element_size()))
+    lse = torch.cat([torch.logsumexp(h[r:r + rows] @ keys.T / temperature, dim=1)
+                     for r in range(0, n, rows)])
+    z_hat = keys[m - z.shape[0]:]
+    norm = torch.linalg.vector_norm(z_in, dim=1)
+    for r in range(0, z.shape[0], rows):
+        w = torch.softmax(z_hat[r:r + rows] @ h.T / temperature - lse[None, :], dim=1)
+        u = w @ h
+        # the chain through ẑ = z/max(‖z‖, EPS): no projection where the norm was clamped
+        radial = torch.einsum("jd,jd->j", z_hat[r:r + rows], u).masked_fill_(norm[r:r + rows] <= EPS, 0.0)
+        g = u.addcmul_(z_hat[r:r + rows], radial[:, None], value=-1.0)
+        direction, zero = safe_direction(project_out_radial(g, z_in[r:r + rows]))
+        z[r:r + rows].add_(direction, alpha=lr)
+        if positives is not None:
+            z[r:r + rows].masked_fill_(zero[:, None], 0.0)
 
 
 def _noise_step(u, x, norm, inv_x, z, lr, released):

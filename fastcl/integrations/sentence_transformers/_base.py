@@ -128,7 +128,7 @@ def number(name: str, value, *, positive: bool = False) -> float:
     """A real-number argument checked where the loss is built, so a bad one fails there with its
     name, not at the first step: finite (and > 0 with ``positive``); a string or a bool is a
     mistake, not a number."""
-    if isinstance(value, (str, bytes, bool)):
+    if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     return check.positive(name, value) if positive else check.finite(name, value)
 
@@ -396,15 +396,17 @@ class Guided:
             or (guide.max_seq_length or 0) < (model.max_seq_length or 0))
         self.tokenizer = model.tokenizer  # kept: the trainer may wrap self.model (DDP) later
 
+    def _guide_inputs(self, features) -> dict:
+        """The guide's input features of a column: the model's (a shallow copy: a model writes
+        its outputs into the feature dict it is given), or its texts tokenized again."""
+        if not self.must_retokenize:
+            return dict(features)
+        texts = self.tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
+        return {k: v.to(self.guide.device) if torch.is_tensor(v) else v
+                for k, v in preprocess(self.guide, texts).items()}
+
     def _guide_forward(self, features):
-        if self.must_retokenize:
-            texts = self.tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
-            features = {k: v.to(self.guide.device) if torch.is_tensor(v) else v
-                        for k, v in preprocess(self.guide, texts).items()}
-        else:
-            # a shallow copy: a model writes its outputs into the feature dict it is given
-            features = dict(features)
-        return self.guide(features)["sentence_embedding"]
+        return self.guide(self._guide_inputs(features))["sentence_embedding"]
 
     def _guide_embeddings(self, sentence_features, mini_batch_size: int | None = None):
         """The guide's embeddings of each column (eval mode unless ``guide_dropout``, no
@@ -419,6 +421,14 @@ class Guided:
         self.guide.train(self.guide_dropout)
         try:
             with torch.no_grad():
+                repeats = not self.guide_dropout and any(
+                    _same_inputs(sentence_features[j], f)
+                    for i, f in enumerate(sentence_features) for j in range(i))
+                if mini_batch_size is None and not repeats:
+                    # one forward over like columns, as sentence-transformers' own losses embed
+                    # the guide: equal texts in two columns get equal embeddings there
+                    inputs = [self._guide_inputs(f) for f in sentence_features]
+                    return [e.detach() for e in embed_columns(self.guide, inputs)]
                 columns = []
                 for i, features in enumerate(sentence_features):
                     same = None if self.guide_dropout else next(
@@ -432,9 +442,28 @@ class Guided:
                     else:
                         columns.append(torch.cat([self._guide_forward(minibatch(features, begin, end))
                                                   for begin, end in ranges]))
+                if mini_batch_size is not None and not self.guide_dropout:
+                    columns = _equal_texts_equal_rows(columns, sentence_features)
                 return [e.detach() for e in columns]
         finally:
             self.guide.train(was_training)
+
+
+def _equal_texts_equal_rows(columns: list[Tensor], sentence_features: list) -> list[Tensor]:
+    """Each row's embedding replaced by that of the first row with the same text (the same
+    token ids, :func:`text_ids`) over all columns. Forwards in mini-batches pad each one to
+    its own length, which moves a text's embedding in its last bits from column to column;
+    one forward over like columns (sentence-transformers' plain losses) gives equal texts
+    equal embeddings, and a guide's filter compares them as equal (an exact tie)."""
+    if "input_ids" not in sentence_features[0]:
+        return columns
+    ids = torch.cat([text_ids(f) for f in sentence_features])
+    rows = torch.cat(columns)
+    _, inverse = torch.unique(ids, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), rows.shape[0], dtype=torch.long, device=rows.device)
+    first.scatter_reduce_(0, inverse.to(rows.device), torch.arange(rows.shape[0], device=rows.device),
+                          reduce="amin")
+    return list(rows[first[inverse.to(rows.device)]].split([c.shape[0] for c in columns]))
 
 
 class Cached(GRADCACHE_BASE):

@@ -6,9 +6,10 @@ import torch
 import torch.distributed as dist
 
 import fastcl
+from fastcl import _validation as check
 from fastcl import citations, common
 
-from ._base import FastLoss, Guided, SentenceTransformer, documented, gather_rows
+from ._base import FastLoss, Guided, SentenceTransformer, documented, gather_rows, number
 
 __all__ = ["FastDCLRLoss"]
 
@@ -96,10 +97,17 @@ class FastDCLRLoss(Guided, FastLoss):
         self.mask_duplicates = bool(mask_duplicates)
         self._init_guide(model, guide, "the frozen model whose cosines drop DCLR's false "
                          "negatives; it may be the model itself; None for none", guide_dropout)
-        self.focal_m = focal_m
-        self.phi, self.noise_ratio, self.noise_steps = phi, noise_ratio, noise_steps
-        self.noise_lr, self.noise_std, self.temperature = noise_lr, noise_std, temperature
-        self.formulation, self.generator = formulation, generator
+        self.focal_m = None if focal_m is None else number("focal_m", focal_m)
+        self.phi = check.phi(phi)
+        self.noise_ratio = number("noise_ratio", noise_ratio)
+        if self.noise_ratio < 0:
+            raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
+        self.noise_steps = check.non_negative_int("noise_steps", noise_steps)
+        self.noise_lr = number("noise_lr", noise_lr)
+        self.noise_std = number("noise_std", noise_std, positive=True)
+        self.temperature = number("temperature", temperature, positive=True)
+        self.formulation = check.choice("formulation", formulation, ("paper", "released"))
+        self.generator = generator
         self.backend, self.chunk_size = backend, chunk_size
         self.gather_across_devices = gather_across_devices
 

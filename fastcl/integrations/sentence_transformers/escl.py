@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import fastcl
+from fastcl import _validation as check
 from fastcl import citations, common
 from fastcl.encoders import dropout_rate
 
-from ._base import FastLoss, SentenceTransformer, documented, embed_columns, gather_rows
+from ._base import FastLoss, SentenceTransformer, documented, embed_columns, gather_rows, number
 
 __all__ = ["FastESCLLoss"]
 
@@ -75,7 +76,11 @@ class FastESCLLoss(FastLoss):
         self.mask_duplicates = bool(mask_duplicates)
         if not 0.0 <= sensitive_dropout < 1.0:
             raise ValueError(f"sensitive_dropout must lie in [0, 1), got {sensitive_dropout}")
-        self.temperature, self.weight, self.rd, self.margins = temperature, weight, rd, margins
+        self.temperature = number("temperature", temperature, positive=True)
+        self.weight, self.rd = number("weight", weight), check.choice("rd", rd, ("softplus", "margin"))
+        if not isinstance(margins, (tuple, list)) or len(margins) != 2:
+            raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
+        self.margins = (number("margins[0]", margins[0]), number("margins[1]", margins[1]))
         self.sensitive_dropout, self.backend, self.chunk_size = sensitive_dropout, backend, chunk_size
         self.gather_across_devices = gather_across_devices
 

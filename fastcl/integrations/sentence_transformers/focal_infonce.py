@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastcl import citations, common
 
-from ._base import FastLoss, SentenceTransformer, documented
+from ._base import FastLoss, SentenceTransformer, documented, number
 
 __all__ = ["FastFocalInfoNCELoss"]
 
@@ -65,8 +65,10 @@ class FastFocalInfoNCELoss(FastLoss):
                  gather_across_devices: bool = False, hard_negative_weight: float = 0.0,
                  mask_duplicates: bool = False):
         super().__init__(model)
-        self.temperature, self.m, self.backend, self.chunk_size = temperature, m, backend, chunk_size
-        self.gather_across_devices, self.hard_negative_weight = gather_across_devices, hard_negative_weight
+        self.temperature = number("temperature", temperature, positive=True)
+        self.m, self.backend, self.chunk_size = number("m", m), backend, chunk_size
+        self.gather_across_devices = gather_across_devices
+        self.hard_negative_weight = number("hard_negative_weight", hard_negative_weight)
         self.mask_duplicates = bool(mask_duplicates)
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):

@@ -115,8 +115,10 @@ class FastInfoNCELoss(FastLoss):
             raise ValueError("symmetric=True is directions=('query_to_doc', 'doc_to_query'), "
                              "partition_mode='per_direction': give one or the other")
         self.similarity_fct, self.symmetric = similarity_fct, bool(symmetric)
-        self.hard_negative_weight, self.backend, self.chunk_size = hard_negative_weight, backend, chunk_size
-        self.gather_across_devices, self.focal_m = gather_across_devices, focal_m
+        self.hard_negative_weight = number("hard_negative_weight", hard_negative_weight)
+        self.backend, self.chunk_size = backend, chunk_size
+        self.gather_across_devices = gather_across_devices
+        self.focal_m = None if focal_m is None else number("focal_m", focal_m)
         self.mask_duplicates = bool(mask_duplicates)
         self.matryoshka_dims, self.matryoshka_weights = matryoshka(matryoshka_dims, matryoshka_weights)
 
