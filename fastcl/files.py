@@ -10,12 +10,19 @@ checkpoint's digest, one run per output folder, and removal that never leaves th
 - :class:`OutputLock`: an exclusive ``flock`` on ``<folder>/.fastcl.lock`` holding the pid;
   the kernel drops it when its process dies, so a killed run's lock is taken over.
 - :func:`remove_inside`: removes an entry of a folder; a symbolic link is unlinked, never
-  followed, and nothing that resolves outside the folder is touched.
+  followed, and nothing that resolves outside the folder is touched. :func:`find_links`: the
+  links among (and under) the entries a run writes, which it refuses to write through.
+- :func:`check_loadable`: every file of a checkpoint parses as the data it names (JSON,
+  safetensors, tensors only: ``torch.load(weights_only=True)``), or an error naming it.
+- :func:`data_fingerprint`: what identifies the training data (sizes, times, the SHA-256 of
+  each file's first and last blocks), so a resume can tell the data has changed.
+- :func:`write_failure`: a failed write (a full disk) as one error naming the folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -70,7 +77,10 @@ def replace_text(path, text: str) -> None:
     fsync the folder."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover, or a link: never written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with open(fd, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -100,6 +110,22 @@ def remove_inside(path, folder) -> None:
         shutil.rmtree(path)
     else:
         path.unlink()
+
+
+def find_links(folder, names=lambda name: True) -> list:
+    """The symbolic links of ``folder``: each entry whose name ``names`` accepts when it is a
+    link, and every link under it when it is a real folder (links are listed, never followed)."""
+    folder = Path(folder)
+    found = []
+    for entry in sorted(folder.iterdir()):
+        if not names(entry.name):
+            continue
+        if entry.is_symlink():
+            found.append(entry)
+        elif entry.is_dir():
+            for root, dirs, leaves in os.walk(entry):  # does not descend into linked folders
+                found += sorted(Path(root, n) for n in dirs + leaves if os.path.islink(os.path.join(root, n)))
+    return found
 
 
 def stage_dir(target) -> Path:
@@ -198,9 +224,20 @@ def verify_manifest(folder) -> bool:
     try:
         files = json.loads(path.read_text(encoding="utf-8"))["files"]
     except (ValueError, KeyError, TypeError) as err:
-        raise DamagedError(f"{path} is damaged: {err}") from None
+        raise DamagedError(f"{path} is damaged: {type(err).__name__}: {err}") from None
+    if not isinstance(files, dict):
+        raise DamagedError(f"{path} is damaged: 'files' is a {type(files).__name__}, not a "
+                           "mapping of file names to records")
     for name, expected in files.items():
+        if not (isinstance(expected, dict) and type(expected.get("bytes")) is int
+                and isinstance(expected.get("sha256"), str)):
+            raise DamagedError(f"{path} is damaged: the record of {name!r} is {expected!r}, not "
+                               "{'bytes': <int>, 'sha256': <hex>}")
         file = folder / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise DamagedError(f"{path} is damaged: it lists {name!r}, which is not a file of {folder}")
+        if file.is_symlink():
+            raise DamagedError(f"{file} is a link; a checkpoint holds plain files only")
         if not file.is_file():
             raise DamagedError(f"{file} is missing (listed in {path})")
         if file.stat().st_size != expected["bytes"] or sha256(file) != expected["sha256"]:
@@ -209,6 +246,154 @@ def verify_manifest(folder) -> bool:
     if extra:
         raise DamagedError(f"{folder} holds files its manifest does not list: {', '.join(extra)}")
     return True
+
+
+# Files written by torch.save that nothing loads again (transformers' training arguments,
+# a pickle of a whole object): not checked, never loaded.
+NOT_LOADED = ("training_args.bin",)
+
+
+def _tensor_globals():
+    """The numpy types transformers allows in a checkpoint's random states."""
+    try:
+        from transformers.trainer_pt_utils import safe_globals
+        return safe_globals()
+    except ImportError:  # pragma: no cover - older releases load the random states as tensors
+        return contextlib.nullcontext()
+
+
+def _load_tensors(path: Path):
+    import warnings
+
+    import torch
+    with _tensor_globals(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note on an unusual pickle protocol
+        try:  # mapped, not read: an optimizer's state can be large
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)  # not a zip file
+
+
+def _reason(err: BaseException) -> str:
+    """What ``err`` says is wrong, in one line: for a refused pickle, the global it would
+    have loaded (torch's message goes on to explain how to load it anyway: not for a file
+    that fails its checks)."""
+    text = str(err)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text.split(marker, 1)[1].strip().splitlines()[0].split(". Please")[0]
+        return f"not plain tensor data ({text}); nothing of it was run"
+    text = " ".join(text.split())
+    return f"{type(err).__name__}" + (f": {text[:300]}" if text else "")
+
+
+def check_loadable(folder, keys: dict | None = None) -> None:
+    """Check that each file of ``folder`` parses as what its name says: ``.json`` as JSON,
+    ``.safetensors`` by its header, ``.pt``/``.pth``/``.bin`` by ``torch.load`` with
+    ``weights_only=True`` (tensors and plain containers: a pickle that would run code, or
+    that is cut short, is refused before anything of it runs); a file whose name matches a
+    pattern of ``keys`` (``fnmatch``) must hold a mapping with those keys. Raises
+    :class:`DamagedError` naming the file and what is wrong."""
+    import fnmatch
+
+    folder = Path(folder)
+    for name in _files(folder):
+        path = folder / name
+        suffix = path.suffix
+        try:
+            if suffix == ".json":
+                value = json.loads(path.read_text(encoding="utf-8"))
+            elif suffix == ".safetensors":
+                from safetensors import safe_open
+                with safe_open(str(path), framework="pt") as f:
+                    value = dict.fromkeys(f.keys())
+            elif suffix in (".pt", ".pth", ".bin") and path.name not in NOT_LOADED:
+                value = _load_tensors(path)
+            else:
+                continue
+        except Exception as err:  # noqa: BLE001 - whatever the parser says, as one line
+            raise DamagedError(f"{path} cannot be loaded: {_reason(err)}") from None
+        for pattern, needed in (keys or {}).items():
+            if fnmatch.fnmatch(name, pattern):
+                missing = [k for k in needed if not isinstance(value, dict) or k not in value]
+                if missing:
+                    raise DamagedError(f"{path} is damaged: it holds no {', '.join(missing)}")
+
+
+# ---------------------------------------------------------------------------------------
+# The training data's fingerprint
+
+BLOCK = 1 << 20  # the first and last MiB of each file are hashed
+
+
+def _file_print(path: Path) -> dict:
+    stat = path.stat()
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(BLOCK)).hexdigest()
+        f.seek(max(stat.st_size - BLOCK, 0))
+        tail = hashlib.sha256(f.read(BLOCK)).hexdigest()
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "head_sha256": head,
+            "tail_sha256": tail}
+
+
+def data_fingerprint(data, dataset=None) -> dict:
+    """What identifies the training data ``data``: a local file, or each file of a local folder
+    (hidden ones aside), by size, modification time and the SHA-256 of its first and last
+    ``BLOCK`` bytes; a dataset name by the loaded ``dataset``'s own fingerprint."""
+    path = Path(data)
+    if path.is_file():
+        return {"kind": "file", "files": {path.name: _file_print(path)}}
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        return {"kind": "folder", "files": {p.relative_to(path).as_posix(): _file_print(p) for p in found}}
+    return {"kind": "dataset", "dataset": str(data), "fingerprint": getattr(dataset, "_fingerprint", None)}
+
+
+def fingerprint_changes(data, saved: dict, now: dict) -> list:
+    """How the data ``now`` differs from the ``saved`` fingerprint, one phrase per change
+    naming the file (empty: the same data)."""
+    if "files" not in saved or "files" not in now:
+        if saved.get("fingerprint") != now.get("fingerprint"):
+            return [f"the dataset {data} has another fingerprint ({saved.get('fingerprint')} "
+                    f"at the start, {now.get('fingerprint')} now)"]
+        return []
+    path = Path(data)
+    where = (lambda name: path) if now.get("kind") == "file" else (lambda name: path / name)
+    changes = []
+    before, after = saved["files"], now["files"]
+    for name in sorted(set(before) | set(after)):
+        old, new = before.get(name), after.get(name)
+        if old is None or new is None:
+            changes.append(f"{where(name)} {'appeared' if old is None else 'is gone'}")
+            continue
+        what = [w for w, differs in (
+            (f"size {old.get('bytes')} -> {new['bytes']} bytes", old.get("bytes") != new["bytes"]),
+            ("its first bytes differ", old.get("head_sha256") != new["head_sha256"]),
+            ("its last bytes differ", old.get("tail_sha256") != new["tail_sha256"]),
+            ("modified since", old.get("mtime_ns") != new["mtime_ns"])) if differs]
+        if what:
+            changes.append(f"{where(name)} changed ({', '.join(what)})")
+    return changes
+
+
+def write_failure(err: BaseException, folder) -> OSError | None:
+    """A failed write into ``folder`` as an :class:`OSError` saying so in one line (a full
+    disk by name), or None when ``err`` is not a failed write. torch's zip writer reports a
+    failed write as a ``RuntimeError`` without its errno; the folder's free space tells."""
+    text = str(err)
+    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left" in text
+    failed = full or isinstance(err, OSError) or "file write failed" in text \
+        or "PytorchStreamWriter failed" in text
+    if not failed:
+        return None
+    with contextlib.suppress(OSError):
+        full = full or shutil.disk_usage(Path(folder).parent).free < BLOCK
+    reason = "no space left on device" if full else \
+        (text.strip().splitlines() or [type(err).__name__])[0]
+    return OSError(f"writing {folder} failed: {reason}")
 
 
 # ---------------------------------------------------------------------------------------

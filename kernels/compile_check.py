@@ -371,9 +371,7 @@ def _ast_source(fn, sig: dict, constexprs: dict, attrs: dict):
 def first_configs(specs: list[Spec]) -> list[Spec]:
     """``specs`` with one config of each similarity list: the first (the largest tile, the
     likeliest to spill), for every kernel, flag set, mode and launch; the other
-    kernels whole. What ``.ci/triton_range.sh`` compiles on the older Tritons: every kernel's
-    source through each one's code generator, in a few minutes (the full subset and matrix
-    run on the newest)."""
+    kernels whole (the other dtypes in ``tests/test_compile.py``)."""
     seen, kept = set(), []
     for s in specs:
         tile = {k: v for k, v in s.constexprs.items() if k not in ("BLOCK_R", "BLOCK_D")}
@@ -668,8 +666,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None)
     p.add_argument("--kernel", default=None, help="only this kernel (e.g. _row_kernel)")
     p.add_argument("--first-config", action="store_true",
-                   help="only the first config of each similarity list (the range check "
-                        "on older Tritons, .ci/triton_range.sh)")
+                   help="only the first config of each similarity list")
     p.add_argument("--pairwise", action="store_true",
                    help="only a subset that compiles every pair of flag set, target, launch and "
                         "mode values at least once (after --first-config)")

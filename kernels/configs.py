@@ -75,7 +75,8 @@ SIM_CONFIGS_BY_VARIANT = {
     (90, "fp32", "focal"): [(64, 32, 8, 3)],
     (90, "fp32", "focal-hard"): [(32, 32, 8, 3)],
     (90, "fp32", "focal-hard-mask"): [(32, 16, 8, 3)],
-    (90, "16bit", "rules"): [(128, 64, 8, 3), (64, 64, 8, 3)],
+    (80, "16bit", "rules"): [(64, 64, 8, 3)],
+    (90, "16bit", "rules"): [(64, 64, 8, 3)],
     (80, "16bit", "focal-rules"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "focal-rules"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
@@ -83,8 +84,8 @@ SIM_CONFIGS_BY_VARIANT = {
     (80, "fp32", "focal-rules-guide"): [(64, 16, 8, 3)],
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
-#: sets spills in the tiles above (on the floor, 3.1: 8–240 bytes in a 16-bit launch, where
-#: 3.6 and the newest use 180–250 registers and no spills), so such a Triton autotunes over
+#: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads
+#: in a 16-bit launch, where 3.6 and the newest need none), so such a Triton autotunes over
 #: these lists instead (each spill-free there). A per-version list rather than smaller tiles
 #: for every Triton: 3.6 and the newest keep their larger tiles.
 OLDER_TRITON = (3, 6)
@@ -92,7 +93,6 @@ SIM_CONFIGS_OLDER_TRITON = {
     (90, "16bit", "dclr-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "hard-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "dclr-released-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (90, "16bit", "rules"): [(64, 64, 8, 3)],
     (80, "16bit", "rules-guide"): [(64, 32, 8, 3)],
     (90, "16bit", "rules-guide"): [(64, 32, 8, 3)],
     (80, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)],

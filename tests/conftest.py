@@ -200,3 +200,61 @@ def one_thread():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+def _files_under(folder):
+    """``{relative path: (size, mtime_ns)}`` of every entry under ``folder``, links unfollowed."""
+    found = {}
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            path = os.path.join(root, name)
+            stat = os.lstat(path)
+            found[os.path.relpath(path, folder)] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+class Outside:
+    """A folder beside a test's temporary folder that the code under test must never write
+    to; ``outside / NAME`` is a path in it, :meth:`seal` takes what the test itself put there
+    as what must stay."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        folder.mkdir()
+        (folder / "precious.txt").write_text("not the run's\n")
+        self.seal()
+
+    def __truediv__(self, name):
+        return self.folder / name
+
+    def __fspath__(self):
+        return str(self.folder)
+
+    def seal(self):
+        self.files = _files_under(self.folder)
+
+    def changes(self):
+        now = _files_under(self.folder)
+        return sorted(k for k in set(now) | set(self.files) if now.get(k) != self.files.get(k))
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """Yields an :class:`Outside` folder beside the test's temporary folder (links a trainer
+    test plants point there). After the test, fails it if anything there appeared or
+    changed since the last ``seal()``, or if a new entry appeared beside the temporary folder
+    or in the working directory: a write that left the temporary folder."""
+    watch = Outside(tmp_path.parent / f"{tmp_path.name}-outside")
+    watched = {"beside the temporary folder": tmp_path.parent, "in the working directory": os.getcwd()}
+    before = {where: set(os.listdir(folder)) for where, folder in watched.items()}
+    yield watch
+    problems = []
+    changed = watch.changes()
+    if changed:
+        problems.append(f"written in {watch.folder}: {', '.join(changed)}")
+    for where, folder in watched.items():
+        new = sorted(set(os.listdir(folder)) - before[where])
+        if new:
+            problems.append(f"new {where} ({folder}): {', '.join(new)}")
+    if problems:
+        pytest.fail("the test wrote outside its temporary folder: " + "; ".join(problems))

@@ -12,7 +12,7 @@ from fastcl import augment, common
 from fastcl.trainer import run as train
 from test_train import base_args, step_records, tiny  # noqa: F401  (tiny: the fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # trainer tests: nothing written outside tmp_path
 
 def test_parse_names_rates_and_defaults():
     assert augment.parse("token-cutoff") == augment.Augmentation("token_cutoff", common.AUGMENT_RATES["token_cutoff"])

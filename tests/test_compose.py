@@ -13,7 +13,7 @@ import fastcl
 from fastcl.trainer import run as train
 from test_train import base_args, step_records, tiny  # noqa: F401  (tiny: the fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # trainer tests: nothing written outside tmp_path
 
 
 @pytest.mark.parametrize("method", ["dclr", "simcse-sup", "simcse"])

@@ -32,6 +32,9 @@ if str(EXPERIMENTS) not in sys.path:
 import compare  # noqa: E402
 import sweep  # noqa: E402
 
+# trainer tests: nothing written outside their temporary folders (conftest.py)
+pytestmark = pytest.mark.usefixtures("outside")
+
 
 def make_start_model(root: Path) -> Path:
     """A tiny encoder as a sentence-transformers folder: Transformer -> Pooling (mean) -> Normalize."""

@@ -418,3 +418,139 @@ def test_layout_rules_tiled_matches_the_reference(prob):
     assert abs(got.item() - want.item()) <= 1e-9 * scale
     for x, y in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
         assert (x - y).abs().max() <= 1e-9 * scale * (1 + y.abs().max())
+
+
+# ------------------------------------------------------------------ the trainer's run folder
+# (fastcl-train: what it writes lies inside its run folder, through no link; a run killed
+# after its last step resumes to where the uninterrupted run ended)
+
+RUN_NAMES = ("model", "eval", "runs", "train_log.jsonl", "fastcl_data.json", "train_results.json",
+             "checkpoint-1", "checkpoint-2", "checkpoint-7", "checkpoint-x", ".stage-model-1",
+             ".old-model", ".train_log.jsonl.tmp", ".loss_curve.tmp.png")
+FOREIGN_NAMES = ("notes", "data.txt", ".git", "mine.tmp")
+
+
+@st.composite
+def run_folders(draw):
+    """A run folder's entries: each a file, a folder (maybe holding a link) or a link to
+    something outside the run."""
+    names = draw(st.lists(st.sampled_from(RUN_NAMES + FOREIGN_NAMES), unique=True, max_size=8))
+    return [(name, draw(st.sampled_from(["file", "folder", "folder+link", "link-folder", "link-file"])))
+            for name in names]
+
+
+def _tree(folder):
+    import hashlib
+    import os
+    found = {}
+    for root, dirs, leaves in os.walk(folder):
+        for name in dirs + leaves:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, folder)] = (
+                "link" if os.path.islink(path) else "dir" if os.path.isdir(path)
+                else hashlib.sha256(open(path, "rb").read()).hexdigest())
+    return found
+
+
+@_examples(0.2)
+@given(entries=run_folders(), remove=st.booleans())
+def test_the_run_folder_is_written_through_no_link(entries, remove):
+    """guard_links refuses, naming it, the first link among or under the entries a run writes
+    (a fresh run or --overwrite-output-dir unlinks them); links elsewhere and every target
+    outside stay as they were; a fresh run over an old one keeps no entry of it."""
+    import argparse
+    import os
+    import tempfile
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    from fastcl import files
+    from fastcl.trainer import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out, target = Path(tmp) / "run", Path(tmp) / "outside"
+        out.mkdir()
+        (target / "dir").mkdir(parents=True)
+        (target / "dir" / "weights").write_text("keep")
+        (target / "file").write_text("keep")
+        for name, kind in entries:
+            path = out / name
+            if kind == "file":
+                path.write_text("x")
+            elif kind.startswith("folder"):
+                path.mkdir()
+                if kind == "folder+link":
+                    os.symlink(target / "file", path / "inner")
+            else:
+                os.symlink(target / ("dir" if kind == "link-folder" else "file"), path)
+        outside = _tree(target)
+        written = sorted([out / n for n, k in entries if run.writes(n) and k.startswith("link")]
+                         + [out / n / "inner" for n, k in entries if run.writes(n) and k == "folder+link"])
+        before = _tree(out)
+        if written and not remove:
+            with pytest.raises(OSError, match=f"^{written[0]} is a link"):
+                run.guard_links(out)
+            assert _tree(out) == before
+        else:
+            run.guard_links(out, remove=remove)
+            assert not files.find_links(out, run.writes)
+            assert {k: v for k, v in _tree(out).items() if not run.writes(Path(k).parts[0])} == \
+                {k: v for k, v in before.items() if not run.writes(Path(k).parts[0])}
+        # a fresh run over an earlier one (its config there): nothing of the earlier one stays
+        (out / "fastcl_config.yaml").write_text("method: simcse\n")
+        args = argparse.Namespace(resume=False, overwrite_output_dir=True, allow_nonempty_output_dir=False)
+        run.prepare_output(args, out).release()
+        assert sorted(p.name for p in out.iterdir() if run.writes(p.name)) == [files.LOCK]
+        assert _tree(target) == outside
+
+
+class _Killed(BaseException):
+    pass
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """test_train's tiny models and data."""
+    pytest.importorskip("sentence_transformers")
+    from test_train import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@settings(max_examples=max(1, int(settings.default.max_examples * 0.002)))
+@given(steps=st.integers(1, 4), save=st.integers(1, 4), accumulation=st.sampled_from([1, 2]),
+       schedule=st.sampled_from(["constant", "linear", "cosine"]),
+       point=st.sampled_from(["model-stage", "swap"]))
+def test_a_run_killed_after_its_last_step_ends_where_the_uninterrupted_one_did(
+        tiny, steps, save, accumulation, schedule, point):
+    """Killed anywhere after its last step (writing the model, swapping it in), a run's
+    resume ends with the uninterrupted run's step log, step count and model."""
+    import json
+    import tempfile
+    from pathlib import Path
+    from unittest import mock
+
+    from safetensors.torch import load_file
+
+    from fastcl import files
+    from fastcl.trainer import run
+    from fastcl.trainer.logs import read_log
+    from test_train import base_args
+
+    def crash(name):
+        if name == point:
+            raise _Killed(name)
+
+    extra = dict(steps=steps, save_steps=min(save, steps), lr_scheduler_type=schedule,
+                 gradient_accumulation_steps=accumulation)
+    with tempfile.TemporaryDirectory() as tmp:
+        whole, killed = Path(tmp) / "whole", Path(tmp) / "killed"
+        assert run.main(base_args(tiny, whole, **extra)) == 0
+        with mock.patch.object(files, "crash_point", crash), pytest.raises(_Killed):
+            run.main(base_args(tiny, killed, **extra))
+        assert run.main(base_args(tiny, killed, resume=True, **extra)) == 0
+        logs = [[(r["step"], r["loss"], r["learning_rate"]) for r in read_log(o) if r["type"] == "step"]
+                for o in (whole, killed)]
+        assert logs[0] == logs[1] and logs[0][-1][0] == steps
+        assert json.loads((killed / run.RESULTS).read_text())["steps"] == steps
+        a, b = (load_file(o / "model" / "model.safetensors") for o in (whole, killed))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

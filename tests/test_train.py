@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -28,14 +29,18 @@ from test_evaluate import DATA, make_tiny_model, minilm_path, needs_data, random
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # nothing written outside tmp_path
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny BERT, a tiny RoBERTa, the BERT as a sentence-transformers model (mean pooling,
     Normalize), and training / STS data over their vocabulary."""
-    root = tmp_path_factory.mktemp("tiny")
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+def make_tiny(root):
+    """The content of :func:`tiny`, written to ``root``."""
     rng = random.Random(5)
     make_tiny_model(root / "bert")
     make_tiny_model(root / "roberta", model_type="roberta")
@@ -384,6 +389,300 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(stopped, tmp_path, dama
         train.main(argv + ["--resume"])
 
 
+class Killed(BaseException):
+    """A crash at a write point, in this process (as ``FASTCL_CRASH_AT`` is in another)."""
+
+
+def crash_at(monkeypatch, name):
+    """The next run stops dead at the write point ``name`` (its lock released, nothing
+    cleaned up), as a SIGKILL there would."""
+    def crash(point):
+        if point == name:
+            raise Killed(point)
+    monkeypatch.setattr(files, "crash_point", crash)
+
+
+def model_tensors(folder):
+    from safetensors.torch import load_file
+    return {p.relative_to(folder).as_posix(): load_file(p) for p in sorted(Path(folder).rglob("*.safetensors"))}
+
+
+def untimed(record):
+    """``record`` without its timings (they differ from run to run)."""
+    return {k: v for k, v in record.items() if "runtime" not in k and "per_second" not in k}
+
+
+def run_records(out, types=("step", "eval", "summary")):
+    return [untimed(r) for r in read_log(out) if r["type"] in types]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear"])
+def test_a_run_killed_after_its_last_step_resumes_to_the_uninterrupted_end(tiny, tmp_path, monkeypatch, schedule):
+    """Killed while exporting the model, a run's resume only exports: no step past
+    --max-steps (the trainer, resumed at its last step, would run one more), and the log,
+    the checkpoints, the scheduler and the saved model are the uninterrupted run's. The
+    linear schedule with --sts-dir: the best step's model is exported."""
+    extra = dict(steps=4, save_steps=2, lr_scheduler_type=schedule)
+    if schedule == "linear":
+        extra.update(sts_dir=tiny / "sts", eval_steps=2)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert train.main(base_args(tiny, whole, **extra)) == 0
+    with monkeypatch.context() as m:
+        crash_at(m, "model-stage")
+        with pytest.raises(Killed):
+            train.main(base_args(tiny, killed, **extra))
+    assert not (killed / train.RESULTS).exists()
+    assert train.main(base_args(tiny, killed, resume=True, **extra)) == 0
+    assert run_records(killed) == run_records(whole)
+    assert [r["step"] for r in run_records(killed, ("step",))] == [1, 2, 3, 4]
+    done, again = (json.loads((o / train.RESULTS).read_text()) for o in (whole, killed))
+    assert done["steps"] == again["steps"] == 4 and done["saved_step"] == again["saved_step"]
+    assert [p.name for _, p in train.checkpoints(killed)] == [p.name for _, p in train.checkpoints(whole)]
+    assert (killed / "checkpoint-4" / "scheduler.pt").read_bytes() == (whole / "checkpoint-4" / "scheduler.pt").read_bytes()
+    states = [json.loads((o / "checkpoint-4" / "trainer_state.json").read_text()) for o in (whole, killed)]
+    for state in states:  # the best checkpoint's path names its run's folder; timings differ
+        state["best_model_checkpoint"] = state["best_model_checkpoint"] and Path(state["best_model_checkpoint"]).name
+        state["log_history"] = [untimed(r) for r in state["log_history"]]
+    assert states[0] == states[1] and states[0]["global_step"] == 4
+    a, b = model_tensors(whole / "model"), model_tensors(killed / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[f][k], b[f][k]) for f in a for k in a[f])
+    with pytest.raises(SystemExit, match="has finished"):  # and no further resume adds a step
+        train.main(base_args(tiny, killed, resume=True, **extra))
+
+
+def test_a_link_where_a_checkpoint_goes_is_removed_never_written_through(tiny, tmp_path, outside):
+    """The campaign's case: a finished run's checkpoint replaced by a link to a model folder,
+    trained again with --overwrite-output-dir: the link is removed, the model it points to
+    is untouched, the checkpoint is a real folder of the run."""
+    import shutil
+    out = tmp_path / "R"
+    argv = base_args(tiny, out, steps=3, save_steps=3)
+    assert train.main(argv) == 0
+    mymodel = outside / "mymodel"
+    shutil.copytree(tiny / "bert", mymodel)
+    outside.seal()
+    before = {p.name: p.read_bytes() for p in mymodel.iterdir()}
+    shutil.rmtree(out / "checkpoint-3")
+    os.symlink(mymodel, out / "checkpoint-3")
+    assert train.main(argv + ["--overwrite-output-dir"]) == 0
+    assert {p.name: p.read_bytes() for p in mymodel.iterdir()} == before
+    assert not (out / "checkpoint-3").is_symlink() and files.verify_manifest(out / "checkpoint-3")
+    assert_plain_folder(out)
+
+
+def test_a_link_a_resume_would_write_through_is_refused_naming_it(stopped, tmp_path, outside, capsys):
+    victim = outside / "victim"
+    victim.mkdir()
+    (victim / "config.json").write_text("{}\n")
+    outside.seal()
+    out, argv = copy_run(stopped, tmp_path / "linked")
+    import shutil
+    shutil.rmtree(out / "checkpoint-4")
+    os.symlink(victim, out / "checkpoint-4")  # the resume from checkpoint-2 saves step 4
+    with pytest.raises(SystemExit, match=f"{out / 'checkpoint-4'} is a link .*--overwrite-output-dir"):
+        train.main(argv + ["--resume"])
+    (out / "checkpoint-4").unlink()
+    (out / "runs").mkdir()
+    os.symlink(outside / "precious.txt", out / "runs" / "events.out")  # inside a folder the run writes
+    with pytest.raises(SystemExit, match=f"{out / 'runs' / 'events.out'} is a link"):
+        train.main(argv + ["--resume"])
+    os.symlink(victim, out / "checkpoint-4")
+    assert train.main(argv + ["--resume", "--overwrite-output-dir"]) == 0  # the user agreed
+    assert "removed the link" in capsys.readouterr().err
+    assert os.listdir(victim) == ["config.json"] and (victim / "config.json").read_text() == "{}\n"
+    assert files.verify_manifest(out / "checkpoint-4") and not (out / "checkpoint-4").is_symlink()
+    assert [s for s, _ in losses(out)] == [1, 2, 3, 4]
+
+
+def test_a_link_made_during_training_is_refused_at_the_next_save(tiny, tmp_path, outside, monkeypatch):
+    out = tmp_path / "planted"
+    original = train._stop_callback
+
+    def planting():
+        stop = original()
+        step_end = stop.on_step_end
+
+        def on_step_end(args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.symlink(outside.folder, out / "checkpoint-2")
+            return step_end(args, state, control, **kwargs)
+        stop.on_step_end = on_step_end
+        return stop
+
+    monkeypatch.setattr(train, "_stop_callback", planting)
+    with pytest.raises(SystemExit, match=f"{out / 'checkpoint-2'} is a link"):
+        train.main(base_args(tiny, out, steps=2, save_steps=2))
+
+
+class RunsCode:
+    """A pickle that would create ``path`` when loaded (a code-running checkpoint file)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("name", ["rng_state.pth", "optimizer.pt"])
+def test_a_crafted_pickle_in_a_checkpoint_is_refused_and_nothing_runs(stopped, tmp_path, name):
+    """A checkpoint file replaced by a pickle that would run code, its manifest rewritten to
+    match: one line naming the file, and the code never runs."""
+    out, argv = copy_run(stopped, tmp_path / "crafted")
+    ran = tmp_path / "ran"
+    torch.save(RunsCode(ran), out / "checkpoint-4" / name)
+    files.write_manifest(out / "checkpoint-4")
+    with pytest.raises(SystemExit) as err:
+        train.main(argv + ["--resume"])
+    message = str(err.value)
+    assert f"{out / 'checkpoint-4' / name} cannot be loaded: not plain tensor data" in message
+    assert "\n" not in message and not ran.exists()
+
+
+@pytest.mark.parametrize("damage,message", [
+    ({"files": {"config.json": "abc"}}, r"fastcl_manifest.json is damaged: the record of 'config.json' is 'abc'"),
+    ({"files": ["config.json"]}, r"fastcl_manifest.json is damaged: 'files' is a list"),
+    ({"files": {"../../x": {"bytes": 1, "sha256": "0"}}}, r"fastcl_manifest.json is damaged: it lists '../../x'"),
+    ("trainer_state.json:{\"global_step\": 4", r"checkpoint-4/trainer_state.json cannot be loaded: JSONDecodeError"),
+    ("trainer_state.json:[]", r"checkpoint-4/trainer_state.json is damaged: not the trainer state of step 4"),
+    ("trainer_state.json:{\"global_step\": 3, \"max_steps\": 4}", r"trainer_state.json is damaged: not the trainer state of step 4 \(global_step: 3"),
+    ("model.safetensors:not a safetensors file", r"checkpoint-4/model.safetensors cannot be loaded"),
+    ("scheduler.pt:", r"checkpoint-4/scheduler.pt cannot be loaded"),
+    ("trainer_state.json:{\"global_step\": 4, \"max_steps\": 4, \"log_history\": [], \"x\": 1}",
+     r"trainer_state.json is damaged: .*unexpected keyword argument 'x'"),
+    ("rng_state.pth", r"checkpoint-4/rng_state.pth is damaged: it holds no python, numpy, cpu"),
+    ("optimizer.pt", r"checkpoint-4/optimizer.pt is damaged: it holds no param_groups"),
+])
+def test_a_crafted_or_damaged_checkpoint_file_is_one_line_naming_it(stopped, tmp_path, damage, message):
+    out, argv = copy_run(stopped, tmp_path / "damaged")
+    folder = out / "checkpoint-4"
+    if isinstance(damage, dict):  # a manifest of another shape
+        (folder / files.MANIFEST).write_text(json.dumps(damage))
+    elif ":" in damage:  # a file's content replaced, the manifest rewritten to match
+        name, _, text = damage.partition(":")
+        (folder / name).write_text(text)
+        files.write_manifest(folder)
+    else:  # tensors, not what transformers reads there
+        torch.save({"state": {}}, folder / damage)
+        files.write_manifest(folder)
+    with pytest.raises(SystemExit) as err:
+        train.main(argv + ["--resume"])
+    assert re.search(message, str(err.value)) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_full_disk_while_writing_a_checkpoint_is_one_line_and_loses_nothing(tiny, tmp_path, monkeypatch):
+    import errno
+    out = tmp_path / "full"
+    argv = base_args(tiny, out, steps=4, save_steps=2)
+    save = torch.save
+
+    def full_at_step_4(obj, f, *args, **kwargs):
+        if "checkpoint-4" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, f, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", full_at_step_4)
+        with pytest.raises(SystemExit) as err:
+            train.main(argv)
+    message = str(err.value)
+    assert f"writing {out / 'checkpoint-4'} failed: no space left on device" in message
+    assert "\n" not in message and "--resume" in message
+    assert train.main(argv + ["--resume"]) == 0  # space freed: checkpoint-2 continues
+    assert [s for s, _ in losses(out)] == [1, 2, 3, 4] and (out / train.RESULTS).is_file()
+
+
+def test_a_failed_write_names_the_folder_and_other_errors_pass(tmp_path):
+    torn = RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed "
+                        "writing file data/0: file write failed")
+    assert str(files.write_failure(torn, tmp_path / "checkpoint-2")).startswith(
+        f"writing {tmp_path / 'checkpoint-2'} failed: ")
+    assert files.write_failure(RuntimeError("a bug"), tmp_path) is None
+    import errno
+    assert str(files.write_failure(OSError(errno.ENOSPC, "x"), tmp_path / "c")).endswith(
+        "failed: no space left on device")
+
+
+def test_a_checkpoint_loads_as_the_model_its_dev_score_measured(stopped, tmp_path):
+    """Trained at --max-seq-len 16, a checkpoint keeps the model's own input limit (the one
+    its step's dev evaluation used): it encodes a long text as OUT/model exported from it
+    does. (SimCSE's training-only MLP is fastcl's module: trust_remote_code loads it; it acts
+    in training only.)"""
+    from sentence_transformers import SentenceTransformer
+    out, argv = copy_run(stopped, tmp_path / "ck")
+    assert train.main(argv + ["--resume"]) == 0  # the training had ended: exports checkpoint-4
+    model = SentenceTransformer(str(out / "model"), device="cpu")
+    assert model.max_seq_length > 40
+    from test_evaluate import WORDS
+    rng = random.Random(1)
+    long = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(3)]  # 42 tokens: past the cut
+    for _, folder in train.checkpoints(out):
+        checkpoint = SentenceTransformer(str(folder), device="cpu", trust_remote_code=True)
+        assert checkpoint.max_seq_length == model.max_seq_length
+    torch.testing.assert_close(checkpoint.encode(long, convert_to_tensor=True),
+                               model.encode(long, convert_to_tensor=True), atol=1e-6, rtol=1e-6)
+
+
+def test_resume_refuses_changed_data_naming_the_file(tiny, tmp_path, monkeypatch, capsys):
+    import shutil
+    data = tmp_path / "wiki.txt"
+    shutil.copy(tiny / "train.txt", data)
+    out = tmp_path / "run"
+    argv = base_args(tiny, out, steps=4, save_steps=2)
+    argv[argv.index("--data") + 1] = str(data)
+    with monkeypatch.context() as m:
+        crash_at(m, "model-stage")
+        with pytest.raises(Killed):
+            train.main(argv)
+    assert json.loads((out / train.DATA_RECORD).read_text())["files"]["wiki.txt"]["bytes"] == data.stat().st_size
+    lines = data.read_text().splitlines()
+    random.Random(0).shuffle(lines)
+    data.write_text("\n".join(lines[:-5]) + "\n")  # shuffled and cut
+    with pytest.raises(SystemExit) as err:
+        train.main(argv + ["--resume"])
+    message = str(err.value)
+    assert f"the training data changed since the run started: {data} changed (size " in message
+    assert "--allow-changed-data" in message and "\n" not in message
+    assert train.main(argv + ["--resume", "--allow-changed-data"]) == 0
+    assert f"continuing on changed data: {data} changed" in capsys.readouterr().err
+
+
+def test_the_data_record_of_a_resume(tmp_path, capsys):
+    """A run an earlier fastcl wrote has no record: its resume says the data is not compared,
+    and records it; a damaged record is an error naming it."""
+    from argparse import Namespace
+    data, out = tmp_path / "d.txt", tmp_path / "out"
+    data.write_text("a\nb\n")
+    out.mkdir()
+    args = Namespace(data=str(data), allow_changed_data=False)
+    train.check_data(args, out, None, resumed=True)
+    assert "fastcl_data.json is missing (a run of an earlier fastcl)" in capsys.readouterr().err
+    train.check_data(args, out, None, resumed=True)  # recorded: the same data passes
+    (out / train.DATA_RECORD).write_text("[1")
+    with pytest.raises(files.DamagedError, match=f"{out / train.DATA_RECORD} is damaged"):
+        train.check_data(args, out, None, resumed=True)
+
+
+def test_the_data_fingerprint_sees_each_kind_of_change(tmp_path):
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    big = folder / "a.txt"
+    big.write_bytes(b"x" * (3 * files.BLOCK))
+    (folder / ".hidden").write_text("not data")
+    saved = files.data_fingerprint(folder)
+    assert list(saved["files"]) == ["a.txt"] and not files.fingerprint_changes(folder, saved, saved)
+    with open(big, "r+b") as f:  # the middle of a large file: only its time tells
+        f.seek(files.BLOCK + 10)
+        f.write(b"y")
+    os.utime(big, ns=(1, 1))
+    (folder / "b.txt").write_text("new\n")
+    changes = files.fingerprint_changes(folder, saved, files.data_fingerprint(folder))
+    assert changes == [f"{big} changed (modified since)", f"{folder / 'b.txt'} appeared"]
+    hub = files.fingerprint_changes("someone/wiki", {"dataset": "someone/wiki", "fingerprint": "a1"},
+                                    {"dataset": "someone/wiki", "fingerprint": "b2"})
+    assert hub == ["the dataset someone/wiki has another fingerprint (a1 at the start, b2 now)"]
+
+
 def test_resume_checks_its_options(tiny, stopped, tmp_path):
     out, argv = copy_run(stopped, tmp_path / "r")
     with pytest.raises(SystemExit, match=r"--resume needs the options.*--lr 0.01 \(checkpoint: 0.001\)"):
@@ -448,15 +747,16 @@ def test_a_folder_that_is_not_a_fastcl_run_is_refused(tiny, tmp_path):
     assert (other / "model" / "mine.txt").read_text() == "keep"
 
 
-def test_a_finished_run_is_only_replaced_when_asked_and_links_are_never_followed(tiny, tmp_path):
+def test_a_finished_run_is_only_replaced_when_asked_and_links_are_never_followed(tiny, tmp_path, outside):
     out = tmp_path / "done"
     assert train.main(base_args(tiny, out, steps=1)) == 0
     with pytest.raises(SystemExit, match=r"holds a finished run \(train_results.json\).*--overwrite-output-dir"):
         train.main(base_args(tiny, out, steps=1))
     # links out of the folder, where the model and a checkpoint were
-    victim = tmp_path / "victim"
+    victim = outside / "victim"
     victim.mkdir()
     (victim / "precious.txt").write_text("keep me")
+    outside.seal()
     import shutil
     shutil.rmtree(out / "model")
     os.symlink(victim, out / "model")
@@ -507,6 +807,7 @@ def test_an_interrupted_swap_is_finished_at_the_next_start(tmp_path):
     ({"warmup_ratio": 0.1, "warmup_steps": 2}, "give one"),
     ({"early_stopping_patience": 2}, "--early-stopping-patience needs --sts-dir"),
     ({"mlp_only_train": True, "pooler": "avg"}, "--mlp-only-train/--no-mlp-only-train apply to --pooler cls only"),
+    ({"allow_changed_data": True}, "--allow-changed-data applies to --resume only"),
 ])
 def test_bad_options_name_the_option(tiny, tmp_path, capsys, change, message):
     change = dict(change)

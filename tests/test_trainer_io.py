@@ -19,7 +19,7 @@ from fastcl.trainer.logs import read_log
 from test_evaluate import random_sentence
 from test_train import ROOT, base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # nothing written outside tmp_path
 
 
 @pytest.fixture(autouse=True)
@@ -202,6 +202,30 @@ def test_a_dataset_name_loads_offline_from_the_cache(tmp_path, offline_datasets)
     with pytest.raises(FileNotFoundError, match=r"--data: no such file or folder: someone/tiny-wiki, "
                        r"and load_dataset\('someone/tiny-wiki', split='test'\) failed: .*test"):
         data_io.read_training_data("someone/tiny-wiki", "simcse", split="test")
+
+
+def test_a_dataset_names_fingerprint_follows_its_rows(tmp_path, offline_datasets):
+    """A run on a dataset name records the training dataset's fingerprint (the rows it
+    trains on): the same rows give the same one, other rows another, which a resume names."""
+    from fastcl import files
+    from fastcl.trainer import build
+
+    def fingerprint(rows, where):
+        shutil.rmtree(offline_datasets, ignore_errors=True)
+        where.mkdir()
+        cache_dataset(offline_datasets, where, "someone/tiny-wiki", rows)
+        args = parse(["--method", "simcse", "--model", "m", "--data", "someone/tiny-wiki",
+                      "--output-dir", str(tmp_path / "o"), "--batch-size", "2"])
+        return files.data_fingerprint(args.data, build.build_dataset(args)[0])
+
+    rows = [{"text": f"sentence {i}"} for i in range(4)]
+    first = fingerprint(rows, tmp_path / "a")
+    assert first["dataset"] == "someone/tiny-wiki" and first["fingerprint"]
+    assert fingerprint(rows, tmp_path / "b") == first
+    again = fingerprint(rows[::-1], tmp_path / "c")
+    assert files.fingerprint_changes("someone/tiny-wiki", first, again) == [
+        f"the dataset someone/tiny-wiki has another fingerprint ({first['fingerprint']} at the "
+        f"start, {again['fingerprint']} now)"]
 
 
 def test_a_missing_dataset_name_says_both_what_was_tried(tmp_path):

@@ -156,6 +156,10 @@ def build_parser(prog: str = "fastcl-train") -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint OUTPUT_DIR/checkpoint-N "
                         "(same options as the first run)")
+    g.add_argument("--allow-changed-data", action="store_true",
+                   help="with --resume: continue although the training data changed since the run "
+                        "started (a file's size, time, first or last bytes; a dataset's "
+                        "fingerprint); without it such a resume is refused, naming the file")
     g.add_argument("--seed", type=int, default=42, help="seed of dropout, data order, head and noise (default 42)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto (default): CUDA when available (pick GPUs with CUDA_VISIBLE_DEVICES), "
@@ -381,6 +385,7 @@ def resolve_args(parser, args) -> argparse.Namespace:
         ("none" not in args.report_to or set(args.report_to) == {"none"},
          f"--report-to none cannot be combined with a tracker, got {' '.join(args.report_to)}"),
         (args.hub_model_id is None or args.push_to_hub, "--hub-model-id needs --push-to-hub"),
+        (not args.allow_changed_data or args.resume, "--allow-changed-data applies to --resume only"),
         (pos(args.temperature), f"--temperature must be > 0, got {args.temperature}"),
         (args.phi is None or -1 <= args.phi <= 1, f"--phi must be in [-1, 1], got {args.phi}"),
         (args.noise_ratio is None or args.noise_ratio >= 0, f"--noise-ratio must be >= 0, got {args.noise_ratio}"),
@@ -543,12 +548,12 @@ def parse_args(parser, argv=None) -> argparse.Namespace:
 
 def effective_config(args) -> dict:
     """The options of a run as a config file holds them, so that ``--config`` of it repeats the
-    run: every option that has a value (local paths made absolute), except ``--resume``, and
-    the method options of other methods."""
+    run: every option that has a value (local paths made absolute), except ``--resume`` and
+    ``--allow-changed-data``, and the method options of other methods."""
     options = {a.dest for a in build_parser()._actions if a.option_strings}
     config = {}
     for key, value in vars(args).items():
-        if key not in options or key in ("help", "config", "resume") or value is None:
+        if key not in options or key in ("help", "config", "resume", "allow_changed_data") or value is None:
             continue
         if key in METHOD_OPTIONS and args.method not in METHOD_OPTIONS[key][0]:
             continue

@@ -12,10 +12,17 @@ fastcl adds:
   folder that is not a fastcl run is refused (``--allow-nonempty-output-dir`` trains there
   without removing anything), a finished run is not overwritten without
   ``--overwrite-output-dir``, and nothing is ever removed through a link;
+- **writes inside the run only**: before training and before each checkpoint and the export,
+  every entry the run (or sentence-transformers' trainer) writes is checked to hold no link
+  (:func:`guard_links`): a link is refused naming it; ``--overwrite-output-dir`` unlinks it;
 - **checkpoints that prove they are whole**: each ``checkpoint-N`` gets a manifest of its
   files' SHA-256, written last, before older checkpoints are rotated out. ``--resume`` takes
   the newest complete checkpoint (a newer one a crash left incomplete is removed) and refuses
-  a damaged one, naming the file;
+  a damaged or crafted one (each file must load as data, nothing of a pickle runs), naming
+  the file; a checkpoint keeps the model's own input limit, as its dev score measured it;
+- **a resume that lands where the run would have**: on the same data (its fingerprint,
+  ``fastcl_data.json``; ``--allow-changed-data`` overrides), and a run whose training had
+  ended (killed while exporting) only exports, running no step past the last;
 - **the saved model**: ``OUT/model``, a plain sentence-transformers folder (no links, SimCSE's
   training-only MLP dropped, the model's own input limit), staged beside it and swapped in
   whole (:func:`fastcl.files.swap_in`);
@@ -44,9 +51,10 @@ PROG = "fastcl-train"
 MODEL_DIR = "model"
 RESULTS = "train_results.json"   # written last: a finished run
 CHECKPOINT_PREFIX = "checkpoint-"
+DATA_RECORD = "fastcl_data.json"  # the training data's fingerprint (files.data_fingerprint)
 # What a fastcl run writes at the top of its folder, besides checkpoint-N/.
-OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, "loss_curve.png", "dev_curve.png", "align_uniform.png",
-       "runs", "eval")
+OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, DATA_RECORD, "loss_curve.png", "dev_curve.png",
+       "align_uniform.png", "runs", "eval")
 
 
 def _trainer_class():
@@ -62,15 +70,35 @@ def _trainer_class():
     class Trainer(SentenceTransformerTrainer):
         """sentence-transformers' trainer whose checkpoints carry a manifest: written once the
         checkpoint is complete, before the rotation removes older checkpoints, so a crash at
-        any point leaves at least one complete checkpoint."""
+        any point leaves at least one complete checkpoint. Before each checkpoint ``guard()``
+        checks that the run writes through no link; a checkpoint holds the model with its
+        own input limit ``export_max_seq_length`` (as its dev score measured it), not the
+        training cut; a failed write (a full disk) is one error naming the folder."""
+
+        guard = None
+        export_max_seq_length = None
 
         def _save_checkpoint(self, model, trial):
+            folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
+            if self.args.should_save and self.guard is not None:
+                self.guard()
             limit, self.args.save_total_limit = self.args.save_total_limit, None
+            own = getattr(self.model, "_orig_mod", self.model)
+            cut = own.max_seq_length
+            if self.export_max_seq_length is not None:
+                own.max_seq_length = self.export_max_seq_length
             try:
                 super()._save_checkpoint(model, trial)
+            except (OSError, RuntimeError) as err:
+                failure = files.write_failure(err, folder)
+                if failure is None:
+                    raise
+                raise OSError(f"{failure}; the checkpoint is incomplete (it has no manifest: "
+                              "--resume removes it and takes the one before); free space and "
+                              "continue with --resume") from err
             finally:
                 self.args.save_total_limit = limit
-            folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
+                own.max_seq_length = cut
             if self.args.should_save:
                 files.crash_point("checkpoint-manifest")
                 files.write_manifest(folder)
@@ -168,6 +196,28 @@ def step_of(checkpoint) -> int:
     return int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):])
 
 
+def writes(name: str) -> bool:
+    """Whether a run writes the entry ``name`` of its folder: its own entries, checkpoints,
+    the lock, and the temporary and staged files of its atomic writes."""
+    return (name in OWN or name.startswith(CHECKPOINT_PREFIX) or name == files.LOCK
+            or name.startswith((files._STAGE, files._OLD))
+            or name.startswith(".") and name.endswith((".tmp", ".tmp.png")))
+
+
+def guard_links(out: Path, remove: bool = False) -> None:
+    """The run writes only inside ``out``, never through a link: a link among the entries it
+    writes (or under them) is an error naming it, or with ``remove`` (the user agreed:
+    ``--overwrite-output-dir``) is unlinked, its target untouched."""
+    for link in files.find_links(out, lambda name: writes(name) and name != files.LOCK):
+        if not remove:
+            raise OSError(f"{link} is a link (to {os.readlink(link)}); fastcl-train writes only "
+                          f"inside {out}, never through a link: remove it, or pass "
+                          "--overwrite-output-dir to have it removed (its target is kept)")
+        target = os.readlink(link)
+        link.unlink()
+        _say(f"removed the link {link} (its target {target} is kept)")
+
+
 def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
@@ -211,11 +261,12 @@ def prepare_output(args, out: Path) -> OutputLock:
                              + ("" if finished else "pass --resume to continue it, ")
                              + "or pass --overwrite-output-dir to train there again")
         if not args.resume and ours:
-            # a fresh run: no model, checkpoint or record of the earlier one stays
-            for name in OWN:
-                files.remove_inside(out / name, out)
-            for _step, path in saved:
-                files.remove_inside(path, out)
+            # a fresh run: no model, checkpoint or record of the earlier one stays; a link
+            # among them is unlinked, never followed
+            for entry in sorted(out.iterdir()):
+                if writes(entry.name) and entry.name != files.LOCK:
+                    files.remove_inside(entry, out)
+        guard_links(out, remove=args.overwrite_output_dir)
     except BaseException:
         lock.release()
         raise
@@ -256,10 +307,57 @@ def resume_point(out: Path, main_process: bool) -> Path:
                 return path
             continue
         if files.verify_manifest(path):
+            # a crafted file (its manifest rewritten to match) is refused too
+            files.check_loadable(path, TRAINING_STATE)
+            trainer_state(path)
             return path
         _say(f"removed {path}: a checkpoint whose writing was interrupted")
         files.remove_inside(path, out)
     raise FileNotFoundError(f"--resume: no complete checkpoint in {out}")
+
+
+STATE = "trainer_state.json"
+# What transformers reads of a checkpoint's training state when it resumes.
+# (trainer_state.json: trainer_state)
+TRAINING_STATE = {"optimizer.pt": ("state", "param_groups"), "rng_state*.pth": ("python", "numpy", "cpu")}
+
+
+def trainer_state(checkpoint: Path) -> dict:
+    """The trainer state saved in ``checkpoint``, checked to be the state of its step; an
+    error naming the file otherwise."""
+    path = Path(checkpoint) / STATE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DamagedError(f"{path} is missing") from None
+    except (OSError, ValueError) as err:
+        raise DamagedError(f"{path} is damaged: {type(err).__name__}: {err}") from None
+    step = step_of(checkpoint)
+    if not isinstance(state, dict) or state.get("global_step") != step \
+            or type(state.get("max_steps")) is not int:
+        shown = state.get("global_step") if isinstance(state, dict) else type(state).__name__
+        raise DamagedError(f"{path} is damaged: not the trainer state of step {step} "
+                           f"(global_step: {shown!r}, max_steps: "
+                           f"{state.get('max_steps') if isinstance(state, dict) else None!r})")
+    from transformers import TrainerState
+    try:  # as transformers reads it
+        TrainerState(**state)
+    except TypeError as err:
+        raise DamagedError(f"{path} is damaged: {err}") from None
+    return state
+
+
+def training_finished(state: dict, args) -> bool:
+    """Whether the training a checkpoint's ``state`` saved had ended: its last step reached,
+    or early stopping run out of patience. Its resume then only exports the model (the
+    trainer, resumed there, would run a step past the end)."""
+    if state["global_step"] >= state["max_steps"]:
+        return True
+    early = (state.get("stateful_callbacks") or {}).get("EarlyStoppingCallback") or {}
+    early = (early[-1] if early else {}) if isinstance(early, list) else early
+    counter = (early.get("attributes") or {}).get("early_stopping_patience_counter")
+    patience = args.early_stopping_patience
+    return bool(patience) and isinstance(counter, int) and counter >= patience
 
 
 # ---------------------------------------------------------------------------------------
@@ -339,6 +437,53 @@ def main(argv=None, prog: str = PROG) -> int:
             lock.release()
 
 
+def check_data(args, out: Path, dataset, resumed: bool) -> None:
+    """Record the training data's fingerprint in ``out/DATA_RECORD``; on a resume, first
+    compare it with the recorded one: changed data is an error naming the file, unless
+    ``--allow-changed-data`` (a resume on other data trains on other batches)."""
+    now = files.data_fingerprint(args.data, dataset)
+    record = out / DATA_RECORD
+    if resumed and not record.is_file():
+        _say(f"warning: {record} is missing (a run of an earlier fastcl): the training data "
+             "cannot be compared with the run's")
+    elif resumed:
+        try:
+            saved = json.loads(record.read_text(encoding="utf-8"))
+            if not isinstance(saved, dict):
+                raise ValueError(f"a {type(saved).__name__}, not a mapping")
+        except (OSError, ValueError) as err:
+            raise DamagedError(f"{record} is damaged: {err}") from None
+        changes = files.fingerprint_changes(args.data, saved, now)
+        if changes and not args.allow_changed_data:
+            raise ValueError("--resume: the training data changed since the run started: "
+                             + "; ".join(changes) + ". Resumed on other data, the run would not "
+                             "be the one it continues; restore the data, or pass "
+                             "--allow-changed-data to continue on it anyway")
+        if changes:
+            _say("warning: --allow-changed-data: continuing on changed data: " + "; ".join(changes))
+    files.replace_text(record, json.dumps({"data": str(args.data), **now}, indent=1) + "\n")
+
+
+def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None:
+    """A resume of a run whose training had ended (killed while exporting): the trainer
+    takes the checkpoint's state and model, or with ``--sts-dir`` the best step's model, as
+    the uninterrupted run ended with, and no step is run."""
+    from transformers import TrainerState
+
+    trainer.state = TrainerState.load_from_json(str(checkpoint / STATE))
+    best = trainer.state.best_model_checkpoint
+    # the state names the folder the run had then; the checkpoint is this folder's
+    source = out / Path(best).name if args.sts_dir and best else checkpoint
+    if source != checkpoint:
+        if not files.verify_manifest(source):
+            raise FileNotFoundError(f"--resume: {source}, the best step's checkpoint, is missing "
+                                    "or incomplete")
+        files.check_loadable(source)
+    trainer._load_from_checkpoint(str(source))
+    _say(f"the training had ended at step {trainer.state.global_step} ({checkpoint.name}): "
+         f"exporting the model of {source.name}, no step is run")
+
+
 def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     import transformers
     from transformers import EarlyStoppingCallback
@@ -348,6 +493,8 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     transformers.set_seed(args.seed)  # the head's initialization
     device = "cpu" if args.device == "cpu" else None
     dataset, skipped, source = build.build_dataset(args)
+    if main_process:
+        check_data(args, out, dataset, resumed=bool(checkpoint))
     model = build.build_model(args, device=device)
     loss = build.build_loss(args, model, device=device)
     training_args = build.build_arguments(args)
@@ -376,7 +523,13 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping_patience))
     trainer = _trainer_class()(model=model, args=training_args, train_dataset=dataset, loss=loss,
                                evaluator=evaluator, callbacks=callbacks)
-    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.guard = lambda: guard_links(out)
+    trainer.export_max_seq_length = args.model_max_seq_length
+    state = trainer_state(Path(checkpoint)) if checkpoint else None
+    if state is not None and training_finished(state, args):
+        _finish_without_training(trainer, args, out, Path(checkpoint))
+    else:
+        trainer.train(resume_from_checkpoint=checkpoint)
     if stop.signum:
         if main_process:
             _say(f"stopped by signal {stop.signum} after step {trainer.state.global_step}: "
@@ -392,6 +545,7 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
         best = step_of(trainer.state.best_model_checkpoint)
     saved_step = (best if args.sts_dir else None) or trainer.state.global_step
     cmp = comparison(records, args.select, saved_step) if args.sts_dir else None
+    guard_links(out)
     target = save_model(trainer.model, args, out, cmp)
     summary = {"method": args.method, "steps": trainer.state.global_step, "saved_step": saved_step,
                "select": args.select if args.sts_dir else None, "comparison": cmp,
