@@ -185,26 +185,26 @@ def write_json(path: Path, obj) -> None:
 
 
 def run_dir(args, name: str) -> Path:
-    """train.py's --output-dir of the run ``name``."""
+    """train.py's --output_dir of the run ``name``."""
     return Path(args.work_dir) / "runs" / name
 
 
 def train_command(args, method: str, seed: int, data: Path, out: Path, resume: bool,
                   extra=()) -> list:
     """The train.py command of one run; ``extra``: its own flags (e.g. ``--phi 0.6``).
-    Checkpoints at every dev evaluation (``--save-steps`` = ``--eval-steps``), so the best
+    Checkpoints at every dev evaluation (``--save_steps`` = ``--eval_steps``), so the best
     evaluated step is kept and an interrupted run resumes from its last evaluation."""
     cmd = [sys.executable, str(REPO / "train.py"), "--method", method, "--model", args.model,
-           "--data", str(data), "--output-dir", str(out), "--seed", str(seed),
-           "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--max-steps", str(args.steps),
-           "--max-seq-len", str(args.max_seq_len),
-           "--sts-dir", str(args.sts_dir), "--eval-steps", str(args.eval_steps),
-           "--select", args.select, "--save-steps", str(args.eval_steps),
-           "--eval-batch-size", str(args.eval_batch_size)]
+           "--data", str(data), "--output_dir", str(out), "--seed", str(seed),
+           "--per_device_train_batch_size", str(args.batch_size), "--learning_rate", str(args.lr),
+           "--max_steps", str(args.steps), "--max_seq_len", str(args.max_seq_len),
+           "--sts_dir", str(args.sts_dir), "--eval_steps", str(args.eval_steps),
+           "--select", args.select, "--save_steps", str(args.eval_steps),
+           "--per_device_eval_batch_size", str(args.eval_batch_size)]
     if args.pooler:
-        cmd += ["--pooler", args.pooler] + (["--mlp-only-train"] if args.pooler == "cls" else [])
-    if args.device != "auto":
-        cmd += ["--device", args.device]
+        cmd += ["--pooler", args.pooler] + (["--mlp_only_train", "true"] if args.pooler == "cls" else [])
+    if args.device == "cpu":
+        cmd += ["--use_cpu"]
     if method == "dclr":
         # a sentence-transformers folder: train.py keeps its modules, the pooler it was saved with
         cmd += ["--complementary", str(run_dir(args, f"simcse-seed{seed}") / MODEL_DIR)]

@@ -155,7 +155,7 @@ def augment_run(spec: str) -> tuple:
 def combo_run(args, phi: float) -> tuple:
     m = slug(args.combo_focal_m)
     return ("combo", f"DCLR φ={slug(phi)} + Focal m={m}", "dclr", f"dclr-phi{slug(phi)}-focal{m}",
-            ["--phi", slug(phi), "--focal-m", m])
+            ["--phi", slug(phi), "--focal_m", m])
 
 
 def screen(args, data, config, cache) -> str:

@@ -105,7 +105,7 @@ def _text_column(names, texts, text_column, where: str, method: str) -> str:
     """The sentence column of a table with columns ``names`` (``texts``: those holding text)."""
     if text_column:
         if text_column not in names:
-            raise ValueError(f"--text-column: {where} has no column {text_column!r} "
+            raise ValueError(f"--text_column: {where} has no column {text_column!r} "
                              f"(its columns: {list(names)})")
         return text_column
     for name in TEXT_COLUMNS:
@@ -115,7 +115,7 @@ def _text_column(names, texts, text_column, where: str, method: str) -> str:
         return texts[0]
     raise ValueError(f"--data: method {method} trains on a text file with one sentence a line "
                      f"or on one text column; {where} has columns {list(names)}, none named "
-                     f"{' or '.join(TEXT_COLUMNS)}: choose one with --text-column")
+                     f"{' or '.join(TEXT_COLUMNS)}: choose one with --text_column")
 
 
 def read_csv_columns(path, pick, *, delimiter: str = ",") -> tuple:
@@ -208,7 +208,7 @@ def read_snli(folder, splits=None) -> TrainingData:
         raise ValueError(f"--data: {folder} has no s1.<split>/s2.<split>/labels.<split> files")
     absent = [s for s in splits if s not in available]
     if absent:
-        raise ValueError(f"--snli-splits: {folder} lacks split(s) {', '.join(absent)} "
+        raise ValueError(f"--snli_splits: {folder} lacks split(s) {', '.join(absent)} "
                          f"(found: {', '.join(available) or 'none'})")
     groups: dict = {}
     for split in splits:
@@ -366,7 +366,7 @@ def read_files(files: list, method: str, *, text_column=None, columns=None,
                              f"(or a .tsv, .json, .jsonl, .parquet file or dataset, --columns "
                              f"picking the columns) or a SentEval SNLI folder, got {files[0].name}")
         if text_column:
-            raise ValueError(f"--text-column: {files[0].name} is a text file with one sentence "
+            raise ValueError(f"--text_column: {files[0].name} is a text file with one sentence "
                              "a line; it has no columns")
         return _concat([read_sentences(f) for f in files], source)
     if fmt in ("csv", "tsv"):
@@ -403,16 +403,16 @@ def read_training_data(path, method: str, snli=None, *, text_column=None, column
     supervised = _supervised(method)
     if columns and not supervised:
         raise ValueError(f"--columns applies to simcse-sup; method {method} reads one text "
-                         "column (--text-column)")
+                         "column (--text_column)")
     if text_column and supervised:
-        raise ValueError(f"--text-column applies to unsupervised methods; {method} reads "
+        raise ValueError(f"--text_column applies to unsupervised methods; {method} reads "
                          "anchor,positive[,hard_negative] columns (--columns)")
     if columns:
         parse_columns(columns)
     if snli and not path.is_dir():
-        raise ValueError(f"--snli-splits applies to a SentEval SNLI folder, not to {path.name}")
+        raise ValueError(f"--snli_splits applies to a SentEval SNLI folder, not to {path.name}")
     if split != "train" and path.exists():
-        raise ValueError(f"--data-split applies to a dataset name; {path} is a local "
+        raise ValueError(f"--data_split applies to a dataset name; {path} is a local "
                          f"{'folder' if path.is_dir() else 'file'}")
     if not path.exists():
         if _looks_like_a_path(name):
@@ -428,7 +428,7 @@ def read_training_data(path, method: str, snli=None, *, text_column=None, column
         data = read_snli(path, snli)
     elif path.is_dir():
         if snli:
-            raise ValueError(f"--snli-splits applies to a SentEval SNLI folder; {path} holds no "
+            raise ValueError(f"--snli_splits applies to a SentEval SNLI folder; {path} holds no "
                              "s1.<split>/s2.<split>/labels.<split> files")
         files = folder_files(path)
         if not files:

@@ -34,10 +34,10 @@ def test_trainer_focal_m_changes_the_loss(tiny, tmp_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("method,extra,message", [
-    ("focal", {"focal_m": 0.3}, "--focal-m applies to --method simcse, simcse-sup or dclr only; "
+    ("focal", {"focal_m": 0.3}, "--focal_m applies to --method simcse, simcse-sup or dclr only; "
                                 "--method focal takes its margin as --m"),
-    ("escl", {"focal_m": 0.3}, "--focal-m applies to --method"),
-    ("dclr", {"focal_m": 0.3, "dclr_formulation": "released"}, "--focal-m combines with"),
+    ("escl", {"focal_m": 0.3}, "--focal_m applies to --method"),
+    ("dclr", {"focal_m": 0.3, "dclr_formulation": "released"}, "--focal_m combines with"),
 ])
 def test_trainer_refuses_focal_m_where_it_does_not_apply(tiny, tmp_path, capsys, method, extra,  # noqa: F811
                                                          message):

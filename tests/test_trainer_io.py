@@ -73,7 +73,7 @@ def test_each_table_format_gives_its_sentence_column(tmp_path, suffix):
     assert data.kind == "sentences" and data.skipped == 2  # the None and the blank one
     texts = [t.strip() for t in data.dataset["text"]]
     assert texts == ["the cat sat, on the mat", 'a "quoted" dog ran', "red apple"]
-    # --text-column picks another column
+    # --text_column picks another column
     picked = data_io.read_training_data(path, "simcse", text_column="source")
     assert list(picked.dataset["text"]) == [f"s{i}" for i in range(5)] and picked.skipped == 0
 
@@ -105,19 +105,19 @@ def test_which_text_column_by_default(tmp_path):
     one = write_table(tmp_path / "one.jsonl", [{"id": 1, "body": "a b"}, {"id": 2, "body": "c"}])
     assert list(data_io.read_training_data(one, "focal").dataset["text"]) == ["a b", "c"]
     two = write_table(tmp_path / "two.parquet", [{"title": "t", "body": "a b"}])
-    with pytest.raises(ValueError, match=r"--data: method focal trains on .*\['title', 'body'\].*--text-column"):
+    with pytest.raises(ValueError, match=r"--data: method focal trains on .*\['title', 'body'\].*--text_column"):
         data_io.read_training_data(two, "focal")
-    with pytest.raises(ValueError, match=r"--text-column: .*two.parquet has no column 'text'.*\['title', 'body'\]"):
+    with pytest.raises(ValueError, match=r"--text_column: .*two.parquet has no column 'text'.*\['title', 'body'\]"):
         data_io.read_training_data(two, "focal", text_column="text")
     with pytest.raises(ValueError, match=r"column 'id' holds .*int64.*not text"):
         data_io.read_training_data(one, "focal", text_column="id")
     with pytest.raises(ValueError, match="--columns applies to simcse-sup"):
         data_io.read_training_data(one, "focal", columns="id,body")
-    with pytest.raises(ValueError, match="--text-column applies to unsupervised"):
+    with pytest.raises(ValueError, match="--text_column applies to unsupervised"):
         data_io.read_training_data(one, "simcse-sup", text_column="body")
     with pytest.raises(ValueError, match="--columns takes 2 or 3 distinct"):
         data_io.read_training_data(one, "simcse-sup", columns="body")
-    with pytest.raises(ValueError, match="--data-split applies to a dataset name; .*one.jsonl is a local file"):
+    with pytest.raises(ValueError, match="--data_split applies to a dataset name; .*one.jsonl is a local file"):
         data_io.read_training_data(one, "focal", split="test")
 
 
@@ -215,8 +215,10 @@ def test_a_dataset_names_fingerprint_follows_its_rows(tmp_path, offline_datasets
         where.mkdir()
         cache_dataset(offline_datasets, where, "someone/tiny-wiki", rows)
         args = parse(["--method", "simcse", "--model", "m", "--data", "someone/tiny-wiki",
-                      "--output-dir", str(tmp_path / "o"), "--batch-size", "2"])
-        return files.data_fingerprint(args.data, build.build_dataset(args)[0])
+                      "--output_dir", str(tmp_path / "o"), "--per_device_train_batch_size", "2"])
+        import datasets   # as the trainer records it (check_data): the rows' own fingerprint
+        rows = data_io.read_training_data(args.data, args.method).dataset.to_dict()
+        return files.data_fingerprint(args.data, datasets.Dataset.from_dict(rows))
 
     rows = [{"text": f"sentence {i}"} for i in range(4)]
     first = fingerprint(rows, tmp_path / "a")
@@ -255,8 +257,8 @@ def test_training_on_jsonl_and_parquet(tiny, tmp_path):
     assert start["examples"] == 20 and start["skipped"] == 1
     assert [r["step"] for r in step_records(out)] == [1, 2]
     assert all(r["loss"] > 0 for r in step_records(out))
-    with pytest.raises(SystemExit, match=r"--data-split applies to a dataset name"):
-        train.main(args + ["--overwrite-output-dir", "--data-split", "test"])
+    with pytest.raises(SystemExit, match=r"--data_split applies to a dataset name"):
+        train.main(args + ["--overwrite_output_dir", "--data_split", "test"])
     # supervised pairs from parquet with --columns
     sup = write_table(tmp_path / "nli.parquet", [{"q": random_sentence(rng), "a": random_sentence(rng)}
                                                   for _ in range(12)])
@@ -268,7 +270,7 @@ def test_training_on_jsonl_and_parquet(tiny, tmp_path):
 
 def test_column_options_are_checked_before_training(tiny, tmp_path, capsys):
     for method, extra, message in (("simcse", {"columns": "a,b"}, "--columns applies to --method simcse-sup"),
-                                   ("simcse-sup", {"text_column": "x"}, "--text-column applies to unsupervised"),
+                                   ("simcse-sup", {"text_column": "x"}, "--text_column applies to unsupervised"),
                                    ("simcse-sup", {"columns": "a"}, "--columns takes 2 or 3")):
         with pytest.raises(SystemExit) as err:
             train.main(base_args(tiny, tmp_path / "o", method, **extra))
@@ -295,26 +297,28 @@ def test_config_round_trip_repeats_the_run(tiny, tmp_path):
 method: simcse
 model: {tiny / 'bert'}
 data: {data}
-output-dir: {tmp_path / 'first'}   # the flag's spelling works too
-batch_size: 4
+output-dir: {tmp_path / 'first'}   # the flag's other spelling works too
+per_device_train_batch_size: 4
 max_steps: 2
 max_seq_len: 16
-lr: 1e-3            # YAML reads this as a string: the option's own type converts it
+learning_rate: 1e-3   # YAML reads this as a string: the option's own type converts it
 pooler: cls
 mlp_only_train: false
-device: null        # null: the default
+use_cpu: true
+sts_dir: none
+bf16: null          # null: the default
 """)
     assert train.main(["--config", str(config), "--seed", "7"]) == 0  # flags override the file
     first = tmp_path / "first"
     (start,) = [r for r in read_log(first) if r["type"] == "start"]
-    assert start["args"]["seed"] == 7 and start["args"]["batch_size"] == 4
-    assert start["args"]["lr"] == 1e-3 and start["args"]["mlp_only_train"] is False
+    assert start["args"]["seed"] == 7 and start["args"]["per_device_train_batch_size"] == 4
+    assert start["args"]["learning_rate"] == 1e-3 and start["args"]["mlp_only_train"] is False
     saved = yaml.safe_load((first / cli.CONFIG_FILE).read_text())
     assert saved["seed"] == 7 and saved["data"] == str(data.resolve()) and "resume" not in saved
     assert saved["output_dir"] == str(first.resolve()) and "phi" not in saved  # dclr's only
     # the saved file repeats the run: same options, same losses
     second = tmp_path / "second"
-    assert train.main(["--config", str(first / cli.CONFIG_FILE), "--output-dir", str(second)]) == 0
+    assert train.main(["--config", str(first / cli.CONFIG_FILE), "--output_dir", str(second)]) == 0
     (again,) = [r for r in read_log(second) if r["type"] == "start"]
     drop = ("output_dir", "config")
     assert {k: v for k, v in again["args"].items() if k not in drop} == \
@@ -325,15 +329,17 @@ device: null        # null: the default
     as_json.write_text(json.dumps(saved))
     assert options(parse(["--config", str(as_json)])) == \
         options(parse(["--config", str(first / cli.CONFIG_FILE)]))
+    # as HF's scripts take one: the file as the only argument
+    assert options(parse([str(config)])) == options(parse(["--config", str(config)]))
 
 
 @pytest.mark.parametrize("method,extra", [
-    ("simcse", []), ("simcse-sup", ["--pooler", "avg", "--snli-splits", "dev", "test"]),
-    ("dclr", ["--phi", "0.5", "--complementary", "x", "--no-mlp-only-train"]),
-    ("escl", ["--rd", "margin", "--mini-batch-size", "3"]), ("focal", ["--pooler", "avg_top2"]),
+    ("simcse", ["--sts_dir", "none"]), ("simcse-sup", ["--pooler", "avg", "--snli_splits", "dev", "test"]),
+    ("dclr", ["--phi", "0.5", "--complementary", "x", "--mlp_only_train", "false", "--bf16"]),
+    ("escl", ["--rd", "margin", "--mini_batch_size", "3", "--keep_last"]), ("focal", ["--pooler", "avg_top2"]),
 ])
 def test_the_saved_config_parses_back_to_the_same_options(tmp_path, method, extra):
-    argv = ["--method", method, "--model", "m", "--data", "d", "--output-dir", str(tmp_path), *extra]
+    argv = ["--method", method, "--model", "m", "--data", "d", "--output_dir", str(tmp_path), *extra]
     args = parse(argv)
     if method == "dclr":
         args.noise_ratio = 1.0  # resolved from the model family at set-up
@@ -344,12 +350,13 @@ def test_the_saved_config_parses_back_to_the_same_options(tmp_path, method, extr
 
 @pytest.mark.parametrize("text,message", [
     ("method: simcse\nbatch_sise: 4\n", r"run.yaml: unknown key 'batch_sise'"),
-    ("batch_size: many\n", r"run.yaml: argument --batch-size: invalid int value: 'many'"),
+    ("per_device_train_batch_size: many\n",
+     r"run.yaml: argument --per_device_train_batch_size.*: invalid int value: 'many'"),
     ("mlp_only_train: 1\n", r"run.yaml: mlp_only_train: expected true or false"),
-    ("batch_size: true\n", r"run.yaml: batch_size: expected a number or a string"),
+    ("learning_rate: true\n", r"run.yaml: learning_rate: expected a number or a string"),
     ("pooler: max\n", r"run.yaml: argument --pooler: invalid choice: 'max'"),
-    ("batch_size: 4\nbatch-size: 8\n", r"'batch-size' and 'batch_size' set the same option|"
-                                       r"'batch_size' and 'batch-size' set the same option"),
+    ("max_steps: 4\nmax-steps: 8\n", r"'max-steps' and 'max_steps' set the same option|"
+                                     r"'max_steps' and 'max-steps' set the same option"),
     ("- method\n- simcse\n", r"run.yaml must hold a mapping of option names to values, not a list"),
     ("method: [unclosed\n", r"run.yaml is not valid YAML"),
     ("config: other.yaml\n", r"unknown key 'config'"),
@@ -359,7 +366,7 @@ def test_config_errors_name_the_file_and_key(tmp_path, capsys, text, message):
     path.write_text(text)
     with pytest.raises(SystemExit) as err:
         parse(["--config", str(path), "--method", "simcse", "--model", "m", "--data", "d",
-               "--output-dir", "o"])
+               "--output_dir", "o"])
     assert err.value.code == 2
     assert __import__("re").search(message, capsys.readouterr().err)
 
@@ -371,13 +378,15 @@ def test_config_files_and_recipes_that_do_not_exist(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse(["--config", spec])
         assert message in capsys.readouterr().err
-    # required options may come from the file; what neither gives is still required
+    # the method may come from the file; neither giving it is an error
     path = tmp_path / "run.json"
-    path.write_text(json.dumps({"method": "simcse", "model": "m", "data": "d"}))
+    path.write_text(json.dumps({"model": "m", "data": "d"}))
     with pytest.raises(SystemExit):
         parse(["--config", str(path)])
-    assert "the following arguments are required: --output-dir" in capsys.readouterr().err
-    assert parse(["--config", str(path), "--output-dir", "o"]).method == "simcse"
+    assert "the following arguments are required: --method" in capsys.readouterr().err
+    assert parse(["--config", str(path), "--method", "simcse"]).method == "simcse"
+    path.write_text(json.dumps({"method": "escl", "model": "m"}))
+    assert parse(["--config", str(path)]).method == "escl"
 
 
 RECIPES = ["dclr-bert", "dclr-roberta", "escl-bert", "escl-roberta", "focal-bert", "focal-roberta",
@@ -390,18 +399,21 @@ def test_the_papers_recipes_ship_and_resolve(capsys):
     for name, a in args.items():
         assert a.method == name.rsplit("-", 1)[0] and a.temperature == 0.05 and a.max_seq_len == 32
         assert a.model == {"bert": "bert-base-uncased", "roberta": "roberta-base"}[name.rsplit("-", 1)[1]]
-        assert a.eval_steps == 125 and a.pooler == "cls" and a.sts_dir is None
-    assert (args["simcse-bert"].batch_size, args["simcse-bert"].lr, args["simcse-bert"].epochs) == (64, 3e-5, 1)
+        assert a.eval_steps == 125 and a.pooler == "cls" and a.sts_dir == str(cli.SAMPLES)
+    simcse = args["simcse-bert"]
+    assert (simcse.per_device_train_batch_size, simcse.learning_rate, simcse.num_train_epochs) == (64, 3e-5, 1)
     assert args["simcse-bert"].mlp_only_train and args["simcse-bert"].select == "stsb"
     sup = args["simcse-sup-bert"]
-    assert (sup.batch_size, sup.lr, sup.epochs, sup.mlp_only_train) == (512, 5e-5, 3, False)
-    assert (args["dclr-bert"].phi, args["dclr-bert"].noise_ratio, args["dclr-bert"].batch_size) == (0.9, 1.0, 128)
+    assert (sup.per_device_train_batch_size, sup.learning_rate, sup.num_train_epochs, sup.mlp_only_train) == \
+        (512, 5e-5, 3, False)
+    dclr = args["dclr-bert"]
+    assert (dclr.phi, dclr.noise_ratio, dclr.per_device_train_batch_size) == (0.9, 1.0, 128)
     assert (args["dclr-roberta"].phi, args["dclr-roberta"].noise_ratio) == (0.85, 2.5)
     assert args["dclr-roberta"].complementary == "runs/simcse-roberta-base/model" and args["dclr-bert"].select == "avg"
     assert args["focal-bert"].m == 0.3
     assert (args["escl-bert"].rd_weight, args["escl-bert"].sensitive_dropout) == (2.5e-3, 0.45)
     # the command line overrides a recipe
-    assert parse(["--config", "recipe:simcse-bert", "--batch-size", "32"]).batch_size == 32
+    assert parse(["--config", "recipe:simcse-bert", "--per_device_train_batch_size", "32"]).per_device_train_batch_size == 32
     # --help lists them
     with pytest.raises(SystemExit):
         parse(["--help"])
@@ -415,12 +427,29 @@ def test_the_recipes_are_package_data():
     assert setuptools["package-data"]["fastcl.trainer.recipes"] == ["*.yaml"]
 
 
+def test_the_shipped_samples_are_the_defaults_and_small(tmp_path):
+    """Nothing to download: the unsupervised methods train on the shipped Wikipedia sample
+    and score on STS-B dev's CC BY-SA part (licences in samples/README.md)."""
+    args = parse(["--method", "simcse"])
+    assert args.data == str(cli.SAMPLES / "wiki-sample.txt") and args.sts_dir == str(cli.SAMPLES)
+    assert args.model == "all-MiniLM-L6-v2"
+    sizes = [p.stat().st_size for p in cli.SAMPLES.rglob("*") if p.is_file()]
+    assert sum(sizes) <= 1_000_000
+    assert len(data_io.read_training_data(args.data, "simcse")) > 5000
+    from fastcl.evaluate import load_task
+    assert len(load_task(cli.SAMPLES, "stsb-dev")) == 375
+    licence = (cli.SAMPLES / "README.md").read_text()
+    assert "CC BY-SA" in licence and "wiki-sample.txt" in licence
+    with pytest.raises(SystemExit):   # no supervised sample ships
+        parse(["--method", "simcse-sup"])
+
+
 def test_mask_duplicates_follows_the_sampler(tmp_path):
     """simcse-sup masks duplicate texts where its batches may hold them (the plain sampler);
     its default no_duplicates sampler keeps them out already; every method takes the option."""
-    base = ["--model", "m", "--data", "d", "--output-dir", str(tmp_path / "o")]
+    base = ["--model", "m", "--data", "d", "--output_dir", str(tmp_path / "o")]
     assert parse(base + ["--method", "simcse-sup"]).mask_duplicates is False
-    assert parse(base + ["--method", "simcse-sup", "--batch-sampler", "batch_sampler"]).mask_duplicates is True
+    assert parse(base + ["--method", "simcse-sup", "--batch_sampler", "batch_sampler"]).mask_duplicates is True
     assert parse(base + ["--method", "simcse"]).mask_duplicates is False
-    assert parse(base + ["--method", "simcse", "--mask-duplicates"]).mask_duplicates is True
-    assert parse(base + ["--method", "escl", "--mask-duplicates"]).mask_duplicates is True
+    assert parse(base + ["--method", "simcse", "--mask_duplicates", "true"]).mask_duplicates is True
+    assert parse(base + ["--method", "escl", "--mask_duplicates", "true"]).mask_duplicates is True

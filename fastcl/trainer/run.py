@@ -1,34 +1,15 @@
-"""One training run on ``SentenceTransformerTrainer``, and what fastcl adds to it.
-
-sentence-transformers and transformers do the training: the loop, precision, accumulation,
-scheduling, the batch sampler, several processes, callbacks, trackers, checkpoints
-(``OUT/checkpoint-N``: model, optimizer, scheduler, every process's random states) and resume.
-fastcl adds:
-
-- **its losses and evaluator**: :mod:`.build`; the dev evaluation runs at step 0 too, so the
-  base model as its users use it is the first record, and a run that makes it worse says so
-  (on the console and in the model card);
-- **one run per folder**: an exclusive lock (:class:`fastcl.files.OutputLock`); a non-empty
-  folder that is not a fastcl run is refused (``--allow-nonempty-output-dir`` trains there
-  without removing anything), a finished run is not overwritten without
-  ``--overwrite-output-dir``, and nothing is ever removed through a link;
-- **writes inside the run only**: before training and before each checkpoint and the export,
-  every entry the run (or sentence-transformers' trainer) writes is checked to hold no link
-  (:func:`guard_links`): a link is refused naming it; ``--overwrite-output-dir`` unlinks it;
-- **checkpoints that prove they are whole**: each ``checkpoint-N`` gets a manifest of its
-  files' SHA-256, written last, before older checkpoints are rotated out. ``--resume`` takes
-  the newest complete checkpoint (a newer one a crash left incomplete is removed) and refuses
-  a damaged or crafted one (each file must load as data, nothing of a pickle runs), naming
-  the file; a checkpoint keeps the model's own input limit, as its dev score measured it;
-- **a resume that lands where the run would have**: on the same data (its fingerprint,
-  ``fastcl_data.json``; ``--allow-changed-data`` overrides), and a run whose training had
-  ended (killed while exporting) only exports, running no step past the last;
-- **the saved model**: ``OUT/model``, a plain sentence-transformers folder (no links, SimCSE's
-  training-only MLP dropped, the model's own input limit), staged beside it and swapped in
-  whole (:func:`fastcl.files.swap_in`);
-- **a stop that keeps the work**: the first SIGINT/SIGTERM ends training after the step in
-  progress with a checkpoint of that step;
-- ``train_log.jsonl`` (every logged step and evaluation) and its plots.
+"""One training run on ``SentenceTransformerTrainer`` (built by :func:`.build.build_trainer`),
+and what fastcl adds to it: the dev evaluation at step 0, every ``--eval_steps`` and the end,
+the best of them all saved (a run that never beats its base model saves the base model and
+says so, on the console and in the model card); one run per folder (a lock; a foreign or
+finished folder refused unless asked); writes inside the run only (every entry the run
+writes is checked for links before training, each checkpoint and the export:
+:func:`guard_links`); checkpoints that prove they are whole (a manifest of their files'
+SHA-256, the model's own input limit; ``--resume`` takes the newest complete one and refuses a
+damaged or crafted one, naming the file, and a changed training set: ``fastcl_data.json``);
+a run killed after its last step only exports on ``--resume``; the saved model ``OUT/model``
+(a plain sentence-transformers folder, staged and swapped in whole); a first SIGINT/SIGTERM
+that ends training with a checkpoint of its step; ``train_log.jsonl`` and plots.
 """
 
 from __future__ import annotations
@@ -43,75 +24,20 @@ from unittest import mock
 from .. import files
 from ..files import MANIFEST, LockedError, OutputLock, DamagedError
 from . import build
-from .cli import (CONFIG_FILE, FAMILY_DEFAULTS, RUN_DEFINING, build_parser, effective_config,
-                  parse_args, resolve_args, write_config)
+from .build import CHECKPOINT_PREFIX
+from ..evaluate import load_task
+from .build import FAMILY_DEFAULTS
+from .cli import (CONFIG_FILE, RUN_DEFINING, SAMPLES, build_parser, effective_config,
+                  parse_args, resolve_args, training_arguments, write_config)
 from .logs import LOG, append_log, json_safe, read_log, truncate_log, write_plots
 
 PROG = "fastcl-train"
 MODEL_DIR = "model"
 RESULTS = "train_results.json"   # written last: a finished run
-CHECKPOINT_PREFIX = "checkpoint-"
 DATA_RECORD = "fastcl_data.json"  # the training data's fingerprint (files.data_fingerprint)
 # What a fastcl run writes at the top of its folder, besides checkpoint-N/.
 OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, DATA_RECORD, "loss_curve.png", "dev_curve.png",
        "align_uniform.png", "runs", "eval")
-
-
-def _trainer_class():
-    try:
-        from sentence_transformers.sentence_transformer.trainer import SentenceTransformerTrainer
-    except ImportError:  # pragma: no cover - older releases
-        from sentence_transformers import SentenceTransformerTrainer
-    try:  # transformers ≥ 5: a function; before, the trainer's method
-        from transformers.trainer_utils import rotate_checkpoints
-    except ImportError:  # pragma: no cover - older releases
-        rotate_checkpoints = None
-
-    class Trainer(SentenceTransformerTrainer):
-        """sentence-transformers' trainer whose checkpoints carry a manifest: written once the
-        checkpoint is complete, before the rotation removes older checkpoints, so a crash at
-        any point leaves at least one complete checkpoint. Before each checkpoint ``guard()``
-        checks that the run writes through no link; a checkpoint holds the model with its
-        own input limit ``export_max_seq_length`` (as its dev score measured it), not the
-        training cut; a failed write (a full disk) is one error naming the folder."""
-
-        guard = None
-        export_max_seq_length = None
-
-        def _save_checkpoint(self, model, trial):
-            folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
-            if self.args.should_save and self.guard is not None:
-                self.guard()
-            limit, self.args.save_total_limit = self.args.save_total_limit, None
-            own = getattr(self.model, "_orig_mod", self.model)
-            cut = own.max_seq_length
-            if self.export_max_seq_length is not None:
-                own.max_seq_length = self.export_max_seq_length
-            try:
-                super()._save_checkpoint(model, trial)
-            except (OSError, RuntimeError) as err:
-                failure = files.write_failure(err, folder)
-                if failure is None:
-                    raise
-                raise OSError(f"{failure}; the checkpoint is incomplete (it has no manifest: "
-                              "--resume removes it and takes the one before); free space and "
-                              "continue with --resume") from err
-            finally:
-                self.args.save_total_limit = limit
-                own.max_seq_length = cut
-            if self.args.should_save:
-                files.crash_point("checkpoint-manifest")
-                files.write_manifest(folder)
-            if self.args.world_size > 1:
-                import torch.distributed as dist
-                dist.barrier()
-            if self.args.should_save and rotate_checkpoints is not None:
-                rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
-            elif self.args.should_save:  # pragma: no cover - older releases
-                self._rotate_checkpoints(use_mtime=False, output_dir=str(folder.parent))
-
-    return Trainer
 
 
 def _log_callback(out: Path):
@@ -130,6 +56,10 @@ def _log_callback(out: Path):
                 name = key[len(f"eval_{build.DEV}_"):] if key.startswith(f"eval_{build.DEV}_") else key
                 record[name] = value
             append_log(out, record)
+            if kind == "eval":
+                scores = ", ".join(f"{k} {v:.2f}" for k, v in record.items()
+                                   if k in ("stsb-dev", "sickr-dev", "avg") and isinstance(v, float))
+                print(f"dev at step {state.global_step}: {scores}", flush=True)
 
     return TrainLog()
 
@@ -207,12 +137,12 @@ def writes(name: str) -> bool:
 def guard_links(out: Path, remove: bool = False) -> None:
     """The run writes only inside ``out``, never through a link: a link among the entries it
     writes (or under them) is an error naming it, or with ``remove`` (the user agreed:
-    ``--overwrite-output-dir``) is unlinked, its target untouched."""
+    ``--overwrite_output_dir``) is unlinked, its target untouched."""
     for link in files.find_links(out, lambda name: writes(name) and name != files.LOCK):
         if not remove:
             raise OSError(f"{link} is a link (to {os.readlink(link)}); fastcl-train writes only "
                           f"inside {out}, never through a link: remove it, or pass "
-                          "--overwrite-output-dir to have it removed (its target is kept)")
+                          "--overwrite_output_dir to have it removed (its target is kept)")
         target = os.readlink(link)
         link.unlink()
         _say(f"removed the link {link} (its target {target} is kept)")
@@ -225,7 +155,7 @@ def _say(message: str) -> None:
 def prepare_output(args, out: Path) -> OutputLock:
     """Check and lock ``out`` for this run (main process); returns the held lock."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--output-dir {out} is a file, not a folder")
+        raise ValueError(f"--output_dir {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     entries = [p.name for p in out.iterdir() if p.name != files.LOCK]
     ours = (out / CONFIG_FILE).is_file()
@@ -234,12 +164,12 @@ def prepare_output(args, out: Path) -> OutputLock:
     if entries and not ours:
         if not args.allow_nonempty_output_dir:
             shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
-            raise ValueError(f"--output-dir {out} is not empty and holds no fastcl run ({shown}); "
-                             "choose an empty or new folder, or pass --allow-nonempty-output-dir "
+            raise ValueError(f"--output_dir {out} is not empty and holds no fastcl run ({shown}); "
+                             "choose an empty or new folder, or pass --allow_nonempty_output_dir "
                              "to train there (nothing in it is removed)")
         taken = sorted(n for n in entries if n in OWN or n.startswith(CHECKPOINT_PREFIX))
         if taken:
-            raise ValueError(f"--output-dir {out} is not a fastcl run but holds {', '.join(taken)}, "
+            raise ValueError(f"--output_dir {out} is not a fastcl run but holds {', '.join(taken)}, "
                              "which a run would write over; choose another folder")
     lock = OutputLock(out).acquire()
     try:
@@ -252,14 +182,14 @@ def prepare_output(args, out: Path) -> OutputLock:
         if args.resume:
             if finished:
                 raise ValueError(f"--resume: the run in {out} has finished ({RESULTS}); "
-                                 "--overwrite-output-dir trains there again")
+                                 "--overwrite_output_dir trains there again")
             _check_same_run(args, out)
         elif ours and (finished or saved) and not args.overwrite_output_dir:
             what = f"a finished run ({RESULTS})" if finished else \
                 f"an unfinished run ({saved[-1][1].name})"
-            raise ValueError(f"--output-dir {out} holds {what}: choose another folder, "
+            raise ValueError(f"--output_dir {out} holds {what}: choose another folder, "
                              + ("" if finished else "pass --resume to continue it, ")
-                             + "or pass --overwrite-output-dir to train there again")
+                             + "or pass --overwrite_output_dir to train there again")
         if not args.resume and ours:
             # a fresh run: no model, checkpoint or record of the earlier one stays; a link
             # among them is unlinked, never followed
@@ -376,8 +306,9 @@ def comparison(records: list, select: str, saved_step: int | None) -> dict | Non
     start, saved = scores.get(0), scores.get(saved_step)
     if start is None or saved is None or not math.isfinite(saved):
         return None
+    trained = [v for s, v in scores.items() if s > 0 and math.isfinite(v)]
     return {"metric": metric, "step0": start, "best": saved, "best_step": saved_step,
-            "improved": saved > start}
+            "best_trained": max(trained, default=None), "improved": saved > start}
 
 
 def _card_section(cmp: dict | None, select: str) -> str:
@@ -385,8 +316,8 @@ def _card_section(cmp: dict | None, select: str) -> str:
         return ""
     name = "STS-B dev" if select == "stsb" else "the mean of STS-B dev and SICK-R dev"
     verdict = ("Training improved on the base model." if cmp["improved"] else
-               "**Training did not improve on the base model**: the base model scores higher "
-               "than every trained step.")
+               "**Training did not improve on the base model**: the base model scores at least as "
+               "high as every trained step" + (", and it is the model saved." if cmp["best_step"] == 0 else "."))
     return ("\n## fastcl: the base model and the saved step\n\n"
             f"Selection metric: {name}, Spearman ×100 (SentEval's protocol).\n\n"
             "| model | step | score |\n| --- | --- | --- |\n"
@@ -437,10 +368,38 @@ def main(argv=None, prog: str = PROG) -> int:
             lock.release()
 
 
+def _evaluator(args, main_process: bool):
+    """The dev evaluator of ``--sts_dir``: STS-B dev and SICK-R dev, those it holds (the
+    shipped sample: STS-B dev's CC BY-SA part); parsed now, so a malformed file is an error
+    before step 1."""
+    from ..evaluate import DEV, task_source
+    from ..integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
+
+    tasks = []
+    for task in DEV:
+        try:
+            tasks.append(task_source(args.sts_dir, task) and task)
+        except FileNotFoundError:
+            pass
+    if not tasks:
+        raise FileNotFoundError(f"--sts_dir {args.sts_dir} holds neither stsb/sts-dev.csv nor "
+                                "sick/SICK_trial.txt (SentEval's data/downstream layout)")
+    if main_process and Path(args.sts_dir).resolve() == SAMPLES.resolve():
+        print(f"dev: the {len(load_task(args.sts_dir, 'stsb-dev'))} CC BY-SA pairs of STS-B dev that ship "
+              "with fastcl; for the full STS-B and SICK-R dev sets pass --sts_dir "
+              "SentEval/data/downstream (SimCSE's data/download_senteval.sh)", flush=True)
+    return SentEvalSTSEvaluator(args.sts_dir, tasks, name=build.DEV, metrics=True,
+                                batch_size=args.per_device_eval_batch_size,
+                                show_progress_bar=main_process, max_seq_length=args.model_max_seq_length)
+
+
 def check_data(args, out: Path, dataset, resumed: bool) -> None:
     """Record the training data's fingerprint in ``out/DATA_RECORD``; on a resume, first
     compare it with the recorded one: changed data is an error naming the file, unless
-    ``--allow-changed-data`` (a resume on other data trains on other batches)."""
+    ``--allow_changed_data`` (a resume on other data trains on other batches)."""
+    if not Path(args.data).exists():   # a dataset name: the fingerprint of its rows
+        import datasets
+        dataset = datasets.Dataset.from_dict(dataset.to_dict())
     now = files.data_fingerprint(args.data, dataset)
     record = out / DATA_RECORD
     if resumed and not record.is_file():
@@ -458,15 +417,15 @@ def check_data(args, out: Path, dataset, resumed: bool) -> None:
             raise ValueError("--resume: the training data changed since the run started: "
                              + "; ".join(changes) + ". Resumed on other data, the run would not "
                              "be the one it continues; restore the data, or pass "
-                             "--allow-changed-data to continue on it anyway")
+                             "--allow_changed_data to continue on it anyway")
         if changes:
-            _say("warning: --allow-changed-data: continuing on changed data: " + "; ".join(changes))
+            _say("warning: --allow_changed_data: continuing on changed data: " + "; ".join(changes))
     files.replace_text(record, json.dumps({"data": str(args.data), **now}, indent=1) + "\n")
 
 
 def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None:
     """A resume of a run whose training had ended (killed while exporting): the trainer
-    takes the checkpoint's state and model, or with ``--sts-dir`` the best step's model, as
+    takes the checkpoint's state and model, or with ``--sts_dir`` the best step's model, as
     the uninterrupted run ended with, and no step is run."""
     from transformers import TrainerState
 
@@ -488,46 +447,50 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     import transformers
     from transformers import EarlyStoppingCallback
 
-    from ..integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
+    from ..data import read_training_data
 
     transformers.set_seed(args.seed)  # the head's initialization
-    device = "cpu" if args.device == "cpu" else None
-    dataset, skipped, source = build.build_dataset(args)
+    data = read_training_data(args.data, args.method, args.snli_splits, text_column=args.text_column,
+                              columns=args.columns, split=args.data_split)
+    batch = args.per_device_train_batch_size * build.world_size() * args.gradient_accumulation_steps
+    if len(data.dataset) < batch:
+        raise ValueError(f"--data: {len(data.dataset)} examples, fewer than one batch ({batch})")
     if main_process:
-        check_data(args, out, dataset, resumed=bool(checkpoint))
-    model = build.build_model(args, device=device)
-    loss = build.build_loss(args, model, device=device)
-    training_args = build.build_arguments(args)
-    evaluator = None
-    if args.sts_dir:
-        # parsed now: a missing or malformed dev file is an error before step 1, naming it
-        evaluator = SentEvalSTSEvaluator(args.sts_dir, ("stsb-dev", "sickr-dev"), name=build.DEV,
-                                         batch_size=args.eval_batch_size, metrics=True,
-                                         max_seq_length=args.model_max_seq_length)
-    if main_process:
-        if checkpoint:
-            truncate_log(out, step_of(checkpoint))
-        write_config(out, args)
-        append_log(out, {"type": "start", "step": step_of(checkpoint) if checkpoint else 0, "resumed": bool(checkpoint), "examples": len(dataset),
-                         "skipped": skipped, "processes": build.world_size(),
-                         "args": {k: v for k, v in vars(args).items() if k != "config"}})
-        pooling = args.pooler_used or "the base model's own modules"
-        print(f"{args.method}: {len(dataset)} examples from {source}"
-              + (f" ({skipped} skipped)" if skipped else "")
-              + f", batches of {args.batch_size}, pooling: {pooling}"
-              + ("" if args.sts_dir else "; no --sts-dir: no dev evaluation, the last model is saved"),
-              flush=True)
+        check_data(args, out, data.dataset, resumed=bool(checkpoint))
+    model = build.build_model(args, device="cpu" if build.on_cpu(args) else None)
+    evaluator = _evaluator(args, main_process) if args.sts_dir else None
     stop = _stop_callback()
     callbacks = [_log_callback(out), stop]
     if args.early_stopping_patience:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping_patience))
-    trainer = _trainer_class()(model=model, args=training_args, train_dataset=dataset, loss=loss,
-                               evaluator=evaluator, callbacks=callbacks)
+    options = {k: getattr(args, k) for k in (*build.METHOD_OPTIONS, *build.GENERAL)
+               if k in build.GENERAL or args.method in build.METHOD_OPTIONS[k][0]}
+    trainer = build.build_trainer(args.method, model, data.dataset, training_arguments(args),
+                                  evaluator=evaluator, callbacks=callbacks, **options)
+    for name in FAMILY_DEFAULTS:   # DCLR's, resolved by the model's family
+        setattr(args, name, options.get(name))
+    if main_process:
+        if checkpoint:
+            truncate_log(out, step_of(checkpoint))
+        write_config(out, args)
+        append_log(out, {"type": "start", "step": step_of(checkpoint) if checkpoint else 0,
+                         "resumed": bool(checkpoint), "examples": len(data.dataset),
+                         "skipped": data.skipped, "processes": build.world_size(),
+                         "args": json_safe({k: getattr(v, "value", v) for k, v in vars(args).items()
+                                            if k != "config"})})
+        print(f"{args.method}: {len(data.dataset)} examples from {data.source}"
+              + (f" ({data.skipped} skipped)" if data.skipped else "")
+              + f", {batch} a step, pooling: {args.pooler_used or 'the base model own modules'}"
+              + ("" if args.sts_dir else "; --sts_dir none: no dev evaluation, the last step is saved"),
+              flush=True)
     trainer.guard = lambda: guard_links(out)
     trainer.export_max_seq_length = args.model_max_seq_length
     state = trainer_state(Path(checkpoint)) if checkpoint else None
     if state is not None and training_finished(state, args):
         _finish_without_training(trainer, args, out, Path(checkpoint))
+        for callback in trainer.callback_handler.callbacks:   # step 0 competes here too
+            if type(callback).__name__ == "KeepBase":
+                callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
     else:
         trainer.train(resume_from_checkpoint=checkpoint)
     if stop.signum:
@@ -539,11 +502,11 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     if not main_process:
         return 0
     records = read_log(out)
-    # with --sts-dir the trainer has loaded the best evaluated step's checkpoint
+    # with a dev evaluation the trainer holds the best evaluated step, step 0 included
     best = getattr(trainer.state, "best_global_step", None)
     if best is None and trainer.state.best_model_checkpoint:  # older transformers
         best = step_of(trainer.state.best_model_checkpoint)
-    saved_step = (best if args.sts_dir else None) or trainer.state.global_step
+    saved_step = best if args.load_best_model_at_end and best is not None else trainer.state.global_step
     cmp = comparison(records, args.select, saved_step) if args.sts_dir else None
     guard_links(out)
     target = save_model(trainer.model, args, out, cmp)
@@ -557,9 +520,10 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
         _say(f"warning: the plots were not written ({err})")
     print(f"model saved to {target} (step {saved_step})")
     if cmp is not None and not cmp["improved"]:
+        what = ("the base model is saved (--keep_last saves the last step)" if saved_step == 0
+                else "the model card says so")
         _say(f"warning: training did not improve on the base model: {cmp['metric']} "
-             f"{cmp['step0']:.2f} at step 0, at best {cmp['best']:.2f} (step {cmp['best_step']}); "
-             "the model card says so")
+             f"{cmp['step0']:.2f} at step 0, at best {cmp['best_trained']:.2f}; {what}")
     if args.push_to_hub:
         from ..integrations.sentence_transformers._base import SentenceTransformer
         SentenceTransformer(str(target)).push_to_hub(args.hub_model_id or out.resolve().name)
