@@ -62,7 +62,7 @@ def recorded_chunks():
     ``fastcl.tiled.chunk_rows``, or ``rows_per_chunk`` where there is no ``chunk_rows``)."""
     import inspect
 
-    import fastcl.tiled as tiled
+    import fastcl.tiled.driver as tiled
 
     seen = []
     name = next((f for f in ("chunk_rows", "rows_per_chunk") if hasattr(tiled, f)), None)
@@ -75,7 +75,7 @@ def recorded_chunks():
     def recording(*args, **kwargs):
         rows = original(*args, **kwargs)
         seen.append({"n": signature.bind(*args, **kwargs).arguments.get("n"), "rows": rows,
-                     "from": f"fastcl.tiled.{name}"})
+                     "from": f"fastcl.tiled.driver.{name}"})
         return rows
 
     setattr(tiled, name, recording)

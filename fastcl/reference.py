@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from .common import (EPS, accumulate_dtype, draw_noise, noise_count, project_out_radial,  # noqa: F401
                      relative_difference, safe_direction, shrink_huge_rows, wide)
-from .layout import PLAIN, guide_threshold, keep_twin_ties
+from .layout import guide_threshold, keep_twin_ties
+from .spec import SYMMETRIC, Logits, LossSpec, Mask, Noise, Rules
 from .common import (ESCL_MARGINS, ESCL_RD, ESCL_WEIGHT, FOCAL_M, NOISE_LR, NOISE_RATIO, NOISE_STD,
                      NOISE_STEPS, PHI, TEMPERATURE)
 
@@ -104,70 +105,61 @@ def _modulated(sim, is_positive, temperature, focal_m):
     return torch.where(is_positive, sim * sim, sim * (sim + focal_m)) / temperature
 
 
-def contrastive(anchors, positives, negatives=None, *, temperature=TEMPERATURE, focal_m=None,
-                hard_negative_weight=0.0, complementary=None, phi=PHI, noise=None,
-                noise_ratio=0.0, noise_steps=NOISE_STEPS, noise_lr=NOISE_LR, noise_std=NOISE_STD,
-                noise_temperature=None, generator=None, formulation="paper", symmetric=False,
-                anchor_offset=0, layout=PLAIN, anchor_candidates=None, hardness_mode=None,
-                hardness_strength=0.0, guide=None, guide_margin=0.0, margin_strategy="absolute",
-                duplicate_ids=None):
-    """Every feature at once (:func:`fastcl.contrastive` states the math).
+def contrastive(spec: LossSpec, anchors, positives, negatives=None):
+    """Every feature at once (:func:`fastcl.contrastive` states the math), from its spec.
 
     Candidates ``k = [h⁺ (N_pos rows); negatives (K rows); Z (K_z rows)]``, logits
     ``l_ij = s_ij/τ`` or, with ``focal_m``, ``s_ii²/τ`` on the positive and ``s_ij(s_ij+m)/τ``
-    elsewhere; ``+ w`` at column ``N_pos + i``; α from ``complementary`` on the in-batch
-    block; cross-entropy over the kept columns (``"released"``: the authors' BCE).
-    ``symmetric`` averages with the positives scored against the anchors (focal and the
-    transposed mask apply there; negatives, w and Z do not). A ``layout`` other than
-    :data:`fastcl.layout.PLAIN`, ``hardness_mode``, ``guide`` or ``duplicate_ids`` take
-    :func:`_sides` (:mod:`fastcl.layout` states the rules).
+    elsewhere; ``+ w`` at column ``N_pos + i``; α from the mask on the in-batch block;
+    cross-entropy over the kept columns (``"released"``: the authors' BCE). Any rule of
+    :mod:`fastcl.layout` (``symmetric`` among them), a guide or ids take :func:`_sides`.
+    Matryoshka: the literal sum ``Σ_k w_k·L(x[:, :d_k])``.
     """
+    cands = None if spec.rules is None else spec.rules.anchor_candidates
+    if spec.matryoshka is not None:
+        cut = lambda x, d: None if x is None else x[:, :d]  # noqa: E731
+        return sum(w * _one(spec, *(cut(x, d) for x in (anchors, positives, negatives, cands)))
+                   for d, w in zip(*spec.matryoshka))
+    return _one(spec, anchors, positives, negatives, cands)
+
+
+def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
+    logits, mask, offset = spec.logits, spec.mask, spec.anchor_offset
     n_pos = positives.shape[0]
     blocks = [positives] + ([] if negatives is None else [negatives.to(positives.dtype)])
-    num = (noise.shape[0] if noise is not None
-           else noise_count(noise_ratio, n_pos, formulation))
-    if noise is not None or num:
-        z = dclr_noise(anchors, positives, num, steps=noise_steps, lr=noise_lr, std=noise_std,
-                       temperature=temperature if noise_temperature is None else noise_temperature,
-                       noise=noise, generator=generator, formulation=formulation,
-                       anchor_offset=anchor_offset)
-        blocks.append(z.to(positives.dtype))
+    if spec.noise is not None:
+        z = spec.noise
+        blocks.append(dclr_noise(anchors, positives, z.count, steps=z.steps, lr=z.lr, std=z.std,
+                                 temperature=z.temperature, noise=z.start, generator=z.generator,
+                                 formulation=spec.formulation, anchor_offset=offset
+                                 ).to(positives.dtype))
     candidates = torch.cat(blocks)
     keep = None
-    if complementary is not None:
-        keep = dclr_weights(*complementary, candidates.shape[0] - n_pos, phi=phi,
-                            temperature=temperature, formulation=formulation,
-                            anchor_offset=anchor_offset)
-    if not (layout.plain and hardness_mode is None and guide is None and duplicate_ids is None):
-        return _sides(anchors, positives, candidates, negatives, keep, temperature=temperature,
-                      focal_m=focal_m, hard_negative_weight=hard_negative_weight,
-                      anchor_offset=anchor_offset, layout=layout,
-                      anchor_candidates=anchors if anchor_candidates is None else anchor_candidates,
-                      hardness_mode=hardness_mode, hardness_strength=hardness_strength,
-                      guide=guide, guide_margin=guide_margin, margin_strategy=margin_strategy,
-                      duplicate_ids=duplicate_ids)
-    loss = _direction(anchors, candidates, n_pos, temperature=temperature, focal_m=focal_m,
-                      hard_negative_weight=hard_negative_weight, keep=keep,
-                      formulation=formulation, anchor_offset=anchor_offset)
-    if symmetric:
-        keep_rev = None
-        if complementary is not None:
-            keep_rev = dclr_weights(complementary[1], complementary[0], 0, phi=phi,
-                                    temperature=temperature, formulation=formulation)
-        reverse = _direction(positives, anchors, anchors.shape[0], temperature=temperature,
-                             focal_m=focal_m, hard_negative_weight=0.0, keep=keep_rev,
-                             formulation=formulation, anchor_offset=0)
-        loss = 0.5 * (loss + reverse)
-    return loss
+    if mask is not None:
+        keep = dclr_weights(*mask.complementary, candidates.shape[0] - n_pos, phi=mask.phi,
+                            temperature=logits.temperature, formulation=spec.formulation,
+                            anchor_offset=offset)
+    if spec.ruled:
+        return _sides(spec, anchors, positives, candidates, negatives, keep,
+                      anchors if anchor_candidates is None else anchor_candidates)
+    return _direction(anchors, candidates, n_pos, temperature=logits.temperature,
+                      focal_m=logits.focal_m, hard_negative_weight=logits.hard_negative_weight,
+                      keep=keep, formulation=spec.formulation, anchor_offset=offset)
 
 
-def _sides(anchors, positives, candidates, negatives, keep, *, temperature, focal_m,
-           hard_negative_weight, anchor_offset, layout, anchor_candidates, hardness_mode,
-           hardness_strength, guide, guide_margin, margin_strategy, duplicate_ids):
+def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anchor_candidates):
     """The loss with a positive side and the drops of :mod:`fastcl.layout`, written out block
     by block as sentence-transformers' MNRL and GISTEmbedLoss do: a score matrix per block
     with ``-inf`` where an entry is dropped, the blocks side by side, one log-sum-exp per row
-    (or one per side, averaged)."""
+    (or one per side, averaged). ``symmetric`` is such a layout, its mask transposed on the
+    positive side (``spec.mask.reverse``)."""
+    temperature, focal_m = spec.logits.temperature, spec.logits.focal_m
+    hard_negative_weight, anchor_offset = spec.logits.hard_negative_weight, spec.anchor_offset
+    layout = spec.layout
+    hardness_mode, hardness_strength = (None, 0.0) if spec.rules is None or spec.rules.hardness is None \
+        else spec.rules.hardness
+    guide = None if spec.guide is None else spec.guide.embeddings
+    duplicate_ids = spec.ids
     n, n_pos = anchors.shape[0], positives.shape[0]
     n_neg = 0 if negatives is None else negatives.shape[0]
     dev = anchors.device
@@ -184,7 +176,7 @@ def _sides(anchors, positives, candidates, negatives, keep, *, temperature, foca
         g_anchors, g_positives, g_negatives, g_anchor_cands = guide
         g_documents = g_positives if g_negatives is None else torch.cat([g_positives, g_negatives])
         gamma = torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset)
-        theta = guide_threshold(gamma, guide_margin, margin_strategy)
+        theta = guide_threshold(gamma, spec.guide.margin, spec.guide.strategy)
         scored = [g_documents] + ([g_anchor_cands] if layout.scores_anchors else [])
         partners = [g_positives[g]] + ([g_anchors] if layout.positive_side else [])
         theta = keep_twin_ties(theta, gamma, [unit_rows(wide(x)) for x in partners],
@@ -244,6 +236,10 @@ def _sides(anchors, positives, candidates, negatives, keep, *, temperature, foca
         # the anchor's own column is the positive pair seen from the positive: s²/τ with focal
         pa = _modulated(cosine_matrix(own_positive, anchor_candidates),
                         _at_cols(own_anchor, anchor_candidates.shape[0]), temperature, focal_m)
+        if spec.mask is not None and spec.mask.reverse:    # symmetric: α'_ij = 1[cos(c⁺_i, c_j) < φ]
+            c_anchors, c_positives = spec.mask.complementary
+            pa = pa.masked_fill(~dclr_weights(c_positives, c_anchors, 0, phi=spec.mask.phi,
+                                              temperature=temperature), float("-inf"))
         positive_side.append(drop(pa, g_positives[g] if guide is not None else None,
                                   g_anchor_cands if guide is not None else None,
                                   anchor_ids if duplicate_ids is not None else None,
@@ -292,16 +288,17 @@ def infonce(anchors, positives, negatives=None, *, temperature=TEMPERATURE,
     anchors against the anchors as candidates. With ``anchor_offset`` the anchors are rows
     ``[offset, offset+n)`` of the batch that ``positives`` (and ``negatives``) cover.
     """
-    return contrastive(anchors, positives, negatives, temperature=temperature,
-                       hard_negative_weight=hard_negative_weight, symmetric=symmetric,
-                       anchor_offset=anchor_offset)
+    return contrastive(LossSpec(Logits(temperature, None, hard_negative_weight),
+                                rules=Rules(SYMMETRIC, anchors) if symmetric else None,
+                                anchor_offset=anchor_offset, backend="reference"),
+                       anchors, positives, negatives)
 
 
 def focal_infonce(anchors, positives, negatives=None, *, temperature=TEMPERATURE, m=FOCAL_M,
                   anchor_offset=0):
     """Focal-InfoNCE: positive logit ``s²/τ``, negative logits ``s(s+m)/τ``, then cross-entropy."""
-    return contrastive(anchors, positives, negatives, temperature=temperature, focal_m=m,
-                       anchor_offset=anchor_offset)
+    return contrastive(LossSpec(Logits(temperature, m), anchor_offset=anchor_offset,
+                                backend="reference"), anchors, positives, negatives)
 
 
 def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=NOISE_STD,
@@ -381,11 +378,15 @@ def dclr_loss(anchors, positives, *, complementary=None, phi=PHI, noise=None, no
     multiplies logits by α and applies binary cross-entropy to the row softmax, averaged
     over all N·(N+K) entries, as the authors' released code does.
     """
-    return contrastive(anchors, positives, complementary=complementary, phi=phi, noise=noise,
-                       noise_ratio=noise_ratio, noise_steps=noise_steps, noise_lr=noise_lr,
-                       noise_std=noise_std, noise_temperature=noise_temperature,
-                       temperature=temperature, generator=generator, formulation=formulation,
-                       anchor_offset=anchor_offset)
+    count = noise.shape[0] if noise is not None else noise_count(noise_ratio, positives.shape[0],
+                                                                 formulation)
+    settings = Noise(count, noise, noise_steps, noise_lr, noise_std,
+                     temperature if noise_temperature is None else noise_temperature, generator)
+    return contrastive(LossSpec(Logits(temperature),
+                                None if complementary is None else Mask(complementary, phi),
+                                settings if noise is not None or count else None,
+                                formulation=formulation, anchor_offset=anchor_offset,
+                                backend="reference"), anchors, positives)
 
 
 def escl_loss(anchors, positives, sensitive, *, temperature=TEMPERATURE, weight=ESCL_WEIGHT,

@@ -974,9 +974,5 @@ def _row_bytes(ep, dtype: torch.dtype, m: int, n_pos: int) -> int:
     return m * gemm
 
 
-triton_chunk.row_bytes = _row_bytes
 #: Chunk rows are rounded to this: the similarity kernel's largest row tile.
-triton_chunk.row_multiple = 16 if INTERPRET else 128
-#: The chain rule through the normalization, one launch a block of rows.
-triton_chunk.tangent = triton_tangent
-triton_chunk.noise_step = triton_noise_step
+ROW_MULTIPLE = 16 if INTERPRET else 128

@@ -150,7 +150,7 @@ def gpu_buffers(monkeypatch):
     """16-bit inputs keep 16-bit chunk buffers on a CPU, as on a GPU, so that the interpreter
     runs the kernels' 16-bit paths (bf16: the bounded design's tile of ``exp`` in bf16; fp16:
     the two-pass design on fp16 buffers); without this a CPU widens the GEMM operands to
-    float32 (``fastcl.tiled.matmul_dtype``).
+    float32 (``fastcl.tiled.driver.matmul_dtype``).
 
     Triton's interpreter does no bfloat16 arithmetic: it holds bf16 as its uint16 bit pattern,
     and ``tl.dot`` multiplies those patterns (triton-lang/triton#11584, on every Triton from
@@ -161,11 +161,11 @@ def gpu_buffers(monkeypatch):
 
     Yields the GEMM dtype of each similarity launch. Skipped on a GPU, whose own tests run
     these paths (test_gpu_bf16, test_gpu_fp16, test_gpu_layout_rules)."""
-    import fastcl.tiled
+    import fastcl.tiled.driver
     from fastcl.kernels import contrastive as kc
     if not kc.INTERPRET:
         pytest.skip("a GPU keeps 16-bit buffers itself (the GPU tests)")
-    monkeypatch.setattr(fastcl.tiled, "matmul_dtype", lambda dtype, device: dtype)
+    monkeypatch.setattr(fastcl.tiled.driver, "matmul_dtype", lambda dtype, device: dtype)
     seen = []
     _spy_similarity(monkeypatch, seen.append)
     import numpy as np

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lower layers never import higher ones. Within a layer, imports are allowed (no cycles).
 LAYERS = [
     ("fastcl.common", "fastcl.citations", "fastcl._validation",
-     "fastcl.files", "fastcl.layout"),                                       # leaves
+     "fastcl.files", "fastcl.layout", "fastcl.spec"),                        # leaves
     ("fastcl.kernels", "fastcl.reference"),                                  # kernels; the oracle
     ("fastcl.tiled",),                                                       # the tiled driver
     ("fastcl.functional",),                                                  # the public losses
@@ -74,8 +74,9 @@ def test_no_module_imports_a_higher_layer(name):
 
 
 def test_the_reference_is_a_leaf_only_functional_uses():
-    # the shared numerics and the candidate layout's rules, which it applies with its own code
-    assert MODULES["fastcl.reference"] == {"fastcl.common", "fastcl.layout"}
+    # the shared numerics, the candidate layout's rules, which it applies with its own code,
+    # and the loss spec it reads
+    assert MODULES["fastcl.reference"] == {"fastcl.common", "fastcl.layout", "fastcl.spec"}
     assert MODULES["fastcl.common"] == set() and MODULES["fastcl.layout"] == set()
     users = sorted(n for n, deps in MODULES.items() if "fastcl.reference" in deps)
     assert users == ["fastcl.functional"]

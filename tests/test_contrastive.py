@@ -24,6 +24,7 @@ import torch
 
 import fastcl
 from fastcl import common, reference
+from fastcl.spec import build_spec
 
 from conftest import TOL, correlated, loss_and_grads, make
 from conftest import objectives as conftest_objectives
@@ -403,13 +404,14 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
     from fastcl.kernels.configs import VARIANTS
     from fastcl.kernels.contrastive import flags
     seen = []
-    for name in ("contrastive_loss", "contrastive_forward"):
-        original = getattr(tiled, name)
+    # the loss calls and the noise update's driver calls
+    for module, name in ((tiled, "contrastive_loss"), (tiled.noise, "contrastive_forward")):
+        original = getattr(module, name)
 
         def spy(ep, *args, _original=original, **kw):
             seen.append(ep)
             return _original(ep, *args, **kw)
-        monkeypatch.setattr(tiled, name, spy)
+        monkeypatch.setattr(module, name, spy)
     batch = Batch(5, 8)
     for combo in COMBOS:
         _call(batch, combo, "tiled", noise_steps=1)
@@ -499,20 +501,22 @@ def test_reference_gradcheck(combo):
     batch = Batch(5, 6, k_queue=3 if "queue" in combo else None, dtype=torch.float64)
     negatives, kw = kwargs(batch, combo)
     neg = negatives if negatives is not None else batch.neg
-    fn = lambda a, p, n: reference.contrastive(a, p, n if negatives is not None else None, **kw)
+    fn = lambda a, p, n: reference.contrastive(*build_spec(a, p, n if negatives is not None else None,
+                                                           backend="reference", **kw))
     assert torch.autograd.gradcheck(fn, (batch.a, batch.p, neg), eps=1e-6, atol=1e-5, rtol=1e-4)
 
 
 def test_reference_gradcheck_offset_and_released():
     batch = Batch(6, 5, dtype=torch.float64)
     comp = (batch.comp[0][2:5], batch.comp[1])
-    fn = lambda a, p: reference.contrastive(a[2:5], p, temperature=0.5, focal_m=0.3,
-                                            complementary=comp, phi=PHI, noise=batch.z,
-                                            noise_steps=0, anchor_offset=2)
+    fn = lambda a, p: reference.contrastive(*build_spec(a[2:5], p, temperature=0.5, focal_m=0.3,
+                                                        complementary=comp, phi=PHI, noise=batch.z,
+                                                        noise_steps=0, anchor_offset=2,
+                                                        backend="reference"))
     assert torch.autograd.gradcheck(fn, (batch.a, batch.p), eps=1e-6, atol=1e-5, rtol=1e-4)
-    fn = lambda a, p: reference.contrastive(a, p, temperature=0.5, complementary=batch.comp,
-                                            phi=PHI, noise=batch.z, noise_steps=0,
-                                            formulation="released")
+    fn = lambda a, p: reference.contrastive(*build_spec(a, p, temperature=0.5, complementary=batch.comp,
+                                                        phi=PHI, noise=batch.z, noise_steps=0,
+                                                        formulation="released", backend="reference"))
     assert torch.autograd.gradcheck(fn, (batch.a, batch.p), eps=1e-6, atol=1e-5, rtol=1e-4)
 
 
@@ -718,3 +722,47 @@ def test_released_near_zero_losses_keep_their_digits(backend):
         for name, gx, wx in zip(("anchors", "positives"), got_g, want_g):
             err = ((gx.double().cpu() - wx).norm() / wx.norm()).item()
             assert err <= 1e-5, f"{case}: {name}' gradient {err:.3g} relative"
+
+
+# --------------------------------------------------------------------------- the spec
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_symmetric_is_the_per_direction_layout(backend):
+    """``symmetric=True`` is ``directions=("query_to_doc", "doc_to_query"),
+    partition_mode="per_direction"`` (fastcl.spec.SYMMETRIC), which the fused paths run as
+    two directions: the same loss and gradients in float64 as that layout on 2N rows against
+    every block (taken here through ids that drop nothing), with focal, hard negatives and
+    noise (the forward direction's only)."""
+    batch = Batch(7, 5, dtype=torch.float64)
+    kw = dict(temperature=0.5, focal_m=0.3, hard_negative_weight=0.4, noise=batch.z,
+              noise_steps=0, backend=backend)
+    ids = (torch.arange(7), 100 + torch.arange(7), 200 + torch.arange(7))   # all distinct
+    leaves = batch.leaves()
+    sym, g_sym = loss_and_grads(lambda: fastcl.contrastive(batch.a, batch.p, batch.neg,
+                                                           symmetric=True, **kw), leaves)
+    lay, g_lay = loss_and_grads(lambda: fastcl.contrastive(
+        batch.a, batch.p, batch.neg, directions=("query_to_doc", "doc_to_query"),
+        partition_mode="per_direction", duplicate_ids=ids, **kw), leaves)
+    torch.testing.assert_close(sym, lay, **TOL[torch.float64])
+    for x, y in zip(g_sym, g_lay):
+        torch.testing.assert_close(x, y, **TOL[torch.float64])
+
+
+def test_the_epilogue_encodes_itself_for_the_custom_op():
+    """Epilogue.op_args and Epilogue.from_op_args are inverses (the op's one encoding): every
+    field that travels, the "off" encodings included."""
+    from fastcl.layout import gist
+    from fastcl.spec import Epilogue, Matryoshka
+    c = (torch.ones(3, 2), torch.ones(3, 2))
+    for ep in (Epilogue(0.05),
+               Epilogue(0.1, focal_m=0.3, hard_negative_weight=-0.25, phi=0.5, complementary=c,
+                        formulation="released", anchor_offset=2, chunk_size=7,
+                        matryoshka=Matryoshka((2, 8), (0.5, 1.0))),
+               Epilogue(0.05, layout=gist(), blocks=(3, 3, 0, 3), hardness=("hard_negatives", 2.0),
+                        guide=(c[0], c[1], c[0][:, 0]), ids=(torch.arange(9), torch.arange(3)))):
+        back = Epilogue.from_op_args(*ep.op_args())
+        for field in ("temperature", "focal_m", "hard_negative_weight", "phi", "formulation",
+                      "anchor_offset", "chunk_size", "matryoshka", "layout", "blocks", "hardness"):
+            assert getattr(back, field) == getattr(ep, field), field
+        for field in ("complementary", "guide", "ids"):
+            got, want = getattr(back, field), getattr(ep, field)
+            assert (got is None) == (want is None) and all(x is y for x, y in zip(got or (), want or ()))

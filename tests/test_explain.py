@@ -71,10 +71,9 @@ def test_rows_are_the_drivers(n):
     device with the preset's free memory."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from fastcl.kernels.contrastive import triton_chunk
-    from fastcl.tiled import Epilogue, rows_per_chunk
+    from fastcl.tiled import Epilogue, engine_for, rows_per_chunk
     ep = Epilogue(0.05)
-    rows = rows_per_chunk(n, n, ep, triton_chunk.row_bytes(ep, torch.bfloat16, n, n), "cuda",
+    rows = rows_per_chunk(n, n, ep, engine_for("triton").row_bytes(ep, torch.bfloat16, n, n), "cuda",
                           128, lambda: 139 * 2**30)
     assert _explain.explain(n)["rows"] == rows
 

@@ -113,7 +113,7 @@ def test_one_chunk_buffer_at_a_time(objective):
     n, d, rows = 512, 8, 128
     a, p = make(n, d), correlated(make(n, d))
     ep = tiled.Epilogue(0.05, focal_m=0.3 if objective == "focal" else None, chunk_size=rows)
-    chunk = tiled.torch_chunk.row_bytes(ep, torch.float32, n, n) * rows
+    chunk = tiled.TORCH.row_bytes(ep, torch.float32, n, n) * rows
     with PeakLive() as probe:
         tiled.contrastive_forward(ep, a.detach(), (p.detach(),), need=(True, True))
     # one chunk's buffers, and the N×d / M×d gradient buffers and small vectors beside them

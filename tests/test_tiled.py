@@ -1,5 +1,7 @@
 """The tiled path against the reference: values and gradients on shapes that hit chunk edges."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,16 +67,13 @@ def test_grad_output_scales():
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_no_grad_does_no_gradient_work(mode, monkeypatch):
     asked = []
-    real = tiled.torch_chunk
+    real = tiled.TORCH.chunk
 
     def spy(ep, chunk, want_grad):
         asked.append(want_grad)
         return real(ep, chunk, want_grad)
 
-    spy.__dict__.update(real.__dict__)         # the sizing attributes
-    monkeypatch.setattr(tiled, "torch_chunk", spy)
-    import fastcl.functional
-    monkeypatch.setattr(fastcl.functional, "_engine", lambda be: spy)
+    monkeypatch.setattr(tiled.engine, "TORCH", dataclasses.replace(tiled.TORCH, chunk=spy))
     a, p, _ = inputs(9, 0, 16, torch.float32)
     with mode():
         loss = fastcl.infonce(a, p, backend="tiled", chunk_size=4)
@@ -112,7 +111,7 @@ def test_zero_row_is_finite():
 
 class TestChunkChoice:
     def rows(self, ep, n=16384, m=16384, dtype=torch.float32, device="cpu"):
-        return tiled.chunk_rows(tiled.torch_chunk, ep, n, m, n, dtype, device)
+        return tiled.chunk_rows(tiled.TORCH, ep, n, m, n, dtype, device)
 
     def test_budget_bounds_the_chunk(self):
         rows = self.rows(tiled.Epilogue(0.05))
@@ -209,13 +208,16 @@ def test_noise_update_takes_the_anchor_norms_once(positives, monkeypatch):
     z = make(12, 8, seed=3, grad=False)
     seen = []
     norms = tiled._norms
-    monkeypatch.setattr(tiled, "_norms", lambda x, acc: seen.append(x.shape[0]) or norms(x, acc))
+    counting = lambda x, acc: seen.append(x.shape[0]) or norms(x, acc)  # noqa: E731
+    for module in (tiled.noise, tiled.driver):          # the update's and the driver's
+        monkeypatch.setattr(module, "_norms", counting)
     steps = 3
     got = tiled.noise_update(a, z, steps=steps, lr=1e-3, temperature=0.05, chunk_size=8,
                              positives=p if positives else None)
     keys = 12 + (20 if positives else 0)
     assert seen == [20] + [keys] * steps
-    monkeypatch.setattr(tiled, "_norms", norms)
+    for module in (tiled.noise, tiled.driver):
+        monkeypatch.setattr(module, "_norms", norms)
     want = fastcl.dclr_noise(a, p, None, noise=z, steps=steps, lr=1e-3, backend="reference",
                              formulation="released" if positives else "paper")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

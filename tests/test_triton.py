@@ -170,8 +170,8 @@ def test_noise_step_is_one_launch(formulation, monkeypatch):
             launches.append(grid[0])
             return step[grid]
     monkeypatch.setattr(kc, "_noise_step_kernel", Spy())
-    original = fastcl.tiled._noise_step
-    monkeypatch.setattr(fastcl.tiled, "_noise_step",
+    original = fastcl.tiled.noise._noise_step
+    monkeypatch.setattr(fastcl.tiled.noise, "_noise_step",
                         lambda *a: torch_steps.append(a[4].shape[0]) or original(*a))
     a = make(13, 40).to(DEVICE)
     p = correlated(a).to(DEVICE)
@@ -387,10 +387,9 @@ def test_cuda_chunk_sizing(m, free, rows):
     """On CUDA the Triton engine counts its one 16-bit buffer against 128 MiB, and takes at
     least 4096 rows (faster on an H200 than 2048 or 3072) where they need at most a quarter
     of the free memory: 4096 × 65536 × 2 B = 512 MiB fits in 100 GiB, not in 1 GiB."""
-    from fastcl.kernels.contrastive import triton_chunk
-    from fastcl.tiled import Epilogue, rows_per_chunk
+    from fastcl.tiled import Epilogue, engine_for, rows_per_chunk
     ep = Epilogue(0.05)
-    row_bytes = triton_chunk.row_bytes(ep, torch.bfloat16, m, m)
+    row_bytes = engine_for("triton").row_bytes(ep, torch.bfloat16, m, m)
     assert row_bytes == 2 * m
     asked = []
     got = rows_per_chunk(m, m, ep, row_bytes, "cuda", 128,

@@ -137,8 +137,8 @@ def matryoshka(dims, weights) -> tuple:
     """``matryoshka_dims`` and ``matryoshka_weights`` of a loss, checked where it is built by
     :func:`fastcl.contrastive`'s own check (the widths against the embeddings' width at the
     first call) and kept as given: tuples, or (None, None)."""
-    from fastcl.functional import _matryoshka
-    _matryoshka(dims, weights, None)
+    from fastcl.spec import matryoshka
+    matryoshka(dims, weights, None)
     if dims is None:
         return None, None
     return tuple(dims), None if weights is None else tuple(float(w) for w in weights)

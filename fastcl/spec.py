@@ -1,0 +1,543 @@
+"""One loss specification: every option of :func:`fastcl.contrastive`, checked once.
+
+:func:`build_spec` holds every default and every rule between options; every public loss
+is ``spec = build_spec(...)`` and one dispatch. A :class:`LossSpec` is a frozen record of
+small records, each ``None`` when its feature is off (one encoding for "off"):
+
+* :class:`Logits` — ``l = s/τ``, focal ``s²/τ`` / ``s(s+m)/τ``, the hard negative's ``+w``;
+* :class:`Mask` — DCLR's ``α_ij = 1[cos(c_i, c⁺_j) < φ]`` (``reverse``: also transposed on
+  the positive side, as ``symmetric`` has it);
+* :class:`Noise` — DCLR's noise negatives (the count, the start, the update's settings);
+* :class:`Rules` — :mod:`fastcl.layout`'s layout, anchor candidates and MNRL's hardness
+  (``symmetric=True`` is the layout :data:`SYMMETRIC`);
+* :class:`Guide`, ``ids`` — GISTEmbedLoss's filter and duplicate masking;
+* :class:`Matryoshka` — the prefix widths and their weights.
+
+:class:`Epilogue` is the spec as one engine call sees it (the chunk epilogue's fields: the
+kernels read these names) and encodes itself to and from the custom op's arguments
+(:meth:`Epilogue.op_args`, :meth:`Epilogue.from_op_args`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import _validation as check
+from . import common, layout
+from .layout import PLAIN, Layout
+
+#: ``symmetric=True``: the positive also scores the anchors, each direction its own softmax
+#: (``directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"``).
+SYMMETRIC = Layout(positive_to_anchors=True, exclude_own=True, joint=False)
+
+
+@dataclass(frozen=True)
+class Logits:
+    temperature: float
+    focal_m: float | None = None          # None: no focal modulation
+    hard_negative_weight: float = 0.0     # log-weight at column N_b + p(i)
+
+
+@dataclass(frozen=True)
+class Mask:
+    complementary: tuple[torch.Tensor, torch.Tensor]   # (c, c⁺), detached
+    phi: float
+    reverse: bool = False                 # the transposed mask on the positive side too
+
+
+@dataclass(frozen=True)
+class Noise:
+    count: int                            # K_z rows
+    start: torch.Tensor | None            # the given start (fixes K_z), or None: drawn
+    steps: int
+    lr: float
+    std: float
+    temperature: float
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class Rules:
+    layout: Layout = PLAIN
+    anchor_candidates: torch.Tensor | None = None
+    hardness: tuple[str, float] | None = None          # MNRL's (mode, β), β > 0
+
+
+@dataclass(frozen=True)
+class Guide:
+    embeddings: tuple                     # (g_anchors, g_positives, g_negatives, g_anchor_cands)
+    margin: float = 0.0
+    strategy: str = "absolute"
+
+
+class Matryoshka(NamedTuple):
+    dims: tuple[int, ...]                 # d_1 < … < d_K
+    weights: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Everything :func:`fastcl.contrastive` computes, checked (:func:`build_spec`)."""
+
+    logits: Logits
+    mask: Mask | None = None
+    noise: Noise | None = None
+    rules: Rules | None = None            # None: plain InfoNCE's layout, no hardness
+    guide: Guide | None = None
+    ids: tuple | None = None              # (positive_ids, negative_ids, anchor_ids), int64
+    matryoshka: Matryoshka | None = None
+    formulation: str = "paper"
+    anchor_offset: int = 0
+    chunk_size: int | None = None
+    backend: str = "tiled"                # resolved: "reference", "tiled" or "triton"
+
+    @property
+    def layout(self) -> Layout:
+        return PLAIN if self.rules is None else self.rules.layout
+
+    @property
+    def ruled(self) -> bool:
+        """Whether a row may score more than the candidates or drop some (any rule of
+        :mod:`fastcl.layout`)."""
+        return self.rules is not None or self.guide is not None or self.ids is not None
+
+    @property
+    def two_directions(self) -> bool:
+        """Whether the loss is ``½(L^→ + L^←)`` of two plain directions: the positive side
+        scores only the anchors and has its own softmax, and no guide, ids or hardness
+        (``symmetric``; ``per_direction`` with ``doc_to_query``). The fused paths then run
+        the two directions, not 2N rows against every block."""
+        lay = self.layout
+        return (self.rules is not None and self.rules.hardness is None and self.guide is None
+                and self.ids is None and not lay.joint and not lay.anchor_to_anchors
+                and lay.positive_to_anchors and not lay.positive_to_positives
+                and not lay.positive_to_negatives)
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """How a chunk of cosines becomes logits and a loss: a :class:`LossSpec` as one engine
+    call sees it. Candidates are laid out as ``[positives (N rows); other candidates]``;
+    anchor i's positive is column ``anchor_offset + i``."""
+
+    temperature: float
+    focal_m: float | None = None           # focal modulation on
+    hard_negative_weight: float = 0.0      # log-weight added at column N + i
+    phi: float | None = None               # DCLR mask threshold (read with `complementary`)
+    complementary: tuple[torch.Tensor, torch.Tensor] | None = None   # None: no mask
+    formulation: str = "paper"             # "paper" (cross-entropy) or "released" (DCLR's BCE)
+    positives: bool = True                 # False: no column is a positive (DCLR's noise loss)
+    anchor_offset: int = 0                 # anchors are rows [offset, offset+N) of a larger batch
+    chunk_size: int | None = None
+    memory_budget: int | None = None       # bytes; None: the device's default budget
+    # The rules of fastcl.layout. With a positive side the anchors handed to the driver are
+    # 2N rows, [anchors; their own positives]: rows i and N + i are the two sides of row i.
+    layout: Layout | None = None                     # None: fastcl.layout.PLAIN
+    blocks: tuple[int, int, int, int] | None = None  # (N_b, K, K_z, N_a): the column blocks
+    hardness: tuple[str, float] | None = None        # MNRL's (hardness_mode, hardness_strength)
+    guide: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    #      (guide unit rows of the 2N (or N) anchor rows, of the M columns, θ (N,)), float32+
+    #      (for the Triton engine the unit rows in the GEMM dtype, cast once a call)
+    ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (column text ids (M,), row keys (N,))
+    matryoshka: Matryoshka | None = None   # the loss Σ_k w_k·L(x[:, :d_k]) in one pass
+
+    @property
+    def paired(self) -> bool:
+        """Whether the anchors are ``[anchors; positives]``, two sides per row."""
+        return self.layout is not None and self.layout.positive_side
+
+    @property
+    def sided(self) -> bool:
+        """Whether the chunk needs the layout's drops (any rule of :mod:`fastcl.layout`)."""
+        return not ((self.layout or PLAIN).plain and self.hardness is None and self.guide is None
+                    and self.ids is None)
+
+    # --- the custom op's arguments (its schema has no records, optionals of lists or
+    # nested types: the layout travels as bits, the blocks as sizes, hardness and widths as
+    # text, the tensors as lists, an empty list for "none")
+
+    def op_args(self) -> tuple:
+        widths = ("" if self.matryoshka is None else
+                  ",".join(f"{d}:{float(w)!r}" for d, w in zip(*self.matryoshka)))
+        return (list(self.complementary or ()), float(self.temperature),
+                None if self.focal_m is None else float(self.focal_m),
+                float(self.hard_negative_weight), float(self.phi or 0.0), self.formulation,
+                int(self.anchor_offset), self.chunk_size, widths, _layout_bits(self.layout),
+                list(self.blocks or (0, 0, 0, 0)),
+                "" if self.hardness is None else f"{self.hardness[0]}:{float(self.hardness[1])!r}",
+                list(self.guide or ()), list(self.ids or ()))
+
+    @classmethod
+    def from_op_args(cls, complementary, temperature, focal_m, hard_negative_weight, phi,
+                     formulation, anchor_offset, chunk_size, matryoshka, layout_bits, blocks,
+                     hardness, guide, ids) -> "Epilogue":
+        mode, _, beta = hardness.partition(":")
+        widths = None
+        if matryoshka:
+            pairs = [item.split(":") for item in matryoshka.split(",")]
+            widths = Matryoshka(tuple(int(d) for d, _ in pairs), tuple(float(w) for _, w in pairs))
+        return cls(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
+                   phi=phi if complementary else None,
+                   complementary=tuple(complementary) if complementary else None,
+                   formulation=formulation, anchor_offset=anchor_offset, chunk_size=chunk_size,
+                   matryoshka=widths, layout=_layout_of(layout_bits),
+                   blocks=tuple(blocks) if any(blocks) else None,
+                   hardness=(mode, float(beta)) if mode else None,
+                   guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None)
+
+
+#: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
+_LAYOUT_FIELDS = ("anchor_to_anchors", "positive_to_anchors", "positive_to_positives",
+                  "positive_to_negatives", "exclude_own", "joint")
+
+
+def bits(mask: int, count: int) -> list[bool]:
+    return [bool(mask >> i & 1) for i in range(count)]
+
+
+def _layout_bits(lay: Layout | None) -> int:
+    if lay is None:
+        return -1
+    return sum(1 << i for i, name in enumerate(_LAYOUT_FIELDS) if getattr(lay, name))
+
+
+def _layout_of(value: int) -> Layout | None:
+    if value < 0:
+        return None
+    return Layout(**dict(zip(_LAYOUT_FIELDS, bits(value, len(_LAYOUT_FIELDS)))))
+
+
+# --------------------------------------------------------------------------- build_spec
+
+def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERATURE,
+               focal_m=None, hard_negative_weight=0.0, complementary=None, phi=common.PHI,
+               noise=None, noise_ratio=0.0, noise_steps=common.NOISE_STEPS,
+               noise_lr=common.NOISE_LR, noise_std=common.NOISE_STD, noise_temperature=None,
+               generator=None, formulation="paper", symmetric=False, anchor_offset=None,
+               directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
+               hardness_strength=0.0, anchor_candidates=None, guide=None, guide_margin=0.0,
+               margin_strategy="absolute", duplicate_ids=None, matryoshka_dims=None,
+               matryoshka_weights=None, backend="auto", chunk_size=None, focal_name="focal_m"):
+    """Check :func:`fastcl.contrastive`'s arguments (every default and cross-field rule) and
+    return ``(spec, anchors, positives, negatives)``, the embeddings checked (rows too large
+    to square rescaled). Errors name the argument (``focal_name``: ``focal_m``'s name in
+    the caller). The scan of the inputs is queued, not read (:func:`fastcl._validation.read_inputs`)."""
+    anchors, positives, anchor_offset = inputs(anchors, positives, anchor_offset)
+    negatives = None if negatives is None else check.embeddings(
+        "negatives", negatives, width=anchors.shape[1], like=anchors, allow_empty=True,
+        scale_free=True)
+    n, n_pos = anchors.shape[0], positives.shape[0]
+    focal_m = None if focal_m is None else check.finite(focal_name, focal_m)
+    hard_negative_weight = check.finite("hard_negative_weight", hard_negative_weight)
+    temperature = check.temperature(temperature, anchors.dtype, focal_m=focal_m,
+                                    hard_negative_weight=hard_negative_weight)
+    if hard_negative_weight and (negatives is None or negatives.shape[0] != n_pos):
+        got = "no negatives" if negatives is None else f"{negatives.shape[0]} negatives"
+        raise ValueError(f"hard_negative_weight needs one hard negative per anchor "
+                         f"({n_pos} negatives), got {got}")
+    complementary = check.complementary(complementary, n, n_pos, anchors.device)
+    phi = check.phi(phi)
+    noise_ratio = check.finite("noise_ratio", noise_ratio)
+    if noise_ratio < 0:
+        raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
+    formulation = check.choice("formulation", formulation, ("paper", "released"))
+    symmetric = check.flag("symmetric", symmetric)
+    if symmetric and n_pos != n:
+        raise ValueError("symmetric=True needs every anchor of the batch in this call "
+                         "(no anchor_offset slice)")
+    if formulation == "released":
+        _exclusive("formulation='released' is DCLR as the authors' code computes it and "
+                   "combines with complementary, phi and the noise options only; got {} as well: "
+                   "use formulation='paper' to combine them",
+                   focal_m=focal_m is not None, negatives=negatives is not None,
+                   hard_negative_weight=bool(hard_negative_weight), symmetric=symmetric)
+    rules, guide_spec, ids = _rules(anchors, positives, negatives, anchor_offset, directions,
+                                    partition_mode, hardness_mode, hardness_strength,
+                                    anchor_candidates, guide, guide_margin, margin_strategy,
+                                    duplicate_ids)
+    if rules is not None or guide_spec is not None or ids is not None:
+        names = [name for name, on in (("symmetric", symmetric),
+                                       ("formulation='released'", formulation == "released")) if on]
+        if names:
+            raise ValueError(f"{' and '.join(names)} cannot be combined with directions, "
+                             f"hardness_mode, guide or duplicate_ids (symmetric=True is "
+                             f"directions=('query_to_doc', 'doc_to_query'), "
+                             f"partition_mode='per_direction')")
+    if symmetric:
+        rules = Rules(SYMMETRIC, anchors)
+    widths = matryoshka(matryoshka_dims, matryoshka_weights, anchors.shape[1])
+    count = noise.shape[0] if noise is not None else common.noise_count(noise_ratio, n_pos, formulation)
+    if widths is not None:
+        _exclusive("matryoshka_dims does not combine with {}", joiner=" or ",
+                   **{"formulation='released'": formulation == "released",
+                      "noise": noise is not None or count > 0})
+    noise_spec = noise_settings(anchors, None if noise is not None else count, noise_steps,
+                                noise_lr, noise_std,
+                                temperature if noise_temperature is None else noise_temperature,
+                                noise, generator)
+    spec = LossSpec(
+        Logits(temperature, focal_m, hard_negative_weight),
+        mask=None if complementary is None else Mask(complementary, phi, reverse=symmetric),
+        noise=noise_spec if (noise is not None or count) else None, rules=rules,
+        guide=guide_spec, ids=ids, matryoshka=widths, formulation=formulation,
+        anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size))
+    return _with_backend(spec, backend, anchors), anchors, positives, negatives
+
+
+def _exclusive(message: str, joiner: str = ", ", **on) -> None:
+    names = [name for name, value in on.items() if value]
+    if names:
+        raise ValueError(message.format(joiner.join(names)))
+
+
+def inputs(anchors, positives, anchor_offset=None):
+    """Anchors (N×d) and positives: N rows, or — with ``anchor_offset`` — the whole batch the
+    anchors are rows ``[anchor_offset, anchor_offset + N)`` of. Returns the offset as an int."""
+    anchors = check.embeddings("anchors", anchors, scale_free=True)
+    if anchor_offset is None:
+        positives = check.embeddings("positives", positives, rows=anchors.shape[0],
+                                     width=anchors.shape[1], like=anchors, scale_free=True)
+        return anchors, positives, 0
+    anchor_offset = check.non_negative_int("anchor_offset", anchor_offset)
+    positives = check.embeddings("positives", positives, width=anchors.shape[1], like=anchors,
+                                 scale_free=True)
+    if positives.shape[0] < anchor_offset + anchors.shape[0]:
+        raise ValueError(
+            f"positives has {positives.shape[0]} rows but anchor_offset={anchor_offset} with "
+            f"{anchors.shape[0]} anchors needs at least {anchor_offset + anchors.shape[0]}")
+    return anchors, positives, anchor_offset
+
+
+def noise_settings(anchors, num, steps, lr, std, temperature, noise, generator=None,
+                   names=("noise_steps", "noise_lr", "noise_std", "noise_temperature")) -> Noise:
+    """DCLR's noise update checked (``names``: the arguments' names in the caller); ``num``
+    None when ``noise`` gives the rows."""
+    steps = check.non_negative_int(names[0], steps)
+    lr = check.finite(names[1], lr)
+    std = check.positive(names[2], std)
+    temperature = check.temperature(temperature, anchors.dtype, name=names[3])
+    if noise is not None:
+        noise = check.embeddings("noise", noise, width=anchors.shape[1], allow_empty=True)
+        if noise.device != anchors.device:
+            raise ValueError(f"noise is on {noise.device} but anchors are on {anchors.device}")
+        if num is not None and noise.shape[0] != num:
+            raise ValueError(f"noise has {noise.shape[0]} rows but num={num}")
+        num = noise.shape[0]
+    else:
+        num = check.non_negative_int("num", num)
+    return Noise(num, noise, steps, lr, std, temperature,
+                 check.generator(generator, anchors.device))
+
+
+def matryoshka(dims, weights, d) -> Matryoshka | None:
+    """``matryoshka_dims`` and ``matryoshka_weights`` checked, sorted by width, or None when
+    ``dims`` is None (``d``: the embeddings' width, None where it is not known yet)."""
+    if dims is None:
+        if weights is not None:
+            raise ValueError("matryoshka_weights needs matryoshka_dims")
+        return None
+    if isinstance(dims, (int, str)) or not len(dims):
+        raise TypeError(f"matryoshka_dims must be a non-empty sequence of widths, got {dims!r}")
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in dims):
+        raise ValueError(f"matryoshka_dims must be positive integers, got {list(dims)}")
+    dims = list(dims)
+    if d is not None and max(dims) > d:
+        raise ValueError(f"matryoshka_dims must lie in [1, {d}] (the embeddings' width), got {dims}")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"matryoshka_dims has a width twice: {dims}")
+    weights = [1.0] * len(dims) if weights is None else [check.finite("matryoshka_weights", w)
+                                                          for w in weights]
+    if len(weights) != len(dims):
+        raise ValueError(f"matryoshka_weights has {len(weights)} entries for {len(dims)} widths")
+    pairs = sorted(zip(dims, weights))
+    return Matryoshka(tuple(x for x, _ in pairs), tuple(w for _, w in pairs))
+
+
+def _rules(anchors, positives, negatives, anchor_offset, directions, partition_mode,
+           hardness_mode, hardness_strength, anchor_candidates, guide, guide_margin,
+           margin_strategy, duplicate_ids):
+    """The options of :mod:`fastcl.layout` checked: ``(Rules or None, Guide or None, ids or
+    None)``, all None when none is on. (A row count is compared with 0 here, never tested
+    for truth: torch.compile before torch 2.6 fixes a traced batch size at ``if n``.)"""
+    # checked whatever else is given (a strategy or margin without a guide is a mistake too)
+    check.choice("margin_strategy", margin_strategy, layout.MARGIN_STRATEGIES)
+    if (layout.names_plain(directions, partition_mode) and hardness_mode is None
+            and guide is None and duplicate_ids is None and anchor_candidates is None):
+        return None, None, None   # the plain layout, decided without building one (torch.compile)
+    n, n_pos = anchors.shape[0], positives.shape[0]
+    n_neg = 0 if negatives is None else negatives.shape[0]
+    if isinstance(directions, Layout):
+        if partition_mode != "joint":
+            raise ValueError("partition_mode goes with directions given by name; a Layout says "
+                             "its own (Layout.joint)")
+        lay = directions
+    else:
+        lay = layout.from_directions(directions, partition_mode)
+    if hardness_mode is not None:
+        check.choice("hardness_mode", hardness_mode, layout.HARDNESS_MODES)
+    hardness_strength = check.finite("hardness_strength", hardness_strength)
+    if hardness_strength < 0:
+        raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+    guide_margin = check.finite("guide_margin", guide_margin)
+    unread = ValueError("anchor_candidates is read only with directions that score the "
+                        "anchors ('query_to_query', 'doc_to_query')")
+    if lay.plain and hardness_mode is None and guide is None and duplicate_ids is None:
+        if anchor_candidates is not None:
+            raise unread
+        return None, None, None
+    grouped = (hardness_mode is not None and hardness_strength) or (
+        lay.positive_to_negatives and lay.exclude_own)
+    if grouped and n_neg % n_pos:
+        raise ValueError(f"hardness_mode and 'doc_to_doc' need the negatives as whole columns "
+                         f"(a multiple of the {n_pos} positives, row j of each belonging to "
+                         f"anchor j), got {n_neg} negatives")
+    if lay.scores_anchors:
+        if anchor_candidates is None:
+            if n != n_pos:
+                raise ValueError("directions that score the anchors need anchor_candidates (the "
+                                 "whole batch's anchors) when anchor_offset is given")
+            anchor_candidates = anchors
+        else:
+            anchor_candidates = check.embeddings("anchor_candidates", anchor_candidates,
+                                                 width=anchors.shape[1], like=anchors,
+                                                 scale_free=True)
+            if anchor_candidates.shape[0] not in (n, n_pos):
+                raise ValueError(f"anchor_candidates has {anchor_candidates.shape[0]} rows: it "
+                                 f"holds the whole batch's anchors ({n_pos}) or these anchors ({n})")
+    elif anchor_candidates is not None:
+        raise unread
+    n_a = 0 if anchor_candidates is None or not lay.scores_anchors else anchor_candidates.shape[0]
+    if guide is not None:
+        guide = Guide(_guide(guide, n, n_pos, n_neg, n_a, anchors.device), guide_margin,
+                      margin_strategy)
+    if duplicate_ids is not None:
+        duplicate_ids = _duplicate_ids(duplicate_ids, n_pos, n_neg, n_a, anchors.device)
+    hardness = (hardness_mode, hardness_strength) if hardness_mode is not None and hardness_strength else None
+    rules = None
+    if not lay.plain or hardness is not None:
+        rules = Rules(lay, anchor_candidates if n_a > 0 else None, hardness)
+    elif guide is None and duplicate_ids is None:
+        return None, None, None
+    return rules, guide, duplicate_ids
+
+
+def _guide(guide, n, n_pos, n_neg, n_a, device):
+    """``guide=(g_anchors, g_positives, g_negatives, g_anchor_candidates)`` checked: the last
+    two may be left out or None where there are no negatives or no anchors block (the anchors
+    block's default: g_anchors, when those are its rows)."""
+    if not isinstance(guide, (tuple, list)) or not 2 <= len(guide) <= 4:
+        raise TypeError("guide must be a tuple (g_anchors, g_positives[, g_negatives"
+                        "[, g_anchor_candidates]])")
+    parts = list(guide) + [None] * (4 - len(guide))
+    names = ("guide[0] (anchors)", "guide[1] (positives)", "guide[2] (negatives)",
+             "guide[3] (anchor candidates)")
+    if parts[3] is None and n_a == n:
+        parts[3] = parts[0]
+    out = []
+    for name, x, want in zip(names, parts, (n, n_pos, n_neg, n_a)):
+        if x is None:
+            if want > 0:
+                raise ValueError(f"{name} is missing: the guide embeds every candidate block "
+                                 f"({want} rows here)")
+            out.append(None)
+            continue
+        x = check.embeddings(name, x, rows=want, width=out[0].shape[1] if out else None,
+                             scale_free=True)
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
+        if out and x.dtype != out[0].dtype:
+            raise TypeError(f"{name} is {x.dtype} but guide[0] is {out[0].dtype}")
+        out.append(x.detach() if want > 0 else None)
+    return tuple(out)
+
+
+def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
+    """``duplicate_ids=(positive_ids, negative_ids, anchor_ids)`` checked: 1-D integer tensors
+    with one id per candidate row (None where the block is absent)."""
+    if not isinstance(ids, (tuple, list)) or not 1 <= len(ids) <= 3:
+        raise TypeError("duplicate_ids must be a tuple (positive_ids[, negative_ids[, anchor_ids]])")
+    parts = list(ids) + [None] * (3 - len(ids))
+    out = []
+    for name, x, want in zip(("duplicate_ids[0] (positives)", "duplicate_ids[1] (negatives)",
+                              "duplicate_ids[2] (anchor candidates)"), parts, (n_pos, n_neg, n_a)):
+        if x is None:
+            if want > 0:
+                raise ValueError(f"{name} is missing: {want} candidates need an id each")
+            out.append(None)
+            continue
+        if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got "
+                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.dim() != 1 or x.shape[0] != want:
+            raise ValueError(f"{name} must have shape ({want},), got {tuple(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
+        out.append(x.to(torch.long) if want > 0 else None)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- the backend
+
+#: Looked up once, at import: torch.compile before torch 2.6 breaks the graph at a call of
+#: ``find_spec``, even through a cache.
+def _triton_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
+_TRITON_INSTALLED = _triton_installed()
+
+
+def triton_problem(x: torch.Tensor) -> str | None:
+    """Why the Triton backend cannot take ``x`` (None if it can)."""
+    import os
+    if not _TRITON_INSTALLED:
+        return "the triton package is not installed (pip install 'fastcl[triton]')"
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"the kernels take float32, float16 or bfloat16 embeddings, not {x.dtype}"
+    if x.is_meta:
+        return "the embeddings are meta tensors, which hold no data for a kernel to read"
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return ("the embeddings are on the CPU: the kernels need CUDA tensors, or "
+                "TRITON_INTERPRET=1 (set before fastcl.kernels is imported) to run them in "
+                "Triton's interpreter")
+    return None
+
+
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """The backend a loss call with ``backend`` runs on for embeddings like ``x``: the
+    rule of ``"auto"`` (Triton for CUDA tensors it can take, tiled otherwise), and a clear
+    error when ``"triton"`` cannot run."""
+    check.choice("backend", backend, check.BACKENDS)
+    if backend == "triton":
+        problem = triton_problem(x)
+        if problem:
+            raise ValueError(f"backend='triton' cannot run here: {problem}; use backend='tiled'")
+    elif backend == "auto":
+        backend = "triton" if x.is_cuda and triton_problem(x) is None else "tiled"
+    return backend
+
+
+def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
+    """``spec`` on its resolved backend. The Triton kernels apply the layout's rules, the
+    guide and the ids on InfoNCE and focal (with DCLR's noise too), and Matryoshka's widths a
+    call each, but not the layout's rules beside a hard-negative weight or DCLR's mask (two
+    plain directions take both); for those ``"auto"`` takes the tiled path and ``"triton"``
+    is refused with the reason."""
+    be = resolve_backend(backend, anchors)
+    if be == "triton" and spec.ruled and not spec.two_directions:
+        lacking = [name for name, on in (
+            ("hard_negative_weight", bool(spec.logits.hard_negative_weight)),
+            ("complementary (DCLR's mask)", spec.mask is not None)) if on]
+        if lacking and backend == "triton":
+            raise ValueError(f"backend='triton' does not compute {' or '.join(lacking)} beside "
+                             "directions beyond ('query_to_doc',), hardness_mode, guide or "
+                             "duplicate_ids yet; use backend='tiled' (the same numbers, without "
+                             "the N×M matrix)")
+        if lacking:
+            be = "tiled"
+    return LossSpec(spec.logits, spec.mask, spec.noise, spec.rules, spec.guide, spec.ids,
+                    spec.matryoshka, spec.formulation, spec.anchor_offset, spec.chunk_size, be)

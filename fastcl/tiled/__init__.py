@@ -1,0 +1,138 @@
+"""The tiled path: every objective without ever holding the N×M similarity matrix.
+
+Anchor rows are processed in chunks of R rows. For a chunk we form the R×M slice of
+cosines ``s_ij = (q_i·k_j)/(‖q_i‖‖k_j‖)`` from the raw inputs and their norms, turn it
+into logits (temperature, focal modulation, hard-negative log-weight, DCLR mask),
+reduce it to the per-row log-sum-exp and positive logit, and — because the loss is
+the last op of the graph — turn the same slice into the gradient at once:
+
+    ∂L/∂l_ij = (p_ij − 1[j = i]) / N,      p = softmax over the row's kept columns
+    ∂L/∂s_ij = ∂L/∂l_ij · g'(s_ij)          (1/τ; focal: 2s/τ on the positive, (2s+m)/τ else)
+    G'_ij    = ∂L/∂s_ij / (‖q_i‖‖k_j‖)
+    u_q = G' K,   u_k += G'ᵀ Q_chunk        (two GEMMs on the raw inputs)
+    ∂L/∂x = u − x̂ (x̂·u)                     (the chain through the L2 normalization)
+
+Backward only scales the stored gradients by the incoming scalar. Peak extra memory
+is the R×M chunk buffers (one fp32 slice; two for focal; an R×N slice of the
+complementary model's cosines for DCLR) plus the N×d and M×d gradients; R comes
+from a memory budget. The driver is shared by the Triton backend, which swaps the
+PyTorch epilogue (:func:`torch_chunk`) for fused kernels.
+
+Rooms: :mod:`.engine` (the engine contract and the PyTorch engine), :mod:`.driver` (the
+chunk loop and the gradients), :mod:`.autograd` (the autograd Function and the custom op,
+one backward), :mod:`.noise` (DCLR's noise update); here, a spec's loss on them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import common, layout
+from ..common import EPS, accumulate_dtype
+from ..spec import Epilogue, LossSpec
+from . import driver
+from .autograd import TiledContrastive, contrastive_loss, tiled_contrastive_op  # noqa: F401
+from .driver import (DEFAULT_MEMORY_BUDGET, MIN_CHUNK_ROWS, _norms, _tangent_,  # noqa: F401
+                     chunk_rows, contrastive_forward, matmul_dtype, matryoshka_forward,
+                     rows_per_chunk)
+from .engine import TORCH, Chunk, Engine, _layout_drops, engine_for, torch_chunk  # noqa: F401
+from .noise import _noise_step, dclr_noise, noise_update  # noqa: F401
+
+
+def spec_loss(spec: LossSpec, anchors, positives, negatives=None):
+    """The fused paths' loss of ``spec`` (:func:`fastcl.spec.build_spec`) on checked
+    embeddings: the candidate blocks (DCLR's noise drawn and updated here), then the driver
+    on the spec's engine. Matryoshka is one pass over every width where the engine takes
+    them (the torch engine), else a call per width (the Triton kernels take one width)."""
+    engine = engine_for(spec.backend)
+    cands = None if spec.rules is None else spec.rules.anchor_candidates
+    if spec.matryoshka is not None and engine.name != "torch":
+        cut = lambda x, d: None if x is None else x[:, :d]  # noqa: E731
+        return sum(w * _terms(spec, engine, *(cut(x, d) for x in (anchors, positives, negatives, cands)))
+                   for d, w in zip(*spec.matryoshka))
+    return _terms(spec, engine, anchors, positives, negatives, cands, spec.matryoshka)
+
+
+def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands, widths=None):
+    logits, mask, offset = spec.logits, spec.mask, spec.anchor_offset
+    blocks = [positives] + ([] if negatives is None else [negatives])
+    if spec.noise is not None:
+        z = dclr_noise(spec.noise, anchors, positives, formulation=spec.formulation,
+                       anchor_offset=offset, engine=engine, chunk_size=spec.chunk_size)
+        # Z is not rescaled before its update (a step of lr is not scale-free); as loss
+        # candidates its rows only enter through cosines
+        blocks.append(common.shrink_huge_rows(z).to(anchors.dtype))
+    fields = dict(temperature=logits.temperature, focal_m=logits.focal_m,
+                  hard_negative_weight=logits.hard_negative_weight,
+                  phi=None if mask is None else mask.phi,
+                  complementary=None if mask is None else mask.complementary,
+                  formulation=spec.formulation, chunk_size=spec.chunk_size, anchor_offset=offset,
+                  matryoshka=widths)
+    if spec.two_directions:
+        # ½(L→ + L←): the positives against the anchor candidates, focal and (symmetric) the
+        # transposed mask there; negatives, w and Z belong to the forward direction only
+        n, n_pos = anchors.shape[0], positives.shape[0]
+        reverse = Epilogue(logits.temperature, focal_m=logits.focal_m,
+                           phi=mask.phi if mask is not None and mask.reverse else None,
+                           complementary=(mask.complementary[1], mask.complementary[0])
+                           if mask is not None and mask.reverse else None,
+                           chunk_size=spec.chunk_size, matryoshka=widths,
+                           anchor_offset=offset if cands.shape[0] == n_pos else 0)
+        forward = contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
+        return 0.5 * (forward + contrastive_loss(reverse, positives[offset:offset + n], cands,
+                                                 engine=engine))
+    if spec.ruled:
+        rows, blocks, ep = _ruled_inputs(spec, fields, anchors, positives, negatives, blocks, cands,
+                                         driver.matmul_dtype(anchors.dtype, anchors.device)
+                                         if engine.name != "torch" else None)
+        return contrastive_loss(ep, rows, *blocks, engine=engine)
+    return contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
+
+
+def _ruled_inputs(spec: LossSpec, fields, anchors, positives, negatives, blocks, cands,
+                  guide_dtype=None):
+    """The driver's inputs for a spec with :mod:`fastcl.layout`'s rules: the rows
+    (``[anchors; own positives]`` with a positive side), the candidate blocks with the
+    anchors block last, and the epilogue of ``fields`` with the column blocks, the guide's
+    unit rows (in ``guide_dtype``, default the accumulate dtype) and thresholds (always in
+    the accumulate dtype), the ids. (Epilogues are built whole, never
+    ``dataclasses.replace``d: torch.compile before torch 2.6 breaks the graph there.)"""
+    lay, hardness = spec.layout, None if spec.rules is None else spec.rules.hardness
+    n, n_pos = anchors.shape[0], positives.shape[0]
+    offset = spec.anchor_offset
+    n_neg = 0 if negatives is None else negatives.shape[0]
+    n_noise = sum(b.shape[0] for b in blocks) - n_pos - n_neg
+    n_a = 0 if cands is None else cands.shape[0]
+    own = positives[offset:offset + n]
+    rows = torch.cat([anchors, own]) if lay.positive_side else anchors
+    blocks = list(blocks) + ([cands] if n_a > 0 else [])
+    guide = ids = None
+    if spec.guide is not None:
+        acc = accumulate_dtype(anchors.dtype)
+        unit = lambda x: torch.nn.functional.normalize(common.wide(x), dim=1, eps=EPS).to(acc)  # noqa: E731
+        g_anchors, g_positives, g_negatives, g_cands = spec.guide.embeddings
+        u_anchors, u_positives = unit(g_anchors), unit(g_positives)
+        u_own = u_positives[offset:offset + n]
+        gamma = (u_anchors * u_own).sum(dim=1)
+        theta = layout.guide_threshold(gamma, spec.guide.margin, spec.guide.strategy)
+        g_rows = torch.cat([u_anchors, u_own]) if lay.positive_side else u_anchors
+        parts = [u_positives] + ([unit(g_negatives)] if n_neg > 0 else [])
+        parts.append(u_anchors.new_zeros(n_noise, u_anchors.shape[1]))   # never filtered
+        parts += [unit(g_cands)] if n_a > 0 else []
+        g_cols = torch.cat(parts)
+        theta = layout.keep_twin_ties(
+            theta, gamma, [u_own] + ([u_anchors] if lay.positive_side else []), g_cols[:n_pos + n_neg]
+            if n_a == 0 else torch.cat([g_cols[:n_pos + n_neg], g_cols[-n_a:]]),
+            (1, int(n_a > 0)))
+        if guide_dtype is not None:
+            g_rows, g_cols = g_rows.to(guide_dtype), g_cols.to(guide_dtype)
+        guide = (g_rows, g_cols, theta)
+    if spec.ids is not None:
+        pos_ids, neg_ids, anchor_ids = spec.ids
+        parts = [pos_ids] + ([neg_ids] if n_neg > 0 else [])
+        parts.append(pos_ids.new_zeros(n_noise))                          # never compared
+        parts += [anchor_ids] if n_a > 0 else []
+        ids = (torch.cat(parts), pos_ids[offset:offset + n])
+    ep = Epilogue(**fields, layout=lay, blocks=(n_pos, n_neg, n_noise, n_a), hardness=hardness,
+                  guide=guide, ids=ids)
+    return rows, blocks, ep

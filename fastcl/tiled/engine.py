@@ -1,0 +1,380 @@
+"""The engine contract (:class:`Engine`) and the PyTorch engine: one chunk of cosines to
+row losses and ``H`` (:func:`torch_chunk`), with the epilogue's pieces that every Matryoshka
+width shares (:class:`_RowRules`, :func:`_focal_logits`, :func:`_focal_slope`), and the
+GEMM helpers the driver uses."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..common import accumulate_dtype
+from ..layout import PLAIN, column_blocks, column_groups, hardness_columns, visible_blocks
+from ..spec import Epilogue
+
+
+@functools.lru_cache(maxsize=None)
+def _mixed_addmm_supported(device_type: str) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates 16-bit
+    products into a float32 buffer in place on this device type (cuBLAS with beta = 1)."""
+    try:
+        x = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
+        torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
+        return bool((acc == 3).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _mixed_mm_supported(device_type: str) -> bool:
+    """Whether ``torch.mm(..., out_dtype=float32)`` takes 16-bit inputs on this device type."""
+    try:
+        x = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a @ b`` written in ``acc``. 16-bit GEMMs write float32 directly where torch can; a
+    CPU widens the operands (the same products and sums, and no slower there); elsewhere
+    the product is rounded to 16 bits first (~3 significant digits: fine for the gradient
+    GEMMs, too coarse for cosines at τ = 0.05 — the Triton kernels form those)."""
+    if a.dtype == acc:
+        return a @ b
+    if _mixed_mm_supported(a.device.type):
+        return torch.mm(a, b, out_dtype=acc)
+    if a.device.type == "cpu":
+        return a.to(acc) @ b.to(acc)
+    return (a @ b).to(acc)
+
+
+def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with ``out`` the accumulator: in place (one GEMM with beta = 1) where
+    torch can; else through a product the size of ``out``."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    elif _mixed_addmm_supported(a.device.type):
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        out += _mm(a, b, out.dtype)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` into the accumulator ``out`` (no new R×M allocation)."""
+    if a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.zero_()
+        _accumulate_mm(out, a, b)
+
+
+@dataclass
+class Chunk:
+    """What an engine sees of one chunk of anchor rows ``[r0, r1)``.
+
+    Cosines are never formed from normalized copies: ``s_ij = (q_i·k_j) · inv_q_i · inv_k_j``
+    with the raw inputs and their inverse norms, so neither an N×d nor an M×d copy is needed.
+    """
+
+    r0: int
+    r1: int
+    n: int                      # anchors in this call: the loss is their mean
+    n_pos: int                  # rows of the positives block (the global batch)
+    first_pos: int              # column of row r0's positive (anchor_offset + r0)
+    q: torch.Tensor             # (R×d) raw anchor rows, matmul dtype
+    keys: torch.Tensor          # (M×d) raw candidates, matmul dtype
+    inv_q: torch.Tensor         # (R,) 1/max(‖q_i‖, eps), accumulate dtype
+    inv_k: torch.Tensor         # (M,)
+    ginv_k: torch.Tensor        # (M,) γ·c·inv_k (c: the smallest unclamped ‖k_j‖), H's column factor
+    loss_out: torch.Tensor | None = None  # (R,) where the engine writes the row losses
+    comp_q: torch.Tensor | None = None   # (R×d_c) complementary anchors, normalized, matmul dtype
+    comp_k: torch.Tensor | None = None   # (N×d_c) complementary positives, likewise
+
+
+def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
+    """The epilogue in PyTorch ops, in place on one R×M buffer (2R×M with a positive side).
+
+    Writes each row's loss ℓ_i (before the mean) into ``c.loss_out`` and returns H, where
+    ``H_ij = ∂ℓ_i/∂s_ij · ginv_k_j`` (matmul dtype; ``None`` if not ``want_grad``). The driver
+    applies the row factors ``inv_q_i / (N·c)`` outside H: kept inside, they put the entries
+    near 1e-9, where fp16 flushes them to zero.
+    """
+    n_pos, m = c.n_pos, c.keys.shape[0]
+    r = c.r1 - c.r0
+    acc = c.inv_q.dtype
+    inv_t = 1.0 / ep.temperature
+    released = ep.formulation == "released"
+    ar = torch.arange(r, device=c.q.device)
+    diag = ar + c.first_pos                            # column of each row's positive
+
+    logits = _mm(c.q, c.keys.T, acc)                   # R×M raw dots → cosines → logits
+    logits.mul_(c.inv_q[:, None]).mul_(c.inv_k[None, :])
+    rules = _RowRules(ep, c, acc)
+    # the cosines, kept where the slope (focal) or MNRL's β·sg(s) reads them
+    cos = logits.clone() if ep.focal_m is not None else (
+        logits[:r].clone() if rules.hard is not None else None)
+    if ep.focal_m is not None:
+        _focal_logits(logits, cos, ep, r, c.first_pos, rules.mirror)
+    else:
+        logits.mul_(inv_t)
+    rules.apply(logits, n_pos, cos, c.first_pos)
+    if ep.focal_m is None:
+        del cos
+    drop, rules = rules.comp_drop, None                # the layout's masks are released here
+    # the released code gives the other columns (DCLR's noise) a complementary cosine of 0,
+    # so its test drops all of them when 0/τ > 20φ, i.e. φ < 0
+    drop_rest = released and ep.complementary is not None and 0.0 > 20 * ep.phi
+    if drop_rest:
+        logits[:, n_pos:] = 0.0
+    # The positive apart: the softmax below is over each row's other columns (and, joint,
+    # the positive side's), its log-sum-exp ``lse_o``; the row's loss is then
+    # softplus(lse_o − l_ii) = log(1 + Σ_{j≠i} e^(l_ij − l_ii)) and the others' share of the
+    # full softmax q = σ(lse_o − l_ii) = 1 − p_ii: neither cancels where the positive
+    # dominates (lse − l_ii and p_ii − 1 keep no digit of a loss below eps·|l_ii|).
+    if ep.positives:
+        pos_logit = logits[ar, diag].clone()
+        logits[ar, diag] = float("-inf")
+    joint = ep.paired and ep.layout.joint
+    view = logits.view(2, r, m) if joint else logits.view(1, -1, m)
+    row_max = view.amax(dim=(0, 2), keepdim=True)
+    row_max.masked_fill_(torch.isneginf(row_max), 0.0)      # a row with no other column
+    probs = view.sub_(row_max).exp_()
+    row_sum = probs.sum(dim=(0, 2), keepdim=True)
+    probs.div_(row_sum.clamp_min(torch.finfo(acc).tiny))
+    lse = (row_max + row_sum.log()).reshape(-1)
+    probs = logits                                     # the buffer, as R'×M
+    if ep.positives:
+        gap = lse[:r] - pos_logit
+        share, others = torch.logaddexp(gap, torch.zeros_like(gap)), torch.sigmoid(gap)
+        probs[:r].mul_(others[:, None])                # the full softmax, off the positive
+        if joint:
+            probs[r:].mul_(others[:, None])
+    else:
+        share = lse
+    if ep.paired and not joint:
+        # each side its own softmax: the mean of the two log-sum-exps, each side's softmax
+        # halved in the gradient; the positive side has no positive of its own
+        share = 0.5 * (share + lse[r:] - pos_logit)
+        probs.mul_(0.5)
+
+    if released:
+        # BCE on the softmax, mean over all N·M entries; log p and log(1−p) clamped at −100
+        # as torch's binary_cross_entropy does (−log p_ii = share)
+        log_not = torch.neg(probs).log1p_().clamp_min_(-100.0)
+        log_not[ar, diag] = 0.0
+        row_loss = -log_not.sum(dim=1) + share.clamp_max(100.0)
+        del log_not
+    else:
+        row_loss = share
+    c.loss_out.copy_(row_loss)
+    if not want_grad:
+        return None
+
+    grad = probs                                       # becomes ∂L/∂s in place
+    if released:
+        # v_ij = p·∂BCE/∂p = p(p − y)/max(p(1 − p), 1e-12), the clamp of torch's BCE backward:
+        # p/(1−p) off the positive, −1 on it (−p_ii·q/max(p_ii·q, 1e-12), q = 1 − p_ii);
+        # ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ, on the positive v_ii·q − p_ii·Σ_{j≠i} v_j
+        p_pos = torch.sigmoid(-gap)
+        v = torch.rsub(probs, 1.0).mul_(probs).clamp_min_(1e-12).reciprocal_()  # one extra slice
+        v.mul_(probs).mul_(probs)
+        v[ar, diag] = 0.0
+        v_others = v.sum(dim=1)
+        v_pos = -(p_pos * others) / (p_pos * others).clamp_min(1e-12)
+        grad.mul_(-(v_others + v_pos)[:, None]).add_(v)
+        grad[ar, diag] = v_pos * others - p_pos * v_others
+        del v
+        if drop is not None:
+            grad[:, :n_pos].masked_fill_(drop, 0.0)
+        if drop_rest:
+            grad[:, n_pos:] = 0.0
+    else:
+        if ep.positives:
+            # p_ii − 1 = −q; per direction, 0.5·p_ii − 1 = −0.5·q − 0.5
+            grad[ar, diag] = -others if not (ep.paired and not joint) else -0.5 * others - 0.5
+        if ep.focal_m is not None:
+            grad.mul_(_focal_slope(cos, ep, r, c.first_pos, _RowRules.mirror_of(ep, c)))
+    grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
+    return grad.to(c.q.dtype)
+
+
+def _complementary_drop(ep: Epilogue, comp_q, comp_k, first_pos: int, acc: torch.dtype):
+    """DCLR's mask on a chunk's anchor rows (R×N_b bool): the complementary model's cosine
+    ≥ φ (the released code's ``cos/τ > 20φ``), never the positive (column first_pos + i)."""
+    c_cos = _mm(comp_q, comp_k.T, acc)
+    released = ep.formulation == "released"
+    drop = (c_cos * (1.0 / ep.temperature) > 20 * ep.phi) if released else (c_cos >= ep.phi)
+    drop.diagonal(first_pos).fill_(False)
+    return drop
+
+
+def _mirror_column(ep: Epilogue, c: Chunk) -> int:
+    """The column of the positive side's first row's own anchor in the anchors block: row
+    R + i's is this + i."""
+    n_pos, n_neg, n_noise, n_anchor = ep.blocks
+    return n_pos + n_neg + n_noise + (c.first_pos if n_anchor == n_pos else c.r0)
+
+
+def _layout_drops(ep: Epilogue, c: Chunk):
+    """The entries a chunk's rows drop under :mod:`fastcl.layout`'s rules, (R'×M) bool with
+    R' = 2R when the rows have a positive side (rows R + i), and where MNRL's hardness term
+    applies to the anchor side, (R×M) bool or None."""
+    n_pos, n_neg, n_noise, n_anchor = ep.blocks
+    r, m, dev = c.r1 - c.r0, c.keys.shape[0], c.q.device
+    block = column_blocks(n_pos, n_neg, n_noise, n_anchor, dev)
+    group = column_groups(n_pos, n_neg, n_noise, n_anchor, dev)
+    local = torch.arange(c.r0, c.r1, device=dev)
+    g = local - c.r0 + c.first_pos                     # each row's positive column = its group
+    own_anchor = g if n_anchor == n_pos else local     # its column in the anchors block
+    cols = torch.arange(m, device=dev)
+    anchors_block = (block == 3)[None, :]
+    sides = []
+    for side in range(2 if ep.paired else 1):
+        drop = ~torch.isin(block, torch.tensor(visible_blocks(ep.layout or PLAIN, side), dtype=block.dtype,
+                                                 device=dev))[None, :].expand(r, m)
+        mine = anchors_block & (group[None, :] == own_anchor[:, None])
+        if (ep.layout or PLAIN).exclude_own:
+            own = mine if side == 0 else ((block <= 1)[None, :] & (group[None, :] == g[:, None]))
+            drop = drop | own
+        # the guide's filter and duplicates never drop the noise or the pair's own entry
+        filtered = None
+        if ep.guide is not None:
+            guide_rows, guide_cols, theta = ep.guide
+            first = side * c.n
+            rows = guide_rows[first + c.r0:first + c.r1]
+            filtered = _mm(rows, guide_cols.T, theta.dtype) > theta[c.r0:c.r1, None]
+        if ep.ids is not None:
+            col_ids, key = ep.ids
+            same = col_ids[None, :] == key[c.r0:c.r1, None]
+            filtered = same if filtered is None else filtered | same
+        if filtered is not None:
+            protect = (cols[None, :] == g[:, None]) if side == 0 else mine
+            drop = drop | (filtered & ~protect & (block != 2)[None, :])
+        sides.append(drop)
+    hard = None
+    if ep.hardness is not None and ep.hardness[1]:
+        hard = hardness_columns(ep.hardness[0], block, group, g, g)
+    return (sides[0] if len(sides) == 1 else torch.cat(sides)), hard
+
+
+class _RowRules:
+    """What a chunk's rows drop and weigh, the same at every Matryoshka width: DCLR's mask
+    (R×N_b, the anchor side), :func:`_layout_drops`' masks (R'×M), MNRL's hardness columns
+    (R×M, as a factor), and the column of the positive side's own anchor (focal gives it
+    s²/τ: :func:`_focal_logits`)."""
+
+    def __init__(self, ep: Epilogue, c: Chunk, acc: torch.dtype):
+        self.r, self.ep = c.r1 - c.r0, ep
+        self.comp_drop = None
+        if ep.complementary is not None:
+            self.comp_drop = _complementary_drop(ep, c.comp_q, c.comp_k, c.first_pos, acc)
+        self.drop = self.hard = None
+        if ep.sided:
+            self.drop, hard = _layout_drops(ep, c)
+            if hard is not None:      # as a factor, for an in-place addcmul at every width
+                self.hard = hard.to(acc)
+        self.mirror = self.mirror_of(ep, c)
+
+    @staticmethod
+    def mirror_of(ep: Epilogue, c: Chunk) -> int | None:
+        """The column of side 1's diagonal (each positive-side row's own anchor), or None."""
+        return _mirror_column(ep, c) if ep.paired and ep.layout.positive_to_anchors else None
+
+    def apply(self, logits, n_pos: int, cos, first: int) -> None:
+        """In place on the logits: the hard negative's log-weight ``w`` at column
+        ``N_b + first + i``, MNRL's ``β·sg(s)`` on the hardness columns (``cos``: the rows'
+        cosines), then the drops (−inf; DCLR's released code: logit 0)."""
+        r, ep = self.r, self.ep
+        if ep.hard_negative_weight:
+            logits[:r].diagonal(n_pos + first).add_(ep.hard_negative_weight)
+        if self.hard is not None:
+            logits[:r].addcmul_(cos[:r], self.hard, value=ep.hardness[1])
+        if self.comp_drop is not None:
+            fill = 0.0 if ep.formulation == "released" else float("-inf")
+            logits[:r, :n_pos].masked_fill_(self.comp_drop, fill)
+        if self.drop is not None:
+            logits.masked_fill_(self.drop, float("-inf"))
+
+
+def _focal_logits(out, cos, ep: Epilogue, r: int, first: int, mirror: int | None):
+    """Focal-InfoNCE's logits into ``out`` from the cosines ``cos`` (R'×M): ``s(s+m)/τ``, and
+    ``s²/τ`` on each anchor-side row's positive (column ``first + i``) and on the positive
+    side's own anchor (row R + i, column ``mirror + i``)."""
+    inv_t = 1.0 / ep.temperature
+    torch.add(cos, ep.focal_m, out=out).mul_(cos).mul_(inv_t)
+    out[:r].diagonal(first).copy_(cos[:r].diagonal(first).square().mul_(inv_t))
+    if mirror is not None:
+        out[r:].diagonal(mirror).copy_(cos[r:].diagonal(mirror).square().mul_(inv_t))
+    return out
+
+
+def _focal_slope(cos, ep: Epilogue, r: int, first: int, mirror: int | None):
+    """In place on the cosines: the focal logits' slope τ·g'(s), ``2s + m`` off the positives
+    and ``2s`` on them (the positions of :func:`_focal_logits`' ``s²/τ``)."""
+    slope = cos.mul_(2.0).add_(ep.focal_m)
+    slope[:r].diagonal(first).sub_(ep.focal_m)
+    if mirror is not None:
+        slope[r:].diagonal(mirror).sub_(ep.focal_m)
+    return slope
+
+
+def _slices(ep: Epilogue) -> int:
+    """R×M slices torch_chunk holds: focal keeps the cosines beside the logits, the released
+    BCE one more slice."""
+    return 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
+
+
+def _acc_and_cast_bytes(dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of an accumulate-dtype entry, and of its cast to the GEMM dtype (0 if none)."""
+    acc = accumulate_dtype(dtype)
+    return torch.finfo(acc).bits // 8, 0 if dtype == acc else torch.finfo(dtype).bits // 8
+
+
+def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> int:
+    """torch_chunk's buffers per anchor row: its accumulate-dtype slices, the cast to the
+    GEMM dtype, the mask's R×N slices."""
+    acc, cast = _acc_and_cast_bytes(dtype)
+    mask = n_pos * (acc + 1) if ep.complementary is not None else 0
+    sides = 2 if ep.paired else 1
+    # the layout's masks: a few bool slices per side, the guide's cosines, the hardness term
+    # (MNRL's hardness: its factor and the cosines it reads)
+    rules = m * (4 + acc * (ep.guide is not None) + 2 * acc * (ep.hardness is not None)) if ep.sided else 0
+    return sides * (m * (acc * _slices(ep) + cast) + rules) + mask
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A chunk engine of the driver: ``chunk(ep, c, want_grad)`` writes the row losses and
+    returns H (:func:`torch_chunk`'s contract); ``row_bytes(ep, dtype, M, N_b)`` its buffers
+    per anchor row; chunks are rounded to ``row_multiple`` rows; ``tangent`` and
+    ``noise_step`` its fused chain rule and DCLR noise step (None: the driver's PyTorch ones,
+    :func:`_tangent_` and :func:`_noise_step`)."""
+
+    name: str
+    chunk: Callable
+    row_bytes: Callable
+    row_multiple: int = 16
+    tangent: Callable | None = None
+    noise_step: Callable | None = None
+
+
+TORCH = Engine("torch", torch_chunk, _torch_row_bytes)
+
+
+_TRITON: list = []
+
+
+def engine_for(backend: str) -> Engine:
+    """The engine of a resolved backend ("tiled": :data:`TORCH`; "triton": the kernels')."""
+    if backend != "triton":
+        return TORCH
+    if not _TRITON:
+        from ..kernels import contrastive as k
+        _TRITON.append(Engine("triton", k.triton_chunk, k._row_bytes, k.ROW_MULTIPLE,
+                              k.triton_tangent, k.triton_noise_step))
+    return _TRITON[0]
