@@ -18,14 +18,14 @@ from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 
-import torch
 from transformers import HfArgumentParser
 
 from .. import augment, common
 from ..data import parse_columns
 from ..encoders import POOLERS
 from ..files import replace_text
-from .build import METHOD_OPTIONS, METHODS, SUPERVISED, Arguments, check_objective, world_size
+from .build import (DEV, METHOD_OPTIONS, METHODS, SELECT, SUPERVISED, Arguments, check_objective,
+                    on_cpu, world_size)
 
 CONFIG_FILE = "fastcl_config.yaml"   # the run's options, written into --output_dir
 RECIPE = "recipe:"                   # --config recipe:NAME: a recipe shipped with fastcl
@@ -135,49 +135,50 @@ def build_parser(prog: str = "fastcl-train") -> HfArgumentParser:
     return parser
 
 
-def _require(parser, ok: bool, message: str) -> None:
+def _require(ok: bool, message: str) -> None:
     if not ok:
-        parser.error(message)
+        raise ValueError(message)
 
 
 def resolve_args(parser, args) -> argparse.Namespace:
     """Fill the defaults that depend on other options and check every rule between them;
-    errors name the option."""
-    _require(parser, args.method is not None, "the following arguments are required: --method")
-    supervised = args.method in SUPERVISED
+    errors name the option (``parser.error``)."""
     try:
-        check_objective(args.method, {k: getattr(args, k) for k in METHOD_OPTIONS})
+        return _resolve(args)
     except ValueError as err:
         parser.error(str(err))
+
+
+def _resolve(args) -> argparse.Namespace:
+    _require(args.method is not None, "the following arguments are required: --method")
+    supervised = args.method in SUPERVISED
+    check_objective(args.method, {k: getattr(args, k) for k in METHOD_OPTIONS})
     for name, (_, default) in METHOD_OPTIONS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
     if args.augment is not None:
-        _require(parser, not supervised, f"--augment applies to the unsupervised methods (it "
-                 f"augments the second copy of each sentence); {args.method} takes its positives from the data")
+        _require(not supervised, f"--augment applies to the unsupervised methods (it augments the "
+                 f"second copy of each sentence); {args.method} takes its positives from the data")
         try:
             args.augment = augment.parse(args.augment).spec  # canonical: NAME:rate
         except ValueError as err:
-            parser.error(f"--{err}")
+            raise ValueError(f"--{err}") from None
     if args.complementary and (Path(args.complementary) / CONFIG_FILE).is_file():
         args.complementary = str(Path(args.complementary) / "model")  # a fastcl-train output folder
     if args.method == "dclr" and args.complementary is None:
-        _require(parser, args.complementary_pooler is None, "--complementary_pooler needs --complementary (the model it pools)")
-        _require(parser, args.complementary_mode != "released",
+        _require(args.complementary_pooler is None, "--complementary_pooler needs --complementary (the model it pools)")
+        _require(args.complementary_mode != "released",
                  "--complementary_mode released needs --complementary (the model it runs)")
-    _require(parser, args.focal_m is None or args.dclr_formulation != "released",
+    _require(args.focal_m is None or args.dclr_formulation != "released",
              "--focal_m combines with --dclr_formulation paper only")
-    _require(parser, args.text_column is None or not supervised,
+    _require(args.text_column is None or not supervised,
              f"--text_column applies to unsupervised methods; {args.method} reads --columns")
-    _require(parser, args.columns is None or supervised,
+    _require(args.columns is None or supervised,
              f"--columns applies to --method simcse-sup; {args.method} reads --text_column")
     if args.columns is not None:
-        try:
-            parse_columns(args.columns)
-        except ValueError as err:
-            parser.error(str(err))
+        parse_columns(args.columns)
     if args.data is None:
-        _require(parser, not supervised, f"--data: {args.method} needs data of pairs or triplets "
+        _require(not supervised, f"--data: {args.method} needs data of pairs or triplets "
                  "(only a Wikipedia sample for the unsupervised methods ships with fastcl)")
         args.data = str(SAMPLES / "wiki-sample.txt")
     if args.sts_dir is None:
@@ -186,16 +187,14 @@ def resolve_args(parser, args) -> argparse.Namespace:
         args.sts_dir = None
     recipe = method_defaults(args.method)
     args.recipe_pooler = recipe["pooler"]
-    _require(parser, args.mlp_only_train is None or args.pooler in (None, "cls"),
+    _require(args.mlp_only_train is None or args.pooler in (None, "cls"),
              "--mlp_only_train applies to --pooler cls only")
     if args.mlp_only_train is None:
         args.mlp_only_train = recipe["mlp_only_train"]
-    if world_size() > 1 and not torch.cuda.is_available():
-        args.use_cpu = True   # else accelerate leaves each CPU process to train alone
-    sampler = getattr(args.batch_sampler, "value", args.batch_sampler)
+    args.use_cpu = on_cpu(args)   # else accelerate leaves each CPU process to train alone
     if args.mask_duplicates is None:
         # a no_duplicates sampler keeps a text from appearing twice in a batch already
-        args.mask_duplicates = supervised and sampler == "batch_sampler"
+        args.mask_duplicates = supervised and getattr(args.batch_sampler, "value", args.batch_sampler) == "batch_sampler"
     if args.save_steps is None:
         args.save_steps = args.eval_steps if args.sts_dir else 250
     evaluate = bool(args.sts_dir)
@@ -203,29 +202,25 @@ def resolve_args(parser, args) -> argparse.Namespace:
     args.eval_on_start = evaluate and not args.resume   # its record is in the log on resume
     args.load_best_model_at_end = evaluate and not args.keep_last
     if evaluate:
-        args.metric_for_best_model = {"stsb": "eval_dev_stsb-dev", "avg": "eval_dev_avg"}[args.select]
+        args.metric_for_best_model = f"eval_{DEV}_{SELECT[args.select]}"
         args.greater_is_better = True
-    pos = lambda v: v is not None and v > 0 and math.isfinite(v)  # noqa: E731
-    checks = [
-        (args.per_device_train_batch_size * world_size() >= 2,
-         f"--per_device_train_batch_size {args.per_device_train_batch_size} on {world_size()} "
-         "process(es): a batch needs >= 2 examples (in-batch negatives)"),
-        (args.max_seq_len >= 2, f"--max_seq_len must be >= 2, got {args.max_seq_len}"),
-        (args.mini_batch_size is None or args.mini_batch_size >= 1,
-         f"--mini_batch_size must be >= 1, got {args.mini_batch_size}"),
-        (not evaluate or args.save_steps % args.eval_steps == 0,
-         f"--save_steps {args.save_steps:g} must be a multiple of --eval_steps {args.eval_steps:g} "
-         "(the best evaluated step must have a checkpoint to be kept)"),
-        (args.early_stopping_patience is None or evaluate,
-         "--early_stopping_patience needs a dev evaluation (--sts_dir)"),
-        (not args.resume_from_checkpoint, "--resume_from_checkpoint: fastcl-train resumes with "
-         "--resume, from the newest complete checkpoint it verifies"),
-        (not args.allow_changed_data or args.resume, "--allow_changed_data applies to --resume only"),
-        (pos(args.temperature), f"--temperature must be > 0, got {args.temperature}"),
-        (args.sts_dir is None or Path(args.sts_dir).is_dir(), f"--sts_dir: no such folder: {args.sts_dir}"),
-    ]
-    for ok, message in checks:
-        _require(parser, ok, message)
+    _require(args.per_device_train_batch_size * world_size() >= 2,
+             f"--per_device_train_batch_size {args.per_device_train_batch_size} on {world_size()} "
+             "process(es): a batch needs >= 2 examples (in-batch negatives)")
+    _require(args.max_seq_len >= 2, f"--max_seq_len must be >= 2, got {args.max_seq_len}")
+    _require(args.mini_batch_size is None or args.mini_batch_size >= 1,
+             f"--mini_batch_size must be >= 1, got {args.mini_batch_size}")
+    _require(not evaluate or args.save_steps % args.eval_steps == 0,
+             f"--save_steps {args.save_steps:g} must be a multiple of --eval_steps {args.eval_steps:g} "
+             "(the best evaluated step must have a checkpoint to be kept)")
+    _require(args.early_stopping_patience is None or evaluate,
+             "--early_stopping_patience needs a dev evaluation (--sts_dir)")
+    _require(not args.resume_from_checkpoint, "--resume_from_checkpoint: fastcl-train resumes with "
+             "--resume, from the newest complete checkpoint it verifies")
+    _require(not args.allow_changed_data or args.resume, "--allow_changed_data applies to --resume only")
+    _require(args.temperature > 0 and math.isfinite(args.temperature),
+             f"--temperature must be > 0, got {args.temperature}")
+    _require(args.sts_dir is None or Path(args.sts_dir).is_dir(), f"--sts_dir: no such folder: {args.sts_dir}")
     return args
 
 
