@@ -1,12 +1,8 @@
-"""The trainer's command line: sentence-transformers' training arguments and
-:class:`FastclArguments`, read by transformers' ``HfArgumentParser``, so every training option
-has its Hugging Face name (``--learning_rate``, ``--per_device_train_batch_size``, ``--bf16``,
-``--deepspeed``, ``--fsdp`` ...). A YAML or JSON file of options is read as HF scripts read
-one (``fastcl-train run.yaml``) or with ``--config FILE`` before the flags, which override it;
-the papers' recipes are such files (``--config recipe:NAME``). Without one, a method takes
-the training defaults of its BERT-base recipe. Every rule between options is checked once,
-in :func:`resolve_args`.
-"""
+"""The command line: sentence-transformers' training arguments (their Hugging Face names) and
+:class:`FastclArguments`, read by ``HfArgumentParser``. A YAML/JSON file of options
+(``fastcl-train run.yaml``, ``--config FILE``, ``--config recipe:NAME``) sets defaults that
+flags override; without one a method takes its BERT-base recipe's. :func:`resolve_args`
+checks every rule between options."""
 
 from __future__ import annotations
 
@@ -29,6 +25,7 @@ from .build import (DEV, METHOD_OPTIONS, METHODS, SELECT, SUPERVISED, Arguments,
 
 CONFIG_FILE = "fastcl_config.yaml"   # the run's options, written into --output_dir
 RECIPE = "recipe:"                   # --config recipe:NAME: a recipe shipped with fastcl
+RECIPES = Path(__file__).resolve().parent / "recipes"
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"   # the shipped data (samples/README.md)
 # Options naming local files or folders: saved as absolute paths when they exist.
 PATH_OPTIONS = ("model", "data", "output_dir", "sts_dir", "complementary")
@@ -235,21 +232,17 @@ def training_arguments(args) -> Arguments:
 
 def recipe_names() -> list:
     """The recipes shipped with fastcl (``fastcl/trainer/recipes/NAME.yaml``)."""
-    folder = Path(__file__).resolve().parent / "recipes"
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
-
-
-def recipe_path(name: str) -> Path:
-    if name not in recipe_names():
-        raise ValueError(f"--config: no recipe {name!r}; the recipes are "
-                         f"{', '.join(recipe_names()) or '(none installed)'}")
-    return Path(__file__).resolve().parent / "recipes" / f"{name}.yaml"
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
 
 
 def load_config(spec: str) -> dict:
     """The mapping of options in the config file ``spec`` (``.yaml``, ``.yml`` or ``.json``;
     ``recipe:NAME``: a shipped recipe). An empty file is an empty mapping."""
-    path = recipe_path(spec[len(RECIPE):]) if spec.startswith(RECIPE) else Path(spec)
+    name = spec[len(RECIPE):] if spec.startswith(RECIPE) else None
+    if name is not None and name not in recipe_names():
+        raise ValueError(f"--config: no recipe {name!r}; the recipes are "
+                         f"{', '.join(recipe_names()) or '(none installed)'}")
+    path = Path(spec) if name is None else RECIPES / f"{name}.yaml"
     suffix = path.suffix.lower()
     if suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--config: {spec}: a config file is YAML (.yaml, .yml) or JSON (.json)")

@@ -318,7 +318,7 @@ def main(argv=None, prog: str = PROG) -> int:
         # Older sentence-transformers (5.0) build default training arguments inside their
         # trainer, which reset the processes' shared state and set it up again as one process
         # on a CPU: each process then trained alone. Told the device, they keep the processes.
-        cpu = {"ACCELERATE_USE_CPU": "true"} if build.on_cpu(args) else {}
+        cpu = {"ACCELERATE_USE_CPU": "true"} if args.use_cpu else {}
         with mock.patch.dict(os.environ, cpu):
             return _train(args, out, checkpoint, main_process)
     except (ValueError, OSError, LockedError) as err:
@@ -399,6 +399,9 @@ def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None
     trainer._load_from_checkpoint(str(source))
     _say(f"the training had ended at step {trainer.state.global_step} ({checkpoint.name}): "
          f"exporting the model of {source.name}, no step is run")
+    for callback in trainer.callback_handler.callbacks:   # step 0 competes here too
+        if isinstance(callback, build.KeepBase):
+            callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
 
 
 def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
@@ -414,7 +417,7 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
         raise ValueError(f"--data: {len(data.dataset)} examples, fewer than one batch ({batch})")
     if main_process:
         check_data(args, out, data.dataset, resumed=bool(checkpoint))
-    model = build.build_model(args, device="cpu" if build.on_cpu(args) else None)
+    model = build.build_model(args, device="cpu" if args.use_cpu else None)
     evaluator = _evaluator(args, main_process) if args.sts_dir else None
     stop = GracefulStop()
     callbacks = [TrainLog(out), stop]
@@ -445,9 +448,6 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     state = trainer_state(Path(checkpoint)) if checkpoint else None
     if state is not None and training_finished(state, args):
         _finish_without_training(trainer, args, out, Path(checkpoint))
-        for callback in trainer.callback_handler.callbacks:   # step 0 competes here too
-            if isinstance(callback, build.KeepBase):
-                callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
     else:
         trainer.train(resume_from_checkpoint=checkpoint)
     if stop.signum:
