@@ -298,15 +298,12 @@ class KeepBase(TrainerCallback):
 def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=None, callbacks=None,
                   **objective_options):
     """A ``SentenceTransformerTrainer`` that trains ``model`` (a ``SentenceTransformer``) on
-    ``train_dataset`` (a ``datasets.Dataset``: one text column for the unsupervised methods;
-    anchor, positive[, negative] columns for simcse-sup) with fastcl's loss of ``method``.
-
-    ``args``: ``SentenceTransformerTrainingArguments`` (default: the defaults, output in
-    ``fastcl-output``). ``objective_options``: ``temperature``, ``mini_batch_size``,
-    ``augment`` and the method's options (:data:`METHOD_OPTIONS`). With an ``evaluator`` the
-    last step is evaluated too, and with ``args.load_best_model_at_end`` the best evaluation
-    includes step 0 (``eval_on_start``): a run that never beats its base model ends with the
-    base model's weights. Checkpoints carry a manifest of their files' SHA-256."""
+    ``train_dataset`` (a ``datasets.Dataset``: one text column, or anchor, positive[, negative]
+    for simcse-sup) with fastcl's loss of ``method`` and ``objective_options`` (``temperature``,
+    ``mini_batch_size``, ``augment``, :data:`METHOD_OPTIONS`). ``args``:
+    ``SentenceTransformerTrainingArguments`` (default: output in ``fastcl-output``). With an
+    ``evaluator`` the last step is evaluated too, and with ``load_best_model_at_end`` step 0
+    competes (``eval_on_start``): a run that never beats its base model ends with its weights."""
     check_objective(method, objective_options)
     if args is None:
         args = Arguments(output_dir="fastcl-output")

@@ -31,12 +31,6 @@ class TrainingHead(Dense):
         return super().forward(features) if self.training else features
 
 
-def _init(linear: nn.Linear, std: float) -> None:
-    # as the encoder's own initialization (BERT's initializer_range), so the head starts small
-    nn.init.normal_(linear.weight, std=std)
-    nn.init.zeros_(linear.bias)
-
-
 def pooling_modules(pooler: str, dim: int, num_layers: int, *, mlp_only_train: bool,
                     init_std: float = 0.02) -> list:
     """The modules after the Transformer for one of :data:`POOLERS`:
@@ -61,7 +55,9 @@ def pooling_modules(pooler: str, dim: int, num_layers: int, *, mlp_only_train: b
     modules.append(Pooling(dim, pooling_mode="cls" if cls else "mean"))
     if pooler == "cls":
         head = (TrainingHead if mlp_only_train else Dense)(dim, dim, activation_function=nn.Tanh())
-        _init(head.linear, init_std)
+        # as the encoder's own initialization (BERT's initializer_range): the head starts small
+        nn.init.normal_(head.linear.weight, std=init_std)
+        nn.init.zeros_(head.linear.bias)
         modules.append(head)
     return modules
 
