@@ -24,6 +24,8 @@ matryoshka     ``infonce(h, h⁺, matryoshka_dims=(d, 2d/3, d/3, d/6, d/12))``: 
                MNRL); fastcl computes them in one pass over d
 gist-          gist's objective at matryoshka's five widths (MatryoshkaLoss      as gist
 matryoshka     around GISTEmbedLoss), the guide's filter the same at every width
+infonce-       ``infonce(h, h⁺, symmetric=True)``: the mean of both directions    N
+symmetric      (CLIP's loss)
 =============  ==============================================================  ===========
 
 Implementations: ``fastcl`` (``backend="auto"``: Triton on CUDA, tiled elsewhere),
@@ -36,7 +38,8 @@ scale 20 = 1/τ; infonce and infonce-hard only, the objectives it computes) and
 embeddings, its own code from the embeddings on: gist only). For matryoshka, ``mnrl`` is
 ``MatryoshkaLoss`` around MNRL (MNRL on each normalized prefix, summed) and ``wrapped`` is
 ``MatryoshkaLoss`` around fastcl's loss (one fused loss per width, summed; gist-matryoshka
-too).
+too). The alternatives a user would pick instead — ``torch-lce``, ``cce``, ``memeff``,
+``inf-cl`` — are :mod:`_alternatives`' adapters, each on the objectives it expresses.
 
 A call is forward + ``loss.backward()`` (the noise update has no backward: it returns the
 noise). Useful FLOPs count the GEMM work an ideal implementation cannot avoid:
@@ -65,11 +68,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
+from _alternatives import ALTERNATIVES, loss_fn as alternative_loss
 from fastcl.common import FOCAL_M, NOISE_STEPS, PHI, TEMPERATURE
 
 OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl", "noise", "gist", "matryoshka",
-              "gist-matryoshka")
-IMPLS = ("fastcl", "tiled", "reference", "compiled", "mnrl", "gistembed", "wrapped")
+              "gist-matryoshka", "infonce-symmetric")
+IMPLS = ("fastcl", "tiled", "reference", "compiled", "mnrl", "gistembed", "wrapped") + ALTERNATIVES
 MNRL_OBJECTIVES = ("infonce", "infonce-hard", "matryoshka")
 #: The implementations that compute only some objectives: the sentence-transformers losses.
 ONLY_FOR = {"mnrl": MNRL_OBJECTIVES, "gistembed": ("gist",), "wrapped": ("matryoshka", "gist-matryoshka")}
@@ -83,7 +87,8 @@ def matryoshka_dims(d: int) -> tuple[int, ...]:
                         reverse=True))
 COMPLEMENTARY_DIM = 384
 
-_FUNCTIONS = {"infonce": "infonce", "infonce-hard": "infonce", "focal": "focal_infonce",
+_FUNCTIONS = {"infonce": "infonce", "infonce-hard": "infonce", "infonce-symmetric": "infonce",
+              "focal": "focal_infonce",
               "dclr": "dclr_loss", "escl": "escl_loss", "noise": "dclr_noise", "gist": "contrastive",
               "matryoshka": "contrastive", "gist-matryoshka": "contrastive"}
 
@@ -233,6 +238,8 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
         kwargs.update(noise=noise, steps=NOISE_STEPS)
     elif objective == "matryoshka":
         kwargs["matryoshka_dims"] = matryoshka_dims(d)
+    elif objective == "infonce-symmetric":
+        kwargs["symmetric"] = True
     if objective in ("gist", "gist-matryoshka"):
         negatives = randn(n, d)
         leaves.append(negatives)
@@ -246,7 +253,13 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
 
     name = _FUNCTIONS[objective]
     note = ""
-    if impl == "mnrl" and objective == "matryoshka":
+    if impl in ALTERNATIVES:
+        fn, note = alternative_loss(impl, objective, device, TEMPERATURE,
+                                    dims=kwargs.get("matryoshka_dims"))
+        backend = "cce-triton" if impl == "cce" and device == "cuda" else (
+            "cce-torch_compile" if impl == "cce" else impl)
+        kwargs = {}
+    elif impl == "mnrl" and objective == "matryoshka":
         loss_fn, dims = _mnrl(), kwargs["matryoshka_dims"]
         backend = "mnrl"
         unit = torch.nn.functional.normalize   # MatryoshkaLoss's shrink: prefix, then normalize

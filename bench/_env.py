@@ -31,6 +31,8 @@ def environment(device: str, threads: int) -> dict:
             env[pkg.replace("-", "_")] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             env[pkg.replace("-", "_")] = None
+    from _alternatives import versions
+    env["alternatives"] = versions()     # the packages a user would pick instead (None: absent)
     import fastcl
     env["fastcl"] = env["fastcl"] or getattr(fastcl, "__version__", None)
     try:

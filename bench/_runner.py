@@ -19,6 +19,7 @@ import sys
 import time
 
 import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
+from _alternatives import ALTERNATIVES, PACKAGES, check, check_error, unavailable, version
 from _cases import from_spec
 from _e2e import e2e_measure
 from _measure import (MIB, add_throughput, answer_as_worker, cuda_peak, cuda_time, matmul_limit,
@@ -34,8 +35,11 @@ def measure_in_process(spec: dict, device: str, warmup_ms: float, rep_ms: float)
 
     case = None
     try:
+        checked = checked_first(spec, device)
+        if not checked.get("check_ok", True):
+            return {"ok": False, **checked, "error": check_error(checked)}
         case = from_spec(spec, device)
-        out = {"backend": case.backend, "flops": case.flops, "note": case.note}
+        out = {"backend": case.backend, "flops": case.flops, "note": case.note, **checked}
         sync(device)
         t0 = time.perf_counter()
         result = case.step()                               # compilation / autotuning
@@ -92,16 +96,34 @@ def measure_in_process(spec: dict, device: str, warmup_ms: float, rep_ms: float)
             torch.cuda.empty_cache()
 
 
+def checked_first(spec: dict, device: str) -> dict:
+    """The check of :func:`_alternatives.check` (loss and gradients against the float64
+    reference) for every implementation but the reference itself; {} where there is none
+    (the noise update, which has no loss; a check size of 0)."""
+    if spec["impl"] == "reference" or spec["objective"] == "noise" or not spec.get("check_n", 1):
+        return {}
+    out = check(spec, device, spec.get("check_n") or 1024)
+    gc.collect()
+    if device == "cuda":
+        import torch
+        torch.cuda.empty_cache()
+    return out
+
+
 def worker(spec: dict) -> dict:
-    """A fresh CPU process: one case (or one end-to-end batch size)."""
+    """A fresh CPU process: one case (or one end-to-end batch size). A case is checked
+    against the reference first (:func:`checked_first`) and timed only if it passes."""
     import torch
 
     torch.set_num_threads(spec["threads"])
     if spec["kind"] == "e2e":
         return {"ok": True, "rows": e2e_measure(spec, "cpu", spec["repeats"])}
+    checked = checked_first(spec, "cpu")
+    if not checked.get("check_ok", True):
+        return {"ok": False, **checked, "error": check_error(checked)}
     case = from_spec(spec, "cpu")
     out = measure_cpu(case.step, case.leaves, spec["repeats"])
-    out.update(backend=case.backend, flops=case.flops, note=case.note)
+    out.update(backend=case.backend, flops=case.flops, note=case.note, **checked)
     return out
 
 
@@ -134,11 +156,17 @@ class Runner:
         """Measure one spec; returns its rows (several for an end-to-end spec)."""
         args = self.args
         spec = {**spec, "seed": args.seed, "threads": args.threads, "repeats": args.repeats,
-                "input_checks": not args.no_input_checks}
+                "input_checks": not args.no_input_checks,
+                "check_n": getattr(args, "check_n", 1024)}
         if spec["kind"] == "case":
             spec.setdefault("compile_dynamic", True if self.device == "cuda" else False)
             if spec.get("chunk_size") is None:
                 spec["chunk_size"] = args.chunk_size
+            if spec["impl"] in ALTERNATIVES:     # which package version is measured
+                spec.update(package=PACKAGES[spec["impl"]], package_version=version(spec["impl"]))
+            why = unavailable(spec["impl"], spec["objective"], self.device)
+            if why:
+                return [{**spec, "ok": False, "skipped": True, "device": self.device, "error": why}]
             key = (spec["objective"], spec["impl"], spec["d"], spec["dtype"])
             if key in self.failed and spec["n"] > self.failed[key]:
                 return [{**spec, "ok": False, "skipped": True,
@@ -191,7 +219,9 @@ def status_line(row) -> str:
         return f"{what}: step {row['step_s'] * 1e3:.1f} ms, loss {100 * row['loss_share']:.2f}%"
     mem = row.get("peak_beyond_inputs_mib")
     return (f"{what}: {row['median_s'] * 1e3:.2f} ms" + (f", {mem:.1f} MiB" if mem is not None else "")
-            + (f", {row['pct_of_matmul']:.1f}% of mm" if row.get("pct_of_matmul") is not None else ""))
+            + (f", {row['pct_of_matmul']:.1f}% of mm" if row.get("pct_of_matmul") is not None else "")
+            + (f" (checked at N={row['check_n']}: loss {row['check_loss_rel']:.0e}, grads "
+               f"{row['check_grad_rel']:.0e})" if row.get("check_ok") else ""))
 
 
 if __name__ == "__main__":      # a CPU worker: one spec, given as JSON

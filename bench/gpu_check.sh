@@ -13,6 +13,12 @@
 #                                        cases of tests/test_contrastive.py (every composed
 #                                        flag set)
 #   targets    bench/run.py --targets    the acceptance targets, PASS/FAIL with numbers
+#   alternatives bench/run.py --impl ...  what a user would pick instead (torch-lce, cce,
+#                                        memeff, inf-cl) beside fastcl, torch.compile of the
+#                                        reference and the eager reference: infonce (and
+#                                        memeff's symmetric and Matryoshka losses against
+#                                        fastcl's) at N = 16384 and 32768, bf16, d = 768, each
+#                                        checked against the float64 reference first
 #   ab         bench/ab.py               the default against the candidate design
 #                                        (FASTCL_SIM=descriptor), chunks of 4096 and 6144 rows,
 #                                        no input checks; the time of every config autotuned
@@ -25,6 +31,14 @@
 #   largest    bench/largest.py          the largest loss one GPU holds: infonce at N = M =
 #                                        262,144 and 1,048,576 (bf16, d = 768), checked
 #                                        against float64 on a block of rows
+#   alt-largest bench/run.py --impl ...  the largest N each alternative holds: infonce at
+#                                        65536, 131072, 262144 until it fails or the time
+#                                        budget is spent
+#
+# Before the stages: the alternatives' wheels, carried in bench/wheels/ (bash
+# bench/fetch_wheels.sh where there is an index; the GPU machine has none), are installed with
+# pip --no-deps --no-index into a folder of this run put first on PYTHONPATH; without them the
+# alternatives' rows say the package is missing.
 #
 # Usage:
 #   bash bench/gpu_check.sh              # on the GPU machine, from anywhere
@@ -147,6 +161,10 @@ if [ $DRY -eq 1 ]; then         # tiny sizes, one thread
     PROFILE_ARGS=("${CPU[@]}" --n 128,256 --d 64)
     E2E_ARGS=(--dry-run)
     LARGEST_ARGS=(--dry-run)
+    # the GPU's flow (one process, dynamic compiles) at tiny sizes
+    ALT_ARGS=("${CPU[@]}" --in-process --n 256 --d 64 --dtype float32 --repeats 2)
+    ALT_BIG_ARGS=("${CPU[@]}" --in-process --n 512,1024 --d 64 --dtype float32 --repeats 1)
+    ALT_LIMIT=150     # on a CPU, Cut Cross-Entropy's torch_compile path compiles (tens of seconds)
     # the interpreter is slow: a few tests
     TESTS=(tests/test_triton.py -k "not matches_reference and not descriptor and not bf16 and not 16bit and not gpu_tiles")
     XDIST=()
@@ -157,11 +175,30 @@ else
     PROFILE_ARGS=()
     E2E_ARGS=()
     LARGEST_ARGS=()
+    ALT_ARGS=(--n 16384,32768 --d 768 --dtype bfloat16)
+    ALT_BIG_ARGS=(--n 65536,131072,262144 --d 768 --dtype bfloat16)
+    ALT_LIMIT=60
     TESTS=(tests/test_triton.py tests/test_contrastive.py -k "triton or gpu")
     XDIST=()
     if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 8); fi
 fi
 FAST=(--warmup-ms 10 --rep-ms 50)
+
+# The alternatives' wheels (no index, no dependencies): into this run's own folder.
+WHEEL_SITE="$RES/.alternatives-site"
+rm -rf "$WHEEL_SITE"
+if ls "$ROOT"/bench/wheels/*.whl >/dev/null 2>&1; then
+    if "$PY" -m pip install --quiet --no-deps --no-index --target "$WHEEL_SITE" \
+            "$ROOT"/bench/wheels/*.whl >"$STEM-wheels.log" 2>&1; then
+        export PYTHONPATH="$WHEEL_SITE:$PYTHONPATH"
+        echo "== wheels: installed offline: $(cd "$ROOT/bench/wheels" && ls *.whl | tr '\n' ' ')"
+    else
+        echo "== wheels: pip install --no-index failed (see $STEM-wheels.log)"; tail -n 5 "$STEM-wheels.log"
+        ERRORS=1
+    fi
+else
+    echo "== wheels: none in bench/wheels (bash bench/fetch_wheels.sh): the alternatives report missing packages"
+fi
 
 T=$(limit 30)
 stage env "$T" 40 "$PY" bench/run.py --env --out-stem "$STEM-env" ${ENV_ARGS[@]+"${ENV_ARGS[@]}"}
@@ -179,6 +216,15 @@ T=$(limit 60)
 stage targets "$T" 30 "$PY" bench/run.py --targets "${FAST[@]}" --time-budget $((T - 15)) \
     --out-stem "$STEM-targets" ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
 
+# Every alternative beside fastcl (torch.compile last: its compile must not starve the rest;
+# correctness first: each row is checked against the float64 reference before it is timed,
+# a wrong one is reported, not timed).
+T=$(limit $ALT_LIMIT)
+stage alternatives "$T" 40 "$PY" bench/run.py "${FAST[@]}" --time-budget $((T - 10)) \
+    --compile-reserve 20 --objective infonce,infonce-symmetric,matryoshka \
+    --impl fastcl,torch-lce,cce,memeff,inf-cl,reference,compiled --no-plots \
+    --out-stem "$STEM-alternatives" "${ALT_ARGS[@]}"
+
 T=$(limit 45)   # 5 variants × 3 cases; the candidate autotunes its own tiles
 stage ab "$T" 20 "$PY" bench/ab.py --time-budget $((T - 10)) --out-stem "$STEM-ab" \
     ${AB_ARGS[@]+"${AB_ARGS[@]}"}
@@ -194,6 +240,11 @@ stage e2e "$T" 15 "$PY" bench/e2e_cached.py --time-budget $((T - 5)) --out "$STE
 T=$(limit 45)
 stage largest "$T" 15 "$PY" bench/largest.py --time-budget $((T - 5)) --out "$STEM-largest.json" \
     ${LARGEST_ARGS[@]+"${LARGEST_ARGS[@]}"}
+
+T=$(limit 40)
+stage alt-largest "$T" 25 "$PY" bench/run.py "${FAST[@]}" --time-budget $((T - 10)) \
+    --compile-reserve 20 --objective infonce --impl torch-lce,cce,memeff,inf-cl,reference,compiled \
+    --no-plots --out-stem "$STEM-alt-largest" "${ALT_BIG_ARGS[@]}"
 
 # The summary: $STEM-gpu-check.json, and a few lines to read first.
 "$PY" - "$SUMMARY_TSV" "$STEM" "$DEADLINE" "$SECONDS" "$DRY" <<'EOF'
@@ -256,6 +307,18 @@ out["ab"]["autotune_ms"] = ab.get("autotune_ms")     # every config autotuning t
 profile = load("profile") or {}
 out["profile"] = {k: profile.get(k) for k in ("n", "d", "dtype", "sizes")}
 out["pytest"] = {"tests-gpu": pytest_summary("tests-gpu")}
+def alternative_rows(name):
+    report = load(name) or {}
+    return {"versions": (report.get("environment") or {}).get("alternatives"),
+            "rows": [{k: r.get(k) for k in ("objective", "impl", "backend", "n", "dtype", "ok",
+                                             "skipped", "median_s", "peak_beyond_inputs_mib",
+                                             "pct_of_matmul", "loss", "check_loss_rel",
+                                             "check_grad_rel", "package_version", "error")}
+                     for r in report.get("results", [])]}
+
+
+out["alternatives"] = alternative_rows("alternatives")
+out["alt_largest"] = alternative_rows("alt-largest")
 out["e2e"] = load("e2e")
 out["largest"] = load("largest")
 Path(f"{stem}-gpu-check.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
@@ -288,6 +351,14 @@ busy = ((out["profile"].get("sizes") or {}).get("N=16384") or {}).get("busy_pct_
 if busy is not None:      # the GPU busy for at least 95 % of a call's span at 16384
     print(f"== target [{'PASS' if busy >= 95 else 'FAIL'}] GPU busy share of the call's span, "
           f"infonce N=M=16384: {busy:.1f}% (goal >= 95%)")
+for name in ("alternatives", "alt_largest"):
+    for r in out[name]["rows"]:
+        print(f"== {name} {r['objective']} {r['impl']:<9} N={r['n']}: " + (
+            f"{r['median_s'] * 1e3:.2f} ms" + (f", {r['peak_beyond_inputs_mib']:.0f} MiB"
+                                               if r.get("peak_beyond_inputs_mib") is not None else "")
+            + (f", checked (loss {r['check_loss_rel']:.0e}, grads {r['check_grad_rel']:.0e})"
+               if r.get("check_loss_rel") is not None else "")
+            if r.get("ok") else f"{'skipped' if r.get('skipped') else 'ERROR'}: {r.get('error')}"))
 for name in ("e2e", "largest"):
     for r in (out.get(name) or {}).get("rows", []):
         print(f"== {name} " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

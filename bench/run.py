@@ -14,6 +14,13 @@
 What runs (one table row per case, all implementations on the same inputs; ``_cases.py``
 defines the objectives, implementations, inputs and FLOP counts):
 
+* every implementation is first checked against the float64 reference, loss and gradients,
+  on the same inputs at ``min(N, --check-n)`` rows (``_alternatives.check``); one outside the
+  tolerances is a row saying "wrong", not timed;
+* the alternatives a user would pick instead (``_alternatives.py``): ``torch-lce`` (PyTorch's
+  chunked ``linear_cross_entropy``), ``cce`` (Cut Cross-Entropy), ``memeff`` and ``inf-cl``
+  (CUDA only), each on the objectives it expresses; a missing package, an objective it
+  cannot express or a CPU-only machine is a row saying so. The JSON has their versions;
 * implementations ``fastcl`` (``backend="auto"``: Triton on CUDA, tiled elsewhere; the
   ``ran`` column says which), ``tiled`` (on GPU; on CPU it is what ``fastcl`` runs),
   ``reference`` (eager, full N×M), ``compiled`` (``torch.compile`` of the reference) and
@@ -79,12 +86,15 @@ rewritten after every case, so a run cut short keeps the targets it measured.
 ``--explain N`` prints fastcl's analytic cost model of one GPU infonce forward+backward at
 N=M (``bench/_explain.py``: per-chunk stages, launches, bytes and predicted time of the design
 as built, on ``--explain-device``, with ``--target-d`` and ``--target-dtype``). It is a model, not
-a measurement, and needs no GPU.
+a measurement, and needs no GPU. Below it: the gradient-filtering fractions measured on real
+embeddings (``bench/grad_filter.py``'s ``bench/results/cpu-grad-filter.json``) and the FLOPs
+skipping those tiles would save at that N.
 
-Outputs: a table (with a progress bar while it runs), ``bench/results/<device>-<date>.json``
+Outputs: a table (with a progress bar while it runs), ``<out>/<device>-<date>.json``
 and ``.csv`` (device, CPU/GPU model, versions, the exact command) and PNG plots
 ``…-time.png``, ``…-memory.png``, ``…-pct.png``. ``--quick`` and ``--targets`` add that word
-to the file names. The JSON is rewritten after every case, so an interrupted run
+to the file names. ``<out>`` is ``--out`` (default ``runs/bench/``, untracked: a results file
+is committed only when asked for, ``--out bench/results``). The JSON is rewritten after every case, so an interrupted run
 (Ctrl-C, SIGTERM) keeps what it measured and still writes its table and plots.
 
 The code: this file is the command line and the run; ``_plan.py`` the sweeps, ``_cases.py``
@@ -140,7 +150,31 @@ def explain(args) -> int:
                                   else "bfloat16")
     print(explain_text(args.explain, d=args.target_d, dtype=dtype, device=args.explain_device,
                        memory_budget_mib=args.explain_budget_mib))
+    print("\n" + grad_filter_text(args.explain, args.target_d, dtype))
     return 0
+
+
+def grad_filter_text(n: int, d: int, dtype: str, path=None) -> str:
+    """The measured gradient-filtering figures (``bench/grad_filter.py``'s JSON) and what
+    skipping the tiles they count would save at N=M=n, width d."""
+    from grad_filter import DEFAULT_OUT, UNIT_ROUNDOFF, summary_lines
+
+    path = Path(path or DEFAULT_OUT)
+    if not path.exists():
+        return (f"Gradient filtering: not measured in this checkout ({path} is absent; "
+                "python bench/grad_filter.py writes it)")
+    report = json.loads(path.read_text())
+    lines = summary_lines(report)
+    unit = dtype if dtype in UNIT_ROUNDOFF else "bfloat16"
+    row = min(report["rows"], key=lambda r: abs(r["n"] - n))
+    f = row[unit]["bounded_fraction"]
+    useful = 6.0 * n * n * d
+    lines.append(f"  at N=M={n}, d={d}, {unit}: with the fraction measured at N={row['n']} "
+                 f"({100 * f:.1f}%), skipping saves {f * 4 * n * n * d / 1e12:.2f} of the "
+                 f"{useful / 1e12:.2f} TFLOP of a call ({100 * 2 * f / 3:.1f}%); the dropped "
+                 f"softmax mass per row is up to {row[unit]['dropped_mass_max']:.1e} "
+                 f"(u = {UNIT_ROUNDOFF[unit]:.1e})")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -189,7 +223,12 @@ def main(argv=None) -> int:
                    help="CPU workers keep glibc's adaptive mmap threshold (noisier peaks)")
     p.add_argument("--in-process", action="store_true",
                    help="CPU: run every case in this process (times only; checks the GPU driver's flow)")
-    p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--out", "--out-dir", dest="out_dir", default=str(HERE.parent / "runs" / "bench"),
+                   help="folder of the outputs (default runs/bench, untracked; the committed "
+                        "results: --out bench/results)")
+    p.add_argument("--check-n", type=int, default=1024,
+                   help="rows of the check against the float64 reference that every "
+                        "implementation passes before it is timed (min(N, this); 0: no check)")
     p.add_argument("--tag", default=None, help="appended to the output file names")
     p.add_argument("--out-stem", default=None,
                    help="output path without extension (overrides --out-dir/--tag naming)")
@@ -299,9 +338,11 @@ def main(argv=None) -> int:
             for i, spec in enumerate(plan):
                 elapsed = time.perf_counter() - t_start
                 left = None if args.time_budget is None else args.time_budget - elapsed
-                # a torch.compile case may spend a minute compiling: only with that much left
-                if left is not None and (left <= 0 or (spec.get("impl") == "compiled"
-                                                       and left < args.compile_reserve)):
+                # a torch.compile case (Cut Cross-Entropy's too, off CUDA) may spend a minute
+                # compiling: only with that much left
+                compiles = spec.get("impl") == "compiled" or (spec.get("impl") == "cce"
+                                                              and device != "cuda")
+                if left is not None and (left <= 0 or (compiles and left < args.compile_reserve)):
                     new = [{**spec, "ok": False, "skipped": True, "device": device,
                             "error": f"time budget of {args.time_budget:g} s spent"}]
                     if spec["kind"] == "e2e":

@@ -21,7 +21,7 @@ N`` runs the cases with N at most that on real tensors too (the ``real_peak_mib`
 scan needs the values); they allocate a few scalars.
 
 Output: a table with each implementation's ratio to ``fastcl`` and
-``bench/results/<device>-<date>-tensor-memory[-TAG].json`` and ``.csv``.
+``<out>/<device>-<date>-tensor-memory[-TAG].json`` and ``.csv`` (``--out``, default ``runs/bench/``).
 """
 
 from __future__ import annotations
@@ -133,7 +133,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", action="append", help="comma list of dtypes (default float32)")
     p.add_argument("--real-up-to", type=int, default=0,
                    help="also count on real tensors for N up to this (default 0: never)")
-    p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--out", "--out-dir", dest="out_dir", default=str(HERE.parent / "runs" / "bench"),
+                   help="folder of the outputs (default runs/bench, untracked; committed results: "
+                        "--out bench/results)")
     p.add_argument("--tag", default=None, help="appended to the output file names")
     p.add_argument("--no-save", action="store_true", help="print the table only")
     args = p.parse_args(argv)
