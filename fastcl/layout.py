@@ -153,15 +153,25 @@ def keep_twin_ties(theta: torch.Tensor, gamma: torch.Tensor, partners, columns: 
     anchor's own in the anchors block, 0 without one), and whose threshold
     keeps a tie (``θ_i ≥ γ_i``), ``θ_i`` becomes ``θ_i + 16·ε·(1 + |θ_i|)`` (ε of θ's
     dtype), above any rounding of the same cosine and below any cosine that differs."""
-    ids = torch.unique(torch.cat([columns, *partners]), dim=0, return_inverse=True)[1]
-    counts = torch.bincount(ids[:columns.shape[0]], minlength=int(ids.max()) + 1)
+    keys = _row_keys(columns).sort().values
     twin = torch.zeros_like(theta, dtype=torch.bool)
-    start = columns.shape[0]
     for side, rows in enumerate(partners):
-        twin |= counts[ids[start:start + rows.shape[0]]] > own_columns[side]
-        start += rows.shape[0]
+        key = _row_keys(rows)
+        count = torch.searchsorted(keys, key, right=True) - torch.searchsorted(keys, key)
+        twin |= count > own_columns[side]
     eps = torch.finfo(theta.dtype).eps
     return torch.where(twin & (theta >= gamma), theta + 16 * eps * (1 + theta.abs()), theta)
+
+
+def _row_keys(x: torch.Tensor) -> torch.Tensor:
+    """One int64 per row, equal for bitwise-equal rows: the rows' bit patterns against odd
+    64-bit multipliers, summed with wrap-around (integer sums do not depend on their order;
+    no host read, as torch.compile and meta tensors need). Two different rows collide with
+    probability ~2⁻⁶⁴."""
+    x = x.contiguous()
+    bits = x.view(torch.int64 if x.element_size() == 8 else torch.int32).to(torch.int64)
+    weights = torch.arange(x.shape[1], dtype=torch.int64, device=x.device) * 0x2545F4914F6CDD1D | 1
+    return (bits * weights).sum(dim=1)
 
 
 def column_groups(n_pos: int, n_neg: int, n_noise: int, n_anchor: int, device) -> torch.Tensor:

@@ -65,7 +65,7 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
         # where the positive dominates, p_ii rounds to 1: BCE(p_ii, 1) is then written as
         # BCE(1 − p_ii, 0), the same value and gradient (torch's clamps are symmetric in
         # p ↔ 1 − p), with 1 − p_ii = σ(gap) the others' share, formed apart
-        gap = _others_lse(logits, is_positive) - logits[is_positive]
+        gap = _others_lse(logits, is_positive) - _positive_logit(logits, is_positive)
         flip = (gap < 0)[:, None] & is_positive
         entries = torch.where(is_positive, torch.sigmoid(torch.where(gap < 0, gap, -gap))[:, None],
                               probs)
@@ -73,6 +73,12 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
     return _cross_entropy(logits, is_positive).mean()
+
+
+def _positive_logit(logits, is_positive):
+    """Each row's logit at its positive (one per row; no boolean indexing, whose size the
+    host would have to read)."""
+    return logits.masked_fill(~is_positive, 0.0).sum(dim=1)
 
 
 def _others_lse(logits, is_positive, *more):
@@ -93,7 +99,7 @@ def _cross_entropy(logits, is_positive, *more):
     keeps no digit of a loss below ``eps·|l_i|``, this keeps them all; its gradient on the
     positive is minus the others' share of the softmax, not ``p_ii − 1``. ``more``: more
     columns of the same softmax (blocks beside ``logits``)."""
-    gap = _others_lse(logits, is_positive, *more) - logits[is_positive]
+    gap = _others_lse(logits, is_positive, *more) - _positive_logit(logits, is_positive)
     # log(e^gap + 1) exactly (F.softplus returns gap itself above 20, 2e-9 short)
     return torch.logaddexp(gap, torch.zeros_like(gap))
 

@@ -205,7 +205,7 @@ def _parallel_rows(x):
     return bool((cos > 1 - 1e-9).any())
 
 
-def _skip_ill_posed(prob, a64, p64, comp, noise, dtype=torch.float64, neg64=None):
+def _skip_ill_posed(prob, a64, p64, comp, noise, dtype=torch.float64, neg64=None, backend="tiled"):
     kw = prob["kw"]
     # Two candidates that point the same way tie in every row's softmax; where the logits'
     # rounding (eps/τ in absolute terms) exceeds ~1e-3, which of the two takes the mass is
@@ -217,6 +217,17 @@ def _skip_ill_posed(prob, a64, p64, comp, noise, dtype=torch.float64, neg64=None
         assume(not _parallel_rows(candidates.detach()))
         if kw.get("symmetric"):
             assume(not _parallel_rows(a64.detach()))
+    # The reference's cosine GEMM reads 16-bit inputs as they are: where a row's two largest
+    # cosines lie within that rounding (bf16: 8·2⁻⁸) and the logits' rounding is large, the
+    # product's last bits pick the column that takes the whole softmax.
+    if dtype == torch.bfloat16 and backend == "reference":
+        bf_eps = torch.finfo(torch.bfloat16).eps
+        if bf_eps / kw["temperature"] > 1e-3:
+            candidates = p64 if neg64 is None else torch.cat([p64, neg64])
+            for rows, cols in [(a64, candidates)] + ([(p64, a64)] if kw.get("symmetric") else []):
+                if cols.shape[0] >= 2:
+                    top = reference.cosine_matrix(rows.detach(), cols.detach()).topk(2, dim=1).values
+                    assume(bool((top[:, 0] - top[:, 1] > 8 * bf_eps).all()))
     if comp is not None:
         cos = reference.cosine_matrix(comp[0].double(), comp[1].double())
         threshold = (20 * kw["phi"] * kw["temperature"] if kw["formulation"] == "released"
@@ -250,7 +261,7 @@ def _check_against_reference(prob, backend, dtype, device="cpu", grads=(True, Tr
     neg64 = None if neg is None else neg.detach().double().cpu().requires_grad_()
     comp64 = None if comp is None else tuple(c.double().cpu() for c in comp)
     noise64 = None if noise is None else noise.double().cpu()
-    odds = _skip_ill_posed(prob, a64, p64, comp64, noise64, dtype, neg64)
+    odds = _skip_ill_posed(prob, a64, p64, comp64, noise64, dtype, neg64, backend)
 
     want = _call(a64, p64, neg64, comp64, noise64, kw, "reference")
     want.backward()

@@ -560,20 +560,14 @@ def test_a_link_a_resume_would_write_through_is_refused_naming_it(stopped, tmp_p
 
 def test_a_link_made_during_training_is_refused_at_the_next_save(tiny, tmp_path, outside, monkeypatch):
     out = tmp_path / "planted"
-    original = train._stop_callback
 
-    def planting():
-        stop = original()
-        step_end = stop.on_step_end
-
-        def on_step_end(args, state, control, **kwargs):
+    class Planting(train.GracefulStop):
+        def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
                 os.symlink(outside.folder, out / "checkpoint-2")
-            return step_end(args, state, control, **kwargs)
-        stop.on_step_end = on_step_end
-        return stop
+            return super().on_step_end(args, state, control, **kwargs)
 
-    monkeypatch.setattr(train, "_stop_callback", planting)
+    monkeypatch.setattr(train, "GracefulStop", Planting)
     with pytest.raises(SystemExit, match=f"{out / 'checkpoint-2'} is a link"):
         train.main(base_args(tiny, out, steps=2, save_steps=2))
 

@@ -1,12 +1,7 @@
-"""fastcl's trainer: a sentence encoder trained with one of fastcl's objectives on
-sentence-transformers' ``SentenceTransformerTrainer``: ``fastcl-train --method simcse``
-(``python -m fastcl.trainer``, ``train.py``), every training argument under its Hugging Face
-name; from Python, :func:`build_trainer` takes a ``SentenceTransformer``, a
-``datasets.Dataset`` and training arguments. :mod:`.cli` (options, config files, recipes),
-:mod:`.build` (model, data columns, loss, the trainer), :mod:`.heads` (the poolers' modules),
-:mod:`.run` (the run folder, resume, the saved model), :mod:`.logs` (``train_log.jsonl``,
-plots); guide: docs/training.md.
-"""
+"""fastcl's objectives on sentence-transformers' trainer: ``fastcl-train --method simcse``
+(every training argument under its Hugging Face name) or :func:`build_trainer` from Python.
+:mod:`.cli` options and config files, :mod:`.build` model, loss and trainer, :mod:`.heads`
+poolers, :mod:`.run` the run folder and resume, :mod:`.logs` records; docs/training.md."""
 
 from .build import build_trainer, load_model
 from .cli import SAMPLES, FastclArguments, build_parser, resolve_args

@@ -1,11 +1,6 @@
-"""What a run is built from, and :func:`build_trainer`, the Python API that the command line
-calls too: :func:`load_model` (a sentence-transformers model keeps its own modules unless a
-pooler is given; a plain Hugging Face encoder gets the pooler's, :mod:`.heads`),
-:func:`examples` (the losses' columns: ``anchor``, ``positive``, ``negative``; the
-unsupervised methods' sentence twice, SimCSE's duplicated batch whose dropout makes the two
-views) and :func:`build_loss` (the method's fastcl loss, cached with ``mini_batch_size``,
-gathering across processes, with DCLR's guide and the augmentation).
-"""
+""":func:`build_trainer`, the Python API the command line calls too, and its parts: the model
+(:func:`load_model`), the losses' columns (:func:`examples`: an unsupervised method's sentence
+twice, its two dropout views) and the method's fastcl loss (:func:`build_loss`)."""
 
 from __future__ import annotations
 
@@ -13,15 +8,21 @@ import os
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from .. import common, files
 from ..encoders import _hub_error, _looks_like_path
 
 try:
+    from sentence_transformers.sentence_transformer.trainer import SentenceTransformerTrainer
     from sentence_transformers.sentence_transformer.training_args import (
         SentenceTransformerTrainingArguments as Arguments)
 except ImportError:  # pragma: no cover - older releases
-    from sentence_transformers import SentenceTransformerTrainingArguments as Arguments
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments as Arguments
+try:  # transformers ≥ 5: a function; before, the trainer's method
+    from transformers.trainer_utils import rotate_checkpoints
+except ImportError:  # pragma: no cover - older releases
+    rotate_checkpoints = None
 
 METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
 SUPERVISED = ("simcse-sup",)
@@ -50,6 +51,7 @@ FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),
                    "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
 MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")   # the packaged weights
 DEV = "dev"   # the dev evaluator's metrics: eval_dev_<task>, eval_dev_avg
+SELECT = {"stsb": "stsb-dev", "avg": "avg"}   # --select: the metric that picks the best step
 CHECKPOINT_PREFIX = "checkpoint-"
 
 
@@ -85,9 +87,9 @@ def check_objective(method: str, options: dict) -> None:
             raise ValueError(f"--{name} must be {text}, got {v}")
 
 
-def _is_sentence_transformers_folder(name: str) -> bool:
+def _is_sentence_transformers_folder(name: str, hub: bool = True) -> bool:
     path = Path(name).expanduser()
-    if path.is_dir():
+    if path.is_dir() or not hub:
         return (path / "modules.json").is_file()
     from sentence_transformers.util import is_sentence_transformer_model
     try:
@@ -141,7 +143,7 @@ def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
             raise ValueError(f"{arg} {name} is not a sentence-transformers model: choose its "
                              "pooler (--pooler)")
         return SentenceTransformer(name, device=device)
-    if Path(name).expanduser().is_dir() and (Path(name).expanduser() / "modules.json").is_file():
+    if _is_sentence_transformers_folder(name, hub=False):
         transformer = SentenceTransformer(name, device="cpu")[0]
     else:
         transformer = _transformer(name, arg)
@@ -228,118 +230,89 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
     return st.AugmentedPositives(loss, o["augment"]) if o["augment"] else loss
 
 
-def _trainer_class():
-    try:
-        from sentence_transformers.sentence_transformer.trainer import SentenceTransformerTrainer
-    except ImportError:  # pragma: no cover - older releases
-        from sentence_transformers import SentenceTransformerTrainer
-    try:  # transformers ≥ 5: a function; before, the trainer's method
-        from transformers.trainer_utils import rotate_checkpoints
-    except ImportError:  # pragma: no cover - older releases
-        rotate_checkpoints = None
+class Trainer(SentenceTransformerTrainer):
+    """sentence-transformers' trainer whose checkpoints carry a manifest, written once the
+    checkpoint is complete and before the rotation removes older ones (a crash leaves at least
+    one complete checkpoint). Before each checkpoint ``guard()`` checks that the run writes
+    through no link; a checkpoint holds the model with its own input limit
+    ``export_max_seq_length``, not the training cut; a failed write is one error naming it."""
 
-    class Trainer(SentenceTransformerTrainer):
-        """sentence-transformers' trainer whose checkpoints carry a manifest: written once the
-        checkpoint is complete, before the rotation removes older checkpoints, so a crash at
-        any point leaves at least one complete checkpoint. Before each checkpoint ``guard()``
-        checks that the run writes through no link; a checkpoint holds the model with its
-        own input limit ``export_max_seq_length`` (as its dev score measured it), not the
-        training cut; a failed write (a full disk) is one error naming the folder."""
+    guard = None
+    export_max_seq_length = None
 
-        guard = None
-        export_max_seq_length = None
-
-        def _save_checkpoint(self, model, trial):
-            folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
-            if self.args.should_save and self.guard is not None:
-                self.guard()
-            limit, self.args.save_total_limit = self.args.save_total_limit, None
-            own = getattr(self.model, "_orig_mod", self.model)
-            cut = own.max_seq_length
-            if self.export_max_seq_length is not None:
-                own.max_seq_length = self.export_max_seq_length
-            try:
-                super()._save_checkpoint(model, trial)
-            except (OSError, RuntimeError) as err:
-                failure = files.write_failure(err, folder)
-                if failure is None:
-                    raise
-                raise OSError(f"{failure}; the checkpoint is incomplete (it has no manifest: "
-                              "--resume removes it and takes the one before); free space and "
-                              "continue with --resume") from err
-            finally:
-                self.args.save_total_limit = limit
-                own.max_seq_length = cut
-            if self.args.should_save:
-                files.crash_point("checkpoint-manifest")
-                files.write_manifest(folder)
-            if self.args.world_size > 1:
-                import torch.distributed as dist
-                dist.barrier()
-            if self.args.should_save and rotate_checkpoints is not None:
-                rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
-            elif self.args.should_save:  # pragma: no cover - older releases
-                self._rotate_checkpoints(use_mtime=False, output_dir=str(folder.parent))
-
-    return Trainer
+    def _save_checkpoint(self, model, trial):
+        folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
+        if self.args.should_save and self.guard is not None:
+            self.guard()
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        own = getattr(self.model, "_orig_mod", self.model)
+        cut = own.max_seq_length
+        own.max_seq_length = self.export_max_seq_length or cut
+        try:
+            super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError) as err:
+            if (failure := files.write_failure(err, folder)) is None:
+                raise
+            raise OSError(f"{failure}; the checkpoint is incomplete (it has no manifest: --resume "
+                          "removes it and takes the one before); free space and continue with "
+                          "--resume") from err
+        finally:
+            self.args.save_total_limit, own.max_seq_length = limit, cut
+        if self.args.should_save:
+            files.crash_point("checkpoint-manifest")
+            files.write_manifest(folder)
+        if self.args.world_size > 1:
+            torch.distributed.barrier()
+        if self.args.should_save and rotate_checkpoints is not None:
+            rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+        elif self.args.should_save:  # pragma: no cover - older releases
+            self._rotate_checkpoints(use_mtime=False, output_dir=str(folder.parent))
 
 
-def _callbacks():
-    from transformers import TrainerCallback
+class EvaluateLastStep(TrainerCallback):
+    """The last step is evaluated and saved, whatever ``eval_steps``: it competes for the best."""
 
-    class EvaluateLastStep(TrainerCallback):
-        """The last step is evaluated and saved, whatever ``eval_steps``: its score is printed
-        and it competes for the best."""
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps and args.eval_strategy != "no":
+            control.should_evaluate = control.should_save = True
 
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step >= state.max_steps and args.eval_strategy != "no":
-                control.should_evaluate = control.should_save = True
 
-    class KeepBase(TrainerCallback):
-        """The best model over every evaluation, step 0 (the base model) included: transformers
-        loads the best trained step; where step 0 scored at least as high, the base weights
-        (a CPU copy taken when the trainer is built) come back, and ``state.best_global_step``
-        says 0."""
+class KeepBase(TrainerCallback):
+    """The best model over every evaluation, step 0 (the base model) included: where step 0
+    scored at least as high as the best trained step, the base weights (a CPU copy taken when
+    the trainer is built) come back, and ``state.best_global_step`` says 0."""
 
-        def __init__(self, model):
-            self.base = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    def __init__(self, model):
+        self.base = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
-        def on_train_end(self, args, state, control, model=None, **kwargs):
-            key = args.metric_for_best_model
-            key = key if key.startswith("eval_") else f"eval_{key}"
-            start = [r[key] for r in state.log_history if r.get("step") == 0 and key in r]
-            if not start or (state.best_metric is not None and state.best_metric > start[0]):
-                return
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        key = args.metric_for_best_model
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        start = [r[key] for r in state.log_history if r.get("step") == 0 and key in r]
+        if start and (state.best_metric is None or state.best_metric <= start[0]):
             model.load_state_dict(self.base)
             state.best_metric, state.best_global_step, state.best_model_checkpoint = start[0], 0, None
-
-    return EvaluateLastStep, KeepBase
 
 
 def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=None, callbacks=None,
                   **objective_options):
     """A ``SentenceTransformerTrainer`` that trains ``model`` (a ``SentenceTransformer``) on
-    ``train_dataset`` (a ``datasets.Dataset``: one text column for the unsupervised methods;
-    anchor, positive[, negative] columns for simcse-sup) with fastcl's loss of ``method``.
-
-    ``args``: ``SentenceTransformerTrainingArguments`` (default: the defaults, output in
-    ``fastcl-output``). ``objective_options``: ``temperature``, ``mini_batch_size``,
-    ``augment`` and the method's options (:data:`METHOD_OPTIONS`). With an ``evaluator`` the
-    last step is evaluated too, and with ``args.load_best_model_at_end`` the best evaluation
-    includes step 0 (``eval_on_start``): a run that never beats its base model ends with the
-    base model's weights. Checkpoints carry a manifest of their files' SHA-256."""
+    ``train_dataset`` (a ``datasets.Dataset``: one text column, or anchor, positive[, negative]
+    for simcse-sup) with fastcl's loss of ``method`` and ``objective_options`` (``temperature``,
+    ``mini_batch_size``, ``augment``, :data:`METHOD_OPTIONS`). ``args``:
+    ``SentenceTransformerTrainingArguments`` (default: output in ``fastcl-output``). With an
+    ``evaluator`` the last step is evaluated too, and with ``load_best_model_at_end`` step 0
+    competes (``eval_on_start``): a run that never beats its base model ends with its weights."""
     check_objective(method, objective_options)
     if args is None:
         args = Arguments(output_dir="fastcl-output")
     dataset = examples(train_dataset, method, objective_options.get("hard_negative_weight") or 0.0)
     loss = build_loss(method, model, objective_options, device=str(model.device))
-    last, keep_base = _callbacks()
     callbacks = list(callbacks or [])
     if evaluator is not None:
-        callbacks.append(last())
-        sharded = args.deepspeed or args.fsdp
-        if args.load_best_model_at_end and not sharded:
-            callbacks.append(keep_base(model))
-    return _trainer_class()(model=model, args=args, train_dataset=dataset, loss=loss,
-                           evaluator=evaluator, callbacks=callbacks)
+        callbacks.append(EvaluateLastStep())
+        if args.load_best_model_at_end and not (args.deepspeed or args.fsdp):
+            callbacks.append(KeepBase(model))
+    return Trainer(model=model, args=args, train_dataset=dataset, loss=loss, evaluator=evaluator,
+                   callbacks=callbacks)

@@ -1,12 +1,8 @@
-"""The trainer's command line: sentence-transformers' training arguments and
-:class:`FastclArguments`, read by transformers' ``HfArgumentParser``, so every training option
-has its Hugging Face name (``--learning_rate``, ``--per_device_train_batch_size``, ``--bf16``,
-``--deepspeed``, ``--fsdp`` ...). A YAML or JSON file of options is read as HF scripts read
-one (``fastcl-train run.yaml``) or with ``--config FILE`` before the flags, which override it;
-the papers' recipes are such files (``--config recipe:NAME``). Without one, a method takes
-the training defaults of its BERT-base recipe. Every rule between options is checked once,
-in :func:`resolve_args`.
-"""
+"""The command line: sentence-transformers' training arguments (their Hugging Face names) and
+:class:`FastclArguments`, read by ``HfArgumentParser``. A YAML/JSON file of options
+(``fastcl-train run.yaml``, ``--config FILE``, ``--config recipe:NAME``) sets defaults that
+flags override; without one a method takes its BERT-base recipe's. :func:`resolve_args`
+checks every rule between options."""
 
 from __future__ import annotations
 
@@ -18,17 +14,18 @@ from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 
-import torch
 from transformers import HfArgumentParser
 
 from .. import augment, common
 from ..data import parse_columns
 from ..encoders import POOLERS
 from ..files import replace_text
-from .build import METHOD_OPTIONS, METHODS, SUPERVISED, Arguments, check_objective, world_size
+from .build import (DEV, METHOD_OPTIONS, METHODS, SELECT, SUPERVISED, Arguments, check_objective,
+                    on_cpu, world_size)
 
 CONFIG_FILE = "fastcl_config.yaml"   # the run's options, written into --output_dir
 RECIPE = "recipe:"                   # --config recipe:NAME: a recipe shipped with fastcl
+RECIPES = Path(__file__).resolve().parent / "recipes"
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"   # the shipped data (samples/README.md)
 # Options naming local files or folders: saved as absolute paths when they exist.
 PATH_OPTIONS = ("model", "data", "output_dir", "sts_dir", "complementary")
@@ -135,49 +132,50 @@ def build_parser(prog: str = "fastcl-train") -> HfArgumentParser:
     return parser
 
 
-def _require(parser, ok: bool, message: str) -> None:
+def _require(ok: bool, message: str) -> None:
     if not ok:
-        parser.error(message)
+        raise ValueError(message)
 
 
 def resolve_args(parser, args) -> argparse.Namespace:
     """Fill the defaults that depend on other options and check every rule between them;
-    errors name the option."""
-    _require(parser, args.method is not None, "the following arguments are required: --method")
-    supervised = args.method in SUPERVISED
+    errors name the option (``parser.error``)."""
     try:
-        check_objective(args.method, {k: getattr(args, k) for k in METHOD_OPTIONS})
+        return _resolve(args)
     except ValueError as err:
         parser.error(str(err))
+
+
+def _resolve(args) -> argparse.Namespace:
+    _require(args.method is not None, "the following arguments are required: --method")
+    supervised = args.method in SUPERVISED
+    check_objective(args.method, {k: getattr(args, k) for k in METHOD_OPTIONS})
     for name, (_, default) in METHOD_OPTIONS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
     if args.augment is not None:
-        _require(parser, not supervised, f"--augment applies to the unsupervised methods (it "
-                 f"augments the second copy of each sentence); {args.method} takes its positives from the data")
+        _require(not supervised, f"--augment applies to the unsupervised methods (it augments the "
+                 f"second copy of each sentence); {args.method} takes its positives from the data")
         try:
             args.augment = augment.parse(args.augment).spec  # canonical: NAME:rate
         except ValueError as err:
-            parser.error(f"--{err}")
+            raise ValueError(f"--{err}") from None
     if args.complementary and (Path(args.complementary) / CONFIG_FILE).is_file():
         args.complementary = str(Path(args.complementary) / "model")  # a fastcl-train output folder
     if args.method == "dclr" and args.complementary is None:
-        _require(parser, args.complementary_pooler is None, "--complementary_pooler needs --complementary (the model it pools)")
-        _require(parser, args.complementary_mode != "released",
+        _require(args.complementary_pooler is None, "--complementary_pooler needs --complementary (the model it pools)")
+        _require(args.complementary_mode != "released",
                  "--complementary_mode released needs --complementary (the model it runs)")
-    _require(parser, args.focal_m is None or args.dclr_formulation != "released",
+    _require(args.focal_m is None or args.dclr_formulation != "released",
              "--focal_m combines with --dclr_formulation paper only")
-    _require(parser, args.text_column is None or not supervised,
+    _require(args.text_column is None or not supervised,
              f"--text_column applies to unsupervised methods; {args.method} reads --columns")
-    _require(parser, args.columns is None or supervised,
+    _require(args.columns is None or supervised,
              f"--columns applies to --method simcse-sup; {args.method} reads --text_column")
     if args.columns is not None:
-        try:
-            parse_columns(args.columns)
-        except ValueError as err:
-            parser.error(str(err))
+        parse_columns(args.columns)
     if args.data is None:
-        _require(parser, not supervised, f"--data: {args.method} needs data of pairs or triplets "
+        _require(not supervised, f"--data: {args.method} needs data of pairs or triplets "
                  "(only a Wikipedia sample for the unsupervised methods ships with fastcl)")
         args.data = str(SAMPLES / "wiki-sample.txt")
     if args.sts_dir is None:
@@ -186,16 +184,14 @@ def resolve_args(parser, args) -> argparse.Namespace:
         args.sts_dir = None
     recipe = method_defaults(args.method)
     args.recipe_pooler = recipe["pooler"]
-    _require(parser, args.mlp_only_train is None or args.pooler in (None, "cls"),
+    _require(args.mlp_only_train is None or args.pooler in (None, "cls"),
              "--mlp_only_train applies to --pooler cls only")
     if args.mlp_only_train is None:
         args.mlp_only_train = recipe["mlp_only_train"]
-    if world_size() > 1 and not torch.cuda.is_available():
-        args.use_cpu = True   # else accelerate leaves each CPU process to train alone
-    sampler = getattr(args.batch_sampler, "value", args.batch_sampler)
+    args.use_cpu = on_cpu(args)   # else accelerate leaves each CPU process to train alone
     if args.mask_duplicates is None:
         # a no_duplicates sampler keeps a text from appearing twice in a batch already
-        args.mask_duplicates = supervised and sampler == "batch_sampler"
+        args.mask_duplicates = supervised and getattr(args.batch_sampler, "value", args.batch_sampler) == "batch_sampler"
     if args.save_steps is None:
         args.save_steps = args.eval_steps if args.sts_dir else 250
     evaluate = bool(args.sts_dir)
@@ -203,29 +199,25 @@ def resolve_args(parser, args) -> argparse.Namespace:
     args.eval_on_start = evaluate and not args.resume   # its record is in the log on resume
     args.load_best_model_at_end = evaluate and not args.keep_last
     if evaluate:
-        args.metric_for_best_model = {"stsb": "eval_dev_stsb-dev", "avg": "eval_dev_avg"}[args.select]
+        args.metric_for_best_model = f"eval_{DEV}_{SELECT[args.select]}"
         args.greater_is_better = True
-    pos = lambda v: v is not None and v > 0 and math.isfinite(v)  # noqa: E731
-    checks = [
-        (args.per_device_train_batch_size * world_size() >= 2,
-         f"--per_device_train_batch_size {args.per_device_train_batch_size} on {world_size()} "
-         "process(es): a batch needs >= 2 examples (in-batch negatives)"),
-        (args.max_seq_len >= 2, f"--max_seq_len must be >= 2, got {args.max_seq_len}"),
-        (args.mini_batch_size is None or args.mini_batch_size >= 1,
-         f"--mini_batch_size must be >= 1, got {args.mini_batch_size}"),
-        (not evaluate or args.save_steps % args.eval_steps == 0,
-         f"--save_steps {args.save_steps:g} must be a multiple of --eval_steps {args.eval_steps:g} "
-         "(the best evaluated step must have a checkpoint to be kept)"),
-        (args.early_stopping_patience is None or evaluate,
-         "--early_stopping_patience needs a dev evaluation (--sts_dir)"),
-        (not args.resume_from_checkpoint, "--resume_from_checkpoint: fastcl-train resumes with "
-         "--resume, from the newest complete checkpoint it verifies"),
-        (not args.allow_changed_data or args.resume, "--allow_changed_data applies to --resume only"),
-        (pos(args.temperature), f"--temperature must be > 0, got {args.temperature}"),
-        (args.sts_dir is None or Path(args.sts_dir).is_dir(), f"--sts_dir: no such folder: {args.sts_dir}"),
-    ]
-    for ok, message in checks:
-        _require(parser, ok, message)
+    _require(args.per_device_train_batch_size * world_size() >= 2,
+             f"--per_device_train_batch_size {args.per_device_train_batch_size} on {world_size()} "
+             "process(es): a batch needs >= 2 examples (in-batch negatives)")
+    _require(args.max_seq_len >= 2, f"--max_seq_len must be >= 2, got {args.max_seq_len}")
+    _require(args.mini_batch_size is None or args.mini_batch_size >= 1,
+             f"--mini_batch_size must be >= 1, got {args.mini_batch_size}")
+    _require(not evaluate or args.save_steps % args.eval_steps == 0,
+             f"--save_steps {args.save_steps:g} must be a multiple of --eval_steps {args.eval_steps:g} "
+             "(the best evaluated step must have a checkpoint to be kept)")
+    _require(args.early_stopping_patience is None or evaluate,
+             "--early_stopping_patience needs a dev evaluation (--sts_dir)")
+    _require(not args.resume_from_checkpoint, "--resume_from_checkpoint: fastcl-train resumes with "
+             "--resume, from the newest complete checkpoint it verifies")
+    _require(not args.allow_changed_data or args.resume, "--allow_changed_data applies to --resume only")
+    _require(args.temperature > 0 and math.isfinite(args.temperature),
+             f"--temperature must be > 0, got {args.temperature}")
+    _require(args.sts_dir is None or Path(args.sts_dir).is_dir(), f"--sts_dir: no such folder: {args.sts_dir}")
     return args
 
 
@@ -240,21 +232,17 @@ def training_arguments(args) -> Arguments:
 
 def recipe_names() -> list:
     """The recipes shipped with fastcl (``fastcl/trainer/recipes/NAME.yaml``)."""
-    folder = Path(__file__).resolve().parent / "recipes"
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
-
-
-def recipe_path(name: str) -> Path:
-    if name not in recipe_names():
-        raise ValueError(f"--config: no recipe {name!r}; the recipes are "
-                         f"{', '.join(recipe_names()) or '(none installed)'}")
-    return Path(__file__).resolve().parent / "recipes" / f"{name}.yaml"
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
 
 
 def load_config(spec: str) -> dict:
     """The mapping of options in the config file ``spec`` (``.yaml``, ``.yml`` or ``.json``;
     ``recipe:NAME``: a shipped recipe). An empty file is an empty mapping."""
-    path = recipe_path(spec[len(RECIPE):]) if spec.startswith(RECIPE) else Path(spec)
+    name = spec[len(RECIPE):] if spec.startswith(RECIPE) else None
+    if name is not None and name not in recipe_names():
+        raise ValueError(f"--config: no recipe {name!r}; the recipes are "
+                         f"{', '.join(recipe_names()) or '(none installed)'}")
+    path = Path(spec) if name is None else RECIPES / f"{name}.yaml"
     suffix = path.suffix.lower()
     if suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--config: {spec}: a config file is YAML (.yaml, .yml) or JSON (.json)")

@@ -1,13 +1,7 @@
-"""The sentence-transformers modules the trainer adds to a model: SimCSE's MLP head, and the
-module lists of fastcl's poolers.
-
-SimCSE pools with the CLS state through an MLP (Linear + Tanh). Its unsupervised recipe
-trains with the MLP and evaluates without it (``mlp_only_train``): :class:`TrainingHead` is
-that MLP as a module that acts in training mode only, so ``model.encode`` (eval mode), the dev
-evaluation and the exported model give the raw CLS state, and the trainer drops the module
-when it saves the model (:func:`without_training_heads`). Supervised SimCSE keeps the MLP: a
-plain ``Dense`` with Tanh, which any sentence-transformers release loads.
-"""
+"""The modules of fastcl's poolers. SimCSE's unsupervised recipe trains with an MLP on the CLS
+state and evaluates without it (``mlp_only_train``): :class:`TrainingHead` acts in training mode
+only and is dropped from the saved model (:func:`without_training_heads`); supervised SimCSE
+keeps the MLP as a plain ``Dense`` with Tanh."""
 
 from __future__ import annotations
 
@@ -28,18 +22,13 @@ except ImportError:  # pragma: no cover - older releases
 __all__ = ["TrainingHead", "pooling_modules", "without_training_heads", "POOLERS", "Dense",
            "Normalize", "Pooling", "Transformer", "WeightedLayerPooling"]
 
+
 class TrainingHead(Dense):
     """SimCSE's MLP (Linear + Tanh on the pooled CLS state), applied in training mode only:
     in eval mode the embedding passes through unchanged (``mlp_only_train``)."""
 
     def forward(self, features):
         return super().forward(features) if self.training else features
-
-
-def _init(linear: nn.Linear, std: float) -> None:
-    # as the encoder's own initialization (BERT's initializer_range), so the head starts small
-    nn.init.normal_(linear.weight, std=std)
-    nn.init.zeros_(linear.bias)
 
 
 def pooling_modules(pooler: str, dim: int, num_layers: int, *, mlp_only_train: bool,
@@ -66,7 +55,9 @@ def pooling_modules(pooler: str, dim: int, num_layers: int, *, mlp_only_train: b
     modules.append(Pooling(dim, pooling_mode="cls" if cls else "mean"))
     if pooler == "cls":
         head = (TrainingHead if mlp_only_train else Dense)(dim, dim, activation_function=nn.Tanh())
-        _init(head.linear, init_std)
+        # as the encoder's own initialization (BERT's initializer_range): the head starts small
+        nn.init.normal_(head.linear.weight, std=init_std)
+        nn.init.zeros_(head.linear.bias)
         modules.append(head)
     return modules
 

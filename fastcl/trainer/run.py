@@ -1,32 +1,26 @@
-"""One training run on ``SentenceTransformerTrainer`` (built by :func:`.build.build_trainer`),
-and what fastcl adds to it: the dev evaluation at step 0, every ``--eval_steps`` and the end,
-the best of them all saved (a run that never beats its base model saves the base model and
-says so, on the console and in the model card); one run per folder (a lock; a foreign or
-finished folder refused unless asked); writes inside the run only (every entry the run
-writes is checked for links before training, each checkpoint and the export:
-:func:`guard_links`); checkpoints that prove they are whole (a manifest of their files'
-SHA-256, the model's own input limit; ``--resume`` takes the newest complete one and refuses a
-damaged or crafted one, naming the file, and a changed training set: ``fastcl_data.json``);
-a run killed after its last step only exports on ``--resume``; the saved model ``OUT/model``
-(a plain sentence-transformers folder, staged and swapped in whole); a first SIGINT/SIGTERM
-that ends training with a checkpoint of its step; ``train_log.jsonl`` and plots.
-"""
+"""One ``fastcl-train`` run: the run folder (one run each, written through no link), resume
+from the newest verified checkpoint on the same data (a finished training only re-exports),
+a first SIGINT/SIGTERM that checkpoints its step, and the saved model ``OUT/model`` (the best
+evaluation, step 0 included, staged and swapped in whole) with its comparison to step 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 from unittest import mock
 
+import torch
+from transformers import EarlyStoppingCallback, TrainerCallback, TrainerState
+
 from .. import files
-from ..files import MANIFEST, LockedError, OutputLock, DamagedError
+from ..files import MANIFEST, DamagedError, LockedError, OutputLock
 from . import build
-from .build import CHECKPOINT_PREFIX
-from ..evaluate import load_task
-from .build import FAMILY_DEFAULTS
+from .build import CHECKPOINT_PREFIX, FAMILY_DEFAULTS
 from .cli import (CONFIG_FILE, RUN_DEFINING, SAMPLES, build_parser, effective_config,
                   parse_args, resolve_args, training_arguments, write_config)
 from .logs import LOG, append_log, json_safe, read_log, truncate_log, write_plots
@@ -40,90 +34,68 @@ OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, DATA_RECORD, "loss_curve.png", "dev
        "align_uniform.png", "runs", "eval")
 
 
-def _log_callback(out: Path):
-    from transformers import TrainerCallback
+class TrainLog(TrainerCallback):
+    """Each record transformers logs, as a line of ``train_log.jsonl`` (main process)."""
 
-    class TrainLog(TrainerCallback):
-        """Each record transformers logs, as one line of ``train_log.jsonl`` (main process)."""
+    def __init__(self, out: Path):
+        self.out = out
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if not state.is_world_process_zero or not logs:
-                return
-            kind = "eval" if any(k.startswith("eval_") for k in logs) else (
-                "step" if "loss" in logs else "summary")
-            record = {"type": kind, "step": state.global_step, "epoch": state.epoch}
-            for key, value in logs.items():
-                name = key[len(f"eval_{build.DEV}_"):] if key.startswith(f"eval_{build.DEV}_") else key
-                record[name] = value
-            append_log(out, record)
-            if kind == "eval":
-                scores = ", ".join(f"{k} {v:.2f}" for k, v in record.items()
-                                   if k in ("stsb-dev", "sickr-dev", "avg") and isinstance(v, float))
-                print(f"dev at step {state.global_step}: {scores}", flush=True)
-
-    return TrainLog()
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        kind = "eval" if any(k.startswith("eval_") for k in logs) else "step" if "loss" in logs else "summary"
+        record = {"type": kind, "step": state.global_step, "epoch": state.epoch,
+                  **{k.removeprefix(f"eval_{build.DEV}_"): v for k, v in logs.items()}}
+        append_log(self.out, record)
+        if kind == "eval":
+            scores = ", ".join(f"{k} {v:.2f}" for k, v in record.items()
+                               if k in ("stsb-dev", "sickr-dev", "avg") and isinstance(v, float))
+            print(f"dev at step {state.global_step}: {scores}", flush=True)
 
 
-def _stop_callback():
-    import signal
+class GracefulStop(TrainerCallback):
+    """The first SIGINT/SIGTERM ends training after the step in progress with a checkpoint of
+    that step (``--resume`` continues it); a second one acts as usual. Several processes agree
+    on it every step, so all stop at the same step."""
 
-    import torch
-    from transformers import TrainerCallback
+    signum = None
 
-    class GracefulStop(TrainerCallback):
-        """The first SIGINT/SIGTERM ends training after the step in progress with a checkpoint
-        of that step (``--resume`` continues it); a second one acts as usual. With several
-        processes they agree on it every step, so all stop at the same step."""
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: no handlers
+                self._previous[sig] = signal.signal(sig, self._handle)
 
-        signum = None
+    def _handle(self, signum, frame):
+        self.signum = signum
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            self._previous = {}
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                try:
-                    self._previous[sig] = signal.signal(sig, self._handle)
-                except ValueError:  # not the main thread: no handlers
-                    pass
+    def on_step_end(self, args, state, control, **kwargs):
+        signum = self.signum or 0
+        if args.world_size > 1:
+            flag = torch.tensor([signum], device=args.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            signum = int(flag.item())
+        if signum:
+            self.signum, control.should_save, control.should_training_stop = signum, True, True
 
-        def _handle(self, signum, frame):
-            self.signum = signum
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-
-        def on_step_end(self, args, state, control, **kwargs):
-            signum = self.signum or 0
-            if args.world_size > 1:
-                import torch.distributed as dist
-                flag = torch.tensor([signum], device=args.device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                signum = int(flag.item())
-            if signum:
-                self.signum = signum
-                control.should_save = True
-                control.should_training_stop = True
-
-        def on_train_end(self, args, state, control, **kwargs):
-            for sig, handler in self._previous.items():
-                signal.signal(sig, handler)
-
-    return GracefulStop()
+    def on_train_end(self, args, state, control, **kwargs):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 # ---------------------------------------------------------------------------------------
 # The output folder
 
-def checkpoints(out: Path) -> list:
-    """``(step, folder)`` of every ``checkpoint-N`` folder in ``out`` (not links), by step."""
-    found = []
-    for path in out.glob(f"{CHECKPOINT_PREFIX}*"):
-        step = path.name[len(CHECKPOINT_PREFIX):]
-        if step.isdigit() and path.is_dir() and not path.is_symlink():
-            found.append((int(step), path))
-    return sorted(found)
-
-
 def step_of(checkpoint) -> int:
     """N of a ``checkpoint-N`` folder."""
     return int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):])
+
+
+def checkpoints(out: Path) -> list:
+    """``(step, folder)`` of every ``checkpoint-N`` folder in ``out`` (not links), by step."""
+    return sorted((step_of(p), p) for p in out.glob(f"{CHECKPOINT_PREFIX}*")
+                  if p.name[len(CHECKPOINT_PREFIX):].isdigit() and p.is_dir() and not p.is_symlink())
 
 
 def writes(name: str) -> bool:
@@ -247,33 +219,25 @@ def resume_point(out: Path, main_process: bool) -> Path:
 
 
 STATE = "trainer_state.json"
-# What transformers reads of a checkpoint's training state when it resumes.
-# (trainer_state.json: trainer_state)
+# What transformers reads of a checkpoint's training state when it resumes (and STATE).
 TRAINING_STATE = {"optimizer.pt": ("state", "param_groups"), "rng_state*.pth": ("python", "numpy", "cpu")}
 
 
 def trainer_state(checkpoint: Path) -> dict:
     """The trainer state saved in ``checkpoint``, checked to be the state of its step; an
     error naming the file otherwise."""
-    path = Path(checkpoint) / STATE
+    path, step = Path(checkpoint) / STATE, step_of(checkpoint)
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
+        state = state if isinstance(state, dict) else {}
+        TrainerState(**state)   # as transformers reads it
     except FileNotFoundError:
         raise DamagedError(f"{path} is missing") from None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, TypeError) as err:
         raise DamagedError(f"{path} is damaged: {type(err).__name__}: {err}") from None
-    step = step_of(checkpoint)
-    if not isinstance(state, dict) or state.get("global_step") != step \
-            or type(state.get("max_steps")) is not int:
-        shown = state.get("global_step") if isinstance(state, dict) else type(state).__name__
-        raise DamagedError(f"{path} is damaged: not the trainer state of step {step} "
-                           f"(global_step: {shown!r}, max_steps: "
-                           f"{state.get('max_steps') if isinstance(state, dict) else None!r})")
-    from transformers import TrainerState
-    try:  # as transformers reads it
-        TrainerState(**state)
-    except TypeError as err:
-        raise DamagedError(f"{path} is damaged: {err}") from None
+    if state.get("global_step") != step or type(state.get("max_steps")) is not int:
+        raise DamagedError(f"{path} is damaged: not the trainer state of step {step} (global_step: "
+                           f"{state.get('global_step')!r}, max_steps: {state.get('max_steps')!r})")
     return state
 
 
@@ -293,16 +257,12 @@ def training_finished(state: dict, args) -> bool:
 # ---------------------------------------------------------------------------------------
 # The end of a run
 
-def _evaluations(records: list, metric: str) -> list:
-    return [(r["step"], r[metric]) for r in records
-            if r.get("type") == "eval" and isinstance(r.get(metric), (int, float))]
-
-
 def comparison(records: list, select: str, saved_step: int | None) -> dict | None:
     """Step 0 (the base model) against the saved step, by the selection metric; None when
     either has no finite score."""
-    metric = "stsb-dev" if select == "stsb" else "avg"
-    scores = dict(_evaluations(records, metric))
+    metric = build.SELECT[select]
+    scores = {r["step"]: r[metric] for r in records
+              if r.get("type") == "eval" and isinstance(r.get(metric), (int, float))}
     start, saved = scores.get(0), scores.get(saved_step)
     if start is None or saved is None or not math.isfinite(saved):
         return None
@@ -358,10 +318,10 @@ def main(argv=None, prog: str = PROG) -> int:
         # Older sentence-transformers (5.0) build default training arguments inside their
         # trainer, which reset the processes' shared state and set it up again as one process
         # on a CPU: each process then trained alone. Told the device, they keep the processes.
-        cpu = {"ACCELERATE_USE_CPU": "true"} if build.on_cpu(args) else {}
+        cpu = {"ACCELERATE_USE_CPU": "true"} if args.use_cpu else {}
         with mock.patch.dict(os.environ, cpu):
             return _train(args, out, checkpoint, main_process)
-    except (ValueError, OSError, LockedError, DamagedError) as err:
+    except (ValueError, OSError, LockedError) as err:
         raise SystemExit(f"{prog}: error: {err}") from err
     finally:
         if lock is not None:
@@ -372,7 +332,7 @@ def _evaluator(args, main_process: bool):
     """The dev evaluator of ``--sts_dir``: STS-B dev and SICK-R dev, those it holds (the
     shipped sample: STS-B dev's CC BY-SA part); parsed now, so a malformed file is an error
     before step 1."""
-    from ..evaluate import DEV, task_source
+    from ..evaluate import DEV, load_task, task_source
     from ..integrations.sentence_transformers.evaluation import SentEvalSTSEvaluator
 
     tasks = []
@@ -427,8 +387,6 @@ def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None
     """A resume of a run whose training had ended (killed while exporting): the trainer
     takes the checkpoint's state and model, or with ``--sts_dir`` the best step's model, as
     the uninterrupted run ended with, and no step is run."""
-    from transformers import TrainerState
-
     trainer.state = TrainerState.load_from_json(str(checkpoint / STATE))
     best = trainer.state.best_model_checkpoint
     # the state names the folder the run had then; the checkpoint is this folder's
@@ -441,11 +399,13 @@ def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None
     trainer._load_from_checkpoint(str(source))
     _say(f"the training had ended at step {trainer.state.global_step} ({checkpoint.name}): "
          f"exporting the model of {source.name}, no step is run")
+    for callback in trainer.callback_handler.callbacks:   # step 0 competes here too
+        if isinstance(callback, build.KeepBase):
+            callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
 
 
 def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     import transformers
-    from transformers import EarlyStoppingCallback
 
     from ..data import read_training_data
 
@@ -457,10 +417,10 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
         raise ValueError(f"--data: {len(data.dataset)} examples, fewer than one batch ({batch})")
     if main_process:
         check_data(args, out, data.dataset, resumed=bool(checkpoint))
-    model = build.build_model(args, device="cpu" if build.on_cpu(args) else None)
+    model = build.build_model(args, device="cpu" if args.use_cpu else None)
     evaluator = _evaluator(args, main_process) if args.sts_dir else None
-    stop = _stop_callback()
-    callbacks = [_log_callback(out), stop]
+    stop = GracefulStop()
+    callbacks = [TrainLog(out), stop]
     if args.early_stopping_patience:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping_patience))
     options = {k: getattr(args, k) for k in (*build.METHOD_OPTIONS, *build.GENERAL)
@@ -488,9 +448,6 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
     state = trainer_state(Path(checkpoint)) if checkpoint else None
     if state is not None and training_finished(state, args):
         _finish_without_training(trainer, args, out, Path(checkpoint))
-        for callback in trainer.callback_handler.callbacks:   # step 0 competes here too
-            if type(callback).__name__ == "KeepBase":
-                callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
     else:
         trainer.train(resume_from_checkpoint=checkpoint)
     if stop.signum:
@@ -515,7 +472,7 @@ def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
                "model": str(target)}
     files.replace_text(out / RESULTS, json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
     try:
-        write_plots(out, records, "stsb-dev" if args.select == "stsb" else "avg")
+        write_plots(out, records, build.SELECT[args.select])
     except OSError as err:  # the model and results are saved: a missing plot is no failure
         _say(f"warning: the plots were not written ({err})")
     print(f"model saved to {target} (step {saved_step})")
