@@ -64,6 +64,7 @@ class Rules:
     layout: Layout = PLAIN
     anchor_candidates: torch.Tensor | None = None
     hardness: tuple[str, float] | None = None          # MNRL's (mode, β), β > 0
+    own_anchors: bool = True     # the anchors block is the anchors themselves (none was given)
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,16 @@ class LossSpec:
     def two_directions(self) -> bool:
         """Whether the loss is ``½(L^→ + L^←)`` of two plain directions: the positive side
         scores only the anchors and has its own softmax, and no guide, ids or hardness
-        (``symmetric``; ``per_direction`` with ``doc_to_query``). The fused paths then run
-        the two directions, not 2N rows against every block."""
+        (``symmetric``; ``per_direction`` with ``doc_to_query``), over the anchors
+        themselves: given ``anchor_candidates`` (another process's too), the positive side's
+        own anchor need not be the candidates' row ``anchor_offset + i``, and the rows go
+        through the layout's path. The fused paths then run the two directions, not 2N rows
+        against every block."""
         lay = self.layout
         return (self.rules is not None and self.rules.hardness is None and self.guide is None
                 and self.ids is None and not lay.joint and not lay.anchor_to_anchors
                 and lay.positive_to_anchors and not lay.positive_to_positives
-                and not lay.positive_to_negatives)
+                and not lay.positive_to_negatives and self.rules.own_anchors)
 
 
 @dataclass(frozen=True)
@@ -394,6 +398,7 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
         raise ValueError(f"hardness_mode and 'doc_to_doc' need the negatives as whole columns "
                          f"(a multiple of the {n_pos} positives, row j of each belonging to "
                          f"anchor j), got {n_neg} negatives")
+    own_anchors = anchor_candidates is None
     if lay.scores_anchors:
         if anchor_candidates is None:
             if n != n_pos:
@@ -418,7 +423,7 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
     hardness = (hardness_mode, hardness_strength) if hardness_mode is not None and hardness_strength else None
     rules = None
     if not lay.plain or hardness is not None:
-        rules = Rules(lay, anchor_candidates if n_a > 0 else None, hardness)
+        rules = Rules(lay, anchor_candidates if n_a > 0 else None, hardness, own_anchors)
     elif guide is None and duplicate_ids is None:
         return None, None, None
     return rules, guide, duplicate_ids

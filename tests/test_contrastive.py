@@ -766,3 +766,20 @@ def test_the_epilogue_encodes_itself_for_the_custom_op():
         for field in ("complementary", "guide", "ids"):
             got, want = getattr(back, field), getattr(ep, field)
             assert (got is None) == (want is None) and all(x is y for x, y in zip(got or (), want or ()))
+
+
+def test_two_directions_over_given_anchor_candidates_match_the_reference():
+    """``per_direction`` with ``doc_to_query`` over given ``anchor_candidates``: the positive
+    side's own anchor is the anchor itself, not the candidates' row ``anchor_offset + i``
+    (they differ here), so the fused path must not split it into two plain directions (the
+    split gave 0.0 where the reference gives 20.0)."""
+    g = torch.Generator().manual_seed(3)
+    a, p, cands = (torch.randn(rows, 5, generator=g, dtype=torch.float64, requires_grad=True)
+                   for rows in (3, 4, 4))
+    kw = dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
+              temperature=0.05, anchor_offset=1, anchor_candidates=cands)
+    want = fastcl.contrastive(a, p, backend="reference", **kw)
+    got = fastcl.contrastive(a, p, backend="tiled", chunk_size=2, **kw)
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
+    for x, y in zip(torch.autograd.grad(got, (a, p, cands)), torch.autograd.grad(want, (a, p, cands))):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
