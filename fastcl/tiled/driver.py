@@ -362,39 +362,28 @@ def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_p
     ``h`` may be an engine's bounded form ``(E, 1/Z, c)``, ``H = diag(1/Z) E − δ·c`` (the
     positive of row i at column ``first_pos + i``, c None without positives): the GEMMs then
     take E itself, with 1/Z on the rows of E K and of q̂, and the positive's term apart."""
-    if isinstance(h, tuple):
-        _bounded_gradients(*h, q, keys, inv_q, w, dq, dk, tangent, acc, first_pos)
-        return
+    bounded = None
+    if isinstance(h, tuple):       # only from an engine with a fused chain rule (Triton's)
+        h, inv_z, pos_coef = h
+        bounded = (inv_z, pos_coef, keys, first_pos, dk)
     q_hat = None
     if dq is not None and tangent is not None:
+        # the bounded form's fused chain rule also applies 1/Z and the positive's term, and
+        # writes q̂/Z and the positive's term of dk
         q_hat = torch.empty_like(q) if dk is not None else None
-        tangent(_mm(h, keys, acc), q, inv_q, w, dq, x_hat=q_hat)
+        tangent(_mm(h, keys, acc), q, inv_q, w, dq, x_hat=q_hat, bounded=bounded)
     elif dq is not None:
         dq.copy_(_tangent_(_mm(h, keys, acc).mul_(w[:, None]), q, norm_q, q.shape[0]))
-    if dk is not None:
-        if q_hat is None:
-            q_hat = _unit(q, inv_q).to(q.dtype)
-        _accumulate_mm(dk, h.T, q_hat)
-
-
-def _bounded_gradients(e, inv_z, pos_coef, q, keys, inv_q, w, dq, dk, tangent, acc,
-                       first_pos) -> None:
-    """:func:`_chunk_gradients` for ``H = diag(1/Z) E − δ·c``: dq through the engine's fused
-    chain rule (which also applies 1/Z and the positive's term, writes q̂/Z and the
-    positive's term of dk), or, without dq, q̂/Z and that term here."""
-    r = q.shape[0]
-    q_hat = None
-    if dq is not None:
-        q_hat = torch.empty_like(q) if dk is not None else None
-        tangent(_mm(e, keys, acc), q, inv_q, w, dq, x_hat=q_hat,
-                bounded=(inv_z, pos_coef, keys, first_pos, dk))
-    elif dk is not None:
-        unit = _unit(q, inv_q)
-        if pos_coef is not None:
-            dk[first_pos:first_pos + r].addcmul_(unit, pos_coef[:, None], value=-1.0)
-        q_hat = unit.mul_(inv_z[:, None]).to(q.dtype)
-    if dk is not None:
-        _accumulate_mm(dk, e.T, q_hat)
+    if dk is None:
+        return
+    if q_hat is None:
+        q_hat = _unit(q, inv_q)
+        if bounded is not None:
+            if pos_coef is not None:
+                dk[first_pos:first_pos + q.shape[0]].addcmul_(q_hat, pos_coef[:, None], value=-1.0)
+            q_hat.mul_(inv_z[:, None])
+        q_hat = q_hat.to(q.dtype)
+    _accumulate_mm(dk, h.T, q_hat)
 
 
 def _fp16_gain(ep: Epilogue, dtype: torch.dtype) -> float:
