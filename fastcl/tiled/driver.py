@@ -142,7 +142,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
                 for x in ep.complementary]
     rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device)
     denom = n * m if released else n
-    row_loss = torch.zeros(n, dtype=acc, device=device)
+    # Matryoshka's widths add their terms to the row losses; a single width writes them
+    row_loss = (torch.empty if ep.matryoshka is None else torch.zeros)(n, dtype=acc, device=device)
     widths = None
     if ep.matryoshka is not None:
         widths = _Widths(ep, anchors, keys, n, rows, need_q, need_k)
