@@ -403,5 +403,5 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
     own = positives[spec.anchor_offset:spec.anchor_offset + anchors.shape[0]]
     with common.autocast_off(anchors.device):
         return loss + weight * common.relative_difference(anchors, own, sensitive,
-                                                          temperature=spec.logits.temperature,
+                                                          temperature=spec.logits.tau,
                                                           rd=rd, margins=margins)

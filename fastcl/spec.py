@@ -36,9 +36,15 @@ SYMMETRIC = Layout(positive_to_anchors=True, exclude_own=True, joint=False)
 
 @dataclass(frozen=True)
 class Logits:
-    temperature: float
+    temperature: float                    # τ's value (a learnable τ read once, at the build)
     focal_m: float | None = None          # None: no focal modulation
     hard_negative_weight: float = 0.0     # log-weight at column N_b + p(i)
+    learnable: torch.Tensor | None = None  # τ as a 0-dim tensor that requires grad, or None
+
+    @property
+    def tau(self):
+        """τ as the reference's logits divide by it: the learnable tensor, else the number."""
+        return self.temperature if self.learnable is None else self.learnable
 
 
 @dataclass(frozen=True)
@@ -236,6 +242,7 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     n, n_pos = anchors.shape[0], positives.shape[0]
     focal_m = None if focal_m is None else check.finite(focal_name, focal_m)
     hard_negative_weight = check.finite("hard_negative_weight", hard_negative_weight)
+    temperature, learnable = check.learnable("temperature", temperature)
     temperature = check.temperature(temperature, anchors.dtype, focal_m=focal_m,
                                     hard_negative_weight=hard_negative_weight)
     if hard_negative_weight and (negatives is None or negatives.shape[0] != n_pos):
@@ -283,12 +290,17 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                                 temperature if noise_temperature is None else noise_temperature,
                                 noise, generator)
     spec = LossSpec(
-        Logits(temperature, focal_m, hard_negative_weight),
+        Logits(temperature, focal_m, hard_negative_weight, learnable),
         mask=None if complementary is None else Mask(complementary, phi, reverse=symmetric),
         noise=noise_spec if (noise is not None or count) else None, rules=rules,
         guide=guide_spec, ids=ids, matryoshka=widths, formulation=formulation,
         anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size))
-    return _with_backend(spec, backend, anchors), anchors, positives, negatives
+    spec = _with_backend(spec, backend, anchors)
+    if learnable is not None and focal_m is not None and spec.backend != "reference":
+        raise ValueError("a learnable temperature (a tensor that requires grad) with focal_m has "
+                         "its gradient on backend='reference' only: focal logits s(s+m)/temperature "
+                         "need a row sum the fused backward does not form")
+    return spec, anchors, positives, negatives
 
 
 def _exclusive(message: str, joiner: str = ", ", **on) -> None:

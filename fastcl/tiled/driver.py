@@ -102,10 +102,18 @@ def _norms(x: torch.Tensor, acc: torch.dtype):
 
 def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine = TORCH,
                         gemm_dtype: torch.dtype | None = None,
-                        anchor_norms: torch.Tensor | None = None, raw_candidates: bool = False):
-    """The chunked driver shared by every engine. Returns
+                        anchor_norms: torch.Tensor | None = None, raw_candidates: bool = False,
+                        temperature_grad: bool = False):
+    r"""The chunked driver shared by every engine. Returns
     ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with ``None`` where ``need`` says no
-    gradient is wanted. ``gemm_dtype`` overrides the dtype the chunk GEMMs read
+    gradient is wanted; with ``temperature_grad`` one more entry, ∂L/∂τ (0-dim), from sums
+    the backward forms anyway. Every logit is ``s/τ`` plus terms free of τ with no slope in s
+    (the hard negative's w, MNRL's ``β·sg(s)``, a drop's −inf, the released code's 0), so
+    ``∂L/∂τ = −(1/τ) Σ_ij (∂L/∂s_ij)·s_ij = −(1/τ) Σ_i w_i q_i·u_i``: each anchor row's dot
+    product with its ``u_i = (H K)_i`` before the chain rule through q̂ (``G' = w ⊙ H``,
+    :func:`_chunk_gradients`), an R×d pass a chunk; no second pass over the N×M products.
+    (Focal logits break the identity: :func:`fastcl.spec.build_spec` keeps those on the
+    reference.) ``gemm_dtype`` overrides the dtype the chunk GEMMs read
     (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's 16-bit buffers.
     ``anchor_norms``: the anchors' row norms (:func:`_norms`), where a caller that passes the
     same anchors again (DCLR's noise steps) has them. ``raw_candidates``: in place of the
@@ -114,7 +122,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
     projection onto k_j's tangent space, times a positive factor (what DCLR's noise step,
     which takes each row's direction alone, reads)."""
     if ep.matryoshka is not None:
-        return matryoshka_forward(ep, anchors, candidates, need, gemm_dtype)
+        return matryoshka_forward(ep, anchors, candidates, need, gemm_dtype, temperature_grad)
     n_rows, d = anchors.shape
     n = n_rows // 2 if ep.paired else n_rows      # loss rows: two sides each when paired
     in_dtype, device = anchors.dtype, anchors.device
@@ -122,7 +130,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
     dtype = gemm_dtype or matmul_dtype(in_dtype, device)
     sizes = [c.shape[0] for c in candidates]
     m = sum(sizes)
-    need_q, need_k = bool(need[0]), any(need[1:])
+    need_k = any(need[1:])
+    need_q = bool(need[0]) or temperature_grad      # ∂L/∂τ reads the rows' u (dq unreturned)
     released = ep.formulation == "released"
 
     # One (M×d) candidate matrix; a copy only when there are several blocks or a dtype change.
@@ -159,6 +168,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
     row_loss = torch.empty(n, dtype=acc, device=device)
     tangent = engine.tangent                  # the engine's fused chain rule, if it has one
     w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
+    radial = torch.zeros((), dtype=acc, device=device) if temperature_grad else None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         take = functools.partial(_chunk_rows, r0=r0, r1=r1, n=n, paired=ep.paired)
@@ -173,7 +183,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
             if need_q:
                 dq_c = dq[r0:r1] if not ep.paired else torch.empty_like(q, dtype=dq.dtype)
             _chunk_gradients(h, q, keys, inv_q_c, take(norm_q), take(w), dq_c, dk, tangent, acc,
-                             ep.anchor_offset + r0)
+                             ep.anchor_offset + r0, radial)
             if need_q and ep.paired:
                 dq[r0:r1], dq[n + r0:n + r1] = dq_c[:r1 - r0], dq_c[r1 - r0:]
         # this chunk's R×M buffer is released before the next chunk allocates its own: the
@@ -181,7 +191,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         del h
 
     loss = (row_loss.sum(dtype=torch.float64) / denom).to(acc)
-    grads = [dq]
+    grads = [dq if need[0] else None]
     if need_k and raw_candidates:
         return loss, grads + [(dk, keys, norm_k, inv_k)]
     if need_k:
@@ -197,10 +207,11 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         grads += [part if want else None for part, want in zip(dk.split(sizes), need[1:])]
     else:
         grads += [None] * len(candidates)
-    return loss, grads
+    return loss, grads + ([radial / -ep.temperature] if temperature_grad else [])
 
 
-def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None):
+def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None,
+                       temperature_grad: bool = False):
     r"""Matryoshka in one pass: ``L = Σ_k w_k·L_k``, ``L_k`` the loss of the prefixes
     ``x[:, :d_k]`` (their own cosines ``s^k``), with one GEMM over d per product instead of
     one per dimension. Same contract as :func:`contrastive_forward`.
@@ -220,7 +231,8 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     one scratch slice, allocated once for the call. The anchors' and candidates' own
     features: focal modulation, the hard negative's log-weight, DCLR's mask, and the rules
     of :mod:`fastcl.layout` (a positive side, its joint or own softmax, the drops, MNRL's
-    hardness term); the masks are the texts', computed once for every width."""
+    hardness term); the masks are the texts', computed once for every width. ``temperature_grad``:
+    ∂L/∂τ = −(1/τ) Σ_k Σ_i c^k_i (:func:`contrastive_forward`'s identity, width by width)."""
     n_rows, d = anchors.shape
     n = n_rows // 2 if ep.paired else n_rows      # loss rows: two sides each when paired
     sides = 2 if ep.paired else 1
@@ -252,6 +264,7 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
     dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
     col_c = torch.zeros(len(dims), m, dtype=acc, device=device)   # per width, contiguous
     row_loss = torch.zeros(n, dtype=acc, device=device)
+    tau_sum = torch.zeros((), dtype=acc, device=device)
     comp = None
     if ep.complementary is not None:
         comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
@@ -290,6 +303,8 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
                                            row_f[k], pos_g[k], row_c[k], col_c[k])
             h.append(kept)
             pool.append(free)
+        if temperature_grad:
+            tau_sum += row_c.sum()
         # the widest width down: B = Σ_{k ≥ band} Ã^k, one GEMM per band and gradient
         total_b = None
         for k in reversed(range(len(bands))):
@@ -326,7 +341,7 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
         grads += [part.to(out_dtype) if want else None for part, want in zip(dk.split(sizes), need[1:])]
     else:
         grads += [None] * len(candidates)
-    return loss, grads
+    return loss, grads + ([tau_sum / -ep.temperature] if temperature_grad else [])
 
 
 def _even_chunks(n: int, rows: int, multiple: int = 16) -> int:
@@ -454,7 +469,8 @@ def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k,
     return held, spare
 
 
-def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_pos) -> None:
+def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_pos,
+                     radial=None) -> None:
     """One chunk's share of the gradients from its ``H`` (R×M): ``dq = tangent(w ⊙ (H K))``
     for its rows, written into ``dq``, and ``dk += Hᵀ q̂``, with ``G' = w ⊙ H``. Row factors
     ``w_i = inv_q_i / (N·c)``: Σ_i H_ij w_i q_i = Σ_i H_ij q̂_i / (N·c), so the second GEMM takes
@@ -463,16 +479,21 @@ def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_p
 
     ``h`` may be an engine's bounded form ``(E, 1/Z, c)``, ``H = diag(1/Z) E − δ·c`` (the
     positive of row i at column ``first_pos + i``, c None without positives): the GEMMs then
-    take E itself, with 1/Z on the rows of E K and of q̂, and the positive's term apart."""
+    take E itself, with 1/Z on the rows of E K and of q̂, and the positive's term apart.
+    ``radial`` (0-dim, given with dq): ``Σ_i w_i q_i·u_i`` with ``u = H K`` is added to it
+    (:func:`contrastive_forward`'s ∂L/∂τ)."""
     if isinstance(h, tuple):
-        _bounded_gradients(*h, q, keys, inv_q, w, dq, dk, tangent, acc, first_pos)
+        _bounded_gradients(*h, q, keys, inv_q, w, dq, dk, tangent, acc, first_pos, radial)
         return
     q_hat = None
+    u = _mm(h, keys, acc) if dq is not None else None
+    if radial is not None:
+        radial += _row_dots(q, u) @ w
     if dq is not None and tangent is not None:
         q_hat = torch.empty_like(q) if dk is not None else None
-        tangent(_mm(h, keys, acc), q, inv_q, w, dq, x_hat=q_hat)
+        tangent(u, q, inv_q, w, dq, x_hat=q_hat)
     elif dq is not None:
-        dq.copy_(_tangent_(_mm(h, keys, acc).mul_(w[:, None]), q, norm_q, q.shape[0]))
+        dq.copy_(_tangent_(u.mul_(w[:, None]), q, norm_q, q.shape[0]))
     if dk is not None:
         if q_hat is None:
             q_hat = _unit(q, inv_q).to(q.dtype)
@@ -480,15 +501,22 @@ def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_p
 
 
 def _bounded_gradients(e, inv_z, pos_coef, q, keys, inv_q, w, dq, dk, tangent, acc,
-                       first_pos) -> None:
+                       first_pos, radial=None) -> None:
     """:func:`_chunk_gradients` for ``H = diag(1/Z) E − δ·c``: dq through the engine's fused
     chain rule (which also applies 1/Z and the positive's term, writes q̂/Z and the
-    positive's term of dk), or, without dq, q̂/Z and that term here."""
+    positive's term of dk), or, without dq, q̂/Z and that term here. ``radial``: as there,
+    with ``u_i = (E K)_i/Z_i − c_i k_{first_pos + i}``."""
     r = q.shape[0]
     q_hat = None
     if dq is not None:
+        u = _mm(e, keys, acc)
+        if radial is not None:
+            dots = _row_dots(q, u) * inv_z
+            if pos_coef is not None:
+                dots -= _row_dots(q, keys[first_pos:first_pos + r].to(acc)) * pos_coef
+            radial += dots @ w
         q_hat = torch.empty_like(q) if dk is not None else None
-        tangent(_mm(e, keys, acc), q, inv_q, w, dq, x_hat=q_hat,
+        tangent(u, q, inv_q, w, dq, x_hat=q_hat,
                 bounded=(inv_z, pos_coef, keys, first_pos, dk))
     elif dk is not None:
         unit = _unit(q, inv_q)
@@ -497,6 +525,11 @@ def _bounded_gradients(e, inv_z, pos_coef, q, keys, inv_q, w, dq, dk, tangent, a
         q_hat = unit.mul_(inv_z[:, None]).to(q.dtype)
     if dk is not None:
         _accumulate_mm(dk, e.T, q_hat)
+
+
+def _row_dots(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``x_i · u_i`` for each row, in u's (accumulate) dtype."""
+    return torch.einsum("id,id->i", x.to(u.dtype), u)
 
 
 def _fp16_gain(ep: Epilogue, dtype: torch.dtype) -> float:
