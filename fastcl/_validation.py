@@ -256,6 +256,8 @@ def learnable(name: str, value) -> tuple:
     if not value.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got {value.dtype}")
     value = value.reshape(())
+    if torch.compiler.is_compiling():   # read (and checked) by the custom op at run time
+        return None, value
     return float(value.detach()), value
 
 
@@ -271,7 +273,7 @@ def finite(name: str, value) -> float:
         # float() would silently cut the graph: a learnable value would get no gradient
         raise TypeError(f"{name} is a tensor that requires grad, but fastcl's losses take it as "
                         f"a number and return no gradient for it; pass float({name}) (a "
-                        f"learnable {name} is not supported)")
+                        f"learnable {name} is not supported; a learnable temperature is)")
     if isinstance(value, bool):         # a switch where a number belongs: True is not 1.0
         raise TypeError(f"{name} must be a real number, got {value!r}")
     try:

@@ -143,7 +143,7 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
     keep = None
     if mask is not None:
         keep = dclr_weights(*mask.complementary, candidates.shape[0] - n_pos, phi=mask.phi,
-                            temperature=logits.temperature, formulation=spec.formulation,
+                            temperature=logits.tau, formulation=spec.formulation,
                             anchor_offset=offset)
     if spec.ruled:
         return _sides(spec, anchors, positives, candidates, negatives, keep,

@@ -95,7 +95,7 @@ _OP_SCHEMA = ("(Tensor anchors, Tensor[] candidates, Tensor[] complementary, flo
               "float? focal_m, float hard_negative_weight, float phi, str formulation, "
               "SymInt anchor_offset, SymInt? chunk_size, str matryoshka, SymInt layout, "
               "SymInt[] blocks, str hardness, Tensor[] guide, Tensor[] ids, str engine, "
-              "SymInt need, bool scan, Tensor? tau=None) -> (Tensor, Tensor, Tensor[], Tensor)")
+              "SymInt need, bool scan, Tensor? tau) -> (Tensor, Tensor, Tensor[], Tensor)")
 
 
 @torch.library.custom_op("fastcl::tiled_contrastive", mutates_args=(), schema=_OP_SCHEMA)
@@ -105,7 +105,7 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
                          formulation: str, anchor_offset: int, chunk_size: int | None,
                          matryoshka: str, layout: int, blocks: list[int], hardness: str,
                          guide: list[torch.Tensor], ids: list[torch.Tensor], engine: str,
-                         need: int, scan: bool, tau: torch.Tensor | None = None
+                         need: int, scan: bool, tau: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """``(loss, ∂L/∂anchors, [∂L/∂candidates…], ∂L/∂τ)`` of :func:`contrastive_forward`
     (empty tensors where ``need``, a bit per input and one for ``tau``, says no); the
@@ -119,6 +119,9 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
         for (name, _), ok in zip(inputs, finite):
             if not ok:
                 raise ValueError(f"fastcl.tiled_contrastive: {name} contains NaN or Inf values")
+    if tau is not None:       # a learnable τ: its value is read here (the caller was traced)
+        temperature = _validation.temperature(float(tau), anchors.dtype, focal_m=focal_m,
+                                              hard_negative_weight=hard_negative_weight)
     ep = Epilogue.from_op_args(complementary, temperature, focal_m, hard_negative_weight, phi,
                                formulation, anchor_offset, chunk_size, matryoshka, layout,
                                blocks, hardness, guide, ids)
@@ -135,8 +138,10 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
 
 
 @tiled_contrastive_op.register_fake
-def _(anchors, candidates, *args):
-    need, tau = bits(args[-3], 2 + len(candidates)), args[-1]
+def _(anchors, candidates, complementary, temperature, focal_m, hard_negative_weight, phi,
+      formulation, anchor_offset, chunk_size, matryoshka, layout, blocks, hardness, guide, ids,
+      engine, need, scan, tau):
+    need = bits(need, 2 + len(candidates))
 
     def grad(x, want):
         return x.new_empty(x.shape if want else (0,), dtype=_grad_dtype(x.dtype))
@@ -145,11 +150,15 @@ def _(anchors, candidates, *args):
             loss.new_empty(() if tau is not None and need[-1] else (0,)))
 
 
+#: The position of ``tau`` among the op's inputs (the last; ``need`` two before it).
+_TAU = 19
+
+
 def _op_setup(ctx, inputs, output):
     _, dq, dks, d_tau = output
     ctx.save_for_backward(dq, *dks, d_tau)
-    tau = inputs[-1]
-    ctx.need = bits(inputs[-3], 2 + len(inputs[1]))
+    tau = inputs[_TAU]
+    ctx.need = bits(inputs[_TAU - 2], 2 + len(inputs[1]))
     ctx.need[-1] = ctx.need[-1] and tau is not None
     ctx.dtypes = [inputs[0].dtype] + [c.dtype for c in inputs[1]] + [_like(tau)]
     # the structure of the inputs, which backward's result repeats: a tensor list's length,
@@ -163,8 +172,7 @@ def _op_backward(ctx, grad_loss, grad_dq, grad_dks, grad_d_tau):
     # one entry per input, a list for a list: the anchors', the candidates' and the
     # temperature's gradients, nothing for the rest (the complementary pair, the guide and
     # the ids: lists of None)
-    last = len(ctx.lists) - 1
-    return tuple(scaled[0] if i == 0 else scaled[1:] if i == 1 else d_tau if i == last
+    return tuple(scaled[0] if i == 0 else scaled[1:] if i == 1 else d_tau if i == _TAU
                  else None if n is None else [None] * n for i, n in enumerate(ctx.lists))
 
 
