@@ -1,0 +1,211 @@
+"""A learnable temperature: ``temperature`` a 0-dim tensor that requires grad.
+
+∂L/∂τ on every backend equals autograd through the float64 reference (which equals the
+literal formula ``−(1/τ²)·(1/N)·Σ_ij (p_ij − y_ij)·f_ij``, f the logits' numerator: s, or
+focal's s² on the positive and s(s+m) elsewhere); the reference passes float64 gradcheck.
+Tolerances: the reference against the formula 1e-9 (relative), tiled float64 against the
+reference ``conftest.TOL[float64]``, Triton's interpreter on float32 inputs against the
+float64 reference on the same rounded inputs ``atol = rtol = 1e-4`` (tests/test_contrastive.py's).
+"""
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+import fastcl
+
+from conftest import TOL, correlated, make
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+TRITON_TOL = dict(atol=1e-4, rtol=1e-4)
+TAU = 0.2
+
+
+def _comp(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    c = torch.nn.functional.one_hot(torch.arange(n) % 3, 3).double()
+    return c + 0.05 * torch.randn(n, 3, generator=g, dtype=torch.float64)
+
+
+def _features(a, p, x):
+    """name -> the keyword arguments of fastcl.contrastive (besides temperature), with
+    ``negatives`` among them: every feature whose logits are ``s/τ`` plus terms free of τ."""
+    n, d = a.shape
+    comp = (_comp(n, 1).to(a.dtype), _comp(n, 2).to(a.dtype))
+    ids = torch.arange(max(n, x.shape[0])) % 3
+    guide = [correlated(t.detach(), 0.3, seed=9).detach() for t in (a, p, x)]
+    return {
+        "plain": {},
+        "negatives": dict(negatives=x),
+        "hard": dict(negatives=x[:n], hard_negative_weight=0.7),
+        "symmetric": dict(symmetric=True),
+        "mask": dict(complementary=comp, phi=0.5),
+        "released": dict(complementary=comp, phi=0.5, noise=x, noise_steps=0,
+                         formulation="released"),
+        "noise": dict(noise=x, noise_steps=2),      # Z carries no gradient, to τ neither
+        "directions": dict(negatives=x[:n], directions=("query_to_doc", "query_to_query",
+                                                         "doc_to_query", "doc_to_doc"),
+                           hardness_mode="all_negatives", hardness_strength=0.5,
+                           duplicate_ids=(ids[:n], ids[:n], ids[:n])),
+        "per-direction": dict(directions=("query_to_doc", "doc_to_query"),
+                              partition_mode="per_direction"),
+        "gist": dict(negatives=x, directions=fastcl.layout.gist(), guide=tuple(guide),
+                     guide_margin=0.05),
+        "matryoshka": dict(negatives=x, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.5)),
+    }
+
+
+FEATURES = list(_features(make(2, 3), make(2, 3), make(2, 3)))
+#: (N anchors, K extra rows, d): one anchor; rows and columns off the tiles (chunks of 3,
+#: Triton's 16-row tiles) and an odd width
+SHAPES = [(1, 1, 3), (7, 7, 5), (17, 17, 9)]
+
+
+def _grads(backend, features, shape, dtype, chunk_size=3):
+    n, k, d = shape
+    a = make(n, d, dtype=dtype, seed=n + d)
+    p = correlated(a, 0.8)
+    x = make(k, d, dtype=dtype, seed=3)
+    tau = torch.tensor(TAU, dtype=dtype, requires_grad=True)
+    kw = _features(a, p, x)[features]
+    loss = fastcl.contrastive(a, p, temperature=tau, backend=backend,
+                              chunk_size=None if backend == "reference" else chunk_size, **kw)
+    inputs = [tau, a, p] + ([kw["negatives"]] if "negatives" in kw else [])
+    return [loss] + list(torch.autograd.grad(loss, inputs))
+
+
+def _reference(features, shape, dtype):
+    """The float64 reference on the inputs as ``dtype`` rounds them."""
+    n, k, d = shape
+    a = make(n, d, dtype=dtype, seed=n + d).detach().double().requires_grad_()
+    p = correlated(make(n, d, dtype=dtype, seed=n + d), 0.8).detach().double().requires_grad_()
+    x = make(k, d, dtype=dtype, seed=3).detach().double().requires_grad_()
+    tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
+    kw = _features(a, p, x)[features]
+    for key in ("complementary", "guide"):
+        if key in kw:   # the frozen models' embeddings as the float32 call had them
+            kw[key] = tuple(t.to(dtype).double() for t in kw[key])
+    loss = fastcl.contrastive(a, p, temperature=tau, backend="reference", **kw)
+    inputs = [tau, a, p] + ([kw["negatives"]] if "negatives" in kw else [])
+    return [loss] + list(torch.autograd.grad(loss, inputs))
+
+
+#: Triton's interpreter takes the largest shape with a covering set of the features
+GRID = [(be, f, shape) for be in ("tiled", "triton") for f in FEATURES for shape in SHAPES
+        if be == "tiled" or shape[0] <= 7 or f in ("plain", "gist", "matryoshka")]
+
+
+@pytest.mark.parametrize("backend,features,shape", [
+    pytest.param(*case, marks=needs_triton if case[0] == "triton" else (),
+                 id=f"{case[0]}-{case[1]}-{'x'.join(map(str, case[2]))}") for case in GRID])
+def test_temperature_gradient_matches_the_reference(backend, features, shape):
+    """The loss, ∂L/∂τ and every embedding's gradient (the learnable τ changes none of them)."""
+    dtype = torch.float64 if backend == "tiled" else torch.float32
+    got = _grads(backend, features, shape, dtype)
+    want = _reference(features, shape, dtype)
+    tol = TOL[torch.float64] if backend == "tiled" else TRITON_TOL
+    for name, g, w in zip(["loss", "tau", "anchors", "positives", "negatives"], got, want):
+        torch.testing.assert_close(g.double(), w, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def _literal(a, p, x, tau, focal_m=None):
+    """−(1/τ²)·(1/N)·Σ_ij (p_ij − y_ij)·f_ij, in float64, from the whole matrix."""
+    s = torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(
+        torch.cat([p, x]), dim=1).T
+    eye = torch.zeros_like(s, dtype=torch.bool)
+    eye[range(a.shape[0]), range(a.shape[0])] = True
+    f = s if focal_m is None else torch.where(eye, s * s, s * (s + focal_m))
+    y = eye.double()
+    return -((torch.softmax(f / tau, dim=1) - y) * f).sum() / (tau * tau * a.shape[0])
+
+
+@pytest.mark.parametrize("focal_m", [None, 0.3])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_reference_is_the_literal_formula_and_passes_gradcheck(shape, focal_m):
+    n, k, d = shape
+    a, x = make(n, d, dtype=torch.float64, grad=False), make(k, d, dtype=torch.float64, seed=3, grad=False)
+    p = correlated(a, 0.8)
+    tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
+    loss = fastcl.contrastive(a, p, x, temperature=tau, focal_m=focal_m, backend="reference")
+    (got,) = torch.autograd.grad(loss, tau)
+    want = _literal(a, p, x, TAU, focal_m)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-9)
+    assert torch.autograd.gradcheck(
+        lambda t: fastcl.contrastive(a, p, x, temperature=t, focal_m=focal_m, backend="reference"),
+        (tau,))
+
+
+@pytest.mark.parametrize("backend", ["tiled", pytest.param("triton", marks=needs_triton)])
+def test_only_the_temperature_learns(backend):
+    """Embeddings without grad: the backward still forms the rows' sums ∂L/∂τ reads."""
+    dtype = torch.float64 if backend == "tiled" else torch.float32
+    a, x = make(7, 5, dtype=dtype, grad=False), make(7, 5, dtype=dtype, seed=3, grad=False)
+    p = correlated(a, 0.8)
+    tau = torch.tensor(TAU, dtype=dtype, requires_grad=True)
+    (got,) = torch.autograd.grad(fastcl.infonce(a, p, x, temperature=tau, backend=backend), tau)
+    want = _literal(a.double(), p.double(), x.double(), TAU)
+    torch.testing.assert_close(got.double(), want, **(TOL[dtype] if backend == "tiled" else TRITON_TOL))
+    if backend == "tiled":
+        assert torch.autograd.gradcheck(lambda t: fastcl.infonce(a, p, x, temperature=t, backend="tiled"),
+                                        (tau,))
+
+
+def test_infonce_dclr_and_escl_take_it_too():
+    a, p = make(6, 4, dtype=torch.float64), correlated(make(6, 4, dtype=torch.float64))
+    s = correlated(a, 1.0, seed=5).detach()
+    for fn in (lambda t, be: fastcl.infonce(a, p, temperature=t, symmetric=True, backend=be),
+               lambda t, be: fastcl.dclr_loss(a, p, temperature=t, noise=p.detach(), noise_steps=1,
+                                              backend=be),
+               lambda t, be: fastcl.escl_loss(a, p, s, temperature=t, backend=be)):
+        grads = [torch.autograd.grad(fn(torch.tensor(TAU, dtype=torch.float64, requires_grad=True), be),
+                                     [a, p])[0] for be in ("reference", "tiled")]
+        taus = []
+        for be in ("reference", "tiled"):
+            tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
+            taus.append(torch.autograd.grad(fn(tau, be), tau)[0])
+        torch.testing.assert_close(taus[1], taus[0], **TOL[torch.float64])
+        torch.testing.assert_close(grads[1], grads[0], **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("value,error,match", [
+    (torch.tensor([0.1, 0.2]), ValueError, r"temperature must be a number or a tensor of one element"),
+    (torch.tensor(-0.1), ValueError, r"temperature must be > 0"),
+    (torch.tensor(0.0), ValueError, r"temperature must be > 0"),
+    (torch.tensor(float("nan")), ValueError, r"temperature must be finite"),
+    (torch.tensor(float("inf")), ValueError, r"temperature must be finite"),
+], ids=["two-elements", "negative", "zero", "nan", "inf"])
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_a_bad_temperature_tensor_is_refused_by_name(backend, value, error, match):
+    a = make(4, 3)
+    with pytest.raises(error, match=match):
+        fastcl.infonce(a, correlated(a), temperature=value.requires_grad_(), backend=backend)
+
+
+def test_focal_keeps_a_learnable_temperature_on_the_reference():
+    a = make(4, 3)
+    tau = torch.tensor(TAU, requires_grad=True)
+    with pytest.raises(ValueError, match=r"learnable temperature .* focal_m .* backend='reference'"):
+        fastcl.focal_infonce(a, correlated(a), temperature=tau, backend="tiled")
+
+
+def test_compiled_learnable_temperature_equals_eager_without_a_graph_break():
+    import torch._dynamo as dynamo
+    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
+    fn = lambda a, p, t: fastcl.contrastive(a, p, temperature=t, matryoshka_dims=(4, 8),  # noqa: E731
+                                            backend="tiled")
+    a, tau = make(12, 8), torch.tensor(TAU, requires_grad=True)
+    p = correlated(a)
+    dynamo.reset()
+    explained = dynamo.explain(fn)(a, p, tau)
+    assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
+    dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=True)
+    got = torch.autograd.grad(compiled(a, p, tau), (tau, a))
+    want = torch.autograd.grad(fn(a, p, tau), (tau, a))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        compiled(a, p, torch.tensor(-1.0, requires_grad=True))
