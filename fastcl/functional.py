@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _validation as check
 from . import common, reference, tiled
-from .spec import LossSpec, build_spec, inputs, noise_settings, resolve_backend
+from .spec import LossSpec, build_spec, escl_options, inputs, noise_settings, resolve_backend
 
 __all__ = ["contrastive", "infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss",
            "resolve_backend"]
@@ -393,11 +393,7 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
         chunk_size=chunk_size)
     sensitive = check.embeddings("sensitive", sensitive, rows=anchors.shape[0],
                                  width=anchors.shape[1], like=anchors, scale_free=True)
-    weight = check.finite("weight", weight)
-    rd = check.choice("rd", rd, ("softplus", "margin"))
-    if not isinstance(margins, (tuple, list)) or len(margins) != 2:
-        raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
-    margins = (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
+    weight, rd, margins = escl_options(weight, rd, margins)
     loss = run(spec, anchors, positives)
     # The RD term only pairs row i with row i: O(N·d), identical for every backend.
     own = positives[spec.anchor_offset:spec.anchor_offset + anchors.shape[0]]

@@ -310,6 +310,15 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     return spec, anchors, positives, negatives
 
 
+def escl_options(weight, rd, margins) -> tuple:
+    """ESCL's ``(weight, rd, margins)`` checked (:func:`fastcl.escl_loss`)."""
+    weight = check.finite("weight", weight)
+    rd = check.choice("rd", rd, ("softplus", "margin"))
+    if not isinstance(margins, (tuple, list)) or len(margins) != 2:
+        raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
+    return weight, rd, (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
+
+
 def _exclusive(message: str, joiner: str = ", ", **on) -> None:
     names = [name for name, value in on.items() if value]
     if names:
