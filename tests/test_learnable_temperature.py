@@ -209,3 +209,70 @@ def test_compiled_learnable_temperature_equals_eager_without_a_graph_break():
         torch.testing.assert_close(g, w)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         compiled(a, p, torch.tensor(-1.0, requires_grad=True))
+
+
+# --------------------------------------------------------------------------- sentence-transformers
+
+def _st_model(tmp_path):
+    st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
+    from test_evaluate import make_tiny_model
+    return st.SentenceTransformer(str(make_tiny_model(tmp_path / "bert")), device="cpu")
+
+
+def test_st_losses_learn_their_temperature_in_the_trainer(tmp_path):
+    """The loss's log_scale is in the trainer's optimizer, moves over a few steps, and the
+    cached loss gives it the plain loss's gradient through GradCache's two passes."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    from fastcl.integrations.sentence_transformers import CachedFastInfoNCELoss, FastInfoNCELoss
+    from test_evaluate import random_sentence
+    import random
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    model = _st_model(tmp_path)
+    rng = random.Random(0)
+    sentences = [random_sentence(rng) for _ in range(16)]
+    embs = [torch.randn(8, 32, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+    losses = [cls(model, scale=20.0, learnable_temperature=True, backend="tiled")
+              for cls in (FastInfoNCELoss, CachedFastInfoNCELoss)]
+    model.eval()          # the same embeddings in both passes
+    features = [model.tokenize(sentences[:8]), model.tokenize(sentences[8:])]
+    for loss in losses:
+        assert loss.current_temperature == pytest.approx(0.05)
+        loss([dict(f) for f in features], None).backward()
+    torch.testing.assert_close(losses[1].log_scale.grad, losses[0].log_scale.grad)
+    want = torch.autograd.grad(fastcl.contrastive(
+        *embs, temperature=torch.exp(-losses[0].log_scale), backend="reference"), losses[0].log_scale)
+    got = torch.autograd.grad(losses[0].compute_loss_from_embeddings(embs), losses[0].log_scale)
+    torch.testing.assert_close(got, want)
+
+    model.train()
+    loss = FastInfoNCELoss(model, learnable_temperature=True, backend="tiled")
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=8, report_to="none",
+        save_strategy="no", use_cpu=True, learning_rate=0.05, dataloader_drop_last=True, seed=0)
+    trainer = SentenceTransformerTrainer(model=model, args=args, loss=loss,
+                                         train_dataset=Dataset.from_dict({"anchor": sentences,
+                                                                          "positive": sentences}))
+    trainer.train()
+    assert any(p is loss.log_scale for group in trainer.optimizer.param_groups for p in group["params"])
+    assert loss.current_temperature != pytest.approx(0.05, rel=1e-3)
+    assert loss.get_config_dict()["learnable_temperature"] is True
+
+
+def test_st_losses_refuse_a_bad_option_where_they_are_built(tmp_path):
+    """Every option through build_spec's checks at construction, named as the constructor
+    names it (the spec calls focal's m focal_m and GIST's margin guide_margin)."""
+    from fastcl.integrations.sentence_transformers import (FastFocalInfoNCELoss, FastGISTEmbedLoss,
+                                                           FastInfoNCELoss)
+    model = _st_model(tmp_path)
+    for build, match in [
+            (lambda: FastInfoNCELoss(model, hardness_mode="easy"), r"^hardness_mode must be one of"),
+            (lambda: FastInfoNCELoss(model, matryoshka_dims=(4, 4)), r"^matryoshka_dims has a width twice"),
+            (lambda: FastInfoNCELoss(model, backend="cuda"), r"^backend must be one of"),
+            (lambda: FastFocalInfoNCELoss(model, m=float("nan")), r"^m must be finite"),
+            (lambda: FastFocalInfoNCELoss(model, learnable_temperature=True),
+             r"learnable temperature .* m has its gradient on backend='reference'"),
+            (lambda: FastGISTEmbedLoss(model, model, margin=float("inf")), r"^margin must be finite")]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            build()
