@@ -276,3 +276,36 @@ def test_st_losses_refuse_a_bad_option_where_they_are_built(tmp_path):
             (lambda: FastGISTEmbedLoss(model, model, margin=float("inf")), r"^margin must be finite")]:
         with pytest.raises((TypeError, ValueError), match=match):
             build()
+
+
+def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monkeypatch):
+    """fastcl-train --learnable_temperature: the value in each step's log record, moving;
+    each checkpoint holds it and a resumed trainer takes it back."""
+    from fastcl.trainer import run as train
+    from fastcl.trainer.build import Trainer
+    from fastcl.trainer.logs import read_log
+    from test_train import base_args, make_tiny
+    tiny = make_tiny(tmp_path / "tiny")
+    out = tmp_path / "run"
+    assert train.main(base_args(tiny, out, steps=4, learnable_temperature=True, save_steps=2,
+                                temperature=0.1, learning_rate=0.05)) == 0
+    values = [r["temperature"] for r in read_log(out) if r["type"] == "step"]
+    assert len(values) == 4 and values[-1] != pytest.approx(0.1, rel=1e-3)
+    saved = torch.load(out / "checkpoint-4" / Trainer.LOSS_PARAMETERS)
+    assert float(torch.exp(-saved["own.0"])) == pytest.approx(values[-1], rel=1e-4)
+
+    import datasets
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
+
+    from fastcl.trainer import build_trainer
+    trainer = build_trainer("simcse", SentenceTransformer(str(out / train.MODEL_DIR), device="cpu"),
+                            datasets.Dataset.from_dict({"sentence": ["a b", "c d"]}),
+                            args=SentenceTransformerTrainingArguments(str(tmp_path / "again"), use_cpu=True,
+                                                                      report_to="none"),
+                            temperature=0.1, learnable_temperature=True)
+    assert trainer.loss.current_temperature == pytest.approx(0.1)
+    # what --resume calls (the model's own part, sentence-transformers', left out here)
+    monkeypatch.setattr(SentenceTransformerTrainer, "_load_from_checkpoint", lambda self, path: None)
+    trainer._load_from_checkpoint(str(out / "checkpoint-4"))
+    assert trainer.loss.current_temperature == pytest.approx(values[-1], rel=1e-4)
