@@ -64,31 +64,20 @@ FEATURES = list(_features(make(2, 3), make(2, 3), make(2, 3)))
 SHAPES = [(1, 1, 3), (7, 7, 5), (17, 17, 9)]
 
 
-def _grads(backend, features, shape, dtype, chunk_size=3):
+def _grads(backend, features, shape, dtype, wide=False):
+    """The loss and its gradients (τ, anchors, positives[, negatives]) on ``backend``;
+    ``wide``: in float64, from the inputs as ``dtype`` rounds them."""
     n, k, d = shape
+    rounded = lambda x: x.detach().double().requires_grad_() if wide else x  # noqa: E731
     a = make(n, d, dtype=dtype, seed=n + d)
-    p = correlated(a, 0.8)
-    x = make(k, d, dtype=dtype, seed=3)
-    tau = torch.tensor(TAU, dtype=dtype, requires_grad=True)
-    kw = _features(a, p, x)[features]
-    loss = fastcl.contrastive(a, p, temperature=tau, backend=backend,
-                              chunk_size=None if backend == "reference" else chunk_size, **kw)
-    inputs = [tau, a, p] + ([kw["negatives"]] if "negatives" in kw else [])
-    return [loss] + list(torch.autograd.grad(loss, inputs))
-
-
-def _reference(features, shape, dtype):
-    """The float64 reference on the inputs as ``dtype`` rounds them."""
-    n, k, d = shape
-    a = make(n, d, dtype=dtype, seed=n + d).detach().double().requires_grad_()
-    p = correlated(make(n, d, dtype=dtype, seed=n + d), 0.8).detach().double().requires_grad_()
-    x = make(k, d, dtype=dtype, seed=3).detach().double().requires_grad_()
-    tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
+    p, a, x = rounded(correlated(a, 0.8)), rounded(a), rounded(make(k, d, dtype=dtype, seed=3))
+    tau = torch.tensor(TAU, dtype=torch.float64 if wide else dtype, requires_grad=True)
     kw = _features(a, p, x)[features]
     for key in ("complementary", "guide"):
-        if key in kw:   # the frozen models' embeddings as the float32 call had them
+        if key in kw and wide:   # the frozen models' embeddings as the call in dtype had them
             kw[key] = tuple(t.to(dtype).double() for t in kw[key])
-    loss = fastcl.contrastive(a, p, temperature=tau, backend="reference", **kw)
+    loss = fastcl.contrastive(a, p, temperature=tau, backend=backend,
+                              chunk_size=None if backend == "reference" else 3, **kw)
     inputs = [tau, a, p] + ([kw["negatives"]] if "negatives" in kw else [])
     return [loss] + list(torch.autograd.grad(loss, inputs))
 
@@ -105,7 +94,7 @@ def test_temperature_gradient_matches_the_reference(backend, features, shape):
     """The loss, ∂L/∂τ and every embedding's gradient (the learnable τ changes none of them)."""
     dtype = torch.float64 if backend == "tiled" else torch.float32
     got = _grads(backend, features, shape, dtype)
-    want = _reference(features, shape, dtype)
+    want = _grads("reference", features, shape, dtype, wide=True)
     tol = TOL[torch.float64] if backend == "tiled" else TRITON_TOL
     for name, g, w in zip(["loss", "tau", "anchors", "positives", "negatives"], got, want):
         torch.testing.assert_close(g.double(), w, **tol, msg=lambda m: f"{name}: {m}")
@@ -160,35 +149,26 @@ def test_infonce_dclr_and_escl_take_it_too():
                lambda t, be: fastcl.dclr_loss(a, p, temperature=t, noise=p.detach(), noise_steps=1,
                                               backend=be),
                lambda t, be: fastcl.escl_loss(a, p, s, temperature=t, backend=be)):
-        grads = [torch.autograd.grad(fn(torch.tensor(TAU, dtype=torch.float64, requires_grad=True), be),
-                                     [a, p])[0] for be in ("reference", "tiled")]
-        taus = []
-        for be in ("reference", "tiled"):
-            tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
-            taus.append(torch.autograd.grad(fn(tau, be), tau)[0])
-        torch.testing.assert_close(taus[1], taus[0], **TOL[torch.float64])
-        torch.testing.assert_close(grads[1], grads[0], **TOL[torch.float64])
+        got, want = ((tau := torch.tensor(TAU, dtype=torch.float64, requires_grad=True),
+                      torch.autograd.grad(fn(tau, be), (tau, a, p)))[1] for be in ("tiled", "reference"))
+        torch.testing.assert_close(got, want, **TOL[torch.float64])
 
 
-@pytest.mark.parametrize("value,error,match", [
-    (torch.tensor([0.1, 0.2]), ValueError, r"temperature must be a number or a tensor of one element"),
-    (torch.tensor(-0.1), ValueError, r"temperature must be > 0"),
-    (torch.tensor(0.0), ValueError, r"temperature must be > 0"),
-    (torch.tensor(float("nan")), ValueError, r"temperature must be finite"),
-    (torch.tensor(float("inf")), ValueError, r"temperature must be finite"),
-], ids=["two-elements", "negative", "zero", "nan", "inf"])
-@pytest.mark.parametrize("backend", ["reference", "tiled"])
-def test_a_bad_temperature_tensor_is_refused_by_name(backend, value, error, match):
-    a = make(4, 3)
-    with pytest.raises(error, match=match):
-        fastcl.infonce(a, correlated(a), temperature=value.requires_grad_(), backend=backend)
+BAD = {"two-elements": (torch.tensor([0.1, 0.2]), r"^temperature must be a number or a tensor of one"),
+       "negative": (torch.tensor(-0.1), r"^temperature must be > 0"),
+       "zero": (torch.tensor(0.0), r"^temperature must be > 0"),
+       "nan": (torch.tensor(float("nan")), r"^temperature must be finite"),
+       "inf": (torch.tensor(float("inf")), r"^temperature must be finite"),
+       "focal-fused": (torch.tensor(TAU), r"^a learnable temperature .* focal_m .* backend='reference'")}
 
 
-def test_focal_keeps_a_learnable_temperature_on_the_reference():
-    a = make(4, 3)
-    tau = torch.tensor(TAU, requires_grad=True)
-    with pytest.raises(ValueError, match=r"learnable temperature .* focal_m .* backend='reference'"):
-        fastcl.focal_infonce(a, correlated(a), temperature=tau, backend="tiled")
+@pytest.mark.parametrize("backend,case", [(be, case) for be in ("reference", "tiled") for case in BAD
+                                          if not (be == "reference" and case == "focal-fused")])
+def test_a_bad_temperature_tensor_is_refused_by_name(backend, case):
+    a, (value, match) = make(4, 3), BAD[case]
+    with pytest.raises(ValueError, match=match):
+        fastcl.contrastive(a, correlated(a), temperature=value.clone().requires_grad_(), backend=backend,
+                           focal_m=0.3 if case == "focal-fused" else None)
 
 
 def test_compiled_learnable_temperature_equals_eager_without_a_graph_break():
