@@ -304,9 +304,15 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
         anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size))
     spec = _with_backend(spec, backend, anchors)
     if learnable is not None and focal_m is not None and spec.backend != "reference":
-        raise ValueError("a learnable temperature (a tensor that requires grad) with focal_m has "
-                         "its gradient on backend='reference' only: focal logits s(s+m)/temperature "
-                         "need a row sum the fused backward does not form")
+        # focal logits s(s+m)/τ need a row sum the torch engine's epilogue forms, not the
+        # kernels' nor Matryoshka's widths'
+        if widths is not None or backend == "triton":
+            where = "backend='reference'" + ("" if widths else " or 'tiled'")
+            raise ValueError(f"a learnable temperature (a tensor that requires grad) with focal_m"
+                             f"{' and matryoshka_dims' if widths else ''} has its gradient on "
+                             f"{where} only")
+        if spec.backend == "triton":
+            spec = _with_backend(spec, "tiled", anchors)
     return spec, anchors, positives, negatives
 
 

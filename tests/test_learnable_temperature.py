@@ -55,6 +55,11 @@ def _features(a, p, x):
         "gist": dict(negatives=x, directions=fastcl.layout.gist(), guide=tuple(guide),
                      guide_margin=0.05),
         "matryoshka": dict(negatives=x, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.5)),
+        # focal logits s²/τ, s(s+m)/τ: the torch engine's epilogue adds the row sum they need
+        "focal": dict(negatives=x[:n], focal_m=0.3, hard_negative_weight=0.4),
+        "focal-gist": dict(negatives=x, directions=fastcl.layout.gist(), guide=tuple(guide),
+                           focal_m=-0.2),
+        "focal-symmetric": dict(symmetric=True, focal_m=0.5),
     }
 
 
@@ -84,7 +89,8 @@ def _grads(backend, features, shape, dtype, wide=False):
 
 #: Triton's interpreter takes the largest shape with a covering set of the features
 GRID = [(be, f, shape) for be in ("tiled", "triton") for f in FEATURES for shape in SHAPES
-        if be == "tiled" or shape[0] <= 7 or f in ("plain", "gist", "matryoshka")]
+        if be == "tiled" or (not f.startswith("focal") and (shape[0] <= 7 or f in (
+            "plain", "gist", "matryoshka")))]
 
 
 @pytest.mark.parametrize("backend,features,shape", [
@@ -159,16 +165,21 @@ BAD = {"two-elements": (torch.tensor([0.1, 0.2]), r"^temperature must be a numbe
        "zero": (torch.tensor(0.0), r"^temperature must be > 0"),
        "nan": (torch.tensor(float("nan")), r"^temperature must be finite"),
        "inf": (torch.tensor(float("inf")), r"^temperature must be finite"),
-       "focal-fused": (torch.tensor(TAU), r"^a learnable temperature .* focal_m .* backend='reference'")}
+       "focal-triton": (torch.tensor(TAU), r"^a learnable temperature .* with focal_m has its "
+                        r"gradient on backend='reference' or 'tiled' only"),
+       "focal-matryoshka": (torch.tensor(TAU), r"^a learnable temperature .* with focal_m and "
+                            r"matryoshka_dims has its gradient on backend='reference' only")}
 
 
 @pytest.mark.parametrize("backend,case", [(be, case) for be in ("reference", "tiled") for case in BAD
-                                          if not (be == "reference" and case == "focal-fused")])
+                                          if not (be == "reference" and case.startswith("focal"))])
 def test_a_bad_temperature_tensor_is_refused_by_name(backend, case):
     a, (value, match) = make(4, 3), BAD[case]
+    focal = dict(focal_m=0.3, matryoshka_dims=(2, 3)) if case == "focal-matryoshka" else dict(
+        focal_m=0.3, backend="triton") if case == "focal-triton" else {}
     with pytest.raises(ValueError, match=match):
-        fastcl.contrastive(a, correlated(a), temperature=value.clone().requires_grad_(), backend=backend,
-                           focal_m=0.3 if case == "focal-fused" else None)
+        fastcl.contrastive(a, correlated(a), temperature=value.clone().requires_grad_(),
+                           **{"backend": backend, **focal})
 
 
 def test_compiled_learnable_temperature_equals_eager_without_a_graph_break():
@@ -251,8 +262,8 @@ def test_st_losses_refuse_a_bad_option_where_they_are_built(tmp_path):
             (lambda: FastInfoNCELoss(model, matryoshka_dims=(4, 4)), r"^matryoshka_dims has a width twice"),
             (lambda: FastInfoNCELoss(model, backend="cuda"), r"^backend must be one of"),
             (lambda: FastFocalInfoNCELoss(model, m=float("nan")), r"^m must be finite"),
-            (lambda: FastFocalInfoNCELoss(model, learnable_temperature=True),
-             r"learnable temperature .* m has its gradient on backend='reference'"),
+            (lambda: FastFocalInfoNCELoss(model, learnable_temperature=True, backend="triton"),
+             r"learnable temperature .* with m has its gradient on backend='reference' or 'tiled'"),
             (lambda: FastGISTEmbedLoss(model, model, margin=float("inf")), r"^margin must be finite")]:
         with pytest.raises((TypeError, ValueError), match=match):
             build()

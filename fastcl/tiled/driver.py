@@ -119,8 +119,11 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
     ``∂L/∂τ = −(1/τ) Σ_ij (∂L/∂s_ij)·s_ij = −(1/τ) Σ_i w_i q_i·u_i``: each anchor row's dot
     product with its ``u_i = (H K)_i`` before the chain rule through q̂ (``G' = w ⊙ H``,
     :func:`_chunk_gradients`), an R×d pass a chunk, no second pass over the N×M products;
-    Matryoshka's widths: ``−(1/τ) Σ_k Σ_i c^k_i``, their radial sums. (Focal logits break
-    the identity: :func:`fastcl.spec.build_spec` keeps those on the reference.) ``gemm_dtype`` overrides the dtype
+    Matryoshka's widths: ``−(1/τ) Σ_k Σ_i c^k_i``, their radial sums. Focal logits (``s²``
+    on the positives, ``s² + m·s`` elsewhere) add ``m/(2τ)·Σ_{j off the positives} g_ij s_ij``
+    (g = ∂L/∂l) to half the sum, which the torch engine's epilogue forms (``Chunk.tau_out``);
+    :func:`fastcl.spec.build_spec` keeps focal with a learnable τ off the Triton engine and
+    Matryoshka's widths. ``gemm_dtype`` overrides the dtype
     the chunk GEMMs read (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's
     16-bit buffers. ``anchor_norms``: the anchors' row norms (:func:`_norms`), where a
     caller that passes the same anchors again (DCLR's noise steps) has them.
@@ -176,6 +179,9 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
         tangent = engine.tangent                # the engine's fused chain rule, if it has one
     radial = torch.zeros((), dtype=acc, device=device) if temperature_grad else None
+    # focal's logits f = s² (the positives) and s² + m·s: Σ g·f = (τ/2)·Σ A·s + (m/2)·Σ_off g·s,
+    # the last a row sum the torch engine forms in its epilogue (the Triton one does not)
+    focal_sum = radial.clone() if temperature_grad and ep.focal_m is not None else None
     dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
     dq = None
     if need_q:
@@ -189,6 +195,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q_c,
                       None if widths is not None else inv_k,
                       None if widths is not None else ginv_k, loss_out=row_loss[r0:r1],
+                      tau_out=focal_sum,
                       comp_q=comp[0][r0:r1] if comp else None, comp_k=comp[1] if comp else None)
         if widths is not None:
             widths.chunk(ep, chunk, take, dq, dk, radial)
@@ -225,6 +232,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
             dk = _tangent_(dk.mul_(col_scale[:, None]), keys, norm_k, rows).to(out_dtype)
     grads = [part if want else None for part, want in zip(dk.split(sizes), need[1:])] if need_k \
         else [None] * len(candidates)
+    if focal_sum is not None:
+        radial = 0.5 * radial + focal_sum * (0.5 * ep.focal_m / (ep.temperature * denom))
     return loss, [dq if need[0] else None] + grads + (
         [radial / -ep.temperature] if temperature_grad else [])
 

@@ -300,7 +300,7 @@ class FastLoss(nn.Module):
         """Build this loss's spec from its options on a batch of two rows (negatives too
         where the loss takes them; ``extra``: more of build_spec's arguments): the first bad
         option raises build_spec's error, the argument named as the constructor names it.
-        (The backend is resolved at each call, where the embeddings' device is known.)"""
+        (The backend is resolved again at each call, where the embeddings' device is known.)"""
         options = self._options()
         backend = check.choice("backend", options.pop("backend", "auto"), check.BACKENDS)
         dims = options.get("matryoshka_dims")
@@ -312,8 +312,9 @@ class FastLoss(nn.Module):
         rows[:, 0] = 1.0
         negatives = rows if self._column_counts[1] != 2 else None
         try:
-            fastcl.spec.build_spec(rows, rows, negatives, **options, **extra,
-                                   backend="reference" if backend == "reference" else "tiled")
+            # the backend's own rules where the rows can take it (else at the first call)
+            fastcl.spec.build_spec(rows, rows, negatives, **options, **extra, backend=backend if (
+                backend == "reference" or fastcl.spec.triton_problem(rows) is None) else "tiled")
         except (TypeError, ValueError) as err:
             renamed = str(err)
             for name, spec_name in self._spec_names.items():

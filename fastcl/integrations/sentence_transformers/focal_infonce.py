@@ -37,7 +37,7 @@ class FastFocalInfoNCELoss(FastLoss):
         mask_duplicates: drop every candidate whose text equals that of the anchor's
             positive, as :class:`FastInfoNCELoss`.
         learnable_temperature: learn τ with the model, as :class:`FastInfoNCELoss` (focal's
-            logits s(s+m)/τ: its gradient on ``backend="reference"`` only).
+            logits s(s+m)/τ: its gradient on the tiled path and the reference, not Triton's).
 
     Inputs:
         {inputs}
