@@ -135,12 +135,12 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
             i, K = N_b) or any K rows such as a queue.
         temperature: τ ≥ (2 + |m|)/√max of the accumulate dtype (1.08e-19 for float32 and
             16-bit inputs; below it the logits or their gradient overflow). A 0-dim (one
-            element) tensor that requires grad is a learnable τ: it gets the exact ∂L/∂τ on
-            every backend (the fused paths form it from the backward's own row sums,
-            ``−(1/τ)·Σ_ij (∂L/∂s_ij)·s_ij``, plus focal's ``−(m/(2τ²))·Σ_{j off the positives}
-            (∂L/∂l_ij)·s_ij`` with half the first term on the tiled path; focal with it is
-            not on Triton nor beside ``matryoshka_dims``). Its value is read once; the noise
-            ``Z`` uses it and carries no gradient to it.
+            element) tensor that requires grad is a learnable τ with the exact gradient
+            ``∂L/∂τ = −(1/τ²)·Σ_ij (∂L/∂l_ij)·f_ij`` (``f`` the logits' numerators: s, or
+            focal's s² and s(s+m)), which the fused paths form from row sums the backward has
+            (docs/engine.md). Focal with it runs on the tiled path and the reference, not on
+            Triton nor beside ``matryoshka_dims``. Its value is read once; the noise ``Z``
+            uses it and carries no gradient to it.
         focal_m: Focal-InfoNCE's m (None: no focal modulation; m = 0 still squares every
             cosine, s²/τ).
         hard_negative_weight: the log-weight ``w``; needs K = N_b ``negatives``.
