@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _validation as check
 from . import common, reference, tiled
-from .spec import LossSpec, build_spec, inputs, noise_settings, resolve_backend
+from .spec import LossSpec, build_spec, escl_options, inputs, noise_settings, resolve_backend
 
 __all__ = ["contrastive", "infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss",
            "resolve_backend"]
@@ -133,7 +133,13 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
             are hard negatives (row i anchor i's, K = N_b, which ``hard_negative_weight``
             needs) or any K rows such as a queue.
         temperature: τ ≥ (2 + |m|)/√max of the accumulate dtype (1.08e-19 for float32 and
-            16-bit inputs; below it the logits or their gradient overflow).
+            16-bit inputs; below it the logits or their gradient overflow). A 0-dim (one
+            element) tensor that requires grad is a learnable τ with the exact gradient
+            ``∂L/∂τ = −(1/τ²)·Σ_ij (∂L/∂l_ij)·f_ij`` (``f`` the logits' numerators: s, or
+            focal's s² and s(s+m)), which the fused paths form from row sums the backward has
+            (docs/engine.md). Focal with it runs on the tiled path and the reference, not on
+            Triton nor beside ``matryoshka_dims``. Its value is read once; the noise ``Z``
+            uses it and carries no gradient to it.
         phi: φ ∈ [-1, 1], read only with ``complementary``.
         noise, noise_ratio, noise_steps, noise_lr, noise_std, noise_temperature, generator:
             the noise (above; :func:`dclr_noise`'s ``steps``, ``lr``, ``std``,
@@ -365,15 +371,11 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
         chunk_size=chunk_size)
     sensitive = check.embeddings("sensitive", sensitive, rows=anchors.shape[0],
                                  width=anchors.shape[1], like=anchors, scale_free=True)
-    weight = check.finite("weight", weight)
-    rd = check.choice("rd", rd, ("softplus", "margin"))
-    if not isinstance(margins, (tuple, list)) or len(margins) != 2:
-        raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
-    margins = (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
+    weight, rd, margins = escl_options(weight, rd, margins)
     loss = run(spec, anchors, positives)
     # The RD term only pairs row i with row i: O(N·d), identical for every backend.
     own = positives[spec.anchor_offset:spec.anchor_offset + anchors.shape[0]]
     with common.autocast_off(anchors.device):
         return loss + weight * common.relative_difference(anchors, own, sensitive,
-                                                          temperature=spec.logits.temperature,
+                                                          temperature=spec.logits.tau,
                                                           rd=rd, margins=margins)

@@ -49,6 +49,7 @@ def spec_loss(spec: LossSpec, anchors, positives, negatives=None):
 
 def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands, widths=None):
     logits, mask, offset = spec.logits, spec.mask, spec.anchor_offset
+    tau = logits.learnable
     blocks = [positives] + ([] if negatives is None else [negatives])
     if spec.noise is not None:
         z = dclr_noise(spec.noise, anchors, positives, formulation=spec.formulation,
@@ -72,15 +73,15 @@ def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands,
                            if mask is not None and mask.reverse else None,
                            chunk_size=spec.chunk_size, matryoshka=widths,
                            anchor_offset=offset if cands.shape[0] == n_pos else 0)
-        forward = contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
+        forward = contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine, tau=tau)
         return 0.5 * (forward + contrastive_loss(reverse, positives[offset:offset + n], cands,
-                                                 engine=engine))
+                                                 engine=engine, tau=tau))
     if spec.ruled:
         rows, blocks, ep = _ruled_inputs(spec, fields, anchors, positives, negatives, blocks, cands,
                                          driver.matmul_dtype(anchors.dtype, anchors.device)
                                          if engine.name != "torch" else None)
-        return contrastive_loss(ep, rows, *blocks, engine=engine)
-    return contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
+        return contrastive_loss(ep, rows, *blocks, engine=engine, tau=tau)
+    return contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine, tau=tau)
 
 
 def _ruled_inputs(spec: LossSpec, fields, anchors, positives, negatives, blocks, cands,

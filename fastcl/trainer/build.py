@@ -46,7 +46,8 @@ METHOD_OPTIONS = {
     "rd": (("escl",), common.ESCL_RD),
     "sensitive_dropout": (("escl",), common.SENSITIVE_DROPOUT),
 }
-GENERAL = {"temperature": common.TEMPERATURE, "mini_batch_size": None, "augment": None}
+GENERAL = {"temperature": common.TEMPERATURE, "learnable_temperature": False, "mini_batch_size": None,
+           "augment": None}
 FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),
                    "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
 MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")   # the packaged weights
@@ -199,6 +200,7 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
          **{k: v for k, v in options.items() if v is not None}}
     cached = o["mini_batch_size"] is not None
     kw = dict(gather_across_devices=world_size() > 1, mask_duplicates=bool(o["mask_duplicates"]),
+              learnable_temperature=bool(o["learnable_temperature"]),
               **({"mini_batch_size": o["mini_batch_size"]} if cached else {}))
     if method in ("simcse", "simcse-sup"):
         cls = st.CachedFastInfoNCELoss if cached else st.FastInfoNCELoss
@@ -230,6 +232,13 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
     return st.AugmentedPositives(loss, o["augment"]) if o["augment"] else loss
 
 
+def _inner_loss(loss):
+    """fastcl's loss inside its wrappers (AugmentedPositives' ``loss``)."""
+    while not hasattr(loss, "_own_parameters") and hasattr(loss, "loss"):
+        loss = loss.loss
+    return loss
+
+
 class Trainer(SentenceTransformerTrainer):
     """sentence-transformers' trainer whose checkpoints carry a manifest, written once the
     checkpoint is complete and before the rotation removes older ones (a crash leaves at least
@@ -239,6 +248,27 @@ class Trainer(SentenceTransformerTrainer):
 
     guard = None
     export_max_seq_length = None
+    #: a checkpoint's parameters of the loss itself (a learnable temperature)
+    LOSS_PARAMETERS = "loss_parameters.pt"
+
+    def _own(self) -> dict:
+        """The loss's own parameters by name (the wrappers' ``loss`` looked through)."""
+        return {f"own.{i}": p for i, p in enumerate(_inner_loss(self.loss)._own_parameters())}
+
+    def log(self, logs, *args, **kwargs):
+        """A learnable temperature's value beside each step's loss."""
+        loss = _inner_loss(self.loss)
+        if loss.learnable_temperature and "loss" in logs:
+            logs["temperature"] = loss.current_temperature
+        super().log(logs, *args, **kwargs)
+
+    def _load_from_checkpoint(self, checkpoint_path: str) -> None:
+        super()._load_from_checkpoint(checkpoint_path)
+        path = Path(checkpoint_path) / self.LOSS_PARAMETERS
+        if self._own() and path.is_file():
+            with torch.no_grad():
+                for name, value in torch.load(path, map_location="cpu").items():
+                    self._own()[name].copy_(value)
 
     def _save_checkpoint(self, model, trial):
         folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
@@ -258,6 +288,9 @@ class Trainer(SentenceTransformerTrainer):
                           "--resume") from err
         finally:
             self.args.save_total_limit, own.max_seq_length = limit, cut
+        if self.args.should_save and self._own():
+            torch.save({k: v.detach().cpu() for k, v in self._own().items()},
+                       folder / self.LOSS_PARAMETERS)
         if self.args.should_save:
             files.crash_point("checkpoint-manifest")
             files.write_manifest(folder)

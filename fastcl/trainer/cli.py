@@ -74,6 +74,8 @@ class FastclArguments:
     if _NEW_IN_HF5:   # transformers 5 dropped the field; fastcl keeps its meaning
         overwrite_output_dir: bool = _opt(False, "train again into a folder holding a fastcl run")
     temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
+    learnable_temperature: bool = _opt(False, "learn the temperature with the model, from "
+                                       "--temperature (logged as temperature)")
     hard_negative_weight: float | None = _opt(help="simcse-sup: log-weight of the hard negative")
     focal_m: float | None = _opt(help="simcse, simcse-sup, dclr: Focal-InfoNCE's modulation")
     mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive (true/false)")
