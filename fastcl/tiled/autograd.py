@@ -150,15 +150,11 @@ def _(anchors, candidates, complementary, temperature, focal_m, hard_negative_we
             loss.new_empty(() if tau is not None and need[-1] else (0,)))
 
 
-#: The position of ``tau`` among the op's inputs (the last; ``need`` two before it).
-_TAU = 19
-
-
 def _op_setup(ctx, inputs, output):
     _, dq, dks, d_tau = output
     ctx.save_for_backward(dq, *dks, d_tau)
-    tau = inputs[_TAU]
-    ctx.need = bits(inputs[_TAU - 2], 2 + len(inputs[1]))
+    tau = inputs[-1]                        # the op's last input; ``need`` two before it
+    ctx.need = bits(inputs[-3], 2 + len(inputs[1]))
     ctx.need[-1] = ctx.need[-1] and tau is not None
     ctx.dtypes = [inputs[0].dtype] + [c.dtype for c in inputs[1]] + [_like(tau)]
     # the structure of the inputs, which backward's result repeats: a tensor list's length,
@@ -172,7 +168,7 @@ def _op_backward(ctx, grad_loss, grad_dq, grad_dks, grad_d_tau):
     # one entry per input, a list for a list: the anchors', the candidates' and the
     # temperature's gradients, nothing for the rest (the complementary pair, the guide and
     # the ids: lists of None)
-    return tuple(scaled[0] if i == 0 else scaled[1:] if i == 1 else d_tau if i == _TAU
+    return tuple(scaled[0] if i == 0 else scaled[1:] if i == 1 else d_tau if i == len(ctx.lists) - 1
                  else None if n is None else [None] * n for i, n in enumerate(ctx.lists))
 
 

@@ -140,7 +140,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
     sizes = [c.shape[0] for c in candidates]
     m = sum(sizes)
     need_k = any(need[1:])
-    need_q = bool(need[0]) or temperature_grad      # ∂L/∂τ reads the rows' u (dq unreturned)
+    need_q = bool(need[0])
     released = ep.formulation == "released"
     # dq rows are final once their chunk is done: stored in the input dtype straight away
     # fp16 keeps them in the accumulate dtype until backward has applied the incoming scale:
@@ -201,7 +201,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         if widths is not None:
             widths.chunk(ep, chunk, take, dq, dk, radial)
             continue
-        h = engine.chunk(ep, chunk, need_q or need_k)
+        # ∂L/∂τ reads H's rows too (u = H K), without the anchors' gradient
+        h = engine.chunk(ep, chunk, need_q or need_k or temperature_grad)
         if h is not None:
             dq_c = None
             if need_q:
@@ -235,7 +236,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         else [None] * len(candidates)
     if focal_sum is not None:
         radial = 0.5 * radial + focal_sum * (0.5 * ep.focal_m / (ep.temperature * denom))
-    return loss, [dq if need[0] else None] + grads + (
+    return loss, [dq] + grads + (
         [radial / -ep.temperature] if temperature_grad else [])
 
 
@@ -389,7 +390,7 @@ def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_p
     ``h`` may be an engine's bounded form ``(E, 1/Z, c)``, ``H = diag(1/Z) E − δ·c`` (the
     positive of row i at column ``first_pos + i``, c None without positives): the GEMMs then
     take E itself, with 1/Z on the rows of E K and of q̂, and the positive's term apart.
-    ``radial`` (0-dim, given with dq): ``Σ_i w_i q_i·u_i`` with ``u = H K`` is added to it
+    ``radial`` (0-dim): ``Σ_i w_i q_i·u_i`` with ``u = H K`` is added to it
     (:func:`contrastive_forward`'s ∂L/∂τ); in the bounded form
     ``u_i = (E K)_i/Z_i − c_i k_{first_pos + i}``."""
     bounded, r = None, q.shape[0]
@@ -397,7 +398,7 @@ def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_p
         h, inv_z, pos_coef = h
         bounded = (inv_z, pos_coef, keys, first_pos, dk)
     q_hat = None
-    u = _mm(h, keys, acc) if dq is not None else None
+    u = _mm(h, keys, acc) if dq is not None or radial is not None else None
     if radial is not None:
         dots = _row_dots(q, u)
         if bounded is not None:
