@@ -302,18 +302,7 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
         noise=noise_spec if noisy else None, rules=rules,
         guide=guide_spec, ids=ids, matryoshka=widths, formulation=formulation,
         anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size))
-    spec = _with_backend(spec, backend, anchors)
-    if learnable is not None and focal_m is not None and spec.backend != "reference":
-        # focal logits s(s+m)/τ need a row sum the torch engine's epilogue forms, not the
-        # kernels' nor Matryoshka's widths'
-        if widths is not None or backend == "triton":
-            where = "backend='reference'" + ("" if widths else " or 'tiled'")
-            raise ValueError(f"a learnable temperature (a tensor that requires grad) with focal_m"
-                             f"{' and matryoshka_dims' if widths else ''} has its gradient on "
-                             f"{where} only")
-        if spec.backend == "triton":
-            spec = _with_backend(spec, "tiled", anchors)
-    return spec, anchors, positives, negatives
+    return _with_backend(spec, backend, anchors), anchors, positives, negatives
 
 
 def escl_options(weight, rd, margins) -> tuple:
@@ -578,5 +567,15 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
                              "the N×M matrix)")
         if lacking:
             be = "tiled"
+    if spec.logits.learnable is not None and spec.logits.focal_m is not None and be != "reference":
+        # focal logits s(s+m)/τ: ∂L/∂τ needs a row sum the torch engine's epilogue of a single
+        # width forms, not the kernels' nor Matryoshka's widths'
+        widths = spec.matryoshka is not None
+        if widths or backend == "triton":
+            where = "backend='reference'" + ("" if widths else " or 'tiled'")
+            raise ValueError(f"a learnable temperature (a tensor that requires grad) with focal_m"
+                             f"{' and matryoshka_dims' if widths else ''} has its gradient on "
+                             f"{where} only")
+        be = "tiled"
     return LossSpec(spec.logits, spec.mask, spec.noise, spec.rules, spec.guide, spec.ids,
                     spec.matryoshka, spec.formulation, spec.anchor_offset, spec.chunk_size, be)
