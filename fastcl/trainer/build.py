@@ -265,10 +265,11 @@ class Trainer(SentenceTransformerTrainer):
     def _load_from_checkpoint(self, checkpoint_path: str) -> None:
         super()._load_from_checkpoint(checkpoint_path)
         path = Path(checkpoint_path) / self.LOSS_PARAMETERS
-        if self._own() and path.is_file():
+        own = self._own()
+        if own and path.is_file():
             with torch.no_grad():
-                for name, value in torch.load(path, map_location="cpu").items():
-                    self._own()[name].copy_(value)
+                for name, value in files.load_tensors(path).items():   # tensors only
+                    own[name].copy_(value)
 
     def _save_checkpoint(self, model, trial):
         folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
