@@ -95,6 +95,12 @@ class LossSpec:
     chunk_size: int | None = None
     backend: str = "tiled"                # resolved: "reference", "tiled" or "triton"
 
+    def row_fields(self) -> dict:
+        """The :class:`Epilogue` fields every direction of this spec shares (the reverse
+        direction of ``symmetric`` too): how a row forms its logits and drops, and the chunking."""
+        return dict(temperature=self.logits.temperature, focal_m=self.logits.focal_m,
+                    chunk_size=self.chunk_size)
+
     @property
     def layout(self) -> Layout:
         return PLAIN if self.rules is None else self.rules.layout
@@ -162,6 +168,14 @@ class Epilogue:
     # --- the custom op's arguments (its schema has no records, optionals of lists or
     # nested types: the layout travels as bits, the blocks as sizes, hardness and widths as
     # text, the tensors as lists, an empty list for "none")
+
+    #: The op schema's part for these arguments (``fastcl::tiled_contrastive``: anchors and
+    #: candidates before, the engine and the call's flags after), beside the two methods
+    #: that write and read them: a new field is one place.
+    OP_SCHEMA = ("Tensor[] complementary, float temperature, float? focal_m, "
+                 "float hard_negative_weight, float phi, str formulation, SymInt anchor_offset, "
+                 "SymInt? chunk_size, str matryoshka, SymInt layout, SymInt[] blocks, str hardness, "
+                 "Tensor[] guide, Tensor[] ids")
 
     def op_args(self) -> tuple:
         widths = ("" if self.matryoshka is None else

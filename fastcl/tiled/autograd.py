@@ -72,28 +72,21 @@ def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # The schema written out, as torch >= 2.6 infers it from the annotations (earlier releases
-# infer none from list[...] and float | None). The integers are SymInt: under dynamic shapes
-# the block sizes stay symbolic, so one graph serves every batch size.
-_OP_SCHEMA = ("(Tensor anchors, Tensor[] candidates, Tensor[] complementary, float temperature, "
-              "float? focal_m, float hard_negative_weight, float phi, str formulation, "
-              "SymInt anchor_offset, SymInt? chunk_size, str matryoshka, SymInt layout, "
-              "SymInt[] blocks, str hardness, Tensor[] guide, Tensor[] ids, str engine, "
+# infer none from list[...] and float | None); the epilogue's part is Epilogue.OP_SCHEMA. The
+# integers are SymInt: under dynamic shapes the block sizes stay symbolic, so one graph
+# serves every batch size.
+_OP_SCHEMA = (f"(Tensor anchors, Tensor[] candidates, {Epilogue.OP_SCHEMA}, str engine, "
               "SymInt need, bool scan) -> (Tensor, Tensor, Tensor[])")
 
 
 @torch.library.custom_op("fastcl::tiled_contrastive", mutates_args=(), schema=_OP_SCHEMA)
-def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
-                         complementary: list[torch.Tensor], temperature: float,
-                         focal_m: float | None, hard_negative_weight: float, phi: float,
-                         formulation: str, anchor_offset: int, chunk_size: int | None,
-                         matryoshka: str, layout: int, blocks: list[int], hardness: str,
-                         guide: list[torch.Tensor], ids: list[torch.Tensor], engine: str,
-                         need: int, scan: bool
+def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor], *args
                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(loss, ∂L/∂anchors, [∂L/∂candidates…])`` of :func:`contrastive_forward` (empty
-    tensors where ``need``, a bit per input, says no); the epilogue's arguments as
-    :meth:`~fastcl.spec.Epilogue.op_args` writes them. ``scan``: test the inputs for
-    NaN/Inf here (the traced caller could not read them)."""
+    tensors where ``need``, a bit per input, says no); ``args``: the epilogue's arguments as
+    :meth:`~fastcl.spec.Epilogue.op_args` writes them, then ``engine``, ``need`` and
+    ``scan``: test the inputs for NaN/Inf here (the traced caller could not read them)."""
+    *fields, engine, need, scan = args
     need = bits(need, 1 + len(candidates))
     if scan:                                # one host read for every input
         inputs = [("anchors", anchors), *((f"candidates[{i}]", c) for i, c in enumerate(candidates))]
@@ -101,9 +94,7 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
         for (name, _), ok in zip(inputs, finite):
             if not ok:
                 raise ValueError(f"fastcl.tiled_contrastive: {name} contains NaN or Inf values")
-    ep = Epilogue.from_op_args(complementary, temperature, focal_m, hard_negative_weight, phi,
-                               formulation, anchor_offset, chunk_size, matryoshka, layout,
-                               blocks, hardness, guide, ids)
+    ep = Epilogue.from_op_args(*fields)
     loss, grads = contrastive_forward(ep, anchors, tuple(candidates), need,
                                       engine=engine_for("triton" if engine == "triton" else "tiled"))
     empty = lambda x: x.new_empty(0, dtype=_grad_dtype(x.dtype))  # noqa: E731
