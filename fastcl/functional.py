@@ -40,6 +40,7 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                 duplicate_ids: tuple | None = None,
                 matryoshka_dims: tuple[int, ...] | None = None,
                 matryoshka_weights: tuple[float, ...] | None = None,
+                false_negative_margin: float | None = None,
                 backend: Backend = "auto", chunk_size: int | None = None) -> Tensor:
     r"""The composable objective: InfoNCE with any set of the features below, on every backend.
 
@@ -118,6 +119,15 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     ids of the candidates' texts (e.g. a hash of their token ids); a candidate whose id
     equals that of the row's positive leaves the softmax (the same exceptions as the guide).
 
+    **false_negative_margin** ``m`` (self-referenced false-negative masking, as
+    Qwen3-Embedding trains): every score of row i whose cosine exceeds the row's own
+    positive's, ``s_ij > s_{i,p(i)} + m``, leaves the softmax — the loss's own cosines (each
+    Matryoshka width's its own), a test with no gradient, the positive never dropped. With a
+    positive side (``symmetric``, ``directions``) its scores are tested against the same
+    ``s_{i,p(i)}`` (the pair's cosine), its own anchor never dropped; the test reads the
+    cosine, not the logit (focal, ``w`` and β do not move it). It composes with every option
+    above but ``formulation="released"``.
+
     **matryoshka_dims** ``(d_1, …, d_K)`` with ``matryoshka_weights`` ``(w_1, …, w_K)`` (all 1
     by default): ``L = Σ_k w_k·L(x[:, :d_k])``, the loss of every prefix of the embeddings
     (their own cosines), as sentence-transformers' ``MatryoshkaLoss`` around this loss. The
@@ -162,6 +172,7 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         guide, guide_margin, margin_strategy: the guide's filter (above).
         duplicate_ids: the texts' ids (above).
         matryoshka_dims, matryoshka_weights: the prefix widths and their weights (above).
+        false_negative_margin: ``m``, any finite float (None: off; 0.1 in Qwen3-Embedding).
         backend: "auto", "reference", "tiled" or "triton". The Triton kernels compute the
             directions, hardness, guide and duplicate ids with InfoNCE, focal and the noise,
             and ``matryoshka_dims`` a call per width, not those options beside
@@ -186,8 +197,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
         hardness_strength=hardness_strength, anchor_candidates=anchor_candidates, guide=guide,
         guide_margin=guide_margin, margin_strategy=margin_strategy, duplicate_ids=duplicate_ids,
-        matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights, backend=backend,
-        chunk_size=chunk_size)
+        matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
+        false_negative_margin=false_negative_margin, backend=backend, chunk_size=chunk_size)
     return run(spec, anchors, positives, negatives)
 
 

@@ -47,12 +47,16 @@ def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
 
 
 def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negative_weight,
-               keep, formulation, anchor_offset):
+               keep, formulation, anchor_offset, false_negative_margin=None):
     """One direction of :func:`contrastive`: the logits of ``anchors`` against ``candidates``
     (positive of anchor i in column ``anchor_offset + i``), then the loss."""
     n = anchors.shape[0]
     sim = cosine_matrix(anchors, candidates)
     is_positive = _at(n, sim.shape[1], anchor_offset, sim.device)
+    if false_negative_margin is not None:
+        close = _false_negatives(sim, _positive_logit(sim, is_positive), false_negative_margin,
+                                 is_positive)
+        keep = ~close if keep is None else keep & ~close
     logits = _modulated(sim, is_positive, temperature, focal_m)
     if hard_negative_weight:
         # the mask in the logits' dtype: a bool tensor times a float is float32, which would
@@ -73,6 +77,11 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
     return _cross_entropy(logits, is_positive).mean()
+
+
+def _false_negatives(sim, positive_cosine, margin, protect):
+    """``s_ij > s_{i,p(i)} + m`` (the row's own positive's cosine), never at ``protect``."""
+    return (sim > (positive_cosine + margin)[:, None]) & ~protect
 
 
 def _positive_logit(logits, is_positive):
@@ -150,7 +159,8 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
                       anchors if anchor_candidates is None else anchor_candidates)
     return _direction(anchors, candidates, n_pos, temperature=logits.temperature,
                       focal_m=logits.focal_m, hard_negative_weight=logits.hard_negative_weight,
-                      keep=keep, formulation=spec.formulation, anchor_offset=offset)
+                      keep=keep, formulation=spec.formulation, anchor_offset=offset,
+                      false_negative_margin=spec.false_negative_margin)
 
 
 def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anchor_candidates):
@@ -209,6 +219,19 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     sim = cosine_matrix(anchors, candidates)
     is_positive = _at(n, sim.shape[1], anchor_offset, dev)
     logits = _modulated(sim, is_positive, temperature, focal_m)
+    margin = spec.false_negative_margin
+    positive_cosine = sim[rows, g]
+
+    def close(cos, protect):
+        """The false-negative margin's drops on a block of scores (None: off): against row
+        i's positive's cosine, on either side."""
+        if margin is None:
+            return None
+        return _false_negatives(cos, positive_cosine, margin,
+                                torch.zeros_like(cos, dtype=torch.bool) if protect is None else protect)
+
+    def fill(scores, out):
+        return scores if out is None else scores.masked_fill(out, float("-inf"))
     if hard_negative_weight:
         logits = logits + hard_negative_weight * _at(n, sim.shape[1], n_pos + anchor_offset,
                                                      dev).to(logits.dtype)
@@ -223,12 +246,15 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
         logits = logits + penalty
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
+    logits = fill(logits, close(sim, is_positive))
     docs_part = drop(logits[:, :n_pos + n_neg], g_anchors if guide is not None else None,
                      g_documents if guide is not None else None,
                      doc_ids if duplicate_ids is not None else None, is_positive[:, :n_pos + n_neg])
     anchor_side = [docs_part, logits[:, n_pos + n_neg:]]   # the noise is never dropped
     if layout.anchor_to_anchors:
-        aa = _modulated(cosine_matrix(anchors, anchor_candidates), _none(n, anchor_candidates), temperature, focal_m)
+        aa_cos = cosine_matrix(anchors, anchor_candidates)
+        aa = fill(_modulated(aa_cos, _none(n, anchor_candidates), temperature, focal_m),
+                  close(aa_cos, None))
         if layout.exclude_own:
             aa = aa.masked_fill(_at_cols(own_anchor, aa.shape[1]), float("-inf"))
         anchor_side.append(drop(aa, g_anchors if guide is not None else None,
@@ -240,8 +266,9 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     positive_side = []
     if layout.positive_to_anchors:
         # the anchor's own column is the positive pair seen from the positive: s²/τ with focal
-        pa = _modulated(cosine_matrix(own_positive, anchor_candidates),
-                        _at_cols(own_anchor, anchor_candidates.shape[0]), temperature, focal_m)
+        pa_cos = cosine_matrix(own_positive, anchor_candidates)
+        mine = _at_cols(own_anchor, anchor_candidates.shape[0])
+        pa = fill(_modulated(pa_cos, mine, temperature, focal_m), close(pa_cos, mine))
         if spec.mask is not None and spec.mask.reverse:    # symmetric: α'_ij = 1[cos(c⁺_i, c_j) < φ]
             c_anchors, c_positives = spec.mask.complementary
             pa = pa.masked_fill(~dclr_weights(c_positives, c_anchors, 0, phi=spec.mask.phi,
@@ -252,8 +279,9 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
                                   _at_cols(own_anchor, pa.shape[1])))
     if layout.positive_to_positives or layout.positive_to_negatives:
         width = n_pos + (n_neg if layout.positive_to_negatives else 0)
-        pd = _modulated(cosine_matrix(own_positive, documents[:width]), _none(n, documents[:width]),
-                        temperature, focal_m)
+        pd_cos = cosine_matrix(own_positive, documents[:width])
+        pd = fill(_modulated(pd_cos, _none(n, documents[:width]), temperature, focal_m),
+                  close(pd_cos, None))
         if layout.exclude_own:
             pd = pd.masked_fill(doc_group[None, :width] == g[:, None], float("-inf"))
         positive_side.append(drop(pd, g_positives[g] if guide is not None else None,

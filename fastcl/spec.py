@@ -11,7 +11,8 @@ small records, each ``None`` when its feature is off (one encoding for "off"):
 * :class:`Rules` — :mod:`fastcl.layout`'s layout, anchor candidates and MNRL's hardness
   (``symmetric=True`` is the layout :data:`SYMMETRIC`);
 * :class:`Guide`, ``ids`` — GISTEmbedLoss's filter and duplicate masking;
-* :class:`Matryoshka` — the prefix widths and their weights.
+* :class:`Matryoshka` — the prefix widths and their weights;
+* ``false_negative_margin`` — drop ``j`` where the loss's own ``s_ij > s_{i,p(i)} + m``.
 
 :class:`Epilogue` is the spec as one engine call sees it (the chunk epilogue's fields: the
 kernels read these names) and encodes itself to and from the custom op's arguments
@@ -94,12 +95,13 @@ class LossSpec:
     anchor_offset: int = 0
     chunk_size: int | None = None
     backend: str = "tiled"                # resolved: "reference", "tiled" or "triton"
+    false_negative_margin: float | None = None   # m: drop s_ij > s_{i,p(i)} + m (never p(i))
 
     def row_fields(self) -> dict:
         """The :class:`Epilogue` fields every direction of this spec shares (the reverse
         direction of ``symmetric`` too): how a row forms its logits and drops, and the chunking."""
         return dict(temperature=self.logits.temperature, focal_m=self.logits.focal_m,
-                    chunk_size=self.chunk_size)
+                    chunk_size=self.chunk_size, false_negative_margin=self.false_negative_margin)
 
     @property
     def layout(self) -> Layout:
@@ -153,6 +155,9 @@ class Epilogue:
     #      (for the Triton engine the unit rows in the GEMM dtype, cast once a call)
     ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (column text ids (M,), row keys (N,))
     matryoshka: Matryoshka | None = None   # the loss Σ_k w_k·L(x[:, :d_k]) in one pass
+    # drop column j of row i where s_ij > s_{i,p(i)} + m, from the chunk's own cosines; never
+    # the positive (a positive-side row: its own anchor), its threshold row i's
+    false_negative_margin: float | None = None
 
     @property
     def paired(self) -> bool:
@@ -175,7 +180,7 @@ class Epilogue:
     OP_SCHEMA = ("Tensor[] complementary, float temperature, float? focal_m, "
                  "float hard_negative_weight, float phi, str formulation, SymInt anchor_offset, "
                  "SymInt? chunk_size, str matryoshka, SymInt layout, SymInt[] blocks, str hardness, "
-                 "Tensor[] guide, Tensor[] ids")
+                 "Tensor[] guide, Tensor[] ids, float? false_negative_margin")
 
     def op_args(self) -> tuple:
         widths = ("" if self.matryoshka is None else
@@ -186,12 +191,12 @@ class Epilogue:
                 int(self.anchor_offset), self.chunk_size, widths, _layout_bits(self.layout),
                 list(self.blocks or (0, 0, 0, 0)),
                 "" if self.hardness is None else f"{self.hardness[0]}:{float(self.hardness[1])!r}",
-                list(self.guide or ()), list(self.ids or ()))
+                list(self.guide or ()), list(self.ids or ()), self.false_negative_margin)
 
     @classmethod
     def from_op_args(cls, complementary, temperature, focal_m, hard_negative_weight, phi,
                      formulation, anchor_offset, chunk_size, matryoshka, layout_bits, blocks,
-                     hardness, guide, ids) -> "Epilogue":
+                     hardness, guide, ids, false_negative_margin) -> "Epilogue":
         mode, _, beta = hardness.partition(":")
         widths = None
         if matryoshka:
@@ -204,7 +209,8 @@ class Epilogue:
                    matryoshka=widths, layout=_layout_of(layout_bits),
                    blocks=tuple(blocks) if any(blocks) else None,
                    hardness=(mode, float(beta)) if mode else None,
-                   guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None)
+                   guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None,
+                   false_negative_margin=false_negative_margin)
 
 
 #: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
@@ -238,7 +244,8 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
                hardness_strength=0.0, anchor_candidates=None, guide=None, guide_margin=0.0,
                margin_strategy="absolute", duplicate_ids=None, matryoshka_dims=None,
-               matryoshka_weights=None, backend="auto", chunk_size=None, focal_name="focal_m"):
+               matryoshka_weights=None, false_negative_margin=None, backend="auto", chunk_size=None,
+               focal_name="focal_m"):
     """Check :func:`fastcl.contrastive`'s arguments (every default and cross-field rule) and
     return ``(spec, anchors, positives, negatives)``, the embeddings checked (rows too large
     to square rescaled). Errors name the argument (``focal_name``: ``focal_m``'s name in
@@ -262,6 +269,8 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     if noise_ratio < 0:
         raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
     formulation = check.choice("formulation", formulation, ("paper", "released"))
+    if false_negative_margin is not None:
+        false_negative_margin = check.finite("false_negative_margin", false_negative_margin)
     symmetric = check.flag("symmetric", symmetric)
     if symmetric and n_pos != n:
         raise ValueError("symmetric=True needs every anchor of the batch in this call "
@@ -271,7 +280,8 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                    "combines with complementary, phi and the noise options only; got {} as well: "
                    "use formulation='paper' to combine them",
                    focal_m=focal_m is not None, negatives=negatives is not None,
-                   hard_negative_weight=bool(hard_negative_weight), symmetric=symmetric)
+                   hard_negative_weight=bool(hard_negative_weight), symmetric=symmetric,
+                   false_negative_margin=false_negative_margin is not None)
     rules, guide_spec, ids = _rules(anchors, positives, negatives, anchor_offset, directions,
                                     partition_mode, hardness_mode, hardness_strength,
                                     anchor_candidates, guide, guide_margin, margin_strategy,
@@ -301,7 +311,8 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
         mask=None if complementary is None else Mask(complementary, phi, reverse=symmetric),
         noise=noise_spec if (noise is not None or count) else None, rules=rules,
         guide=guide_spec, ids=ids, matryoshka=widths, formulation=formulation,
-        anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size))
+        anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size),
+        false_negative_margin=false_negative_margin)
     return _with_backend(spec, backend, anchors), anchors, positives, negatives
 
 
@@ -559,4 +570,5 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
         if lacking:
             be = "tiled"
     return LossSpec(spec.logits, spec.mask, spec.noise, spec.rules, spec.guide, spec.ids,
-                    spec.matryoshka, spec.formulation, spec.anchor_offset, spec.chunk_size, be)
+                    spec.matryoshka, spec.formulation, spec.anchor_offset, spec.chunk_size, be,
+                    spec.false_negative_margin)

@@ -17,7 +17,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: Every flag set an objective launches, by name (the compile check builds each one).
 _OFF = dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True, RULES=False,
-            GUIDE=False)
+            GUIDE=False, MARGIN=False)
 VARIANTS = {
     "infonce": dict(_OFF),
     "infonce-hard": dict(_OFF, HARD=True),
@@ -37,6 +37,19 @@ VARIANTS = {
     "rules-guide": dict(_OFF, RULES=True, GUIDE=True),
     "focal-rules": dict(_OFF, FOCAL=True, RULES=True),
     "focal-rules-guide": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True),
+    # the false-negative margin (a threshold per row, a test in the tile) on each of those
+    "margin": dict(_OFF, MARGIN=True),
+    "hard-margin": dict(_OFF, HARD=True, MARGIN=True),
+    "focal-margin": dict(_OFF, FOCAL=True, MARGIN=True),
+    "focal-hard-margin": dict(_OFF, FOCAL=True, HARD=True, MARGIN=True),
+    "mask-margin": dict(_OFF, MASK=True, MARGIN=True),
+    "focal-mask-margin": dict(_OFF, FOCAL=True, MASK=True, MARGIN=True),
+    "hard-mask-margin": dict(_OFF, HARD=True, MASK=True, MARGIN=True),
+    "focal-hard-mask-margin": dict(_OFF, FOCAL=True, HARD=True, MASK=True, MARGIN=True),
+    "rules-margin": dict(_OFF, RULES=True, MARGIN=True),
+    "rules-guide-margin": dict(_OFF, RULES=True, GUIDE=True, MARGIN=True),
+    "focal-rules-margin": dict(_OFF, FOCAL=True, RULES=True, MARGIN=True),
+    "focal-rules-guide-margin": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True, MARGIN=True),
 }
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
@@ -82,6 +95,14 @@ SIM_CONFIGS_BY_VARIANT = {
     (90, "16bit", "rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "focal-rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (80, "fp32", "focal-rules-guide"): [(64, 16, 8, 3)],
+    # the margin's threshold and test beside the tile: its base's list, or a thinner K step
+    (90, "16bit", "focal-hard-mask-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "focal-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "rules-margin"): [(64, 64, 8, 3)],
+    (80, "16bit", "focal-rules-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "focal-rules-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "rules-guide-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "focal-rules-guide-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
 #: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads

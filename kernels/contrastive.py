@@ -80,8 +80,10 @@ GUIDE = tl.constexpr(64)
 STORE_EXP = tl.constexpr(128)
 BOUNDED = tl.constexpr(256)
 WANT_GRAD = tl.constexpr(512)
+MARGIN = tl.constexpr(1024)            # the false-negative margin (a flag of the set)
 _BITS = dict(FOCAL=FOCAL, HARD=HARD, MASK=MASK, RELEASED=RELEASED, POSITIVES=POSITIVES,
-             RULES=RULES, GUIDE=GUIDE, STORE_EXP=STORE_EXP, BOUNDED=BOUNDED, WANT_GRAD=WANT_GRAD)
+             RULES=RULES, GUIDE=GUIDE, STORE_EXP=STORE_EXP, BOUNDED=BOUNDED, WANT_GRAD=WANT_GRAD,
+             MARGIN=MARGIN)
 
 #: The kernels' ``rules`` (:mod:`fastcl.layout`'s rules of a chunk, one integer): the blocks
 #: each side scores (4 bits a side: positives, negatives, noise, anchors), then these bits,
@@ -136,7 +138,7 @@ def _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS
     rules); and that mask."""
     l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
     dropped = is_pos & (s == DROPPED)        # all False: the positive is never dropped
-    if (MASK | RULES) & FLAGS:
+    if (MASK | RULES | MARGIN) & FLAGS:
         dropped = s == DROPPED
         if RELEASED & FLAGS:
             l = tl.where(dropped, 0.0, l)
@@ -295,7 +297,7 @@ def _similarity_kernel(
     l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
     # Without the mask the positives are written before e exists, so that l need not stay
     # live beside it (the mask never drops a positive; with it, that order costs registers)
-    if (POSITIVES & FLAGS) and not ((MASK | RULES) & FLAGS):
+    if (POSITIVES & FLAGS) and not ((MASK | RULES | MARGIN) & FLAGS):
         _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
                         first_pos, R, M, pos_ptr, inv_t, FLAGS, BLOCK_R, BLOCK_M)
 
@@ -340,7 +342,20 @@ def _similarity_kernel(
         s = tl.where(drop, DROPPED, s)
         l = tl.where(drop, float("-inf"), l)
 
-    if (POSITIVES & FLAGS) and ((MASK | RULES) & FLAGS):
+    if MARGIN & FLAGS:
+        # the false-negative margin: s_ij above row i's threshold s_{i,p(i)} + m (theta_ptr's
+        # second half, by the row's index in its side), never the positive or, on the
+        # positive side, its own anchor
+        if RULES & FLAGS:
+            thr = tl.load(theta_ptr + R_half + i_side, mask=row_ok, other=0.0)
+            close = (s > thr[:, None]) & _not(protect)
+        else:
+            thr = tl.load(theta_ptr + R_half + rows, mask=row_ok, other=0.0)
+            close = (s > thr[:, None]) & _not(is_pos)
+        s = tl.where(close, DROPPED, s)
+        l = tl.where(close, float("-inf"), l)
+
+    if (POSITIVES & FLAGS) and ((MASK | RULES | MARGIN) & FLAGS):
         _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
                         first_pos, R, M, pos_ptr, inv_t, FLAGS, BLOCK_R, BLOCK_M)
     l = tl.where(col_ok[None, :], l, float("-inf"))
@@ -751,7 +766,8 @@ def flags(ep) -> dict:
     """The kernels' flags for an epilogue (one of ``configs.VARIANTS``)."""
     return dict(FOCAL=ep.focal_m is not None, HARD=bool(ep.hard_negative_weight),
                 MASK=ep.complementary is not None, RELEASED=ep.formulation == "released",
-                POSITIVES=ep.positives, RULES=ep.sided, GUIDE=ep.guide is not None)
+                POSITIVES=ep.positives, RULES=ep.sided, GUIDE=ep.guide is not None,
+                MARGIN=ep.false_negative_margin is not None)
 
 
 def row_flags(f: dict) -> dict:
@@ -905,6 +921,8 @@ def _launch_similarity(ep, c, f, rules, store_exp, bound=None):
         dc = cq.shape[1]
     else:
         cq, ck, dc = c.q, c.keys, 0        # never read
+    if f["MARGIN"]:
+        theta = torch.cat([theta[:ints["R_half"]], _margin_thresholds(ep, c, ints["R_half"])])
     t = torch.empty(R, M, dtype=c.q.dtype if store_exp else torch.float32, device=dev)
     tiles = triton.cdiv(M, configs.SIM_BLOCK_M)
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
@@ -925,6 +943,16 @@ def _launch_similarity(ep, c, f, rules, store_exp, bound=None):
         FLAGS=pack_flags(**f, STORE_EXP=store_exp, BOUNDED=bound is not None),
         BLOCK_M=configs.SIM_BLOCK_M, **(configs.SIM_FIXED if INTERPRET else {}))
     return t, part_max, part_sum, pos[0], pos[-1]
+
+
+def _margin_thresholds(ep, c, r):
+    """The false-negative margin's threshold of the chunk's r loss rows, ``s_{i,p(i)} + m``:
+    each anchor's cosine with its positive (column ``first_pos + i``), formed from the same
+    GEMM-dtype rows and inverse norms as the tiles' cosines."""
+    q = c.q[:r].to(torch.float32)
+    k = c.keys[c.first_pos:c.first_pos + r].to(torch.float32)
+    cos = (q * k).sum(dim=1) * c.inv_q[:r].to(torch.float32) * c.inv_k[c.first_pos:c.first_pos + r]
+    return (cos + ep.false_negative_margin).to(torch.float32).contiguous()
 
 
 def triton_chunk(ep, c, want_grad):

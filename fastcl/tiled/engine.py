@@ -266,7 +266,8 @@ class _RowRules:
     """What a chunk's rows drop and weigh, the same at every Matryoshka width: DCLR's mask
     (R×N_b, the anchor side), :func:`_layout_drops`' masks (R'×M), MNRL's hardness columns
     (R×M, as a factor), and the column of the positive side's own anchor (focal gives it
-    s²/τ: :func:`_focal_logits`)."""
+    s²/τ: :func:`_focal_logits`); the false-negative margin, from each width's own cosines
+    (:meth:`apply`)."""
 
     def __init__(self, ep: Epilogue, c: Chunk, acc: torch.dtype):
         self.r, self.ep = c.r1 - c.r0, ep
@@ -286,10 +287,13 @@ class _RowRules:
         return _mirror_column(ep, c) if ep.paired and ep.layout.positive_to_anchors else None
 
     def apply(self, logits, n_pos: int, cos, first: int) -> None:
-        """In place on the logits: the hard negative's log-weight ``w`` at column
-        ``N_b + first + i``, MNRL's ``β·sg(s)`` on the hardness columns (``cos``: the rows'
-        cosines), then the drops (−inf; DCLR's released code: logit 0)."""
+        """In place on the logits: the false-negative margin's drops, the hard negative's
+        log-weight ``w`` at column ``N_b + first + i``, MNRL's ``β·sg(s)`` on the hardness
+        columns (``cos``: the rows' cosines), then the other drops (−inf; DCLR's released
+        code: logit 0)."""
         r, ep = self.r, self.ep
+        if ep.false_negative_margin is not None:
+            self._margin(logits, cos, first)
         if ep.hard_negative_weight:
             logits[:r].diagonal(n_pos + first).add_(ep.hard_negative_weight)
         if self.hard is not None:
@@ -299,6 +303,21 @@ class _RowRules:
             logits[:r, :n_pos].masked_fill_(self.comp_drop, fill)
         if self.drop is not None:
             logits.masked_fill_(self.drop, float("-inf"))
+
+
+    def _margin(self, logits, cos, first: int) -> None:
+        """−inf where ``s_ij > s_{i,p(i)} + m`` (``logits`` still ``s/τ``, or with focal
+        ``cos`` the cosines), the threshold of row i on both its sides; never the positive
+        nor, on the positive side, its own anchor."""
+        r, ep = self.r, self.ep
+        x, m = (cos, ep.false_negative_margin) if ep.focal_m is not None else (
+            logits, ep.false_negative_margin / ep.temperature)
+        threshold = x[:r].diagonal(first) + m
+        close = x > (threshold if x.shape[0] == r else threshold.repeat(2))[:, None]
+        close[:r].diagonal(first).fill_(False)
+        if self.mirror is not None:
+            close[r:].diagonal(self.mirror).fill_(False)
+        logits.masked_fill_(close, float("-inf"))
 
 
 def _focal_logits(out, cos, ep: Epilogue, r: int, first: int, mirror: int | None):
@@ -344,6 +363,7 @@ def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> in
     # the layout's masks: a few bool slices per side, the guide's cosines, the hardness term
     # (MNRL's hardness: its factor and the cosines it reads)
     rules = m * (4 + acc * (ep.guide is not None) + 2 * acc * (ep.hardness is not None)) if ep.sided else 0
+    rules += m * (ep.false_negative_margin is not None)        # its bool slice
     return sides * (m * (acc * _slices(ep) + cast) + rules) + mask
 
 

@@ -1,0 +1,189 @@
+"""Issue #46's row features on every backend: ``false_negative_margin`` (drop ``s_ij >
+s_{i,p(i)} + m``).
+
+Each equals a literal float64 formula written here (loss and gradients): the reference and
+the tiled path in float64 within 1e-9, Triton's interpreter in float32 within its
+tolerance; the compositions (layouts, guide, ids, Matryoshka) equal the reference.
+"""
+
+import math
+
+import pytest
+import torch
+
+import fastcl
+from fastcl.reference import cosine_matrix
+
+BACKENDS = ["reference", "tiled", "triton"]
+TAU = 0.1
+
+
+def _inputs(n, d, k=0, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = [torch.randn(rows, d, generator=g, dtype=torch.float64) for rows in (n, n, k)]
+    x[1] = x[1] + 0.8 * x[0]                       # positives near their anchors
+    return [t.to(dtype).requires_grad_() for t in x[:2]] + (
+        [x[2].to(dtype).requires_grad_()] if k else [None])
+
+
+def literal(a, p, negatives=None, *, margin=None, focal_m=None, w=0.0, keep=None,
+            temperature=TAU):
+    """The plain layout's loss, entry by entry in float64: logits ``s/τ`` (focal ``s²/τ`` on
+    the positive, ``s(s+m)/τ`` elsewhere; ``+w`` at column N+i), a column kept where ``keep``
+    and ``not s_ij > s_ii + margin`` (the positive always), then
+    ``ℓ_i = −log(e^{l_ii} / Σ_kept e^{l_ij})``."""
+    cand = torch.cat([p] + ([] if negatives is None else [negatives])).double()
+    a = a.double()
+    s = (a / a.norm(dim=1, keepdim=True)) @ (cand / cand.norm(dim=1, keepdim=True)).T
+    n = a.shape[0]
+    eye = torch.zeros_like(s, dtype=torch.bool)
+    eye[range(n), range(n)] = True
+    logits = s / temperature if focal_m is None else torch.where(eye, s * s, s * (s + focal_m)) / temperature
+    if w:
+        logits = logits + w * torch.cat([torch.zeros(n, n, dtype=s.dtype), torch.eye(n, dtype=s.dtype)], 1)
+    kept = torch.ones_like(eye) if keep is None else keep.clone()
+    if margin is not None:
+        kept &= ~(s.detach() > s.detach().diagonal()[:, None] + margin)
+    kept |= eye
+    total = torch.where(kept, logits.exp(), torch.zeros_like(logits)).sum(1)
+    return (total.log() - logits.diagonal()).mean()
+
+
+def _clear_of_ties(a, p, negatives, margin):
+    """The data keep every cosine 1e-6 away from its row's threshold (a float32 cosine may
+    fall either side of a tie)."""
+    cand = torch.cat([p] + ([] if negatives is None else [negatives]))
+    s = cosine_matrix(a.detach().double(), cand.detach().double())
+    gap = (s - s.diagonal()[:, None] - margin).abs()
+    gap.diagonal().fill_(1.0)
+    assert gap.min() > 1e-6
+
+
+def _run(backend, a, p, negatives=None, **kw):
+    """The loss and its gradients on ``backend`` (Triton: float32 copies)."""
+    cast = (lambda x: x) if backend != "triton" else (
+        lambda x: None if x is None else x.detach().float().requires_grad_())
+    a, p, negatives = cast(a), cast(p), cast(negatives)
+    loss = fastcl.contrastive(a, p, negatives, backend=backend, temperature=TAU, **kw)
+    inputs = [x for x in (a, p, negatives) if x is not None]
+    return loss.double(), [g.double() for g in torch.autograd.grad(loss, inputs)]
+
+
+def _tol(backend):
+    return dict(atol=1e-9, rtol=1e-9) if backend != "triton" else dict(atol=2e-5, rtol=2e-5)
+
+
+def _check(backend, got, want):
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    torch.testing.assert_close(loss, ref_loss, **_tol(backend))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, **_tol(backend))
+
+
+def _literal_grads(a, p, negatives, **kw):
+    loss = literal(a, p, negatives, **kw)
+    inputs = [x for x in (a, p, negatives) if x is not None]
+    return loss, list(torch.autograd.grad(loss, inputs))
+
+
+# (N, d, K): N = 1 (the row has only its positive), chunk and tile edges (19 rows in
+# chunks of 8; the interpreter's tiles are 16), an odd d
+SHAPES = [(1, 5, 0), (1, 5, 1), (19, 7, 0), (19, 7, 19), (33, 16, 5)]
+CASES = {
+    "plain": {},
+    "focal": dict(focal_m=0.3),
+    "hard": dict(hard_negative_weight=0.7),
+    "mask": dict(complementary=True),
+}
+
+
+# a hard negative a row needs K = N
+GRID = [(case, shape) for case in CASES for shape in SHAPES
+        if case != "hard" or shape[0] == shape[2]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case,shape", GRID, ids=lambda x: x if isinstance(x, str) else "x".join(map(str, x)))
+@pytest.mark.parametrize("margin", [0.05, -0.2])
+def test_margin_equals_the_literal_formula(backend, shape, case, margin):
+    n, d, k = shape
+    kw = dict(CASES[case])
+    a, p, neg = _inputs(n, d, k)
+    _clear_of_ties(a, p, neg, margin)
+    keep = None
+    if kw.pop("complementary", False):
+        g = torch.Generator().manual_seed(1)
+        comp = (torch.randn(n, 3, generator=g, dtype=torch.float64),
+                torch.randn(n, 3, generator=g, dtype=torch.float64))
+        kw.update(complementary=comp if backend != "triton" else tuple(c.float() for c in comp), phi=0.3)
+        keep = torch.cat([cosine_matrix(*comp) < 0.3, torch.ones(n, k, dtype=torch.bool)], 1)
+    want = _literal_grads(a, p, neg, margin=margin, focal_m=kw.get("focal_m"),
+                          w=kw.get("hard_negative_weight", 0.0), keep=keep)
+    _check(backend, _run(backend, a, p, neg, false_negative_margin=margin, chunk_size=8, **kw), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_candidate_dropped_but_the_positive(backend):
+    """m = −2: every other cosine exceeds s_ii − 2, each row keeps its positive alone: loss
+    and gradients 0."""
+    a, p, neg = _inputs(19, 7, 6)
+    loss, grads = _run(backend, a, p, neg, false_negative_margin=-2.0, focal_m=0.3, chunk_size=8)
+    assert loss.item() == 0.0
+    assert all(g.abs().max().item() == 0.0 for g in grads)
+
+
+# compositions against the reference (itself the literal above where they meet)
+COMPOSED = {
+    "symmetric": dict(symmetric=True),
+    "symmetric-focal": dict(symmetric=True, focal_m=0.3),
+    "directions-joint": dict(directions=("query_to_doc", "query_to_query", "doc_to_query")),
+    "directions-per-direction": dict(directions=("query_to_doc", "doc_to_query"),
+                                     partition_mode="per_direction"),
+    "doc-to-doc-focal": dict(directions=("query_to_doc", "doc_to_doc"), focal_m=0.3),
+    "guide": dict(guide=True, directions=("query_to_doc", "doc_to_query")),
+    "ids": dict(ids=True),
+    "matryoshka": dict(matryoshka_dims=(3, 7), matryoshka_weights=(0.5, 1.0)),
+    "matryoshka-focal-symmetric": dict(matryoshka_dims=(3, 7), focal_m=0.3, symmetric=True),
+}
+
+
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+@pytest.mark.parametrize("case", list(COMPOSED))
+def test_margin_composes_as_the_reference(backend, case):
+    a, p, neg = _inputs(19, 7, 19 if case == "doc-to-doc-focal" else 0)
+    kw = dict(COMPOSED[case])
+    if kw.pop("guide", False):
+        g = torch.Generator().manual_seed(2)
+        kw["guide"] = (a.detach() + 0.3 * torch.randn(19, 7, generator=g, dtype=torch.float64),
+                       p.detach())
+    if kw.pop("ids", False):
+        kw["duplicate_ids"] = (torch.arange(19) % 7,)
+    cast = (lambda x: x) if backend != "triton" else (lambda x: x.float())
+    for name in ("guide",):
+        if name in kw:
+            kw[name] = tuple(cast(x) for x in kw[name])
+    want = _run("reference", *([cast(x.detach()).double().requires_grad_() if x is not None else None
+                               for x in (a, p, neg)]), false_negative_margin=0.05, **kw)
+    _check(backend, _run(backend, a, p, neg, false_negative_margin=0.05, chunk_size=8, **kw), want)
+
+
+def test_symmetric_is_each_direction_against_its_own_positive():
+    """½(L→ + L←), each direction the literal formula with the pair's cosine as threshold."""
+    a, p, _ = _inputs(9, 5)
+    loss = fastcl.contrastive(a, p, symmetric=True, false_negative_margin=0.0, backend="reference",
+                              temperature=TAU)
+    want = 0.5 * (literal(a, p, margin=0.0) + literal(p, a, margin=0.0))
+    assert abs(loss.item() - want.item()) < 1e-12
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "margin", True])
+def test_bad_margin_is_named(value):
+    a, p, _ = _inputs(4, 3)
+    with pytest.raises((TypeError, ValueError), match="false_negative_margin"):
+        fastcl.contrastive(a, p, false_negative_margin=value)
+
+
+def test_margin_refuses_the_released_formulation():
+    a, p, _ = _inputs(4, 3)
+    with pytest.raises(ValueError, match="false_negative_margin"):
+        fastcl.contrastive(a, p, false_negative_margin=0.1, formulation="released")
