@@ -41,6 +41,7 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                 matryoshka_dims: tuple[int, ...] | None = None,
                 matryoshka_weights: tuple[float, ...] | None = None,
                 false_negative_margin: float | None = None,
+                positive_prior: float | Tensor | None = None,
                 backend: Backend = "auto", chunk_size: int | None = None) -> Tensor:
     r"""The composable objective: InfoNCE with any set of the features below, on every backend.
 
@@ -128,6 +129,20 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     cosine, not the logit (focal, ``w`` and β do not move it). It composes with every option
     above but ``formulation="released"``.
 
+    **positive_prior** ``τ⁺`` (debiased contrastive loss, Chuang et al. 2020): the sum over a
+    row's others corrects for the false negatives a class prior ``τ⁺`` expects among them,
+
+    .. math:: ℓ_i = −\log\frac{e^{l_{ip}}}{e^{l_{ip}} + N_g},\quad
+              N_g = \max\Big(\frac{\sum_{j≠p} e^{l_{ij}} − Q\,τ^+ e^{l_{ip}}}{1 − τ^+},\;
+              Q\,e^{−1/τ}\Big)
+
+    with ``Q`` the row's kept others (its softmax's columns but the positive, after every
+    drop above) and the gradients through the max (the subgradient of the branch taken).
+    ``τ⁺`` is one float or a tensor of one per anchor row. It needs one softmax a row: not
+    with ``symmetric`` or ``partition_mode="per_direction"``, nor ``formulation="released"``;
+    the Triton kernels take it without a positive side (``"auto"`` runs those on the tiled
+    path), and the tiled path's Matryoshka then takes a call a width.
+
     **matryoshka_dims** ``(d_1, …, d_K)`` with ``matryoshka_weights`` ``(w_1, …, w_K)`` (all 1
     by default): ``L = Σ_k w_k·L(x[:, :d_k])``, the loss of every prefix of the embeddings
     (their own cosines), as sentence-transformers' ``MatryoshkaLoss`` around this loss. The
@@ -173,6 +188,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         duplicate_ids: the texts' ids (above).
         matryoshka_dims, matryoshka_weights: the prefix widths and their weights (above).
         false_negative_margin: ``m``, any finite float (None: off; 0.1 in Qwen3-Embedding).
+        positive_prior: ``τ⁺`` in [0, 1), a float or an (N,) floating tensor on the anchors'
+            device (None: off; 0 keeps only the max's floor ``Q·e^{−1/τ}``).
         backend: "auto", "reference", "tiled" or "triton". The Triton kernels compute the
             directions, hardness, guide and duplicate ids with InfoNCE, focal and the noise,
             and ``matryoshka_dims`` a call per width, not those options beside
@@ -198,7 +215,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         hardness_strength=hardness_strength, anchor_candidates=anchor_candidates, guide=guide,
         guide_margin=guide_margin, margin_strategy=margin_strategy, duplicate_ids=duplicate_ids,
         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
-        false_negative_margin=false_negative_margin, backend=backend, chunk_size=chunk_size)
+        false_negative_margin=false_negative_margin, positive_prior=positive_prior,
+        backend=backend, chunk_size=chunk_size)
     return run(spec, anchors, positives, negatives)
 
 

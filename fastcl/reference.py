@@ -47,7 +47,7 @@ def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
 
 
 def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negative_weight,
-               keep, formulation, anchor_offset, false_negative_margin=None):
+               keep, formulation, anchor_offset, false_negative_margin=None, positive_prior=None):
     """One direction of :func:`contrastive`: the logits of ``anchors`` against ``candidates``
     (positive of anchor i in column ``anchor_offset + i``), then the loss."""
     n = anchors.shape[0]
@@ -76,6 +76,8 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
         return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
+    if positive_prior is not None:
+        return _debiased(logits, is_positive, positive_prior, temperature).mean()
     return _cross_entropy(logits, is_positive).mean()
 
 
@@ -111,6 +113,24 @@ def _cross_entropy(logits, is_positive, *more):
     gap = _others_lse(logits, is_positive, *more) - _positive_logit(logits, is_positive)
     # log(e^gap + 1) exactly (F.softplus returns gap itself above 20, 2e-9 short)
     return torch.logaddexp(gap, torch.zeros_like(gap))
+
+
+def _debiased(logits, is_positive, prior, temperature, *more):
+    """Chuang et al.'s debiased loss of each row (``more``: more columns of its softmax):
+
+    ``ℓ_i = −log(e^{l_ip} / (e^{l_ip} + N_g))``, ``N_g = max((Σ_{j≠p} e^{l_ij} − Q·τ⁺·e^{l_ip})
+    / (1 − τ⁺), Q·e^{−1/τ})``, ``Q`` the row's kept others (finite logits), ``τ⁺ = prior``
+    (a row each); every exponential times ``e^{−t_i}``, ``t_i`` the row's largest logit (no
+    overflow; the ratio is the same). Gradients through the max: autograd's."""
+    others = torch.cat([logits.masked_fill(is_positive, float("-inf")), *more], dim=1)
+    positive = _positive_logit(logits, is_positive)
+    count = torch.isfinite(others).sum(dim=1).to(positive.dtype)
+    top = torch.maximum(positive, others.amax(dim=1)).detach()
+    e_pos = torch.exp(positive - top)
+    e_others = torch.exp(others - top[:, None]).sum(dim=1)
+    n_g = torch.maximum((e_others - count * prior * e_pos) / (1 - prior),
+                        count * torch.exp(-1.0 / temperature - top))
+    return torch.log(e_pos + n_g) - (positive - top)
 
 
 def _modulated(sim, is_positive, temperature, focal_m):
@@ -160,7 +180,8 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
     return _direction(anchors, candidates, n_pos, temperature=logits.temperature,
                       focal_m=logits.focal_m, hard_negative_weight=logits.hard_negative_weight,
                       keep=keep, formulation=spec.formulation, anchor_offset=offset,
-                      false_negative_margin=spec.false_negative_margin)
+                      false_negative_margin=spec.false_negative_margin,
+                      positive_prior=spec.positive_prior)
 
 
 def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anchor_candidates):
@@ -292,9 +313,10 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     # (_cross_entropy), the other blocks join its log-sum-exp
     anchor_pos = torch.zeros_like(anchor_side[0], dtype=torch.bool)
     anchor_pos[rows, g] = True
-    if not positive_side:
-        return _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:]).mean()
-    if layout.joint:
+    if layout.joint or not positive_side:
+        if spec.positive_prior is not None:       # one softmax a row (build_spec's rule)
+            return _debiased(anchor_side[0], anchor_pos, spec.positive_prior, temperature,
+                             *anchor_side[1:], *positive_side).mean()
         return _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:], *positive_side).mean()
     lse_p = torch.logsumexp(torch.cat(positive_side, dim=1), dim=1)
     return (0.5 * _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:])

@@ -17,7 +17,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: Every flag set an objective launches, by name (the compile check builds each one).
 _OFF = dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True, RULES=False,
-            GUIDE=False, MARGIN=False)
+            GUIDE=False, MARGIN=False, PRIOR=False)
 VARIANTS = {
     "infonce": dict(_OFF),
     "infonce-hard": dict(_OFF, HARD=True),
@@ -50,6 +50,20 @@ VARIANTS = {
     "rules-guide-margin": dict(_OFF, RULES=True, GUIDE=True, MARGIN=True),
     "focal-rules-margin": dict(_OFF, FOCAL=True, RULES=True, MARGIN=True),
     "focal-rules-guide-margin": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True, MARGIN=True),
+    # the debiased row loss (the row kernel counts each row's kept others) on the one-softmax
+    # objectives, with and without the margin
+    "prior": dict(_OFF, PRIOR=True),
+    "hard-prior": dict(_OFF, HARD=True, PRIOR=True),
+    "focal-prior": dict(_OFF, FOCAL=True, PRIOR=True),
+    "mask-prior": dict(_OFF, MASK=True, PRIOR=True),
+    "rules-prior": dict(_OFF, RULES=True, PRIOR=True),
+    "rules-guide-prior": dict(_OFF, RULES=True, GUIDE=True, PRIOR=True),
+    "margin-prior": dict(_OFF, MARGIN=True, PRIOR=True),
+    "focal-margin-prior": dict(_OFF, FOCAL=True, MARGIN=True, PRIOR=True),
+    "hard-margin-prior": dict(_OFF, HARD=True, MARGIN=True, PRIOR=True),
+    "mask-margin-prior": dict(_OFF, MASK=True, MARGIN=True, PRIOR=True),
+    "rules-margin-prior": dict(_OFF, RULES=True, MARGIN=True, PRIOR=True),
+    "rules-guide-margin-prior": dict(_OFF, RULES=True, GUIDE=True, MARGIN=True, PRIOR=True),
 }
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
@@ -103,6 +117,9 @@ SIM_CONFIGS_BY_VARIANT = {
     (90, "16bit", "focal-rules-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "rules-guide-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "focal-rules-guide-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "rules-margin-prior"): [(64, 64, 8, 3)],
+    (90, "16bit", "rules-guide-prior"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "rules-guide-margin-prior"): [(64, 64, 8, 3), (64, 32, 8, 3)],
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
 #: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads

@@ -81,9 +81,10 @@ STORE_EXP = tl.constexpr(128)
 BOUNDED = tl.constexpr(256)
 WANT_GRAD = tl.constexpr(512)
 MARGIN = tl.constexpr(1024)            # the false-negative margin (a flag of the set)
+PRIOR = tl.constexpr(2048)             # the debiased row loss (a flag of the set)
 _BITS = dict(FOCAL=FOCAL, HARD=HARD, MASK=MASK, RELEASED=RELEASED, POSITIVES=POSITIVES,
              RULES=RULES, GUIDE=GUIDE, STORE_EXP=STORE_EXP, BOUNDED=BOUNDED, WANT_GRAD=WANT_GRAD,
-             MARGIN=MARGIN)
+             MARGIN=MARGIN, PRIOR=PRIOR)
 
 #: The kernels' ``rules`` (:mod:`fastcl.layout`'s rules of a chunk, one integer): the blocks
 #: each side scores (4 bits a side: positives, negatives, noise, anchors), then these bits,
@@ -436,6 +437,41 @@ def _logaddexp(x, y):
 
 
 @triton.jit
+def _debiased(gap, count, prior, positive, inv_t):
+    """Chuang et al.'s debiased row loss in log space (``fastcl.tiled.engine._debiased``):
+    ``(ℓ, f, ∂ℓ/∂l_ip)`` from the others' ``gap = lse_o − l_ip``, their count Q and τ⁺, with
+    ``∂ℓ/∂l_ij = f·p̃_ij`` off the positive."""
+    some = count > 0
+    safe_q = tl.where(some, count, 1.0)
+    log_u = tl.where(some & (prior > 0.0), tl.log(safe_q) + tl.log(tl.where(prior > 0.0, prior, 1.0)) - gap,
+                     float("-inf"))
+    u = tl.exp(log_u)
+    one_less_u = 1.0 - u
+    on_a = log_u < 0.0
+    a = tl.where(on_a, gap + _log1p(-tl.where(on_a, u, 0.0)) - _log1p(-prior), float("-inf"))
+    b = tl.where(some, tl.log(safe_q) - inv_t - positive, float("-inf"))
+    g = tl.maximum(a, b)
+    loss = _softplus(g)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    on_a = some & (a >= b)
+    slope = tl.where(on_a, sig / tl.where(on_a, one_less_u, 1.0), 0.0)
+    return loss, slope, tl.where(on_a, -slope, -sig)
+
+
+@triton.jit
+def _kept_others(t_row, M, rows_g, FLAGS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Q: the row's stored columns that are neither its positive nor dropped (the cosines
+    mode, where ``DROPPED`` marks every drop)."""
+    kept = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    for c0 in range(0, M, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        ok = cols < M
+        s = tl.load(t_row + cols, mask=ok, other=DROPPED)[None, :]
+        kept += tl.where((s != DROPPED) & _not(_positive(cols, rows_g, FLAGS)), 1.0, 0.0)
+    return tl.sum(tl.sum(kept, axis=1), axis=0)
+
+
+@triton.jit
 def _row_finish_kernel(part_sum_ptr, pos_ptr, pos_coef_ptr, loss_ptr, inv_z_ptr,
                        R, T, stride_part, bound,
                        POSITIVES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -526,7 +562,7 @@ def _row_probs(t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, 
 
 @triton.jit
 def _row_kernel(
-    t_ptr, g_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, loss_ptr,
+    t_ptr, g_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, loss_ptr, prior_ptr,
     M, first_pos, n_pos, R_half, anchor_base, n_neg, n_noise, rules,
     inv_t, focal_m, hard_w, hard_beta,
     FLAGS: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -582,6 +618,12 @@ def _row_kernel(
             row_loss = tl.where(two_softmaxes, 0.5 * (share + lse_twin - pos), share)
     else:
         row_loss = lse
+    if PRIOR & FLAGS:
+        # the debiased loss (no positive side: build_spec's rule for this engine): p_ij =
+        # f·p̃_ij = exp(l_ij − (lse_o − log f)), the positive's slope apart
+        count = _kept_others(t_row, M, rows_g, FLAGS, BLOCK_N)
+        row_loss, f, prior_pos_g = _debiased(gap, count, tl.load(prior_ptr + row), pos, inv_t)
+        lse = tl.where(f > 0.0, gap + pos - tl.log(tl.where(f > 0.0, f, 1.0)), float("inf"))
 
     if RELEASED & FLAGS:
         # BCE on the softmax: v = p/(1−p) off the positive and, with q = 1 − p_ii,
@@ -605,6 +647,8 @@ def _row_kernel(
         vsum = 0.0
         # ∂ℓ/∂l_ii = scale·p_ii − 1
         pos_g = -(scale * others + (1.0 - scale))
+        if PRIOR & FLAGS:
+            pos_g = prior_pos_g
     # the positive side has no loss row (a branch: the interpreter of Triton 3.1 takes a
     # scalar mask that is False for no mask at all)
     if row < R_half:
@@ -767,7 +811,7 @@ def flags(ep) -> dict:
     return dict(FOCAL=ep.focal_m is not None, HARD=bool(ep.hard_negative_weight),
                 MASK=ep.complementary is not None, RELEASED=ep.formulation == "released",
                 POSITIVES=ep.positives, RULES=ep.sided, GUIDE=ep.guide is not None,
-                MARGIN=ep.false_negative_margin is not None)
+                MARGIN=ep.false_negative_margin is not None, PRIOR=ep.positive_prior is not None)
 
 
 def row_flags(f: dict) -> dict:
@@ -778,9 +822,9 @@ def row_flags(f: dict) -> dict:
 
 def stores_exp(f: dict) -> bool:
     """Whether the gradient needs only the softmax: then the chunk buffer holds
-    exp(l − tile max) in the GEMM dtype; focal needs s for its slope and the released DCLR
-    needs the dropped columns, so those keep the fp32 cosines."""
-    return not (f["FOCAL"] or f["RELEASED"])
+    exp(l − tile max) in the GEMM dtype; focal needs s for its slope, the released DCLR and
+    the debiased loss (its count Q) need the dropped columns, so those keep the fp32 cosines."""
+    return not (f["FOCAL"] or f["RELEASED"] or f["PRIOR"])
 
 
 def pack_flags(**on) -> int:
@@ -850,7 +894,7 @@ def logit_bound(ep, dtype: torch.dtype) -> float | None:
     does the released DCLR (its BCE needs each p_ij before its row sum), and float16 chunk
     buffers (5 exponent bits: ``exp(l − B)`` flushes to zero within 17 of B), and the
     layout's rules (a paired row's two sides share or split one softmax in the row kernel)."""
-    if ep.formulation == "released" or dtype == torch.float16 or ep.sided:
+    if ep.formulation == "released" or dtype == torch.float16 or ep.sided or ep.positive_prior is not None:
         return None
     inv_t = 1.0 / ep.temperature
     w = float(ep.hard_negative_weight)
@@ -983,8 +1027,10 @@ def triton_chunk(ep, c, want_grad):
     # exp mode: the gradient overwrites the stored row in place; else a GEMM-dtype buffer
     g = t if store_exp else (torch.empty(R, M, dtype=c.q.dtype, device=t.device)
                              if want_grad else t)
+    prior = c.inv_q if ep.positive_prior is None else (         # (a stand-in, never read)
+        ep.positive_prior[c.r0:c.r1].to(torch.float32).contiguous())
     _row_kernel[(R,)](
-        t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out, M, c.first_pos, c.n_pos, **ints,
+        t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out, prior, M, c.first_pos, c.n_pos, **ints,
         inv_t=1.0 / ep.temperature, focal_m=float(ep.focal_m or 0.0),
         hard_w=float(ep.hard_negative_weight), hard_beta=beta,
         FLAGS=pack_flags(**row_flags(f), STORE_EXP=store_exp, WANT_GRAD=want_grad),

@@ -1,5 +1,5 @@
 """Issue #46's row features on every backend: ``false_negative_margin`` (drop ``s_ij >
-s_{i,p(i)} + m``).
+s_{i,p(i)} + m``) and ``positive_prior`` (Chuang et al.'s debiased loss).
 
 Each equals a literal float64 formula written here (loss and gradients): the reference and
 the tiled path in float64 within 1e-9, Triton's interpreter in float32 within its
@@ -27,11 +27,13 @@ def _inputs(n, d, k=0, dtype=torch.float64, seed=0):
 
 
 def literal(a, p, negatives=None, *, margin=None, focal_m=None, w=0.0, keep=None,
-            temperature=TAU):
+            temperature=TAU, prior=None):
     """The plain layout's loss, entry by entry in float64: logits ``s/τ`` (focal ``s²/τ`` on
     the positive, ``s(s+m)/τ`` elsewhere; ``+w`` at column N+i), a column kept where ``keep``
     and ``not s_ij > s_ii + margin`` (the positive always), then
-    ``ℓ_i = −log(e^{l_ii} / Σ_kept e^{l_ij})``."""
+    ``ℓ_i = −log(e^{l_ii} / Σ_kept e^{l_ij})``; with ``prior`` τ⁺ (a float or one a row)
+    ``ℓ_i = −log(e^{l_ii} / (e^{l_ii} + N_g))``, ``N_g = max((Σ_{kept j≠i} e^{l_ij} −
+    Q·τ⁺·e^{l_ii}) / (1 − τ⁺), Q·e^{−1/τ})``, Q the kept others."""
     cand = torch.cat([p] + ([] if negatives is None else [negatives])).double()
     a = a.double()
     s = (a / a.norm(dim=1, keepdim=True)) @ (cand / cand.norm(dim=1, keepdim=True)).T
@@ -45,8 +47,15 @@ def literal(a, p, negatives=None, *, margin=None, focal_m=None, w=0.0, keep=None
     if margin is not None:
         kept &= ~(s.detach() > s.detach().diagonal()[:, None] + margin)
     kept |= eye
-    total = torch.where(kept, logits.exp(), torch.zeros_like(logits)).sum(1)
-    return (total.log() - logits.diagonal()).mean()
+    if prior is None:
+        total = torch.where(kept, logits.exp(), torch.zeros_like(logits)).sum(1)
+        return (total.log() - logits.diagonal()).mean()
+    others = kept & ~eye
+    q = others.sum(1).double()
+    e_pos = logits.diagonal().exp()
+    n_g = torch.maximum((torch.where(others, logits.exp(), torch.zeros_like(logits)).sum(1)
+                         - q * prior * e_pos) / (1 - prior), q * math.exp(-1 / temperature))
+    return (-torch.log(e_pos / (e_pos + n_g))).mean()
 
 
 def _clear_of_ties(a, p, negatives, margin):
@@ -97,19 +106,30 @@ CASES = {
 }
 
 
-# a hard negative a row needs K = N
-GRID = [(case, shape) for case in CASES for shape in SHAPES
-        if case != "hard" or shape[0] == shape[2]]
+# a hard negative a row needs K = N; by default two shapes (N = 1, and the chunk and tile
+# edges with an odd d and negatives), the others `slow`
+FAST = {(1, 5, 1), (19, 7, 19)}
+GRID = [pytest.param(case, shape, marks=() if shape in FAST else pytest.mark.slow)
+        for case in CASES for shape in SHAPES if case != "hard" or shape[0] == shape[2]]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case,shape", GRID, ids=lambda x: x if isinstance(x, str) else "x".join(map(str, x)))
-@pytest.mark.parametrize("margin", [0.05, -0.2])
-def test_margin_equals_the_literal_formula(backend, shape, case, margin):
+@pytest.mark.parametrize("features", [dict(margin=0.05), dict(margin=-0.2), dict(prior=0.15),
+                                      dict(prior="rows", margin=0.05)],
+                         ids=["margin", "negative-margin", "prior", "prior-rows-margin"])
+def test_row_features_equal_the_literal_formula(backend, shape, case, features):
     n, d, k = shape
     kw = dict(CASES[case])
     a, p, neg = _inputs(n, d, k)
-    _clear_of_ties(a, p, neg, margin)
+    margin, prior = features.get("margin"), features.get("prior")
+    if margin is not None:
+        _clear_of_ties(a, p, neg, margin)
+        kw["false_negative_margin"] = margin
+    if prior == "rows":            # one τ⁺ a row, up to 0.95: rows on both sides of the max
+        prior = torch.linspace(0.0, 0.95, n, dtype=torch.float64)
+    if prior is not None:
+        kw["positive_prior"] = prior if not torch.is_tensor(prior) or backend != "triton" else prior.float()
     keep = None
     if kw.pop("complementary", False):
         g = torch.Generator().manual_seed(1)
@@ -118,16 +138,41 @@ def test_margin_equals_the_literal_formula(backend, shape, case, margin):
         kw.update(complementary=comp if backend != "triton" else tuple(c.float() for c in comp), phi=0.3)
         keep = torch.cat([cosine_matrix(*comp) < 0.3, torch.ones(n, k, dtype=torch.bool)], 1)
     want = _literal_grads(a, p, neg, margin=margin, focal_m=kw.get("focal_m"),
-                          w=kw.get("hard_negative_weight", 0.0), keep=keep)
-    _check(backend, _run(backend, a, p, neg, false_negative_margin=margin, chunk_size=8, **kw), want)
+                          w=kw.get("hard_negative_weight", 0.0), keep=keep, prior=prior)
+    _check(backend, _run(backend, a, p, neg, chunk_size=8, **kw), want)
+
+
+def test_the_rows_grid_takes_both_branches_of_the_max():
+    """The grid's "prior-rows" data put rows on each side of ``N_g``'s max (the corrected sum
+    and its floor ``Q·e^{−1/τ}``), so that both subgradients are held to the formula."""
+    a, p, _ = _inputs(19, 7)
+    s = cosine_matrix(a.detach(), p.detach())
+    keep = ~(s > s.diagonal()[:, None] + 0.05)
+    keep.fill_diagonal_(False)
+    e = torch.where(keep, (s / TAU).exp(), torch.zeros_like(s)).sum(1)
+    q = keep.sum(1).double()
+    corrected = (e - q * torch.linspace(0.0, 0.95, 19, dtype=torch.float64) * (s.diagonal() / TAU).exp())
+    floor = q * math.exp(-1 / TAU) * (1 - torch.linspace(0.0, 0.95, 19, dtype=torch.float64))
+    assert (corrected > floor).any() and (corrected < floor).any()
+
+
+def test_prior_gradcheck():
+    """The reference's gradients through the max (float64 finite differences)."""
+    a, p, neg = _inputs(5, 4, 3)
+    tau = torch.tensor([0.0, 0.3, 0.6, 0.9, 0.5], dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda x, y, z: fastcl.contrastive(x, y, z, positive_prior=tau, temperature=0.5,
+                                           backend="reference"), (a, p, neg))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_candidate_dropped_but_the_positive(backend):
-    """m = −2: every other cosine exceeds s_ii − 2, each row keeps its positive alone: loss
-    and gradients 0."""
+@pytest.mark.parametrize("prior", [None, 0.5])
+def test_every_candidate_dropped_but_the_positive(backend, prior):
+    """m = −2: every other cosine exceeds s_ii − 2, each row keeps its positive alone (Q = 0):
+    loss and gradients 0."""
     a, p, neg = _inputs(19, 7, 6)
-    loss, grads = _run(backend, a, p, neg, false_negative_margin=-2.0, focal_m=0.3, chunk_size=8)
+    loss, grads = _run(backend, a, p, neg, false_negative_margin=-2.0, focal_m=0.3, chunk_size=8,
+                       positive_prior=prior)
     assert loss.item() == 0.0
     assert all(g.abs().max().item() == 0.0 for g in grads)
 
@@ -144,12 +189,24 @@ COMPOSED = {
     "ids": dict(ids=True),
     "matryoshka": dict(matryoshka_dims=(3, 7), matryoshka_weights=(0.5, 1.0)),
     "matryoshka-focal-symmetric": dict(matryoshka_dims=(3, 7), focal_m=0.3, symmetric=True),
+    # the debiased loss (one softmax a row), on the margin and the options it composes with
+    "prior-joint": dict(prior=True, directions=("query_to_doc", "query_to_query", "doc_to_query")),
+    "prior-query-to-query": dict(prior=True, directions=("query_to_doc", "query_to_query")),
+    "prior-guide": dict(prior=True, guide=True),
+    "prior-ids": dict(prior=True, ids=True),
+    "prior-matryoshka-focal": dict(prior=True, matryoshka_dims=(3, 7), focal_m=0.3),
 }
 
 
-@pytest.mark.parametrize("backend", ["tiled", "triton"])
-@pytest.mark.parametrize("case", list(COMPOSED))
-def test_margin_composes_as_the_reference(backend, case):
+#: Triton's interpreter takes seconds a case: these by default, the others `slow`
+TRITON_FAST = {"symmetric", "directions-joint", "guide", "matryoshka-focal-symmetric",
+               "prior-ids", "prior-matryoshka-focal"}
+
+
+@pytest.mark.parametrize("backend,case", [
+    pytest.param(backend, case, marks=pytest.mark.slow if backend == "triton" and case not in TRITON_FAST else ())
+    for backend in ("tiled", "triton") for case in COMPOSED])
+def test_row_features_compose_as_the_reference(backend, case):
     a, p, neg = _inputs(19, 7, 19 if case == "doc-to-doc-focal" else 0)
     kw = dict(COMPOSED[case])
     if kw.pop("guide", False):
@@ -158,6 +215,10 @@ def test_margin_composes_as_the_reference(backend, case):
                        p.detach())
     if kw.pop("ids", False):
         kw["duplicate_ids"] = (torch.arange(19) % 7,)
+    if kw.pop("prior", False):
+        if backend == "triton" and "doc_to_query" in kw.get("directions", ()):
+            pytest.skip("the kernels' debiased loss has no positive side (the tiled path runs it)")
+        kw["positive_prior"] = 0.2
     cast = (lambda x: x) if backend != "triton" else (lambda x: x.float())
     for name in ("guide",):
         if name in kw:
@@ -183,7 +244,34 @@ def test_bad_margin_is_named(value):
         fastcl.contrastive(a, p, false_negative_margin=value)
 
 
-def test_margin_refuses_the_released_formulation():
+@pytest.mark.parametrize("option", ["false_negative_margin", "positive_prior"])
+def test_released_formulation_is_refused(option):
     a, p, _ = _inputs(4, 3)
-    with pytest.raises(ValueError, match="false_negative_margin"):
-        fastcl.contrastive(a, p, false_negative_margin=0.1, formulation="released")
+    with pytest.raises(ValueError, match=option):
+        fastcl.contrastive(a, p, formulation="released", **{option: 0.1})
+
+
+BAD_PRIORS = [1.0, -0.1, math.nan, "x", True, torch.full((3,), 0.1), torch.zeros(4, dtype=torch.long),
+              torch.tensor([0.1, 0.2, 1.0, 0.3]), torch.zeros(4, 1)]
+
+
+@pytest.mark.parametrize("value", BAD_PRIORS, ids=range(len(BAD_PRIORS)))
+def test_bad_prior_is_named(value):
+    a, p, _ = _inputs(4, 3)
+    with pytest.raises((TypeError, ValueError), match="positive_prior"):
+        fastcl.contrastive(a, p, positive_prior=value)
+
+
+@pytest.mark.parametrize("kw", [dict(symmetric=True), dict(directions=("query_to_doc", "doc_to_query"),
+                                                         partition_mode="per_direction")])
+def test_prior_needs_one_softmax_a_row(kw):
+    a, p, _ = _inputs(4, 3)
+    with pytest.raises(ValueError, match="positive_prior"):
+        fastcl.contrastive(a, p, positive_prior=0.1, **kw)
+
+
+def test_triton_refuses_the_prior_beside_a_positive_side():
+    a, p, _ = _inputs(4, 3, dtype=torch.float32)
+    with pytest.raises(ValueError, match="positive_prior"):
+        fastcl.contrastive(a, p, positive_prior=0.1, backend="triton",
+                           directions=("query_to_doc", "doc_to_query"))
