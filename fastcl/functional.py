@@ -236,7 +236,9 @@ def run(spec: LossSpec, anchors: Tensor, positives: Tensor, negatives: Tensor | 
 @check.one_host_read
 def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None, *,
             temperature: float = common.TEMPERATURE, hard_negative_weight: float = 0.0,
-            symmetric: bool = False, anchor_offset: int | None = None, backend: Backend = "auto",
+            symmetric: bool = False, anchor_offset: int | None = None,
+            false_negative_margin: float | None = None,
+            positive_prior: float | Tensor | None = None, backend: Backend = "auto",
             chunk_size: int | None = None) -> Tensor:
     r"""InfoNCE over in-batch negatives: unsupervised and supervised SimCSE.
 
@@ -259,6 +261,8 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
             of the batch that ``positives`` and ``negatives`` hold (anchor i's positive is
             ``positives[anchor_offset + i]``, its hard negative ``negatives[anchor_offset + i]``);
             the loss is their mean.
+        false_negative_margin, positive_prior: :func:`contrastive`'s self-referenced
+            false-negative mask and debiased loss (None: off).
         backend: "auto", "reference", "tiled" or "triton".
         chunk_size: anchor rows per chunk in the tiled path (default: from a memory budget).
 
@@ -266,13 +270,15 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
     """
     return run(*build_spec(anchors, positives, negatives, temperature=temperature,
                            hard_negative_weight=hard_negative_weight, symmetric=symmetric,
-                           anchor_offset=anchor_offset, backend=backend, chunk_size=chunk_size))
+                           anchor_offset=anchor_offset, false_negative_margin=false_negative_margin,
+                           positive_prior=positive_prior, backend=backend, chunk_size=chunk_size))
 
 
 @check.one_host_read
 def focal_infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None, *,
                   temperature: float = common.TEMPERATURE, m: float = common.FOCAL_M,
-                  anchor_offset: int | None = None, backend: Backend = "auto",
+                  anchor_offset: int | None = None, false_negative_margin: float | None = None,
+                  positive_prior: float | Tensor | None = None, backend: Backend = "auto",
                   chunk_size: int | None = None) -> Tensor:
     r"""Focal-InfoNCE: InfoNCE whose logits are modulated by the similarity itself.
 
@@ -283,13 +289,15 @@ def focal_infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None =
 
     Hard negatives get up-weighted (large s), easy ones down-weighted. Nothing is detached.
 
-    ``anchor_offset``: as in :func:`infonce`.
+    ``anchor_offset``, ``false_negative_margin`` (tested on the cosines, not the focal
+    logits) and ``positive_prior``: as in :func:`infonce`.
 
     Reference: Hou & Li, "Improving Contrastive Learning of Sentence Embeddings with
     Focal-InfoNCE", Findings of EMNLP 2023.
     """
     return run(*build_spec(anchors, positives, negatives, temperature=temperature, focal_m=m,
-                           anchor_offset=anchor_offset, backend=backend, chunk_size=chunk_size,
+                           anchor_offset=anchor_offset, false_negative_margin=false_negative_margin,
+                           positive_prior=positive_prior, backend=backend, chunk_size=chunk_size,
                            focal_name="m"))
 
 

@@ -228,6 +228,15 @@ def test_row_features_compose_as_the_reference(backend, case):
     _check(backend, _run(backend, a, p, neg, false_negative_margin=0.05, chunk_size=8, **kw), want)
 
 
+def test_infonce_and_focal_infonce_take_both():
+    a, p, neg = _inputs(9, 5, 9)
+    kw = dict(temperature=TAU, false_negative_margin=0.05, positive_prior=0.2, backend="tiled")
+    want = literal(a, p, neg, margin=0.05, prior=0.2, w=0.5)
+    assert abs(fastcl.infonce(a, p, neg, hard_negative_weight=0.5, **kw).item() - want.item()) < 1e-9
+    want = literal(a, p, margin=0.05, prior=0.2, focal_m=0.3)
+    assert abs(fastcl.focal_infonce(a, p, m=0.3, **kw).item() - want.item()) < 1e-9
+
+
 def test_symmetric_is_each_direction_against_its_own_positive():
     """½(L→ + L←), each direction the literal formula with the pair's cosine as threshold."""
     a, p, _ = _inputs(9, 5)
