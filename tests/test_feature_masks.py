@@ -284,3 +284,44 @@ def test_triton_refuses_the_prior_beside_a_positive_side():
     with pytest.raises(ValueError, match="positive_prior"):
         fastcl.contrastive(a, p, positive_prior=0.1, backend="triton",
                            directions=("query_to_doc", "doc_to_query"))
+
+
+@pytest.mark.parametrize("loss_name,options", [
+    ("FastInfoNCELoss", dict(false_negative_margin=0.1)),
+    ("CachedFastFocalInfoNCELoss", dict(positive_prior=0.1, mini_batch_size=4))])
+def test_sentence_transformers_losses_train(tmp_path, loss_name, options):
+    """The losses with each feature train a few steps in SentenceTransformerTrainer on a tiny
+    random BERT, and log the options."""
+    pytest.importorskip("sentence_transformers")
+    import random
+
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from test_evaluate import export, make_tiny_model, random_sentence
+
+    from fastcl.integrations import sentence_transformers as fst
+    from fastcl.trainer.build import load_model
+
+    model = load_model(str(export(make_tiny_model(tmp_path / "bert"), tmp_path / "st", "avg")), "avg",
+                       device="cpu")
+    rng = random.Random(0)
+    anchors = [random_sentence(rng) for _ in range(16)]
+    loss = getattr(fst, loss_name)(model, backend="tiled", **options)
+    assert {k: v for k, v in loss.get_config_dict().items() if k in options} == options
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=8,
+        learning_rate=1e-3, report_to="none", save_strategy="no", seed=0, use_cpu=True,
+        disable_tqdm=True)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    SentenceTransformerTrainer(model=model, args=args, loss=loss, train_dataset=Dataset.from_dict(
+        {"anchor": anchors, "positive": anchors})).train()
+    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
+
+
+@pytest.mark.parametrize("options", [dict(false_negative_margin=math.nan), dict(positive_prior=1.0),
+                                     dict(positive_prior=0.1, symmetric=True)])
+def test_sentence_transformers_losses_check_at_construction(options):
+    pytest.importorskip("sentence_transformers")
+    from fastcl.integrations.sentence_transformers import FastInfoNCELoss
+    with pytest.raises(ValueError, match=next(iter(options))):
+        FastInfoNCELoss(None, **options)

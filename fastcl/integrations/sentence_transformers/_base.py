@@ -226,6 +226,22 @@ class FastLoss(nn.Module):
 
     #: drop candidates with the same text as the anchor's positive (:func:`text_ids`)
     mask_duplicates = False
+    #: :func:`fastcl.contrastive`'s self-referenced false-negative mask and debiased loss
+    #: (:meth:`_row_features`; None: off)
+    false_negative_margin: float | None = None
+    positive_prior: float | None = None
+
+    def _row_features(self, false_negative_margin, positive_prior) -> None:
+        """``false_negative_margin`` (m, finite) and ``positive_prior`` (τ⁺ in [0, 1)) checked
+        where the loss is built."""
+        self.false_negative_margin = (None if false_negative_margin is None
+                                      else number("false_negative_margin", false_negative_margin))
+        if positive_prior is not None:
+            positive_prior = number("positive_prior", positive_prior)
+            if not 0.0 <= positive_prior < 1.0:
+                raise ValueError(f"positive_prior (τ⁺, a class prior) must lie in [0, 1), got "
+                                 f"{positive_prior}")
+        self.positive_prior = positive_prior
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         features = self._features(sentence_features)
@@ -301,7 +317,8 @@ class FastLoss(nn.Module):
             lay = layout.from_directions(lay, rules.get("partition_mode", "joint"))
         kw = dict(temperature=temperature, focal_m=focal_m, backend=self.backend,
                   chunk_size=self.chunk_size, hard_negative_weight=self.hard_negative_weight,
-                  **rules)
+                  false_negative_margin=self.false_negative_margin,
+                  positive_prior=self.positive_prior, **rules)
         cat = lambda parts: torch.cat(parts) if parts else None
         g_anchors, g_positives, *g_negatives = guide if guide is not None else (None, None)
         i_anchors, i_positives, *i_negatives = (duplicate_ids if duplicate_ids is not None

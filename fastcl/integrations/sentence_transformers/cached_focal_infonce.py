@@ -30,8 +30,8 @@ class CachedFastFocalInfoNCELoss(Cached):
         temperature, m: as :class:`FastFocalInfoNCELoss`.
         {cached_args}
         mini_batch_num_tokens: as :class:`CachedFastInfoNCELoss`.
-        gather_across_devices, backend, chunk_size, hard_negative_weight, mask_duplicates: as
-            :class:`FastFocalInfoNCELoss`.
+        gather_across_devices, backend, chunk_size, hard_negative_weight, mask_duplicates,
+            false_negative_margin, positive_prior: as :class:`FastFocalInfoNCELoss`.
 
     Inputs:
         {inputs}
@@ -58,8 +58,10 @@ class CachedFastFocalInfoNCELoss(Cached):
                  m: float = common.FOCAL_M, *, mini_batch_size: int = 32, show_progress_bar: bool = False,
                  gather_across_devices: bool = False, backend: str = "auto", chunk_size: int | None = None,
                  hard_negative_weight: float = 0.0, mask_duplicates: bool = False,
-                 mini_batch_num_tokens: int | None = None):
+                 mini_batch_num_tokens: int | None = None, false_negative_margin: float | None = None,
+                 positive_prior: float | None = None):
         super().__init__(FastFocalInfoNCELoss(
             model, temperature, m, backend=backend, chunk_size=chunk_size,
             gather_across_devices=gather_across_devices, hard_negative_weight=hard_negative_weight,
-            mask_duplicates=mask_duplicates), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+            mask_duplicates=mask_duplicates, false_negative_margin=false_negative_margin,
+            positive_prior=positive_prior), mini_batch_size, show_progress_bar, mini_batch_num_tokens)

@@ -36,6 +36,8 @@ class FastFocalInfoNCELoss(FastLoss):
             negative; needs exactly one negative column. 0: off.
         mask_duplicates: drop every candidate whose text equals that of the anchor's
             positive, as :class:`FastInfoNCELoss`.
+        false_negative_margin, positive_prior: as :class:`FastInfoNCELoss` (the margin tests
+            the cosines, not the focal logits). None: off.
 
     Inputs:
         {inputs}
@@ -57,19 +59,21 @@ class FastFocalInfoNCELoss(FastLoss):
         {example}
     """
 
-    _config = ("temperature", "m", "hard_negative_weight", "mask_duplicates", "gather_across_devices",
-               "backend")
+    _config = ("temperature", "m", "hard_negative_weight", "mask_duplicates", "false_negative_margin",
+               "positive_prior", "gather_across_devices", "backend")
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  m: float = common.FOCAL_M, backend: str = "auto", chunk_size: int | None = None,
                  gather_across_devices: bool = False, hard_negative_weight: float = 0.0,
-                 mask_duplicates: bool = False):
+                 mask_duplicates: bool = False, false_negative_margin: float | None = None,
+                 positive_prior: float | None = None):
         super().__init__(model)
         self.temperature = number("temperature", temperature, positive=True)
         self.m, self.backend, self.chunk_size = number("m", m), backend, chunk_size
         self.gather_across_devices = gather_across_devices
         self.hard_negative_weight = number("hard_negative_weight", hard_negative_weight)
         self.mask_duplicates = bool(mask_duplicates)
+        self._row_features(false_negative_margin, positive_prior)
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
         return self._in_batch_loss(embeddings, temperature=self.temperature, focal_m=self.m,

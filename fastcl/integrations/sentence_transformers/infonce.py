@@ -61,6 +61,11 @@ class FastInfoNCELoss(FastLoss):
             (MNRL's options included; on the Triton backend: a fused call per width). None:
             off.
         matryoshka_weights: the ``w_k`` (default: all 1).
+        false_negative_margin: ``m``: a candidate whose cosine with the anchor exceeds the
+            positive's by more than ``m`` leaves the softmax (self-referenced false-negative
+            masking, :func:`fastcl.contrastive`). None: off.
+        positive_prior: ``τ⁺ ∈ [0, 1)``: Chuang et al.'s debiased loss (one softmax a row:
+            not with ``symmetric`` or ``partition_mode="per_direction"``). None: off.
 
     Inputs:
         {inputs}
@@ -87,7 +92,8 @@ class FastInfoNCELoss(FastLoss):
 
     _config = ("scale", "directions", "partition_mode", "hardness_mode", "hardness_strength",
                "symmetric", "hard_negative_weight", "focal_m", "mask_duplicates",
-               "matryoshka_dims", "matryoshka_weights", "gather_across_devices", "backend")
+               "matryoshka_dims", "matryoshka_weights", "false_negative_margin", "positive_prior",
+               "gather_across_devices", "backend")
 
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
                  similarity_fct=cos_sim, gather_across_devices: bool = False,
@@ -96,6 +102,7 @@ class FastInfoNCELoss(FastLoss):
                  symmetric: bool = False, hard_negative_weight: float = 0.0,
                  focal_m: float | None = None, mask_duplicates: bool = False,
                  matryoshka_dims=None, matryoshka_weights=None,
+                 false_negative_margin: float | None = None, positive_prior: float | None = None,
                  backend: str = "auto", chunk_size: int | None = None):
         super().__init__(model)
         if similarity_fct is not cos_sim:
@@ -121,6 +128,10 @@ class FastInfoNCELoss(FastLoss):
         self.focal_m = None if focal_m is None else number("focal_m", focal_m)
         self.mask_duplicates = bool(mask_duplicates)
         self.matryoshka_dims, self.matryoshka_weights = matryoshka(matryoshka_dims, matryoshka_weights)
+        self._row_features(false_negative_margin, positive_prior)
+        if self.positive_prior is not None and (self.symmetric or partition_mode == "per_direction"):
+            raise ValueError("positive_prior debiases a row's one softmax: not with symmetric=True "
+                             "or partition_mode='per_direction'")
 
     def _rules(self) -> dict:
         return dict(directions=self.directions, partition_mode=self.partition_mode,
