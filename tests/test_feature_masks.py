@@ -325,3 +325,30 @@ def test_sentence_transformers_losses_check_at_construction(options):
     from fastcl.integrations.sentence_transformers import FastInfoNCELoss
     with pytest.raises(ValueError, match=next(iter(options))):
         FastInfoNCELoss(None, **options)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """test_train's data and tiny BERT (a module of its own, here)."""
+    pytest.importorskip("sentence_transformers")
+    import test_train
+    return test_train.tiny.__wrapped__(tmp_path_factory) if hasattr(test_train.tiny, "__wrapped__") \
+        else pytest.skip("test_train's fixture cannot be called")
+
+
+def test_fastcl_train_takes_both(tiny, tmp_path, capsys):
+    """fastcl-train --false_negative_margin --positive_prior trains (simcse, two steps on the
+    tiny BERT), and a bad value or method is refused naming the option."""
+    from test_train import base_args, losses, train
+
+    out = tmp_path / "run"
+    assert train.main(base_args(tiny, out, "simcse", steps=2, false_negative_margin=0.1,
+                                positive_prior=0.1)) == 0
+    assert [s for s, _ in losses(out)] == [1, 2] and all(math.isfinite(v) for _, v in losses(out))
+    for change, message in (({"positive_prior": 1.0}, "--positive_prior must be in [0, 1)"),
+                            ({"false_negative_margin": 0.1, "method": "escl"},
+                             "--false_negative_margin applies to --method")):
+        change = dict(change)
+        with pytest.raises(SystemExit):
+            train.main(base_args(tiny, tmp_path / "bad", change.pop("method", "simcse"), **change))
+        assert message in capsys.readouterr().err
