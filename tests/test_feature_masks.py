@@ -189,6 +189,8 @@ COMPOSED = {
     "ids": dict(ids=True),
     "matryoshka": dict(matryoshka_dims=(3, 7), matryoshka_weights=(0.5, 1.0)),
     "matryoshka-focal-symmetric": dict(matryoshka_dims=(3, 7), focal_m=0.3, symmetric=True),
+    "matryoshka-paired-focal": dict(matryoshka_dims=(3, 7), focal_m=0.3,
+                                    directions=("query_to_doc", "doc_to_query", "doc_to_doc")),
     # the debiased loss (one softmax a row), on the margin and the options it composes with
     "prior-joint": dict(prior=True, directions=("query_to_doc", "query_to_query", "doc_to_query")),
     "prior-query-to-query": dict(prior=True, directions=("query_to_doc", "query_to_query")),
