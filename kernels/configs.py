@@ -135,6 +135,28 @@ SIM_CONFIGS_OLDER_TRITON = {
     (90, "16bit", "rules-guide"): [(64, 32, 8, 3)],
     (80, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)],
     (90, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)],
+    # the false-negative margin and the debiased loss's flag sets (3.1: 8-328 bytes in the
+    # larger tiles, where 3.6 and the newest need none)
+    (80, "16bit", "margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (80, "16bit", "hard-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (80, "16bit", "rules-margin"): [(64, 64, 8, 3)],
+    (80, "16bit", "rules-prior"): [(64, 64, 8, 3)],
+    (80, "16bit", "rules-margin-prior"): [(64, 64, 8, 3)],
+    (80, "16bit", "rules-guide-margin"): [(32, 64, 8, 3)],
+    (80, "16bit", "rules-guide-prior"): [(32, 64, 8, 3)],
+    (80, "16bit", "rules-guide-margin-prior"): [(32, 64, 8, 3)],
+    (80, "16bit", "focal-rules-guide-margin"): [(32, 64, 8, 3)],
+    (90, "16bit", "margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "hard-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "mask-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "focal-mask-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "hard-mask-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "mask-margin-prior"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (90, "16bit", "rules-prior"): [(64, 64, 8, 3)],
+    (90, "16bit", "rules-guide-margin"): [(32, 64, 8, 3)],
+    (90, "16bit", "rules-guide-prior"): [(32, 64, 8, 3)],
+    (90, "16bit", "rules-guide-margin-prior"): [(32, 64, 8, 3)],
+    (90, "16bit", "focal-rules-guide-margin"): [(32, 64, 8, 3)],
 }
 
 #: What the compile check tries for the lists, (BLOCK_R, BLOCK_D, num_warps, num_stages) with
