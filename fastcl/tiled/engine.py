@@ -142,8 +142,12 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         logits[ar, diag] = float("-inf")
     joint = ep.paired and ep.layout.joint
     view = logits.view(2, r, m) if joint else logits.view(1, -1, m)
-    # the debiased loss counts each row's kept others Q (a row's one softmax: build_spec's rule)
-    kept = (view > float("-inf")).sum(dim=(0, 2)) if ep.positive_prior is not None else None
+    # the debiased loss counts each row's kept others Q (a row's one softmax: build_spec's
+    # rule), a band of columns at a time: a sum of bools widens its input to int64 first
+    kept = None
+    if ep.positive_prior is not None:
+        band = max(1, -(-m // 8))
+        kept = sum(view[:, :, j:j + band].gt(float("-inf")).sum(dim=(0, 2)) for j in range(0, m, band))
     row_max = view.amax(dim=(0, 2), keepdim=True)
     row_max.masked_fill_(torch.isneginf(row_max), 0.0)      # a row with no other column
     probs = view.sub_(row_max).exp_()
