@@ -161,7 +161,7 @@ class Epilogue:
     # drop column j of row i where s_ij > s_{i,p(i)} + m, from the chunk's own cosines; never
     # the positive (a positive-side row: its own anchor), its threshold row i's
     false_negative_margin: float | None = None
-    # Chuang et al.'s debiased sum of the row's others: τ⁺ of each anchor row (N,), the call's
+    # Chuang et al.'s debiased sum of the row's others: τ⁺ of each of the call's N anchor rows
     positive_prior: torch.Tensor | None = None
 
     @property
