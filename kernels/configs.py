@@ -112,7 +112,9 @@ SIM_CONFIGS_BY_VARIANT = {
     # the margin's threshold and test beside the tile: its base's list, or a thinner K step
     (90, "16bit", "focal-hard-mask-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "focal-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (80, "16bit", "rules-margin"): [(64, 64, 8, 3)],
     (90, "16bit", "rules-margin"): [(64, 64, 8, 3)],
+    (90, "16bit", "focal-mask-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (80, "16bit", "focal-rules-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "focal-rules-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "rules-guide-margin"): [(64, 64, 8, 3), (64, 32, 8, 3)],
