@@ -72,13 +72,14 @@ from _alternatives import ALTERNATIVES, loss_fn as alternative_loss
 from fastcl.common import FOCAL_M, NOISE_STEPS, PHI, TEMPERATURE
 
 OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl", "noise", "gist", "matryoshka",
-              "gist-matryoshka", "infonce-symmetric", "infonce-learnable")
+              "gist-matryoshka", "infonce-symmetric", "infonce-learnable", "infonce-margin",
+              "infonce-prior")
 IMPLS = ("fastcl", "tiled", "reference", "compiled", "mnrl", "gistembed", "wrapped") + ALTERNATIVES
 MNRL_OBJECTIVES = ("infonce", "infonce-hard", "matryoshka")
 #: The implementations that compute only some objectives: the sentence-transformers losses.
 ONLY_FOR = {"mnrl": MNRL_OBJECTIVES, "gistembed": ("gist",), "wrapped": ("matryoshka", "gist-matryoshka")}
 #: The objectives with options the reference's plain functions (hence ``compiled``) lack.
-NOT_COMPILED = ("gist", "matryoshka", "gist-matryoshka")
+NOT_COMPILED = ("gist", "matryoshka", "gist-matryoshka", "infonce-margin", "infonce-prior")
 
 
 def matryoshka_dims(d: int) -> tuple[int, ...]:
@@ -88,7 +89,7 @@ def matryoshka_dims(d: int) -> tuple[int, ...]:
 COMPLEMENTARY_DIM = 384
 
 _FUNCTIONS = {"infonce": "infonce", "infonce-hard": "infonce", "infonce-symmetric": "infonce",
-              "infonce-learnable": "infonce",
+              "infonce-learnable": "infonce", "infonce-margin": "infonce", "infonce-prior": "infonce",
               "focal": "focal_infonce",
               "dclr": "dclr_loss", "escl": "escl_loss", "noise": "dclr_noise", "gist": "contrastive",
               "matryoshka": "contrastive", "gist-matryoshka": "contrastive"}
@@ -244,6 +245,10 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
     elif objective == "infonce-learnable":   # τ a 0-dim tensor that takes a gradient
         kwargs["temperature"] = torch.tensor(TEMPERATURE, device=device, requires_grad=True)
         leaves.append(kwargs["temperature"])
+    elif objective == "infonce-margin":     # Qwen3-Embedding's self-referenced false negatives
+        kwargs["false_negative_margin"] = 0.1
+    elif objective == "infonce-prior":      # Chuang et al.'s debiased loss
+        kwargs["positive_prior"] = 0.1
     if objective in ("gist", "gist-matryoshka"):
         negatives = randn(n, d)
         leaves.append(negatives)

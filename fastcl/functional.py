@@ -40,6 +40,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                 duplicate_ids: tuple | None = None,
                 matryoshka_dims: tuple[int, ...] | None = None,
                 matryoshka_weights: tuple[float, ...] | None = None,
+                false_negative_margin: float | None = None,
+                positive_prior: float | Tensor | None = None,
                 backend: Backend = "auto", chunk_size: int | None = None) -> Tensor:
     r"""The composable objective: InfoNCE with any set of the features below, on every backend.
 
@@ -118,6 +120,29 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     ids of the candidates' texts (e.g. a hash of their token ids); a candidate whose id
     equals that of the row's positive leaves the softmax (the same exceptions as the guide).
 
+    **false_negative_margin** ``m`` (self-referenced false-negative masking, as
+    Qwen3-Embedding trains): every score of row i whose cosine exceeds the row's own
+    positive's, ``s_ij > s_{i,p(i)} + m``, leaves the softmax — the loss's own cosines (each
+    Matryoshka width's its own), a test with no gradient, the positive never dropped. With a
+    positive side (``symmetric``, ``directions``) its scores are tested against the same
+    ``s_{i,p(i)}`` (the pair's cosine), its own anchor never dropped; the test reads the
+    cosine, not the logit (focal, ``w`` and β do not move it). It composes with every option
+    above but ``formulation="released"``.
+
+    **positive_prior** ``τ⁺`` (debiased contrastive loss, Chuang et al. 2020): the sum over a
+    row's others corrects for the false negatives a class prior ``τ⁺`` expects among them,
+
+    .. math:: ℓ_i = −\log\frac{e^{l_{ip}}}{e^{l_{ip}} + N_g},\quad
+              N_g = \max\Big(\frac{\sum_{j≠p} e^{l_{ij}} − Q\,τ^+ e^{l_{ip}}}{1 − τ^+},\;
+              Q\,e^{−1/τ}\Big)
+
+    with ``Q`` the row's kept others (its softmax's columns but the positive, after every
+    drop above) and the gradients through the max (the subgradient of the branch taken).
+    ``τ⁺`` is one float or a tensor of one per anchor row. It needs one softmax a row: not
+    with ``symmetric`` or ``partition_mode="per_direction"``, nor ``formulation="released"``;
+    the Triton kernels take it without a positive side (``"auto"`` runs those on the tiled
+    path), and the tiled path's Matryoshka then takes a call a width.
+
     **matryoshka_dims** ``(d_1, …, d_K)`` with ``matryoshka_weights`` ``(w_1, …, w_K)`` (all 1
     by default): ``L = Σ_k w_k·L(x[:, :d_k])``, the loss of every prefix of the embeddings
     (their own cosines), as sentence-transformers' ``MatryoshkaLoss`` around this loss. The
@@ -154,6 +179,9 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         anchor_candidates: the whole batch's anchors (N_b rows) for ``"query_to_query"`` and
             ``"doc_to_query"`` with ``anchor_offset``, or any rows that anchor i finds at row
             i (default: ``anchors``).
+        false_negative_margin: ``m``, any finite float (None: off; 0.1 in Qwen3-Embedding).
+        positive_prior: ``τ⁺`` in [0, 1), a float or an (N,) floating tensor on the anchors'
+            device (None: off; 0 keeps only the max's floor ``Q·e^{−1/τ}``).
         backend: "auto", "reference", "tiled" or "triton". The Triton kernels take every
             option above with InfoNCE, focal and the noise, ``matryoshka_dims`` a call per
             width, but not the layout's options beside ``hard_negative_weight`` or the DCLR
@@ -177,8 +205,9 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
         hardness_strength=hardness_strength, anchor_candidates=anchor_candidates, guide=guide,
         guide_margin=guide_margin, margin_strategy=margin_strategy, duplicate_ids=duplicate_ids,
-        matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights, backend=backend,
-        chunk_size=chunk_size)
+        matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
+        false_negative_margin=false_negative_margin, positive_prior=positive_prior,
+        backend=backend, chunk_size=chunk_size)
     return run(spec, anchors, positives, negatives)
 
 
@@ -198,7 +227,9 @@ def run(spec: LossSpec, anchors: Tensor, positives: Tensor, negatives: Tensor | 
 @check.one_host_read
 def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None, *,
             temperature: float = common.TEMPERATURE, hard_negative_weight: float = 0.0,
-            symmetric: bool = False, anchor_offset: int | None = None, backend: Backend = "auto",
+            symmetric: bool = False, anchor_offset: int | None = None,
+            false_negative_margin: float | None = None,
+            positive_prior: float | Tensor | None = None, backend: Backend = "auto",
             chunk_size: int | None = None) -> Tensor:
     r"""InfoNCE over in-batch negatives: unsupervised and supervised SimCSE.
 
@@ -209,19 +240,23 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
 
     ``w`` = ``hard_negative_weight`` at anchor i's own hard negative (column N + i, K = N
     ``negatives``); the other arguments as in :func:`contrastive` (``anchor_offset``: anchor
-    i's positive is ``positives[anchor_offset + i]``, the loss the mean over these anchors).
+    i's positive is ``positives[anchor_offset + i]``, the loss the mean over these anchors;
+    ``false_negative_margin`` and ``positive_prior``: the self-referenced false-negative mask
+    and the debiased loss, None: off).
 
     Reference: Gao, Yao & Chen, "SimCSE", EMNLP 2021.
     """
     return run(*build_spec(anchors, positives, negatives, temperature=temperature,
                            hard_negative_weight=hard_negative_weight, symmetric=symmetric,
-                           anchor_offset=anchor_offset, backend=backend, chunk_size=chunk_size))
+                           anchor_offset=anchor_offset, false_negative_margin=false_negative_margin,
+                           positive_prior=positive_prior, backend=backend, chunk_size=chunk_size))
 
 
 @check.one_host_read
 def focal_infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None, *,
                   temperature: float = common.TEMPERATURE, m: float = common.FOCAL_M,
-                  anchor_offset: int | None = None, backend: Backend = "auto",
+                  anchor_offset: int | None = None, false_negative_margin: float | None = None,
+                  positive_prior: float | Tensor | None = None, backend: Backend = "auto",
                   chunk_size: int | None = None) -> Tensor:
     r"""Focal-InfoNCE: InfoNCE whose logits are modulated by the similarity itself.
 
@@ -232,13 +267,15 @@ def focal_infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None =
 
     Hard negatives get up-weighted (large s), easy ones down-weighted. Nothing is detached.
 
-    ``anchor_offset``: as in :func:`infonce`.
+    ``anchor_offset``, ``false_negative_margin`` (tested on the cosines, not the focal
+    logits) and ``positive_prior``: as in :func:`infonce`.
 
     Reference: Hou & Li, "Improving Contrastive Learning of Sentence Embeddings with
     Focal-InfoNCE", Findings of EMNLP 2023.
     """
     return run(*build_spec(anchors, positives, negatives, temperature=temperature, focal_m=m,
-                           anchor_offset=anchor_offset, backend=backend, chunk_size=chunk_size,
+                           anchor_offset=anchor_offset, false_negative_margin=false_negative_margin,
+                           positive_prior=positive_prior, backend=backend, chunk_size=chunk_size,
                            focal_name="m"))
 
 

@@ -47,12 +47,16 @@ def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
 
 
 def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negative_weight,
-               keep, formulation, anchor_offset):
+               keep, formulation, anchor_offset, false_negative_margin=None, positive_prior=None):
     """One direction of :func:`contrastive`: the logits of ``anchors`` against ``candidates``
     (positive of anchor i in column ``anchor_offset + i``), then the loss."""
     n = anchors.shape[0]
     sim = cosine_matrix(anchors, candidates)
     is_positive = _at(n, sim.shape[1], anchor_offset, sim.device)
+    if false_negative_margin is not None:
+        close = _false_negatives(sim, _positive_logit(sim, is_positive), false_negative_margin,
+                                 is_positive)
+        keep = ~close if keep is None else keep & ~close
     logits = _modulated(sim, is_positive, temperature, focal_m)
     if hard_negative_weight:
         # the mask in the logits' dtype: a bool tensor times a float is float32, which would
@@ -72,7 +76,14 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
         return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
+    if positive_prior is not None:
+        return _debiased(logits, is_positive, positive_prior, temperature).mean()
     return _cross_entropy(logits, is_positive).mean()
+
+
+def _false_negatives(sim, positive_cosine, margin, protect):
+    """``s_ij > s_{i,p(i)} + m`` (the row's own positive's cosine), never at ``protect``."""
+    return (sim > (positive_cosine + margin)[:, None]) & ~protect
 
 
 def _positive_logit(logits, is_positive):
@@ -102,6 +113,24 @@ def _cross_entropy(logits, is_positive, *more):
     gap = _others_lse(logits, is_positive, *more) - _positive_logit(logits, is_positive)
     # log(e^gap + 1) exactly (F.softplus returns gap itself above 20, 2e-9 short)
     return torch.logaddexp(gap, torch.zeros_like(gap))
+
+
+def _debiased(logits, is_positive, prior, temperature, *more):
+    """Chuang et al.'s debiased loss of each row (``more``: more columns of its softmax):
+
+    ``ℓ_i = −log(e^{l_ip} / (e^{l_ip} + N_g))``, ``N_g = max((Σ_{j≠p} e^{l_ij} − Q·τ⁺·e^{l_ip})
+    / (1 − τ⁺), Q·e^{−1/τ})``, ``Q`` the row's kept others (finite logits), ``τ⁺ = prior``
+    (a row each); every exponential times ``e^{−t_i}``, ``t_i`` the row's largest logit (no
+    overflow; the ratio is the same). Gradients through the max: autograd's."""
+    others = torch.cat([logits.masked_fill(is_positive, float("-inf")), *more], dim=1)
+    positive = _positive_logit(logits, is_positive)
+    count = torch.isfinite(others).sum(dim=1).to(positive.dtype)
+    top = torch.maximum(positive, others.amax(dim=1)).detach()
+    e_pos = torch.exp(positive - top)
+    e_others = torch.exp(others - top[:, None]).sum(dim=1)
+    n_g = torch.maximum((e_others - count * prior * e_pos) / (1 - prior),
+                        count * torch.exp(-1.0 / temperature - top))
+    return torch.log(e_pos + n_g) - (positive - top)
 
 
 def _modulated(sim, is_positive, temperature, focal_m):
@@ -150,7 +179,9 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
                       anchors if anchor_candidates is None else anchor_candidates)
     return _direction(anchors, candidates, n_pos, temperature=logits.tau,
                       focal_m=logits.focal_m, hard_negative_weight=logits.hard_negative_weight,
-                      keep=keep, formulation=spec.formulation, anchor_offset=offset)
+                      keep=keep, formulation=spec.formulation, anchor_offset=offset,
+                      false_negative_margin=spec.false_negative_margin,
+                      positive_prior=spec.positive_prior)
 
 
 def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anchor_candidates):
@@ -209,6 +240,19 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     sim = cosine_matrix(anchors, candidates)
     is_positive = _at(n, sim.shape[1], anchor_offset, dev)
     logits = _modulated(sim, is_positive, temperature, focal_m)
+    margin = spec.false_negative_margin
+    positive_cosine = sim[rows, g]
+
+    def close(cos, protect):
+        """The false-negative margin's drops on a block of scores (None: off): against row
+        i's positive's cosine, on either side."""
+        if margin is None:
+            return None
+        return _false_negatives(cos, positive_cosine, margin,
+                                torch.zeros_like(cos, dtype=torch.bool) if protect is None else protect)
+
+    def fill(scores, out):
+        return scores if out is None else scores.masked_fill(out, float("-inf"))
     if hard_negative_weight:
         logits = logits + hard_negative_weight * _at(n, sim.shape[1], n_pos + anchor_offset,
                                                      dev).to(logits.dtype)
@@ -223,12 +267,15 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
         logits = logits + penalty
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
+    logits = fill(logits, close(sim, is_positive))
     docs_part = drop(logits[:, :n_pos + n_neg], g_anchors if guide is not None else None,
                      g_documents if guide is not None else None,
                      doc_ids if duplicate_ids is not None else None, is_positive[:, :n_pos + n_neg])
     anchor_side = [docs_part, logits[:, n_pos + n_neg:]]   # the noise is never dropped
     if layout.anchor_to_anchors:
-        aa = _modulated(cosine_matrix(anchors, anchor_candidates), _none(n, anchor_candidates), temperature, focal_m)
+        aa_cos = cosine_matrix(anchors, anchor_candidates)
+        aa = fill(_modulated(aa_cos, _none(n, anchor_candidates), temperature, focal_m),
+                  close(aa_cos, None))
         if layout.exclude_own:
             aa = aa.masked_fill(_at_cols(own_anchor, aa.shape[1]), float("-inf"))
         anchor_side.append(drop(aa, g_anchors if guide is not None else None,
@@ -240,8 +287,9 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     positive_side = []
     if layout.positive_to_anchors:
         # the anchor's own column is the positive pair seen from the positive: s²/τ with focal
-        pa = _modulated(cosine_matrix(own_positive, anchor_candidates),
-                        _at_cols(own_anchor, anchor_candidates.shape[0]), temperature, focal_m)
+        pa_cos = cosine_matrix(own_positive, anchor_candidates)
+        mine = _at_cols(own_anchor, anchor_candidates.shape[0])
+        pa = fill(_modulated(pa_cos, mine, temperature, focal_m), close(pa_cos, mine))
         if spec.mask is not None and spec.mask.reverse:    # symmetric: α'_ij = 1[cos(c⁺_i, c_j) < φ]
             c_anchors, c_positives = spec.mask.complementary
             pa = pa.masked_fill(~dclr_weights(c_positives, c_anchors, 0, phi=spec.mask.phi,
@@ -252,8 +300,9 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
                                   _at_cols(own_anchor, pa.shape[1])))
     if layout.positive_to_positives or layout.positive_to_negatives:
         width = n_pos + (n_neg if layout.positive_to_negatives else 0)
-        pd = _modulated(cosine_matrix(own_positive, documents[:width]), _none(n, documents[:width]),
-                        temperature, focal_m)
+        pd_cos = cosine_matrix(own_positive, documents[:width])
+        pd = fill(_modulated(pd_cos, _none(n, documents[:width]), temperature, focal_m),
+                  close(pd_cos, None))
         if layout.exclude_own:
             pd = pd.masked_fill(doc_group[None, :width] == g[:, None], float("-inf"))
         positive_side.append(drop(pd, g_positives[g] if guide is not None else None,
@@ -264,9 +313,10 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     # (_cross_entropy), the other blocks join its log-sum-exp
     anchor_pos = torch.zeros_like(anchor_side[0], dtype=torch.bool)
     anchor_pos[rows, g] = True
-    if not positive_side:
-        return _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:]).mean()
-    if layout.joint:
+    if layout.joint or not positive_side:
+        if spec.positive_prior is not None:       # one softmax a row (build_spec's rule)
+            return _debiased(anchor_side[0], anchor_pos, spec.positive_prior, temperature,
+                             *anchor_side[1:], *positive_side).mean()
         return _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:], *positive_side).mean()
     lse_p = torch.logsumexp(torch.cat(positive_side, dim=1), dim=1)
     return (0.5 * _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:])

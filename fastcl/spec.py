@@ -11,7 +11,9 @@ small records, each ``None`` when its feature is off (one encoding for "off"):
 * :class:`Rules` — :mod:`fastcl.layout`'s layout, anchor candidates and MNRL's hardness
   (``symmetric=True`` is the layout :data:`SYMMETRIC`);
 * :class:`Guide`, ``ids`` — GISTEmbedLoss's filter and duplicate masking;
-* :class:`Matryoshka` — the prefix widths and their weights.
+* :class:`Matryoshka` — the prefix widths and their weights;
+* ``false_negative_margin`` — drop ``j`` where the loss's own ``s_ij > s_{i,p(i)} + m``;
+* ``positive_prior`` — Chuang et al.'s debiased negatives' sum, ``τ⁺`` per row.
 
 :class:`Epilogue` is the spec as one engine call sees it (the chunk epilogue's fields: the
 kernels read these names) and encodes itself to and from the custom op's arguments
@@ -101,6 +103,15 @@ class LossSpec:
     anchor_offset: int = 0
     chunk_size: int | None = None
     backend: str = "tiled"                # resolved: "reference", "tiled" or "triton"
+    false_negative_margin: float | None = None   # m: drop s_ij > s_{i,p(i)} + m (never p(i))
+    positive_prior: torch.Tensor | None = None   # τ⁺ of each anchor row (N,), accumulate dtype
+
+    def row_fields(self) -> dict:
+        """The :class:`Epilogue` fields every direction of this spec shares (the reverse
+        direction of ``symmetric`` too): how a row forms its logits and drops, and the chunking."""
+        return dict(temperature=self.logits.temperature, focal_m=self.logits.focal_m,
+                    chunk_size=self.chunk_size, false_negative_margin=self.false_negative_margin,
+                    positive_prior=self.positive_prior)
 
     @property
     def layout(self) -> Layout:
@@ -154,6 +165,11 @@ class Epilogue:
     #      (for the Triton engine the unit rows in the GEMM dtype, cast once a call)
     ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (column text ids (M,), row keys (N,))
     matryoshka: Matryoshka | None = None   # the loss Σ_k w_k·L(x[:, :d_k]) in one pass
+    # drop column j of row i where s_ij > s_{i,p(i)} + m, from the chunk's own cosines; never
+    # the positive (a positive-side row: its own anchor), its threshold row i's
+    false_negative_margin: float | None = None
+    # Chuang et al.'s debiased sum of the row's others: τ⁺ of each of the call's N anchor rows
+    positive_prior: torch.Tensor | None = None
 
     @property
     def paired(self) -> bool:
@@ -170,6 +186,15 @@ class Epilogue:
     # nested types: the layout travels as bits, the blocks as sizes, hardness and widths as
     # text, the tensors as lists, an empty list for "none")
 
+    #: The op schema's part for these arguments (``fastcl::tiled_contrastive``: anchors and
+    #: candidates before, the engine and the call's flags after), beside the two methods
+    #: that write and read them: a new field is one place.
+    OP_SCHEMA = ("Tensor[] complementary, float temperature, float? focal_m, "
+                 "float hard_negative_weight, float phi, str formulation, SymInt anchor_offset, "
+                 "SymInt? chunk_size, str matryoshka, SymInt layout, SymInt[] blocks, str hardness, "
+                 "Tensor[] guide, Tensor[] ids, float? false_negative_margin, "
+                 "Tensor? positive_prior")
+
     def op_args(self) -> tuple:
         widths = ("" if self.matryoshka is None else
                   ",".join(f"{d}:{float(w)!r}" for d, w in zip(*self.matryoshka)))
@@ -180,12 +205,13 @@ class Epilogue:
                 int(self.anchor_offset), self.chunk_size, widths, _layout_bits(self.layout),
                 list(self.blocks or (0, 0, 0, 0)),
                 "" if self.hardness is None else f"{self.hardness[0]}:{float(self.hardness[1])!r}",
-                list(self.guide or ()), list(self.ids or ()))
+                list(self.guide or ()), list(self.ids or ()), self.false_negative_margin,
+                self.positive_prior)
 
     @classmethod
     def from_op_args(cls, complementary, temperature, focal_m, hard_negative_weight, phi,
                      formulation, anchor_offset, chunk_size, matryoshka, layout_bits, blocks,
-                     hardness, guide, ids) -> "Epilogue":
+                     hardness, guide, ids, false_negative_margin, positive_prior) -> "Epilogue":
         mode, _, beta = hardness.partition(":")
         widths = None
         if matryoshka:
@@ -198,7 +224,8 @@ class Epilogue:
                    matryoshka=widths, layout=_layout_of(layout_bits),
                    blocks=tuple(blocks) if any(blocks) else None,
                    hardness=(mode, float(beta)) if mode else None,
-                   guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None)
+                   guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None,
+                   false_negative_margin=false_negative_margin, positive_prior=positive_prior)
 
 
 #: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
@@ -232,7 +259,8 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
                hardness_strength=0.0, anchor_candidates=None, guide=None, guide_margin=0.0,
                margin_strategy="absolute", duplicate_ids=None, matryoshka_dims=None,
-               matryoshka_weights=None, backend="auto", chunk_size=None, focal_name="focal_m"):
+               matryoshka_weights=None, false_negative_margin=None, positive_prior=None,
+               backend="auto", chunk_size=None, focal_name="focal_m"):
     """Check :func:`fastcl.contrastive`'s arguments (every default and cross-field rule) and
     return ``(spec, anchors, positives, negatives)``, the embeddings checked (rows too large
     to square rescaled). Errors name the argument (``focal_name``: ``focal_m``'s name in
@@ -258,6 +286,8 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     if noise_ratio < 0:
         raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
     formulation = check.choice("formulation", formulation, ("paper", "released"))
+    if false_negative_margin is not None:
+        false_negative_margin = check.finite("false_negative_margin", false_negative_margin)
     symmetric = check.flag("symmetric", symmetric)
     if symmetric and n_pos != n:
         raise ValueError("symmetric=True needs every anchor of the batch in this call "
@@ -267,7 +297,9 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                    "combines with complementary, phi and the noise options only; got {} as well: "
                    "use formulation='paper' to combine them",
                    focal_m=focal_m is not None, negatives=negatives is not None,
-                   hard_negative_weight=bool(hard_negative_weight), symmetric=symmetric)
+                   hard_negative_weight=bool(hard_negative_weight), symmetric=symmetric,
+                   false_negative_margin=false_negative_margin is not None,
+                   positive_prior=positive_prior is not None)
     rules, guide_spec, ids = _rules(anchors, positives, negatives, anchor_offset, directions,
                                     partition_mode, hardness_mode, hardness_strength,
                                     anchor_candidates, guide, guide_margin, margin_strategy,
@@ -282,6 +314,10 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                              f"partition_mode='per_direction')")
     if symmetric:
         rules = Rules(SYMMETRIC, anchors)
+    prior = _positive_prior(positive_prior, n, anchors)
+    if prior is not None and rules is not None and rules.layout.positive_side and not rules.layout.joint:
+        raise ValueError("positive_prior debiases a row's one softmax: not with symmetric=True or "
+                         "partition_mode='per_direction' (two softmaxes a row)")
     widths = matryoshka(matryoshka_dims, matryoshka_weights, anchors.shape[1])
     count = noise.shape[0] if noise is not None else common.noise_count(noise_ratio, n_pos, formulation)
     if widths is not None:
@@ -301,7 +337,8 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
         mask=None if complementary is None else Mask(complementary, phi, reverse=symmetric),
         noise=noise_spec if noisy else None, rules=rules,
         guide=guide_spec, ids=ids, matryoshka=widths, formulation=formulation,
-        anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size))
+        anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size),
+        false_negative_margin=false_negative_margin, positive_prior=prior)
     return _with_backend(spec, backend, anchors), anchors, positives, negatives
 
 
@@ -312,6 +349,34 @@ def escl_options(weight, rd, margins) -> tuple:
     if not isinstance(margins, (tuple, list)) or len(margins) != 2:
         raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
     return weight, rd, (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
+
+
+def _positive_prior(value, n: int, anchors) -> torch.Tensor | None:
+    """``positive_prior`` checked: a float in [0, 1) or a floating (N,) tensor of such values
+    on the anchors' device (its range read once, a host read); returned as (N,) in the
+    anchors' accumulate dtype, detached (a class prior, not a parameter), or None."""
+    if value is None:
+        return None
+    acc = common.accumulate_dtype(anchors.dtype)
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        tau = check.finite("positive_prior", value.item() if isinstance(value, torch.Tensor) else value)
+        if not 0.0 <= tau < 1.0:
+            raise ValueError(f"positive_prior (τ⁺, a class prior) must lie in [0, 1), got {tau}")
+        return torch.full((n,), tau, dtype=acc, device=anchors.device)
+    if not value.is_floating_point():
+        raise TypeError(f"positive_prior must be a float or a floating tensor, got {value.dtype}")
+    if value.shape != (n,):
+        raise ValueError(f"positive_prior must be a float or have shape ({n},) (one τ⁺ per "
+                         f"anchor), got {tuple(value.shape)}")
+    if value.device != anchors.device:
+        raise ValueError(f"positive_prior is on {value.device} but anchors are on {anchors.device}")
+    if not torch.compiler.is_compiling():
+        low, high = torch.aminmax(value.detach()) if n else (torch.zeros(()), torch.zeros(()))
+        low, high = torch.stack([low, high]).tolist()
+        if not (0.0 <= low and high < 1.0):
+            raise ValueError(f"positive_prior (τ⁺, a class prior) must lie in [0, 1), got values "
+                             f"in [{low}, {high}]")
+    return value.detach().to(acc)
 
 
 def _exclusive(message: str, joiner: str = ", ", **on) -> None:
@@ -549,6 +614,14 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+#: The options the Triton kernels compute ``positive_prior`` beside (their flag sets are
+#: ``kernels.configs.VARIANTS``' ``*-prior``).
+TRITON_PRIOR = {frozenset(x) for x in ((), ("focal",), ("hard",), ("mask",), ("margin",),
+                                       ("focal", "margin"), ("hard", "margin"), ("mask", "margin"),
+                                       ("rules",), ("rules", "guide"), ("rules", "margin"),
+                                       ("rules", "guide", "margin"))}
+
+
 def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
     """``spec`` on its resolved backend. The Triton kernels apply the layout's rules, the
     guide and the ids on InfoNCE and focal (with DCLR's noise too), and Matryoshka's widths a
@@ -556,6 +629,23 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
     plain directions take both); for those ``"auto"`` takes the tiled path and ``"triton"``
     is refused with the reason."""
     be = resolve_backend(backend, anchors)
+    if be == "triton" and spec.positive_prior is not None:
+        # the kernels' debiased loss: one row a softmax, and the flag sets the compile check
+        # builds with it (the others run the same numbers on the tiled path)
+        logits = spec.logits
+        on = frozenset(name for name, value in (
+            ("focal", logits.focal_m is not None), ("hard", bool(logits.hard_negative_weight)),
+            ("mask", spec.mask is not None), ("rules", spec.ruled), ("guide", spec.guide is not None),
+            ("margin", spec.false_negative_margin is not None)) if value)
+        if spec.layout.positive_side or on not in TRITON_PRIOR:
+            if backend == "triton":
+                raise ValueError(
+                    "backend='triton' computes positive_prior without a positive side (directions "
+                    "'query_to_doc', 'query_to_query') and beside at most one of focal_m, "
+                    "hard_negative_weight, complementary, directions/ids (with or without "
+                    "guide), each with or without false_negative_margin; use backend='tiled' "
+                    "(the same numbers, without the N×M matrix)")
+            be = "tiled"
     if be == "triton" and spec.ruled and not spec.two_directions:
         lacking = [name for name, on in (
             ("hard_negative_weight", bool(spec.logits.hard_negative_weight)),
@@ -578,4 +668,5 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
                              f"{where} only")
         be = "tiled"
     return LossSpec(spec.logits, spec.mask, spec.noise, spec.rules, spec.guide, spec.ids,
-                    spec.matryoshka, spec.formulation, spec.anchor_offset, spec.chunk_size, be)
+                    spec.matryoshka, spec.formulation, spec.anchor_offset, spec.chunk_size, be,
+                    spec.false_negative_margin, spec.positive_prior)

@@ -148,7 +148,7 @@ def modes(f: dict, dtype: str) -> list[tuple[bool, bool]]:
     from . import contrastive as kc
 
     two_pass = [(kc.stores_exp(f), False)]
-    bounded = not (f["RELEASED"] or f.get("RULES") or dtype == "float16")
+    bounded = not (f["RELEASED"] or f.get("RULES") or f.get("PRIOR") or dtype == "float16")
     return ([(True, True)] if bounded else []) + two_pass
 
 

@@ -17,7 +17,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: Every flag set an objective launches, by name (the compile check builds each one).
 _OFF = dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True, RULES=False,
-            GUIDE=False)
+            GUIDE=False, MARGIN=False, PRIOR=False)
 VARIANTS = {
     "infonce": dict(_OFF),
     "infonce-hard": dict(_OFF, HARD=True),
@@ -37,6 +37,33 @@ VARIANTS = {
     "rules-guide": dict(_OFF, RULES=True, GUIDE=True),
     "focal-rules": dict(_OFF, FOCAL=True, RULES=True),
     "focal-rules-guide": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True),
+    # the false-negative margin (a threshold per row, a test in the tile) on each of those
+    "margin": dict(_OFF, MARGIN=True),
+    "hard-margin": dict(_OFF, HARD=True, MARGIN=True),
+    "focal-margin": dict(_OFF, FOCAL=True, MARGIN=True),
+    "focal-hard-margin": dict(_OFF, FOCAL=True, HARD=True, MARGIN=True),
+    "mask-margin": dict(_OFF, MASK=True, MARGIN=True),
+    "focal-mask-margin": dict(_OFF, FOCAL=True, MASK=True, MARGIN=True),
+    "hard-mask-margin": dict(_OFF, HARD=True, MASK=True, MARGIN=True),
+    "focal-hard-mask-margin": dict(_OFF, FOCAL=True, HARD=True, MASK=True, MARGIN=True),
+    "rules-margin": dict(_OFF, RULES=True, MARGIN=True),
+    "rules-guide-margin": dict(_OFF, RULES=True, GUIDE=True, MARGIN=True),
+    "focal-rules-margin": dict(_OFF, FOCAL=True, RULES=True, MARGIN=True),
+    "focal-rules-guide-margin": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True, MARGIN=True),
+    # the debiased row loss (the row kernel counts each row's kept others) on the one-softmax
+    # objectives, with and without the margin
+    "prior": dict(_OFF, PRIOR=True),
+    "hard-prior": dict(_OFF, HARD=True, PRIOR=True),
+    "focal-prior": dict(_OFF, FOCAL=True, PRIOR=True),
+    "mask-prior": dict(_OFF, MASK=True, PRIOR=True),
+    "rules-prior": dict(_OFF, RULES=True, PRIOR=True),
+    "rules-guide-prior": dict(_OFF, RULES=True, GUIDE=True, PRIOR=True),
+    "margin-prior": dict(_OFF, MARGIN=True, PRIOR=True),
+    "focal-margin-prior": dict(_OFF, FOCAL=True, MARGIN=True, PRIOR=True),
+    "hard-margin-prior": dict(_OFF, HARD=True, MARGIN=True, PRIOR=True),
+    "mask-margin-prior": dict(_OFF, MASK=True, MARGIN=True, PRIOR=True),
+    "rules-margin-prior": dict(_OFF, RULES=True, MARGIN=True, PRIOR=True),
+    "rules-guide-margin-prior": dict(_OFF, RULES=True, GUIDE=True, MARGIN=True, PRIOR=True),
 }
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
@@ -80,6 +107,14 @@ SIM_CONFIGS_BY_VARIANT = {
     (90, "fp32", "focal-hard"): [(32, 32, 8, 3)],
     (90, "fp32", "focal-hard-mask"): [(32, 16, 8, 3)],
     (80, "fp32", "focal-rules-guide"): [(64, 16, 8, 3)],
+    # the margin's threshold and test beside the tile: its base's list, or a thinner K step
+    **{(90, "16bit", v): _MID for v in ("focal-hard-mask-margin", "focal-margin", "focal-mask-margin",
+                                         "focal-rules-margin", "rules-guide-margin",
+                                         "focal-rules-guide-margin", "rules-guide-prior",
+                                         "rules-guide-margin-prior")},
+    (80, "16bit", "focal-rules-margin"): _MID,
+    **{(arch, "16bit", "rules-margin"): _MID[:1] for arch in (80, 90)},
+    (90, "16bit", "rules-margin-prior"): _MID[:1],
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
 #: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads
@@ -91,6 +126,16 @@ SIM_CONFIGS_OLDER_TRITON = {
     **{(90, "16bit", v): _MID for v in ("dclr-mask", "hard-mask", "dclr-released-mask")},
     **{(arch, "16bit", "rules-guide"): _MID[1:] for arch in (80, 90)},
     **{(arch, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)] for arch in (80, 90)},
+    # the false-negative margin and the debiased loss's flag sets (3.1: 8-328 bytes in the
+    # larger tiles, where 3.6 and the newest need none)
+    **{(arch, "16bit", v): _MID for arch in (80, 90) for v in ("margin", "hard-margin")},
+    **{(90, "16bit", v): _MID for v in ("mask-margin", "focal-mask-margin", "hard-mask-margin",
+                                         "mask-margin-prior")},
+    **{(arch, "16bit", "rules-prior"): _MID[:1] for arch in (80, 90)},
+    **{(80, "16bit", v): _MID[:1] for v in ("rules-margin", "rules-margin-prior")},
+    **{(arch, "16bit", v): [(32, 64, 8, 3)] for arch in (80, 90)
+       for v in ("rules-guide-margin", "rules-guide-prior", "rules-guide-margin-prior",
+                 "focal-rules-guide-margin")},
 }
 
 #: What the compile check tries for the lists, (BLOCK_R, BLOCK_D, num_warps, num_stages) with

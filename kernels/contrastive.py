@@ -80,8 +80,11 @@ GUIDE = tl.constexpr(64)
 STORE_EXP = tl.constexpr(128)
 BOUNDED = tl.constexpr(256)
 WANT_GRAD = tl.constexpr(512)
+MARGIN = tl.constexpr(1024)            # the false-negative margin (a flag of the set)
+PRIOR = tl.constexpr(2048)             # the debiased row loss (a flag of the set)
 _BITS = dict(FOCAL=FOCAL, HARD=HARD, MASK=MASK, RELEASED=RELEASED, POSITIVES=POSITIVES,
-             RULES=RULES, GUIDE=GUIDE, STORE_EXP=STORE_EXP, BOUNDED=BOUNDED, WANT_GRAD=WANT_GRAD)
+             RULES=RULES, GUIDE=GUIDE, STORE_EXP=STORE_EXP, BOUNDED=BOUNDED, WANT_GRAD=WANT_GRAD,
+             MARGIN=MARGIN, PRIOR=PRIOR)
 
 #: The kernels' ``rules`` (:mod:`fastcl.layout`'s rules of a chunk, one integer): the blocks
 #: each side scores (4 bits a side: positives, negatives, noise, anchors), then these bits,
@@ -136,7 +139,7 @@ def _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS
     rules); and that mask."""
     l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
     dropped = is_pos & (s == DROPPED)        # all False: the positive is never dropped
-    if (MASK | RULES) & FLAGS:
+    if (MASK | RULES | MARGIN) & FLAGS:
         dropped = s == DROPPED
         if RELEASED & FLAGS:
             l = tl.where(dropped, 0.0, l)
@@ -295,7 +298,7 @@ def _similarity_kernel(
     l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
     # Without the mask the positives are written before e exists, so that l need not stay
     # live beside it (the mask never drops a positive; with it, that order costs registers)
-    if (POSITIVES & FLAGS) and not ((MASK | RULES) & FLAGS):
+    if (POSITIVES & FLAGS) and not ((MASK | RULES | MARGIN) & FLAGS):
         _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
                         first_pos, R, M, pos_ptr, inv_t, FLAGS, BLOCK_R, BLOCK_M)
 
@@ -340,7 +343,20 @@ def _similarity_kernel(
         s = tl.where(drop, DROPPED, s)
         l = tl.where(drop, float("-inf"), l)
 
-    if (POSITIVES & FLAGS) and ((MASK | RULES) & FLAGS):
+    if MARGIN & FLAGS:
+        # the false-negative margin: s_ij above row i's threshold s_{i,p(i)} + m (theta_ptr's
+        # second half, by the row's index in its side), never the positive or, on the
+        # positive side, its own anchor
+        if RULES & FLAGS:
+            thr = tl.load(theta_ptr + R_half + i_side, mask=row_ok, other=0.0)
+            close = (s > thr[:, None]) & _not(protect)
+        else:
+            thr = tl.load(theta_ptr + R_half + rows, mask=row_ok, other=0.0)
+            close = (s > thr[:, None]) & _not(is_pos)
+        s = tl.where(close, DROPPED, s)
+        l = tl.where(close, float("-inf"), l)
+
+    if (POSITIVES & FLAGS) and ((MASK | RULES | MARGIN) & FLAGS):
         _store_positive(l, s, is_pos, ginv_k_ptr, cols, col_ok, rows, rows_g, row_ok, row0, col0,
                         first_pos, R, M, pos_ptr, inv_t, FLAGS, BLOCK_R, BLOCK_M)
     l = tl.where(col_ok[None, :], l, float("-inf"))
@@ -418,6 +434,41 @@ def _logaddexp(x, y):
     top = tl.maximum(x, y)
     top = tl.where(top == float("-inf"), 0.0, top)
     return top + tl.log(tl.exp(x - top) + tl.exp(y - top))
+
+
+@triton.jit
+def _debiased(gap, count, prior, positive, inv_t):
+    """Chuang et al.'s debiased row loss in log space (``fastcl.tiled.engine._debiased``):
+    ``(ℓ, f, ∂ℓ/∂l_ip)`` from the others' ``gap = lse_o − l_ip``, their count Q and τ⁺, with
+    ``∂ℓ/∂l_ij = f·p̃_ij`` off the positive."""
+    some = count > 0
+    safe_q = tl.where(some, count, 1.0)
+    log_u = tl.where(some & (prior > 0.0), tl.log(safe_q) + tl.log(tl.where(prior > 0.0, prior, 1.0)) - gap,
+                     float("-inf"))
+    u = tl.exp(log_u)
+    one_less_u = 1.0 - u
+    on_a = log_u < 0.0
+    a = tl.where(on_a, gap + _log1p(-tl.where(on_a, u, 0.0)) - _log1p(-prior), float("-inf"))
+    b = tl.where(some, tl.log(safe_q) - inv_t - positive, float("-inf"))
+    g = tl.maximum(a, b)
+    loss = _softplus(g)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    on_a = some & (a >= b)
+    slope = tl.where(on_a, sig / tl.where(on_a, one_less_u, 1.0), 0.0)
+    return loss, slope, tl.where(on_a, -slope, -sig)
+
+
+@triton.jit
+def _kept_others(t_row, M, rows_g, FLAGS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Q: the row's stored columns that are neither its positive nor dropped (the cosines
+    mode, where ``DROPPED`` marks every drop)."""
+    kept = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    for c0 in range(0, M, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        ok = cols < M
+        s = tl.load(t_row + cols, mask=ok, other=DROPPED)[None, :]
+        kept += tl.where((s != DROPPED) & _not(_positive(cols, rows_g, FLAGS)), 1.0, 0.0)
+    return tl.sum(tl.sum(kept, axis=1), axis=0)
 
 
 @triton.jit
@@ -511,7 +562,7 @@ def _row_probs(t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, 
 
 @triton.jit
 def _row_kernel(
-    t_ptr, g_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, loss_ptr,
+    t_ptr, g_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, loss_ptr, prior_ptr,
     M, first_pos, n_pos, R_half, anchor_base, n_neg, n_noise, rules,
     inv_t, focal_m, hard_w, hard_beta,
     FLAGS: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -567,6 +618,12 @@ def _row_kernel(
             row_loss = tl.where(two_softmaxes, 0.5 * (share + lse_twin - pos), share)
     else:
         row_loss = lse
+    if PRIOR & FLAGS:
+        # the debiased loss (no positive side: build_spec's rule for this engine): p_ij =
+        # f·p̃_ij = exp(l_ij − (lse_o − log f)), the positive's slope apart
+        count = _kept_others(t_row, M, rows_g, FLAGS, BLOCK_N)
+        row_loss, f, prior_pos_g = _debiased(gap, count, tl.load(prior_ptr + row), pos, inv_t)
+        lse = tl.where(f > 0.0, gap + pos - tl.log(tl.where(f > 0.0, f, 1.0)), float("inf"))
 
     if RELEASED & FLAGS:
         # BCE on the softmax: v = p/(1−p) off the positive and, with q = 1 − p_ii,
@@ -590,6 +647,8 @@ def _row_kernel(
         vsum = 0.0
         # ∂ℓ/∂l_ii = scale·p_ii − 1
         pos_g = -(scale * others + (1.0 - scale))
+        if PRIOR & FLAGS:
+            pos_g = prior_pos_g
     # the positive side has no loss row (a branch: the interpreter of Triton 3.1 takes a
     # scalar mask that is False for no mask at all)
     if row < R_half:
@@ -751,7 +810,8 @@ def flags(ep) -> dict:
     """The kernels' flags for an epilogue (one of ``configs.VARIANTS``)."""
     return dict(FOCAL=ep.focal_m is not None, HARD=bool(ep.hard_negative_weight),
                 MASK=ep.complementary is not None, RELEASED=ep.formulation == "released",
-                POSITIVES=ep.positives, RULES=ep.sided, GUIDE=ep.guide is not None)
+                POSITIVES=ep.positives, RULES=ep.sided, GUIDE=ep.guide is not None,
+                MARGIN=ep.false_negative_margin is not None, PRIOR=ep.positive_prior is not None)
 
 
 def row_flags(f: dict) -> dict:
@@ -762,9 +822,9 @@ def row_flags(f: dict) -> dict:
 
 def stores_exp(f: dict) -> bool:
     """Whether the gradient needs only the softmax: then the chunk buffer holds
-    exp(l − tile max) in the GEMM dtype; focal needs s for its slope and the released DCLR
-    needs the dropped columns, so those keep the fp32 cosines."""
-    return not (f["FOCAL"] or f["RELEASED"])
+    exp(l − tile max) in the GEMM dtype; focal needs s for its slope, the released DCLR and
+    the debiased loss (its count Q) need the dropped columns, so those keep the fp32 cosines."""
+    return not (f["FOCAL"] or f["RELEASED"] or f["PRIOR"])
 
 
 def pack_flags(**on) -> int:
@@ -834,7 +894,7 @@ def logit_bound(ep, dtype: torch.dtype) -> float | None:
     does the released DCLR (its BCE needs each p_ij before its row sum), and float16 chunk
     buffers (5 exponent bits: ``exp(l − B)`` flushes to zero within 17 of B), and the
     layout's rules (a paired row's two sides share or split one softmax in the row kernel)."""
-    if ep.formulation == "released" or dtype == torch.float16 or ep.sided:
+    if ep.formulation == "released" or dtype == torch.float16 or ep.sided or ep.positive_prior is not None:
         return None
     inv_t = 1.0 / ep.temperature
     w = float(ep.hard_negative_weight)
@@ -905,6 +965,8 @@ def _launch_similarity(ep, c, f, rules, store_exp, bound=None):
         dc = cq.shape[1]
     else:
         cq, ck, dc = c.q, c.keys, 0        # never read
+    if f["MARGIN"]:
+        theta = torch.cat([theta[:ints["R_half"]], _margin_thresholds(ep, c, ints["R_half"])])
     t = torch.empty(R, M, dtype=c.q.dtype if store_exp else torch.float32, device=dev)
     tiles = triton.cdiv(M, configs.SIM_BLOCK_M)
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
@@ -925,6 +987,16 @@ def _launch_similarity(ep, c, f, rules, store_exp, bound=None):
         FLAGS=pack_flags(**f, STORE_EXP=store_exp, BOUNDED=bound is not None),
         BLOCK_M=configs.SIM_BLOCK_M, **(configs.SIM_FIXED if INTERPRET else {}))
     return t, part_max, part_sum, pos[0], pos[-1]
+
+
+def _margin_thresholds(ep, c, r):
+    """The false-negative margin's threshold of the chunk's r loss rows, ``s_{i,p(i)} + m``:
+    each anchor's cosine with its positive (column ``first_pos + i``), formed from the same
+    GEMM-dtype rows and inverse norms as the tiles' cosines."""
+    q = c.q[:r].to(torch.float32)
+    k = c.keys[c.first_pos:c.first_pos + r].to(torch.float32)
+    cos = (q * k).sum(dim=1) * c.inv_q[:r].to(torch.float32) * c.inv_k[c.first_pos:c.first_pos + r]
+    return (cos + ep.false_negative_margin).to(torch.float32).contiguous()
 
 
 def triton_chunk(ep, c, want_grad):
@@ -955,8 +1027,10 @@ def triton_chunk(ep, c, want_grad):
     # exp mode: the gradient overwrites the stored row in place; else a GEMM-dtype buffer
     g = t if store_exp else (torch.empty(R, M, dtype=c.q.dtype, device=t.device)
                              if want_grad else t)
+    prior = c.inv_q if ep.positive_prior is None else (         # (a stand-in, never read)
+        ep.positive_prior[c.r0:c.r1].to(torch.float32).contiguous())
     _row_kernel[(R,)](
-        t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out, M, c.first_pos, c.n_pos, **ints,
+        t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out, prior, M, c.first_pos, c.n_pos, **ints,
         inv_t=1.0 / ep.temperature, focal_m=float(ep.focal_m or 0.0),
         hard_w=float(ep.hard_negative_weight), hard_beta=beta,
         FLAGS=pack_flags(**row_flags(f), STORE_EXP=store_exp, WANT_GRAD=want_grad),

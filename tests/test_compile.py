@@ -17,6 +17,7 @@ test (``pytest -m slow``) compiles what those leave out: every config and mode o
 dtype on both targets with every flag set, and of the unaligned launches.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -335,6 +336,21 @@ def test_engine_flags_are_known_variants():
            Epilogue(0.05, focal_m=0.3, hardness=("hard_negatives", 1.0)),
            Epilogue(0.05, layout=gist(), guide=(c[0], c[0], c[0][0])),
            Epilogue(0.05, focal_m=0.3, layout=gist(), guide=(c[0], c[0], c[0][0]))]
+    # the false-negative margin on each (not the released DCLR, not the noise loss)
+    eps += [dataclasses.replace(ep, false_negative_margin=0.1) for ep in eps
+            if ep.formulation == "paper" and ep.positives]
+    # the debiased loss beside the options its Triton path takes (fastcl.spec.TRITON_PRIOR)
+    tau = torch.full((2,), 0.1)
+    eps += [Epilogue(0.05, positive_prior=tau, **kw) for kw in (
+        {}, dict(hard_negative_weight=1.0), dict(focal_m=0.3), dict(phi=0.9, complementary=c),
+        dict(false_negative_margin=0.1), dict(focal_m=0.3, false_negative_margin=0.1),
+        dict(hard_negative_weight=1.0, false_negative_margin=0.1),
+        dict(phi=0.9, complementary=c, false_negative_margin=0.1),
+        dict(layout=gist(False, False), blocks=(2, 0, 0, 0), ids=(c[0], c[0])),
+        dict(guide=(c[0], c[0], c[0][0])),
+        dict(layout=gist(False, False), blocks=(2, 0, 0, 0), ids=(c[0], c[0]),
+             false_negative_margin=0.1),
+        dict(guide=(c[0], c[0], c[0][0]), false_negative_margin=0.1))]
     assert sorted(map(str, (flags(ep) for ep in eps))) == sorted(map(str, VARIANTS.values()))
 
 

@@ -424,6 +424,26 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
                            directions=("query_to_doc", "doc_to_query"))
         fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal,
                            directions=fastcl.layout.gist(), guide=guide)
+    # issue #46's row features (tests/test_feature_masks.py): the margin with each of the
+    # above, the debiased loss with the flag sets its Triton path takes (spec.TRITON_PRIOR)
+    for combo in COMBOS:
+        _call(batch, combo, "tiled", noise_steps=1, false_negative_margin=0.1)
+    for focal in (None, 0.3):
+        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal,
+                           directions=("query_to_doc", "doc_to_query"), false_negative_margin=0.1)
+        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal,
+                           directions=fastcl.layout.gist(), guide=guide, false_negative_margin=0.1)
+    for combo, extra in [((), {}), (("hard",), {}), (("focal",), {}), (("mask",), {}),
+                         ((), dict(false_negative_margin=0.1)),
+                         (("focal",), dict(false_negative_margin=0.1)),
+                         (("hard",), dict(false_negative_margin=0.1)),
+                         (("mask",), dict(false_negative_margin=0.1)),
+                         ((), dict(directions=("query_to_doc", "query_to_query"))),
+                         ((), dict(guide=guide)),
+                         ((), dict(directions=("query_to_doc", "query_to_query"),
+                                   false_negative_margin=0.1)),
+                         ((), dict(guide=guide, false_negative_margin=0.1))]:
+        _call(batch, combo, "tiled", positive_prior=0.1, **extra)
     launched = {tuple(sorted(flags(ep).items())) for ep in seen}
     known = {tuple(sorted(v.items())) for v in VARIANTS.values()}
     assert launched <= known, launched - known

@@ -40,7 +40,8 @@ def spec_loss(spec: LossSpec, anchors, positives, negatives=None):
     them (the torch engine), else a call per width (the Triton kernels take one width)."""
     engine = engine_for(spec.backend)
     cands = None if spec.rules is None else spec.rules.anchor_candidates
-    if spec.matryoshka is not None and engine.name != "torch":
+    # (the torch engine's one pass over the widths has no debiased row loss: a call a width)
+    if spec.matryoshka is not None and (engine.name != "torch" or spec.positive_prior is not None):
         cut = lambda x, d: None if x is None else x[:, :d]  # noqa: E731
         return sum(w * _terms(spec, engine, *(cut(x, d) for x in (anchors, positives, negatives, cands)))
                    for d, w in zip(*spec.matryoshka))
@@ -57,21 +58,19 @@ def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands,
         # Z is not rescaled before its update (a step of lr is not scale-free); as loss
         # candidates its rows only enter through cosines
         blocks.append(common.shrink_huge_rows(z).to(anchors.dtype))
-    fields = dict(temperature=logits.temperature, focal_m=logits.focal_m,
-                  hard_negative_weight=logits.hard_negative_weight,
+    fields = dict(spec.row_fields(), hard_negative_weight=logits.hard_negative_weight,
                   phi=None if mask is None else mask.phi,
                   complementary=None if mask is None else mask.complementary,
-                  formulation=spec.formulation, chunk_size=spec.chunk_size, anchor_offset=offset,
-                  matryoshka=widths)
+                  formulation=spec.formulation, anchor_offset=offset, matryoshka=widths)
     if spec.two_directions:
         # ½(L→ + L←): the positives against the anchor candidates, focal and (symmetric) the
         # transposed mask there; negatives, w and Z belong to the forward direction only
         n, n_pos = anchors.shape[0], positives.shape[0]
-        reverse = Epilogue(logits.temperature, focal_m=logits.focal_m,
+        reverse = Epilogue(**spec.row_fields(),
                            phi=mask.phi if mask is not None and mask.reverse else None,
                            complementary=(mask.complementary[1], mask.complementary[0])
                            if mask is not None and mask.reverse else None,
-                           chunk_size=spec.chunk_size, matryoshka=widths,
+                           matryoshka=widths,
                            anchor_offset=offset if cands.shape[0] == n_pos else 0)
         forward = contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine, tau=tau)
         return 0.5 * (forward + contrastive_loss(reverse, positives[offset:offset + n], cands,

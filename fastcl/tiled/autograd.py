@@ -89,29 +89,22 @@ def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # The schema written out, as torch >= 2.6 infers it from the annotations (earlier releases
-# infer none from list[...] and float | None). The integers are SymInt: under dynamic shapes
-# the block sizes stay symbolic, so one graph serves every batch size.
-_OP_SCHEMA = ("(Tensor anchors, Tensor[] candidates, Tensor[] complementary, float temperature, "
-              "float? focal_m, float hard_negative_weight, float phi, str formulation, "
-              "SymInt anchor_offset, SymInt? chunk_size, str matryoshka, SymInt layout, "
-              "SymInt[] blocks, str hardness, Tensor[] guide, Tensor[] ids, str engine, "
+# infer none from list[...] and float | None); the epilogue's part is Epilogue.OP_SCHEMA. The
+# integers are SymInt: under dynamic shapes the block sizes stay symbolic, so one graph
+# serves every batch size.
+_OP_SCHEMA = (f"(Tensor anchors, Tensor[] candidates, {Epilogue.OP_SCHEMA}, str engine, "
               "SymInt need, bool scan, Tensor? tau) -> (Tensor, Tensor, Tensor[], Tensor)")
 
 
 @torch.library.custom_op("fastcl::tiled_contrastive", mutates_args=(), schema=_OP_SCHEMA)
-def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
-                         complementary: list[torch.Tensor], temperature: float,
-                         focal_m: float | None, hard_negative_weight: float, phi: float,
-                         formulation: str, anchor_offset: int, chunk_size: int | None,
-                         matryoshka: str, layout: int, blocks: list[int], hardness: str,
-                         guide: list[torch.Tensor], ids: list[torch.Tensor], engine: str,
-                         need: int, scan: bool, tau: torch.Tensor | None
+def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor], *args
                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """``(loss, ∂L/∂anchors, [∂L/∂candidates…], ∂L/∂τ)`` of :func:`contrastive_forward`
-    (empty tensors where ``need``, a bit per input and one for ``tau``, says no); the
-    epilogue's arguments as :meth:`~fastcl.spec.Epilogue.op_args` writes them (``tau``: the
-    learnable temperature whose value ``temperature`` is). ``scan``: test the inputs for
-    NaN/Inf here (the traced caller could not read them)."""
+    (empty tensors where ``need``, a bit per input and one for ``tau``, says no); ``args``:
+    the epilogue's arguments as :meth:`~fastcl.spec.Epilogue.op_args` writes them, then
+    ``engine``, ``need``, ``scan`` (test the inputs for NaN/Inf here: the traced caller could
+    not read them) and ``tau`` (the learnable temperature whose value ``temperature`` is)."""
+    *fields, engine, need, scan, tau = args
     need = bits(need, 2 + len(candidates))
     if scan:                                # one host read for every input
         inputs = [("anchors", anchors), *((f"candidates[{i}]", c) for i, c in enumerate(candidates))]
@@ -120,11 +113,9 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
             if not ok:
                 raise ValueError(f"fastcl.tiled_contrastive: {name} contains NaN or Inf values")
     if tau is not None:       # a learnable τ: its value is read here (the caller was traced)
-        temperature = _validation.temperature(float(tau), anchors.dtype, focal_m=focal_m,
-                                              hard_negative_weight=hard_negative_weight)
-    ep = Epilogue.from_op_args(complementary, temperature, focal_m, hard_negative_weight, phi,
-                               formulation, anchor_offset, chunk_size, matryoshka, layout,
-                               blocks, hardness, guide, ids)
+        fields[1] = _validation.temperature(float(tau), anchors.dtype, focal_m=fields[2],
+                                            hard_negative_weight=fields[3])
+    ep = Epilogue.from_op_args(*fields)
     wants_tau = tau is not None and need[-1]
     loss, grads = contrastive_forward(ep, anchors, tuple(candidates), need[:-1],
                                       engine=engine_for("triton" if engine == "triton" else "tiled"),
@@ -138,10 +129,8 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
 
 
 @tiled_contrastive_op.register_fake
-def _(anchors, candidates, complementary, temperature, focal_m, hard_negative_weight, phi,
-      formulation, anchor_offset, chunk_size, matryoshka, layout, blocks, hardness, guide, ids,
-      engine, need, scan, tau):
-    need = bits(need, 2 + len(candidates))
+def _(anchors, candidates, *args):
+    need, tau = bits(args[-3], 2 + len(candidates)), args[-1]
 
     def grad(x, want):
         return x.new_empty(x.shape if want else (0,), dtype=_grad_dtype(x.dtype))

@@ -144,6 +144,12 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         logits[ar, diag] = float("-inf")
     joint = ep.paired and ep.layout.joint
     view = logits.view(2, r, m) if joint else logits.view(1, -1, m)
+    # the debiased loss counts each row's kept others Q (a row's one softmax: build_spec's
+    # rule), a band of columns at a time: a sum of bools widens its input to int64 first
+    kept = None
+    if ep.positive_prior is not None:
+        band = max(1, -(-m // 8))
+        kept = sum(view[:, :, j:j + band].gt(float("-inf")).sum(dim=(0, 2)) for j in range(0, m, band))
     row_max = view.amax(dim=(0, 2), keepdim=True)
     row_max.masked_fill_(torch.isneginf(row_max), 0.0)      # a row with no other column
     probs = view.sub_(row_max).exp_()
@@ -154,6 +160,10 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     if ep.positives:
         gap = lse[:r] - pos_logit
         share, others = torch.logaddexp(gap, torch.zeros_like(gap)), torch.sigmoid(gap)
+        pos_grad = -others
+        if kept is not None:
+            share, others, pos_grad = _debiased(gap, kept, ep.positive_prior[c.r0:c.r1], pos_logit,
+                                                1.0 / ep.temperature)
         probs[:r].mul_(others[:, None])                # the full softmax, off the positive
         if joint:
             probs[r:].mul_(others[:, None])
@@ -199,7 +209,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     else:
         if ep.positives:
             # p_ii − 1 = −q; per direction, 0.5·p_ii − 1 = −0.5·q − 0.5
-            grad[ar, diag] = -others if not (ep.paired and not joint) else -0.5 * others - 0.5
+            grad[ar, diag] = pos_grad if not (ep.paired and not joint) else -0.5 * others - 0.5
         if ep.focal_m is not None:
             mirror = _RowRules.mirror_of(ep, c)
             if c.tau_out is not None:      # grad is ∂ℓ/∂l here: its dot with s, the s² logits' out
@@ -210,6 +220,34 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
             grad.mul_(_focal_slope(cos, ep, r, c.first_pos, mirror))
     grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
     return grad.to(c.q.dtype)
+
+
+def _debiased(gap, count, prior, positive, inv_t):
+    r"""Chuang et al.'s debiased row loss from ``gap = log Σ_{j≠p} e^{l_ij} − l_ip`` (the
+    others' log-sum-exp less the positive's logit), the kept others ``Q = count`` and ``τ⁺ =
+    prior``: ``ℓ = softplus(g)``, ``g = log N_g − l_ip = max(a, b)`` with
+
+    .. math:: a = \mathrm{gap} + \log(1 − u) − \log(1 − τ⁺),\ u = Qτ⁺e^{−\mathrm{gap}};
+              \quad b = \log Q − 1/τ − l_{ip}
+
+    (``a = −∞`` where ``u ≥ 1``), every term in log space: nothing overflows where the
+    positive dominates or a row keeps nothing (``Q = 0``: ℓ = 0). Returns ``(ℓ, f, ∂ℓ/∂l_ip)``
+    with ``∂ℓ/∂l_ij = f·p̃_ij`` off the positive (p̃ the others' own softmax): the branch
+    taken's subgradient, ``σ(g)/(1 − u)`` and ``−σ(g)/(1 − u)`` on ``a``, 0 and ``−σ(g)`` on
+    ``b``."""
+    q = count.to(gap.dtype)
+    some = q > 0
+    ninf = torch.full_like(gap, float("-inf"))
+    log_u = torch.where(some, q.log() + prior.log() - gap, ninf)
+    one_less_u = -torch.expm1(log_u)                          # 1 − u, no cancellation
+    a = torch.where(log_u < 0, gap + torch.log(one_less_u.clamp_min(0)) - torch.log1p(-prior), ninf)
+    b = torch.where(some, q.log() - inv_t - positive, ninf)
+    g = torch.maximum(a, b)
+    loss = torch.logaddexp(g, torch.zeros_like(g))
+    sig = torch.sigmoid(g)
+    on_a = some & (a >= b)
+    slope = torch.where(on_a, sig / one_less_u.where(on_a, torch.ones_like(g)), torch.zeros_like(g))
+    return loss, slope, torch.where(on_a, -slope, -sig)
 
 
 def _complementary_drop(ep: Epilogue, comp_q, comp_k, first_pos: int, acc: torch.dtype):
@@ -275,7 +313,8 @@ class _RowRules:
     """What a chunk's rows drop and weigh, the same at every Matryoshka width: DCLR's mask
     (R×N_b, the anchor side), :func:`_layout_drops`' masks (R'×M), MNRL's hardness columns
     (R×M, as a factor), and the column of the positive side's own anchor (focal gives it
-    s²/τ: :func:`_focal_logits`)."""
+    s²/τ: :func:`_focal_logits`); the false-negative margin, from each width's own cosines
+    (:meth:`apply`)."""
 
     def __init__(self, ep: Epilogue, c: Chunk, acc: torch.dtype):
         self.r, self.ep = c.r1 - c.r0, ep
@@ -295,10 +334,13 @@ class _RowRules:
         return _mirror_column(ep, c) if ep.paired and ep.layout.positive_to_anchors else None
 
     def apply(self, logits, n_pos: int, cos, first: int) -> None:
-        """In place on the logits: the hard negative's log-weight ``w`` at column
-        ``N_b + first + i``, MNRL's ``β·sg(s)`` on the hardness columns (``cos``: the rows'
-        cosines), then the drops (−inf; DCLR's released code: logit 0)."""
+        """In place on the logits: the false-negative margin's drops, the hard negative's
+        log-weight ``w`` at column ``N_b + first + i``, MNRL's ``β·sg(s)`` on the hardness
+        columns (``cos``: the rows' cosines), then the other drops (−inf; DCLR's released
+        code: logit 0)."""
         r, ep = self.r, self.ep
+        if ep.false_negative_margin is not None:
+            self._margin(logits, cos, first)
         if ep.hard_negative_weight:
             logits[:r].diagonal(n_pos + first).add_(ep.hard_negative_weight)
         if self.hard is not None:
@@ -308,6 +350,21 @@ class _RowRules:
             logits[:r, :n_pos].masked_fill_(self.comp_drop, fill)
         if self.drop is not None:
             logits.masked_fill_(self.drop, float("-inf"))
+
+
+    def _margin(self, logits, cos, first: int) -> None:
+        """−inf where ``s_ij > s_{i,p(i)} + m`` (``logits`` still ``s/τ``, or with focal
+        ``cos`` the cosines), the threshold of row i on both its sides; never the positive
+        nor, on the positive side, its own anchor."""
+        r, ep = self.r, self.ep
+        x, m = (cos, ep.false_negative_margin) if ep.focal_m is not None else (
+            logits, ep.false_negative_margin / ep.temperature)
+        threshold = x[:r].diagonal(first) + m
+        close = x > (threshold if x.shape[0] == r else threshold.repeat(2))[:, None]
+        close[:r].diagonal(first).fill_(False)
+        if self.mirror is not None:
+            close[r:].diagonal(self.mirror).fill_(False)
+        logits.masked_fill_(close, float("-inf"))
 
 
 def _focal_logits(out, cos, ep: Epilogue, r: int, first: int, mirror: int | None):
@@ -454,6 +511,7 @@ def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> in
     # the layout's masks: a few bool slices per side, the guide's cosines, the hardness term
     # (MNRL's hardness: its factor and the cosines it reads)
     rules = m * (4 + acc * (ep.guide is not None) + 2 * acc * (ep.hardness is not None)) if ep.sided else 0
+    rules += m * ((ep.false_negative_margin is not None) + (ep.positive_prior is not None))
     return sides * (m * (acc * _slices(ep) + cast) + rules) + mask
 
 

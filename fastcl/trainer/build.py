@@ -42,6 +42,8 @@ METHOD_OPTIONS = {
     "complementary_pooler": (("dclr",), None),
     "complementary_mode": (("dclr",), "frozen"),
     "m": (("focal",), common.FOCAL_M),
+    "false_negative_margin": (("simcse", "simcse-sup", "focal"), None),
+    "positive_prior": (("simcse", "simcse-sup", "focal"), None),
     "rd_weight": (("escl",), common.ESCL_WEIGHT),
     "rd": (("escl",), common.ESCL_RD),
     "sensitive_dropout": (("escl",), common.SENSITIVE_DROPOUT),
@@ -81,7 +83,8 @@ def check_objective(method: str, options: dict) -> None:
             ms = methods[0] if len(methods) == 1 else f"{', '.join(methods[:-1])} or {methods[-1]}"
             raise ValueError(f"--{name} applies to --method {ms} only{hint}")
     ranges = {"phi": (-1, 1, "in [-1, 1]"), "noise_ratio": (0, None, ">= 0"), "noise_steps": (0, None, ">= 0"),
-              "sensitive_dropout": (0, 0.999999, "in [0, 1)"), "noise_std": (1e-30, None, "> 0")}
+              "sensitive_dropout": (0, 0.999999, "in [0, 1)"), "noise_std": (1e-30, None, "> 0"),
+              "positive_prior": (0, 1 - 2**-53, "in [0, 1)")}
     for name, (low, high, text) in ranges.items():
         v = options.get(name)
         if v is not None and not (v >= low and (high is None or v <= high)):
@@ -205,10 +208,13 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
     if method in ("simcse", "simcse-sup"):
         cls = st.CachedFastInfoNCELoss if cached else st.FastInfoNCELoss
         loss = cls(model, scale=1.0 / o["temperature"], hard_negative_weight=o["hard_negative_weight"],
-                   focal_m=o["focal_m"], **kw)
+                   focal_m=o["focal_m"], false_negative_margin=o["false_negative_margin"],
+                   positive_prior=o["positive_prior"], **kw)
     elif method == "focal":
         cls = st.CachedFastFocalInfoNCELoss if cached else st.FastFocalInfoNCELoss
-        loss = cls(model, temperature=o["temperature"], m=o["m"], **kw)
+        loss = cls(model, temperature=o["temperature"], m=o["m"],
+                   false_negative_margin=o["false_negative_margin"],
+                   positive_prior=o["positive_prior"], **kw)
     elif method == "escl":
         cls = st.CachedFastESCLLoss if cached else st.FastESCLLoss
         loss = cls(model, temperature=o["temperature"], weight=o["rd_weight"], rd=o["rd"],

@@ -91,6 +91,10 @@ class FastclArguments:
     complementary_mode: str | None = _opt(help="dclr: the guide frozen, or as released (dropout on)",
                                           choices=("frozen", "released"))
     m: float | None = _opt(help=f"focal: margin of the negative logits ({common.FOCAL_M})")
+    false_negative_margin: float | None = _opt(help="simcse, simcse-sup, focal: drop candidates "
+                                               "whose cosine beats the positive's by more")
+    positive_prior: float | None = _opt(help="simcse, simcse-sup, focal: debiased loss's class "
+                                        "prior tau+ in [0, 1)")
     rd_weight: float | None = _opt(help=f"escl: weight of the relative difference ({common.ESCL_WEIGHT:g})")
     rd: str | None = _opt(help="escl: the relative difference's form", choices=("softplus", "margin"))
     sensitive_dropout: float | None = _opt(help=f"escl: third view's dropout ({common.SENSITIVE_DROPOUT})")

@@ -30,8 +30,8 @@ class CachedFastFocalInfoNCELoss(Cached):
         temperature, m: as :class:`FastFocalInfoNCELoss`.
         {cached_args}
         mini_batch_num_tokens: as :class:`CachedFastInfoNCELoss`.
-        gather_across_devices, backend, chunk_size, hard_negative_weight, mask_duplicates: as
-            :class:`FastFocalInfoNCELoss`.
+        gather_across_devices, backend, chunk_size, hard_negative_weight, mask_duplicates,
+            false_negative_margin, positive_prior: as :class:`FastFocalInfoNCELoss`.
 
     Inputs:
         {inputs}

@@ -40,7 +40,8 @@ class CachedFastInfoNCELoss(Cached):
             exactly in pass 2). None: ``mini_batch_size`` decides.
         gather_across_devices, directions, partition_mode, hardness_mode, hardness_strength,
             symmetric, hard_negative_weight, focal_m, mask_duplicates, matryoshka_dims,
-            matryoshka_weights, backend, chunk_size: as :class:`FastInfoNCELoss`.
+            matryoshka_weights, false_negative_margin, positive_prior, backend, chunk_size: as
+            :class:`FastInfoNCELoss`.
 
     Inputs:
         {inputs}

@@ -38,6 +38,8 @@ class FastFocalInfoNCELoss(FastLoss):
             positive, as :class:`FastInfoNCELoss`.
         learnable_temperature: learn τ with the model, as :class:`FastInfoNCELoss` (focal's
             logits s(s+m)/τ: its gradient on the tiled path and the reference, not Triton's).
+        false_negative_margin, positive_prior: as :class:`FastInfoNCELoss` (the margin tests
+            the cosines, not the focal logits). None: off.
 
     Inputs:
         {inputs}
@@ -64,9 +66,11 @@ class FastFocalInfoNCELoss(FastLoss):
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  m: float = common.FOCAL_M, backend: str = "auto", chunk_size: int | None = None,
                  gather_across_devices: bool = False, hard_negative_weight: float = 0.0,
-                 mask_duplicates: bool = False, *, learnable_temperature: bool = False):
+                 mask_duplicates: bool = False, *, false_negative_margin: float | None = None,
+                 positive_prior: float | None = None, learnable_temperature: bool = False):
         super().__init__(model)
         self.temperature, self.m, self.backend, self.chunk_size = temperature, m, backend, chunk_size
+        self.false_negative_margin, self.positive_prior = false_negative_margin, positive_prior
         self.gather_across_devices = gather_across_devices
         self.hard_negative_weight, self.mask_duplicates = hard_negative_weight, bool(mask_duplicates)
         self._init_temperature(learnable_temperature, temperature)

@@ -64,6 +64,11 @@ class FastInfoNCELoss(FastLoss):
         learnable_temperature: learn τ with the model: a parameter of the loss, ``log_scale =
             log(1/τ)`` (CLIP's logit scale), starting at ``log(scale)``; ``temperature`` then
             reads its current value. Needs sentence-transformers ≥ 6.2.
+        false_negative_margin: ``m``: a candidate whose cosine with the anchor exceeds the
+            positive's by more than ``m`` leaves the softmax (self-referenced false-negative
+            masking, :func:`fastcl.contrastive`). None: off.
+        positive_prior: ``τ⁺ ∈ [0, 1)``: Chuang et al.'s debiased loss (one softmax a row:
+            not with ``symmetric`` or ``partition_mode="per_direction"``). None: off.
 
     Inputs:
         {inputs}
@@ -94,7 +99,9 @@ class FastInfoNCELoss(FastLoss):
                  hardness_mode: str | None = None, hardness_strength: float = 0.0, *,
                  symmetric: bool = False, hard_negative_weight: float = 0.0,
                  focal_m: float | None = None, mask_duplicates: bool = False,
-                 matryoshka_dims=None, matryoshka_weights=None, learnable_temperature: bool = False,
+                 matryoshka_dims=None, matryoshka_weights=None,
+                 false_negative_margin: float | None = None, positive_prior: float | None = None,
+                 learnable_temperature: bool = False,
                  backend: str = "auto", chunk_size: int | None = None):
         super().__init__(model)
         if similarity_fct is not cos_sim:
@@ -111,6 +118,7 @@ class FastInfoNCELoss(FastLoss):
         self.focal_m, self.mask_duplicates = focal_m, bool(mask_duplicates)
         self.matryoshka_dims, self.matryoshka_weights = matryoshka_dims, matryoshka_weights
         self.backend, self.chunk_size = backend, chunk_size
+        self.false_negative_margin, self.positive_prior = false_negative_margin, positive_prior
         self.gather_across_devices = gather_across_devices
         self._init_temperature(learnable_temperature, 1.0 / self.scale)
         self._check_options()
