@@ -40,6 +40,7 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                 duplicate_ids: tuple | None = None,
                 matryoshka_dims: tuple[int, ...] | None = None,
                 matryoshka_weights: tuple[float, ...] | None = None,
+                label_smoothing: float = 0.0, labels: Tensor | None = None,
                 backend: Backend = "auto", chunk_size: int | None = None) -> Tensor:
     r"""The composable objective: InfoNCE with any set of the features below, on every backend.
 
@@ -127,6 +128,27 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     Triton backend makes a fused call per width (the GEMM work of ``Σ_k d_k`` columns, 2.25×
     one loss for 768, 512, 256, 128, 64). Not with the noise or ``formulation="released"``.
 
+    **Soft targets** (``label_smoothing``, ``labels``). Row i's loss is the cross-entropy
+    against a target distribution over its *kept* candidates ``K_i`` — the entries of its
+    softmax: every column it scores (the positives, ``negatives``, ``Z``, and the anchors
+    block of ``"query_to_query"``) less those dropped by DCLR's mask, the guide, the
+    duplicate ids or the layout's exclusions (the positive is always kept):
+
+    .. math:: ℓ_i = -\sum_{j∈K_i} y_{ij}\log p_{ij},\quad
+              y_{ij} = (1-ε)\,\frac{[j∈P_i]}{|P_i|} + ε\,\frac{[j∈K_i]}{|K_i|}
+
+    with ``p`` the softmax over ``K_i`` of the logits above (focal, ``w``, MNRL's ``β·sg(s)``
+    included) and gradient ``∂ℓ_i/∂l_ij = p_ij − y_ij``. ``P_i`` is the positive alone, or
+    with ``labels`` (one integer per batch row, N_b) every kept column ``j < N_b`` of the
+    positives block with ``labels[j] = labels[p(i)]`` — SupCon's ``L_out``, the positive
+    among them; the negatives block and ``Z`` are never targets. ``label_smoothing = ε``
+    mixes the uniform distribution over ``K_i`` into the target, as
+    ``F.cross_entropy(label_smoothing=ε)`` does over its classes (there every class is
+    kept). Focal's ``s²/τ`` stays on column ``p(i)`` only. Per Matryoshka width, the same
+    targets over that width's logits. Not with ``formulation="released"`` or a layout that
+    gives the positive a side of its own (``"doc_to_query"``, ``"doc_to_doc"``,
+    ``symmetric``, GIST's positive–positive block): ``ValueError``.
+
     Args:
         anchors: (N, d) first view.
         positives: (N, d) second view (N_b rows with ``anchor_offset``); row i is anchor
@@ -162,6 +184,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         guide, guide_margin, margin_strategy: the guide's filter (above).
         duplicate_ids: the texts' ids (above).
         matryoshka_dims, matryoshka_weights: the prefix widths and their weights (above).
+        label_smoothing: ε ∈ [0, 1) (above; 0: off).
+        labels: optional (N_b,) integer tensor, a class id per batch row (above).
         backend: "auto", "reference", "tiled" or "triton". The Triton kernels compute the
             directions, hardness, guide and duplicate ids with InfoNCE, focal and the noise,
             and ``matryoshka_dims`` a call per width, not those options beside
@@ -186,8 +210,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
         hardness_strength=hardness_strength, anchor_candidates=anchor_candidates, guide=guide,
         guide_margin=guide_margin, margin_strategy=margin_strategy, duplicate_ids=duplicate_ids,
-        matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights, backend=backend,
-        chunk_size=chunk_size)
+        matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
+        label_smoothing=label_smoothing, labels=labels, backend=backend, chunk_size=chunk_size)
     return run(spec, anchors, positives, negatives)
 
 
@@ -207,7 +231,8 @@ def run(spec: LossSpec, anchors: Tensor, positives: Tensor, negatives: Tensor | 
 @check.one_host_read
 def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None, *,
             temperature: float = common.TEMPERATURE, hard_negative_weight: float = 0.0,
-            symmetric: bool = False, anchor_offset: int | None = None, backend: Backend = "auto",
+            symmetric: bool = False, anchor_offset: int | None = None,
+            label_smoothing: float = 0.0, labels: Tensor | None = None, backend: Backend = "auto",
             chunk_size: int | None = None) -> Tensor:
     r"""InfoNCE over in-batch negatives: unsupervised and supervised SimCSE.
 
@@ -230,6 +255,9 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
             of the batch that ``positives`` and ``negatives`` hold (anchor i's positive is
             ``positives[anchor_offset + i]``, its hard negative ``negatives[anchor_offset + i]``);
             the loss is their mean.
+        label_smoothing, labels: soft targets, :func:`contrastive`'s (the cross-entropy
+            against ``(1−ε)``·uniform over the positives — the positive, or with ``labels``
+            every positive of the anchor's label — ``+ ε``·uniform over the row's candidates).
         backend: "auto", "reference", "tiled" or "triton".
         chunk_size: anchor rows per chunk in the tiled path (default: from a memory budget).
 
@@ -237,7 +265,8 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
     """
     return run(*build_spec(anchors, positives, negatives, temperature=temperature,
                            hard_negative_weight=hard_negative_weight, symmetric=symmetric,
-                           anchor_offset=anchor_offset, backend=backend, chunk_size=chunk_size))
+                           anchor_offset=anchor_offset, label_smoothing=label_smoothing,
+                           labels=labels, backend=backend, chunk_size=chunk_size))
 
 
 @check.one_host_read

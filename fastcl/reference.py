@@ -47,7 +47,7 @@ def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
 
 
 def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negative_weight,
-               keep, formulation, anchor_offset):
+               keep, formulation, anchor_offset, soft=None):
     """One direction of :func:`contrastive`: the logits of ``anchors`` against ``candidates``
     (positive of anchor i in column ``anchor_offset + i``), then the loss."""
     n = anchors.shape[0]
@@ -72,7 +72,29 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
         return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
+    if soft is not None:
+        return _soft_cross_entropy(logits, is_positive, soft, anchor_offset).mean()
     return _cross_entropy(logits, is_positive).mean()
+
+
+def _soft_cross_entropy(logits, is_positive, soft, anchor_offset):
+    """Each row's ``ℓ_i = −Σ_j y_ij log p_ij`` against the soft target of ``soft``
+    (:class:`fastcl.spec.Soft`), written out: ``K_i`` the row's kept entries (finite
+    logits), ``P_i`` its positive, or with labels the kept columns ``j < N_b`` with
+    ``labels[j] = labels[anchor_offset + i]``, and
+    ``y = (1−ε)·1[P_i]/|P_i| + ε·1[K_i]/|K_i|``."""
+    kept = ~torch.isneginf(logits)
+    log_p = torch.log_softmax(logits, dim=1).masked_fill(~kept, 0.0)
+    target = is_positive
+    if soft.labels is not None:
+        labels, n = soft.labels, logits.shape[0]
+        same = torch.zeros_like(kept)
+        same[:, :labels.shape[0]] = labels[None, :] == labels[anchor_offset:anchor_offset + n, None]
+        target = same & kept
+    eps = soft.label_smoothing
+    y = ((1 - eps) * target.to(log_p.dtype) / target.sum(dim=1, keepdim=True)
+         + eps * kept.to(log_p.dtype) / kept.sum(dim=1, keepdim=True))
+    return -(y * log_p).sum(dim=1)
 
 
 def _positive_logit(logits, is_positive):
@@ -150,7 +172,7 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
                       anchors if anchor_candidates is None else anchor_candidates)
     return _direction(anchors, candidates, n_pos, temperature=logits.temperature,
                       focal_m=logits.focal_m, hard_negative_weight=logits.hard_negative_weight,
-                      keep=keep, formulation=spec.formulation, anchor_offset=offset)
+                      keep=keep, formulation=spec.formulation, anchor_offset=offset, soft=spec.soft)
 
 
 def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anchor_candidates):
@@ -264,6 +286,11 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     # (_cross_entropy), the other blocks join its log-sum-exp
     anchor_pos = torch.zeros_like(anchor_side[0], dtype=torch.bool)
     anchor_pos[rows, g] = True
+    if not positive_side and spec.soft is not None:
+        everything = torch.cat(anchor_side, dim=1)
+        at_positive = torch.zeros_like(everything, dtype=torch.bool)
+        at_positive[:, :anchor_pos.shape[1]] = anchor_pos
+        return _soft_cross_entropy(everything, at_positive, spec.soft, anchor_offset).mean()
     if not positive_side:
         return _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:]).mean()
     if layout.joint:

@@ -11,7 +11,8 @@ small records, each ``None`` when its feature is off (one encoding for "off"):
 * :class:`Rules` — :mod:`fastcl.layout`'s layout, anchor candidates and MNRL's hardness
   (``symmetric=True`` is the layout :data:`SYMMETRIC`);
 * :class:`Guide`, ``ids`` — GISTEmbedLoss's filter and duplicate masking;
-* :class:`Matryoshka` — the prefix widths and their weights.
+* :class:`Matryoshka` — the prefix widths and their weights;
+* :class:`Soft` — soft targets: label smoothing and SupCon's labels.
 
 :class:`Epilogue` is the spec as one engine call sees it (the chunk epilogue's fields: the
 kernels read these names) and encodes itself to and from the custom op's arguments
@@ -74,6 +75,17 @@ class Guide:
     strategy: str = "absolute"
 
 
+@dataclass(frozen=True)
+class Soft:
+    """Soft targets: row i's loss is ``−Σ_j y_ij log p_ij`` over its kept candidates K_i
+    (those in its softmax), ``y_ij = (1−ε)·1[j ∈ P_i]/|P_i| + ε·1[j ∈ K_i]/|K_i|``; ``P_i``
+    the positive alone, or with ``labels`` the kept columns of the positives block whose
+    row has the anchor's label."""
+
+    label_smoothing: float = 0.0          # ε ∈ [0, 1)
+    labels: torch.Tensor | None = None    # (N_b,) int64, one per batch row
+
+
 class Matryoshka(NamedTuple):
     dims: tuple[int, ...]                 # d_1 < … < d_K
     weights: tuple[float, ...]
@@ -94,6 +106,7 @@ class LossSpec:
     anchor_offset: int = 0
     chunk_size: int | None = None
     backend: str = "tiled"                # resolved: "reference", "tiled" or "triton"
+    soft: Soft | None = None              # None: the one-hot target on the positive
 
     @property
     def layout(self) -> Layout:
@@ -147,6 +160,13 @@ class Epilogue:
     #      (for the Triton engine the unit rows in the GEMM dtype, cast once a call)
     ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (column text ids (M,), row keys (N,))
     matryoshka: Matryoshka | None = None   # the loss Σ_k w_k·L(x[:, :d_k]) in one pass
+    label_smoothing: float = 0.0           # soft targets (fastcl.spec.Soft): ε
+    labels: torch.Tensor | None = None     # (N_b,) int64: SupCon's positives by label
+
+    @property
+    def soft(self) -> bool:
+        """Whether the target is more than the one-hot positive (:class:`Soft`)."""
+        return bool(self.label_smoothing) or self.labels is not None
 
     @property
     def paired(self) -> bool:
@@ -172,12 +192,13 @@ class Epilogue:
                 int(self.anchor_offset), self.chunk_size, widths, _layout_bits(self.layout),
                 list(self.blocks or (0, 0, 0, 0)),
                 "" if self.hardness is None else f"{self.hardness[0]}:{float(self.hardness[1])!r}",
-                list(self.guide or ()), list(self.ids or ()))
+                list(self.guide or ()), list(self.ids or ()), float(self.label_smoothing),
+                [] if self.labels is None else [self.labels])
 
     @classmethod
     def from_op_args(cls, complementary, temperature, focal_m, hard_negative_weight, phi,
                      formulation, anchor_offset, chunk_size, matryoshka, layout_bits, blocks,
-                     hardness, guide, ids) -> "Epilogue":
+                     hardness, guide, ids, label_smoothing=0.0, labels=()) -> "Epilogue":
         mode, _, beta = hardness.partition(":")
         widths = None
         if matryoshka:
@@ -190,7 +211,8 @@ class Epilogue:
                    matryoshka=widths, layout=_layout_of(layout_bits),
                    blocks=tuple(blocks) if any(blocks) else None,
                    hardness=(mode, float(beta)) if mode else None,
-                   guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None)
+                   guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None,
+                   label_smoothing=label_smoothing, labels=labels[0] if labels else None)
 
 
 #: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
@@ -224,7 +246,8 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
                hardness_strength=0.0, anchor_candidates=None, guide=None, guide_margin=0.0,
                margin_strategy="absolute", duplicate_ids=None, matryoshka_dims=None,
-               matryoshka_weights=None, backend="auto", chunk_size=None, focal_name="focal_m"):
+               matryoshka_weights=None, label_smoothing=0.0, labels=None, backend="auto",
+               chunk_size=None, focal_name="focal_m"):
     """Check :func:`fastcl.contrastive`'s arguments (every default and cross-field rule) and
     return ``(spec, anchors, positives, negatives)``, the embeddings checked (rows too large
     to square rescaled). Errors name the argument (``focal_name``: ``focal_m``'s name in
@@ -282,13 +305,45 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                                 noise_lr, noise_std,
                                 temperature if noise_temperature is None else noise_temperature,
                                 noise, generator)
+    soft = _soft(label_smoothing, labels, n_pos, anchors.device, formulation, rules)
     spec = LossSpec(
         Logits(temperature, focal_m, hard_negative_weight),
         mask=None if complementary is None else Mask(complementary, phi, reverse=symmetric),
         noise=noise_spec if (noise is not None or count) else None, rules=rules,
         guide=guide_spec, ids=ids, matryoshka=widths, formulation=formulation,
-        anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size))
+        anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size), soft=soft)
     return _with_backend(spec, backend, anchors), anchors, positives, negatives
+
+
+def _soft(label_smoothing, labels, n_pos, device, formulation, rules) -> Soft | None:
+    """``label_smoothing`` (ε ∈ [0, 1)) and ``labels`` (one integer per batch row) checked:
+    a :class:`Soft`, or None when both are off."""
+    eps = check.finite("label_smoothing", label_smoothing)
+    if not 0.0 <= eps < 1.0:
+        raise ValueError(f"label_smoothing must lie in [0, 1), got {eps}")
+    if labels is not None:
+        if (not isinstance(labels, torch.Tensor) or labels.is_floating_point()
+                or labels.is_complex() or labels.dtype == torch.bool):
+            raise TypeError(f"labels must be an integer tensor, got "
+                            f"{labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__}")
+        if labels.dim() != 1 or labels.shape[0] != n_pos:
+            raise ValueError(f"labels must have shape ({n_pos},) (one per batch row: the "
+                             f"positives' rows), got {tuple(labels.shape)}")
+        if labels.device != device:
+            raise ValueError(f"labels is on {labels.device} but anchors are on {device}")
+        labels = labels.to(torch.long)
+    if not eps and labels is None:
+        return None
+    names = " and ".join(n for n, on in (("label_smoothing", eps), ("labels", labels is not None)) if on)
+    if formulation == "released":
+        raise ValueError(f"{names} cannot be combined with formulation='released' (the "
+                         "authors' BCE has no target distribution); use formulation='paper'")
+    if rules is not None and rules.layout.positive_side:
+        raise ValueError(f"{names} cannot be combined with directions that give the positive "
+                         "a side of its own ('doc_to_query', 'doc_to_doc', symmetric=True, "
+                         "GIST's positive-positive block) yet: the targets are defined on the "
+                         "anchor's row only")
+    return Soft(eps, labels)
 
 
 def _exclusive(message: str, joiner: str = ", ", **on) -> None:
@@ -545,4 +600,5 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
         if lacking:
             be = "tiled"
     return LossSpec(spec.logits, spec.mask, spec.noise, spec.rules, spec.guide, spec.ids,
-                    spec.matryoshka, spec.formulation, spec.anchor_offset, spec.chunk_size, be)
+                    spec.matryoshka, spec.formulation, spec.anchor_offset, spec.chunk_size, be,
+                    spec.soft)

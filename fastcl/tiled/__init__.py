@@ -46,7 +46,7 @@ def spec_loss(spec: LossSpec, anchors, positives, negatives=None):
     them (the torch engine), else a call per width (the Triton kernels take one width)."""
     engine = engine_for(spec.backend)
     cands = None if spec.rules is None else spec.rules.anchor_candidates
-    if spec.matryoshka is not None and engine.name != "torch":
+    if spec.matryoshka is not None and (engine.name != "torch" or spec.soft is not None):
         cut = lambda x, d: None if x is None else x[:, :d]  # noqa: E731
         return sum(w * _terms(spec, engine, *(cut(x, d) for x in (anchors, positives, negatives, cands)))
                    for d, w in zip(*spec.matryoshka))
@@ -68,6 +68,8 @@ def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands,
                   complementary=None if mask is None else mask.complementary,
                   formulation=spec.formulation, chunk_size=spec.chunk_size, anchor_offset=offset,
                   matryoshka=widths)
+    if spec.soft is not None:
+        fields.update(label_smoothing=spec.soft.label_smoothing, labels=spec.soft.labels)
     if spec.two_directions:
         # ½(L→ + L←): the positives against the anchor candidates, focal and (symmetric) the
         # transposed mask there; negatives, w and Z belong to the forward direction only

@@ -123,6 +123,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     else:
         logits.mul_(inv_t)
     rules.apply(logits, n_pos, cos, c.first_pos)
+    soft = _SoftTargets(ep, logits, n_pos, ar, diag) if ep.soft else None
     if ep.focal_m is None:
         del cos
     drop, rules = rules.comp_drop, None                # the layout's masks are released here
@@ -170,7 +171,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         row_loss = -log_not.sum(dim=1) + share.clamp_max(100.0)
         del log_not
     else:
-        row_loss = share
+        row_loss = share if soft is None else share + soft.extra
     c.loss_out.copy_(row_loss)
     if not want_grad:
         return None
@@ -197,10 +198,49 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         if ep.positives:
             # p_ii − 1 = −q; per direction, 0.5·p_ii − 1 = −0.5·q − 0.5
             grad[ar, diag] = -others if not (ep.paired and not joint) else -0.5 * others - 0.5
+        if soft is not None:
+            soft.gradient(grad, ar, diag, others)
         if ep.focal_m is not None:
             grad.mul_(_focal_slope(cos, ep, r, c.first_pos, _RowRules.mirror_of(ep, c)))
     grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
     return grad.to(c.q.dtype)
+
+
+class _SoftTargets:
+    """Soft targets (:class:`fastcl.spec.Soft`) on a chunk's anchor rows, from their logits
+    (R×M, dropped entries −inf, the positive still in): ``y = a·1[P] + b·1[K]`` with
+    ``a = (1−ε)/|P|``, ``b = ε/|K|`` (K: the kept entries; P: the positive, or with labels
+    the kept positives-block columns of the row's label), and the row loss's extra term
+    ``Σ_j y_ij (l_ip − l_ij) = (1−ε)(l_ip − Σ_P l/|P|) + ε(l_ip − Σ_K l/|K|)`` beside
+    ``lse − l_ip``. Row sums only: a bool slice (K) and, with labels, an R×N_b one (P)."""
+
+    def __init__(self, ep: Epilogue, logits, n_pos: int, ar, diag):
+        eps = ep.label_smoothing
+        self.dead = torch.isneginf(logits)
+        pos = logits[ar, diag]
+        logits.masked_fill_(self.dead, 0.0)            # the kept entries' sum, then back
+        count = (logits.shape[1] - self.dead.sum(dim=1)).to(logits.dtype)
+        extra = eps * (pos - logits.sum(dim=1) / count)
+        self.same = None
+        if ep.labels is not None:
+            self.same = ((ep.labels[None, :n_pos] == ep.labels[diag][:, None])
+                         & ~self.dead[:, :n_pos]).to(logits.dtype)
+            size = self.same.sum(dim=1)
+            self.a = (1.0 - eps) / size
+            extra = extra + (1.0 - eps) * (pos - torch.einsum("ij,ij->i", logits[:, :n_pos],
+                                                              self.same) / size)
+        else:
+            self.a = torch.full_like(pos, 1.0 - eps)
+        logits.masked_fill_(self.dead, float("-inf"))
+        self.b, self.extra = eps / count, extra
+
+    def gradient(self, grad, ar, diag, others) -> None:
+        """In place: ``p − y`` from the softmax ``p`` with the positive's entry ``−q``
+        (``p_ii − 1``): ``−q + (1 − a − b)`` there (no cancellation when y_ii = 1)."""
+        grad.sub_(self.b[:, None]).masked_fill_(self.dead, 0.0)
+        if self.same is not None:
+            grad[:, :self.same.shape[1]].addcmul_(self.same, self.a[:, None], value=-1.0)
+        grad[ar, diag] = -others + (1.0 - self.a - self.b)
 
 
 def _complementary_drop(ep: Epilogue, comp_q, comp_k, first_pos: int, acc: torch.dtype):
@@ -344,7 +384,9 @@ def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> in
     # the layout's masks: a few bool slices per side, the guide's cosines, the hardness term
     # (MNRL's hardness: its factor and the cosines it reads)
     rules = m * (4 + acc * (ep.guide is not None) + 2 * acc * (ep.hardness is not None)) if ep.sided else 0
-    return sides * (m * (acc * _slices(ep) + cast) + rules) + mask
+    # soft targets: the kept entries (bool), with labels the positives block's weights
+    soft = (m + n_pos * (acc + 1) * (ep.labels is not None)) if ep.soft else 0
+    return sides * (m * (acc * _slices(ep) + cast) + rules) + mask + soft
 
 
 @dataclass(frozen=True)
