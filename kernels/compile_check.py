@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field, replace
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHS = (80, 90)
 FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps", "bound", "hard_beta",
-              "lr", "eps"}
+              "lr", "eps", "smoothing"}
 
 #: The integer arguments of the launches compiled, by name (the kernels share their names),
 #: and whether their buffers start on a 16-byte boundary. ``aligned``: the second chunk of
@@ -73,9 +73,9 @@ _NO_RULES = dict(anchor_base=0, n_neg=0, n_noise=0, rules=0)
 RULES_ARGS = dict(vis0=9, vis1=9, exclude_own=True, hard_mode=1, paired=True, joint=True)
 LAUNCHES = {
     "aligned": dict(aligned=True, R=4096, M=32768, D=768, DC=768, first_pos=4096, n_pos=32768,
-                    T=256, n_ck=32768, R_half=4096, **_NO_RULES),
+                    T=256, n_ck=32768, R_half=4096, n_labels=32768, **_NO_RULES),
     "unaligned": dict(aligned=False, R=1000, M=1000, D=130, DC=130, first_pos=1000,
-                      n_pos=1000, T=8, n_ck=1000, R_half=1000, **_NO_RULES),
+                      n_pos=1000, T=8, n_ck=1000, R_half=1000, n_labels=1000, **_NO_RULES),
 }
 
 
@@ -138,7 +138,7 @@ class Result:
 
 
 #: The flags a variant's name says (left out of a specialization's name).
-FLAG_NAMES = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES", "GUIDE")
+FLAG_NAMES = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES", "GUIDE", "SOFT")
 
 #: The representative subset: every kernel and flag set, on these (arch, dtype) pairs (bf16
 #: on both targets: the dtype of large-batch training; fp32's tiles on one).
@@ -168,7 +168,7 @@ def modes(f: dict, dtype: str) -> list[tuple[bool, bool]]:
     from . import contrastive as kc
 
     two_pass = [(kc.stores_exp(f), False)]
-    bounded = not (f["RELEASED"] or f.get("RULES") or dtype == "float16")
+    bounded = not (f["RELEASED"] or f.get("RULES") or f.get("SOFT") or dtype == "float16")
     return ([(True, True)] if bounded else []) + two_pass
 
 

@@ -17,7 +17,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: Every flag set an objective launches, by name (the compile check builds each one).
 _OFF = dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True, RULES=False,
-            GUIDE=False)
+            GUIDE=False, SOFT=False)
 VARIANTS = {
     "infonce": dict(_OFF),
     "infonce-hard": dict(_OFF, HARD=True),
@@ -37,6 +37,18 @@ VARIANTS = {
     "rules-guide": dict(_OFF, RULES=True, GUIDE=True),
     "focal-rules": dict(_OFF, FOCAL=True, RULES=True),
     "focal-rules-guide": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True),
+    # soft targets (label smoothing, labels) on each of the above but the released DCLR's
+    # and the noise loss's (the similarity kernel stores the cosines, as focal's does)
+    **{f"{name}-soft": dict(f, SOFT=True) for name, f in (
+        ("infonce", dict(_OFF)), ("infonce-hard", dict(_OFF, HARD=True)),
+        ("focal", dict(_OFF, FOCAL=True)), ("dclr-mask", dict(_OFF, MASK=True)),
+        ("focal-hard", dict(_OFF, FOCAL=True, HARD=True)),
+        ("focal-mask", dict(_OFF, FOCAL=True, MASK=True)),
+        ("hard-mask", dict(_OFF, HARD=True, MASK=True)),
+        ("focal-hard-mask", dict(_OFF, FOCAL=True, HARD=True, MASK=True)),
+        ("rules", dict(_OFF, RULES=True)), ("rules-guide", dict(_OFF, RULES=True, GUIDE=True)),
+        ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)),
+        ("focal-rules-guide", dict(_OFF, FOCAL=True, RULES=True, GUIDE=True)))},
 }
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
