@@ -186,3 +186,36 @@ def test_bad_values(options, error, match):
     a, p = make(4, 3), make(4, 3, seed=1)
     with pytest.raises(error, match=match):
         fastcl.contrastive(a, p, **options)
+
+
+# --------------------------------------------------------------------------- sentence-transformers
+
+def test_sentence_transformers_loss_trains(tmp_path, one_thread):
+    """FastInfoNCELoss with label smoothing and class labels (the dataset's ``label`` column)
+    trains a few steps in SentenceTransformerTrainer on a tiny random BERT; its config says
+    both; a bad value fails where the loss is built."""
+    st = pytest.importorskip("sentence_transformers")
+    from datasets import Dataset
+
+    from fastcl.integrations.sentence_transformers import FastInfoNCELoss
+    from test_evaluate import make_tiny_model, random_sentence
+    import random
+
+    model = st.SentenceTransformer(str(make_tiny_model(tmp_path / "bert")), device="cpu")
+    rng = random.Random(3)
+    anchors = [random_sentence(rng) for _ in range(16)]
+    data = Dataset.from_dict({"anchor": anchors, "positive": anchors,
+                              "label": [i % 4 for i in range(16)]})
+    loss = FastInfoNCELoss(model, label_smoothing=0.1, class_labels=True, backend="tiled")
+    assert {"label_smoothing": 0.1, "class_labels": True}.items() <= loss.get_config_dict().items()
+    args = st.SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=8,
+        learning_rate=1e-3, report_to="none", save_strategy="no", logging_steps=1, seed=0,
+        use_cpu=True, disable_tqdm=True)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    st.SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
+    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
+    with pytest.raises(ValueError, match="label_smoothing"):
+        FastInfoNCELoss(model, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="label_smoothing and class_labels"):
+        FastInfoNCELoss(model, class_labels=True, symmetric=True)

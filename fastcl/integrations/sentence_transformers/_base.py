@@ -226,6 +226,32 @@ class FastLoss(nn.Module):
 
     #: drop candidates with the same text as the anchor's positive (:func:`text_ids`)
     mask_duplicates = False
+    #: soft targets (:func:`fastcl.contrastive`'s ``label_smoothing`` and ``labels``): ε, and
+    #: whether the dataset's label column holds a class id per row (SupCon's positives)
+    label_smoothing = 0.0
+    class_labels = False
+
+    def _soft_targets(self, label_smoothing, class_labels, positive_side: bool = False) -> None:
+        """``label_smoothing`` (ε ∈ [0, 1)) and ``class_labels`` checked where the loss is
+        built (``positive_side``: the loss's layout gives the positive a side, where soft
+        targets are not defined)."""
+        eps = number("label_smoothing", label_smoothing)
+        if not 0.0 <= eps < 1.0:
+            raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing}")
+        if positive_side and (eps or class_labels):
+            raise ValueError("label_smoothing and class_labels apply to the anchor's row only: "
+                             "not with symmetric=True, 'doc_to_query', 'doc_to_doc' or GIST's "
+                             "positive-positive block")
+        self.label_smoothing, self.class_labels = eps, bool(class_labels)
+
+    def _labels(self, labels):
+        """The batch's class ids (the dataset's label column) where ``class_labels`` is on."""
+        if not self.class_labels:
+            return None
+        if labels is None:
+            raise ValueError(f"{type(self).__name__}(class_labels=True) takes a class id per row "
+                             "from the dataset's 'label' column; this batch has no labels")
+        return labels
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         features = self._features(sentence_features)
@@ -283,12 +309,14 @@ class FastLoss(nn.Module):
     _local_anchor_block = False
 
     def _in_batch_loss(self, embeddings, *, temperature: float, focal_m: float | None,
-                       symmetric: bool = False, guide=None, duplicate_ids=None) -> Tensor:
+                       symmetric: bool = False, guide=None, duplicate_ids=None,
+                       labels=None) -> Tensor:
         """:func:`fastcl.contrastive` over columns (anchor, positive[, negative...]) with this
         loss's ``hard_negative_weight``, ``backend``, ``chunk_size`` and :meth:`_rules`;
         ``guide`` and ``duplicate_ids``: a guide's embeddings and the text ids of each column,
-        in the same order. With ``gather_across_devices``, every process's positives,
-        negatives (and anchors, where the rules score them) are the candidates."""
+        in the same order; ``labels``: a class id per row (:meth:`_labels`). With
+        ``gather_across_devices``, every process's positives, negatives (and anchors, where
+        the rules score them) are the candidates."""
         anchors, positives, *negatives = self._columns(embeddings, type(self).__name__)
         if self.hard_negative_weight and len(negatives) != 1:
             raise ValueError("hard_negative_weight needs exactly one negative column, "
@@ -301,7 +329,7 @@ class FastLoss(nn.Module):
             lay = layout.from_directions(lay, rules.get("partition_mode", "joint"))
         kw = dict(temperature=temperature, focal_m=focal_m, backend=self.backend,
                   chunk_size=self.chunk_size, hard_negative_weight=self.hard_negative_weight,
-                  **rules)
+                  label_smoothing=self.label_smoothing, **rules)
         cat = lambda parts: torch.cat(parts) if parts else None
         g_anchors, g_positives, *g_negatives = guide if guide is not None else (None, None)
         i_anchors, i_positives, *i_negatives = (duplicate_ids if duplicate_ids is not None
@@ -312,7 +340,7 @@ class FastLoss(nn.Module):
                 guide=None if guide is None else (g_anchors, g_positives, cat(g_negatives)),
                 duplicate_ids=None if duplicate_ids is None else (
                     i_positives, cat(i_negatives), i_anchors if lay.scores_anchors else None),
-                **kw)
+                labels=labels, **kw)
         # Each negative column gathered on its own, so that row offset + i stays anchor i's
         # own; 1-D ids travel as one-column tensors. The anchors block is the whole batch's
         # (MNRL) or this process's (GIST).
@@ -325,6 +353,8 @@ class FastLoss(nn.Module):
         if duplicate_ids is not None:
             columns.update(i_positives=i_positives[:, None], i_negatives=[i[:, None] for i in i_negatives],
                            i_anchors=[i_anchors[:, None]] if whole_anchors else [])
+        if labels is not None:              # the positives' rows: the batch's
+            columns.update(labels=labels[:, None])
         names = [k for k, v in columns.items() for _ in (v if isinstance(v, list) else [v])]
         flat = [x for v in columns.values() for x in (v if isinstance(v, list) else [v])]
         offset, gathered = gather_rows(*flat)
@@ -354,7 +384,8 @@ class FastLoss(nn.Module):
                  if lay.scores_anchors else None)
         return fastcl.contrastive(anchors, one("positives"), cat(got.get("negatives", [])),
                                   anchor_offset=offset, anchor_candidates=cands, guide=g,
-                                  duplicate_ids=i, **kw)
+                                  duplicate_ids=i, labels=ids("labels")[0] if labels is not None else None,
+                                  **kw)
 
     @staticmethod
     def _columns(embeddings, name, at_least=2, at_most=None):

@@ -34,8 +34,8 @@ class CachedFastDCLRLoss(Cached):
             generator: as :class:`FastDCLRLoss`.
         {cached_args}
         mini_batch_num_tokens: as :class:`CachedFastInfoNCELoss`.
-        gather_across_devices, backend, chunk_size, focal_m, guide_dropout, mask_duplicates: as
-            :class:`FastDCLRLoss`.
+        gather_across_devices, backend, chunk_size, focal_m, guide_dropout, mask_duplicates,
+            label_smoothing: as :class:`FastDCLRLoss`.
 
     Inputs:
         {inputs}
@@ -66,12 +66,13 @@ class CachedFastDCLRLoss(Cached):
                  show_progress_bar: bool = False, gather_across_devices: bool = False,
                  backend: str = "auto", chunk_size: int | None = None, focal_m: float | None = None,
                  guide_dropout: bool = False, mask_duplicates: bool = False,
-                 mini_batch_num_tokens: int | None = None):
+                 mini_batch_num_tokens: int | None = None, label_smoothing: float = 0.0):
         super().__init__(FastDCLRLoss(
             model, guide, phi, noise_ratio, noise_steps, noise_lr, noise_std, temperature,
             formulation, generator, backend=backend, chunk_size=chunk_size,
             gather_across_devices=gather_across_devices, focal_m=focal_m, guide_dropout=guide_dropout,
-            mask_duplicates=mask_duplicates), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+            mask_duplicates=mask_duplicates, label_smoothing=label_smoothing), mini_batch_size,
+            show_progress_bar, mini_batch_num_tokens)
 
     def _pass_one_inputs(self, sentence_features):
         return {"complementary": self._guide_embeddings(sentence_features, self.mini_batch_size)}

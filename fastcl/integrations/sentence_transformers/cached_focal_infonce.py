@@ -30,8 +30,8 @@ class CachedFastFocalInfoNCELoss(Cached):
         temperature, m: as :class:`FastFocalInfoNCELoss`.
         {cached_args}
         mini_batch_num_tokens: as :class:`CachedFastInfoNCELoss`.
-        gather_across_devices, backend, chunk_size, hard_negative_weight, mask_duplicates: as
-            :class:`FastFocalInfoNCELoss`.
+        gather_across_devices, backend, chunk_size, hard_negative_weight, mask_duplicates,
+            label_smoothing, class_labels: as :class:`FastFocalInfoNCELoss`.
 
     Inputs:
         {inputs}
@@ -58,8 +58,10 @@ class CachedFastFocalInfoNCELoss(Cached):
                  m: float = common.FOCAL_M, *, mini_batch_size: int = 32, show_progress_bar: bool = False,
                  gather_across_devices: bool = False, backend: str = "auto", chunk_size: int | None = None,
                  hard_negative_weight: float = 0.0, mask_duplicates: bool = False,
-                 mini_batch_num_tokens: int | None = None):
+                 mini_batch_num_tokens: int | None = None, label_smoothing: float = 0.0,
+                 class_labels: bool = False):
         super().__init__(FastFocalInfoNCELoss(
             model, temperature, m, backend=backend, chunk_size=chunk_size,
             gather_across_devices=gather_across_devices, hard_negative_weight=hard_negative_weight,
-            mask_duplicates=mask_duplicates), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+            mask_duplicates=mask_duplicates, label_smoothing=label_smoothing,
+            class_labels=class_labels), mini_batch_size, show_progress_bar, mini_batch_num_tokens)

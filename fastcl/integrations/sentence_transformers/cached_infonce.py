@@ -40,7 +40,8 @@ class CachedFastInfoNCELoss(Cached):
             exactly in pass 2). None: ``mini_batch_size`` decides.
         gather_across_devices, directions, partition_mode, hardness_mode, hardness_strength,
             symmetric, hard_negative_weight, focal_m, mask_duplicates, matryoshka_dims,
-            matryoshka_weights, backend, chunk_size: as :class:`FastInfoNCELoss`.
+            matryoshka_weights, label_smoothing, class_labels, backend, chunk_size: as
+            :class:`FastInfoNCELoss`.
 
     Inputs:
         {inputs}
@@ -73,10 +74,12 @@ class CachedFastInfoNCELoss(Cached):
                  hardness_strength: float = 0.0, *, symmetric: bool = False,
                  hard_negative_weight: float = 0.0, focal_m: float | None = None,
                  mask_duplicates: bool = False, matryoshka_dims=None, matryoshka_weights=None,
+                 label_smoothing: float = 0.0, class_labels: bool = False,
                  backend: str = "auto", chunk_size: int | None = None):
         super().__init__(FastInfoNCELoss(
             model, scale, similarity_fct, gather_across_devices, directions, partition_mode,
             hardness_mode, hardness_strength, symmetric=symmetric,
             hard_negative_weight=hard_negative_weight, focal_m=focal_m, mask_duplicates=mask_duplicates,
-            matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights, backend=backend,
+            matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
+            label_smoothing=label_smoothing, class_labels=class_labels, backend=backend,
             chunk_size=chunk_size), mini_batch_size, show_progress_bar, mini_batch_num_tokens)

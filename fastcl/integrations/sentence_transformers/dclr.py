@@ -55,6 +55,8 @@ class FastDCLRLoss(Guided, FastLoss):
         focal_m: Focal-InfoNCE's modulation on top (paper formulation only). None: off.
         mask_duplicates: drop every in-batch candidate with the same text as the anchor's
             positive (paper formulation), as :class:`FastInfoNCELoss`.
+        label_smoothing: ε ∈ [0, 1), as :class:`FastInfoNCELoss`: uniform over the row's kept
+            candidates (the noise included, DCLR's dropped negatives not); paper formulation.
 
     Inputs:
         {inputs}
@@ -79,8 +81,8 @@ class FastDCLRLoss(Guided, FastLoss):
     """
 
     _config = ("phi", "noise_ratio", "noise_steps", "noise_lr", "noise_std", "temperature",
-               "formulation", "focal_m", "guide_dropout", "mask_duplicates", "gather_across_devices",
-               "backend")
+               "formulation", "focal_m", "guide_dropout", "mask_duplicates", "label_smoothing",
+               "gather_across_devices", "backend")
     _column_counts = (2, 2)
     _guide_argument = "complementary"
 
@@ -91,7 +93,7 @@ class FastDCLRLoss(Guided, FastLoss):
                  generator: torch.Generator | None = None, backend: str = "auto",
                  chunk_size: int | None = None, gather_across_devices: bool = False,
                  focal_m: float | None = None, guide_dropout: bool = False,
-                 mask_duplicates: bool = False):
+                 mask_duplicates: bool = False, label_smoothing: float = 0.0):
         super().__init__(model)
         self.mask_duplicates = bool(mask_duplicates)
         self._init_guide(model, guide, "the frozen model whose cosines drop DCLR's false "
@@ -109,12 +111,17 @@ class FastDCLRLoss(Guided, FastLoss):
         self.generator = generator
         self.backend, self.chunk_size = backend, chunk_size
         self.gather_across_devices = gather_across_devices
+        self._soft_targets(label_smoothing, False)
+        if self.label_smoothing and self.formulation == "released":
+            raise ValueError("label_smoothing cannot be combined with formulation='released' (the "
+                             "authors' BCE has no target distribution)")
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, complementary=None,
                                      duplicate_ids=None):
         anchors, positives = self._columns(embeddings, type(self).__name__, 2, 2)
         kw = dict(phi=self.phi, temperature=self.temperature, formulation=self.formulation,
-                  focal_m=self.focal_m, backend=self.backend, chunk_size=self.chunk_size)
+                  focal_m=self.focal_m, backend=self.backend, chunk_size=self.chunk_size,
+                  label_smoothing=self.label_smoothing)
         ids = self._ids(duplicate_ids)
         if not self._gathering():
             if ids is not None:

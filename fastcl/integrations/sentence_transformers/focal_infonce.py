@@ -36,6 +36,8 @@ class FastFocalInfoNCELoss(FastLoss):
             negative; needs exactly one negative column. 0: off.
         mask_duplicates: drop every candidate whose text equals that of the anchor's
             positive, as :class:`FastInfoNCELoss`.
+        label_smoothing, class_labels: soft targets, as :class:`FastInfoNCELoss` (focal's
+            ``s²`` stays on the row's own positive).
 
     Inputs:
         {inputs}
@@ -57,23 +59,26 @@ class FastFocalInfoNCELoss(FastLoss):
         {example}
     """
 
-    _config = ("temperature", "m", "hard_negative_weight", "mask_duplicates", "gather_across_devices",
-               "backend")
+    _config = ("temperature", "m", "hard_negative_weight", "mask_duplicates", "label_smoothing",
+               "class_labels", "gather_across_devices", "backend")
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  m: float = common.FOCAL_M, backend: str = "auto", chunk_size: int | None = None,
                  gather_across_devices: bool = False, hard_negative_weight: float = 0.0,
-                 mask_duplicates: bool = False):
+                 mask_duplicates: bool = False, label_smoothing: float = 0.0,
+                 class_labels: bool = False):
         super().__init__(model)
         self.temperature = number("temperature", temperature, positive=True)
         self.m, self.backend, self.chunk_size = number("m", m), backend, chunk_size
         self.gather_across_devices = gather_across_devices
         self.hard_negative_weight = number("hard_negative_weight", hard_negative_weight)
         self.mask_duplicates = bool(mask_duplicates)
+        self._soft_targets(label_smoothing, class_labels)
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
         return self._in_batch_loss(embeddings, temperature=self.temperature, focal_m=self.m,
-                                   duplicate_ids=self._ids(duplicate_ids))
+                                   duplicate_ids=self._ids(duplicate_ids),
+                                   labels=self._labels(labels))
 
     @property
     def citation(self) -> str:

@@ -61,6 +61,14 @@ class FastInfoNCELoss(FastLoss):
             (MNRL's options included; on the Triton backend: a fused call per width). None:
             off.
         matryoshka_weights: the ``w_k`` (default: all 1).
+        label_smoothing: ε ∈ [0, 1): the target mixes ε of the uniform distribution over
+            the row's kept candidates into the positive's one-hot, as
+            ``F.cross_entropy(label_smoothing=ε)`` (:func:`fastcl.contrastive` states the
+            math). 0: off.
+        class_labels: the dataset's ``label`` column is a class id per row: every positive
+            of the anchor's class is a target, uniform over them (SupCon's ``L_out``; e.g.
+            the NLI premise's id). Not with ``symmetric`` or a ``directions`` that gives the
+            positive a side.
 
     Inputs:
         {inputs}
@@ -87,7 +95,8 @@ class FastInfoNCELoss(FastLoss):
 
     _config = ("scale", "directions", "partition_mode", "hardness_mode", "hardness_strength",
                "symmetric", "hard_negative_weight", "focal_m", "mask_duplicates",
-               "matryoshka_dims", "matryoshka_weights", "gather_across_devices", "backend")
+               "matryoshka_dims", "matryoshka_weights", "label_smoothing", "class_labels",
+               "gather_across_devices", "backend")
 
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
                  similarity_fct=cos_sim, gather_across_devices: bool = False,
@@ -95,8 +104,8 @@ class FastInfoNCELoss(FastLoss):
                  hardness_mode: str | None = None, hardness_strength: float = 0.0, *,
                  symmetric: bool = False, hard_negative_weight: float = 0.0,
                  focal_m: float | None = None, mask_duplicates: bool = False,
-                 matryoshka_dims=None, matryoshka_weights=None,
-                 backend: str = "auto", chunk_size: int | None = None):
+                 matryoshka_dims=None, matryoshka_weights=None, label_smoothing: float = 0.0,
+                 class_labels: bool = False, backend: str = "auto", chunk_size: int | None = None):
         super().__init__(model)
         if similarity_fct is not cos_sim:
             raise ValueError("FastInfoNCELoss computes cosine similarity: similarity_fct must be "
@@ -121,6 +130,8 @@ class FastInfoNCELoss(FastLoss):
         self.focal_m = None if focal_m is None else number("focal_m", focal_m)
         self.mask_duplicates = bool(mask_duplicates)
         self.matryoshka_dims, self.matryoshka_weights = matryoshka(matryoshka_dims, matryoshka_weights)
+        self._soft_targets(label_smoothing, class_labels, self.symmetric or layout.from_directions(
+            self.directions, partition_mode).positive_side)
 
     def _rules(self) -> dict:
         return dict(directions=self.directions, partition_mode=self.partition_mode,
@@ -129,7 +140,8 @@ class FastInfoNCELoss(FastLoss):
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
         return self._in_batch_loss(embeddings, temperature=1.0 / self.scale, focal_m=self.focal_m,
-                                   symmetric=self.symmetric, duplicate_ids=self._ids(duplicate_ids))
+                                   symmetric=self.symmetric, duplicate_ids=self._ids(duplicate_ids),
+                                   labels=self._labels(labels))
 
     @property
     def temperature(self) -> float:
