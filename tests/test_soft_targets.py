@@ -219,3 +219,18 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
         FastInfoNCELoss(model, label_smoothing=1.5)
     with pytest.raises(ValueError, match="label_smoothing and class_labels"):
         FastInfoNCELoss(model, class_labels=True, symmetric=True)
+
+
+def test_trainer_options():
+    """fastcl-train's --label_smoothing and --premise_labels: checked with their names; the
+    premise ids become the label column the loss reads."""
+    datasets = pytest.importorskip("datasets")
+    from fastcl.trainer.build import check_objective, examples
+
+    with pytest.raises(ValueError, match="--label_smoothing"):
+        check_objective("simcse", {"label_smoothing": 1.0})
+    with pytest.raises(ValueError, match="--premise_labels"):
+        check_objective("simcse", {"premise_labels": True})
+    rows = datasets.Dataset.from_dict({"sent0": ["a b", "c", "a b"], "sent1": ["x", "y", "z"],
+                                       "hard_neg": ["u", "v", "w"]})
+    assert examples(rows, "simcse-sup", premise_labels=True)["label"] == [0, 1, 0]

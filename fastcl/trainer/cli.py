@@ -94,6 +94,10 @@ class FastclArguments:
     sensitive_dropout: float | None = _opt(help=f"escl: third view's dropout ({common.SENSITIVE_DROPOUT})")
     augment: str | None = _opt(help="unsupervised: augment the positive copy: NAME[:RATE], NAME one of "
                                + ", ".join(common.AUGMENT_RATES))
+    label_smoothing: float | None = _opt(help="simcse, simcse-sup, focal, dclr: the uniform share "
+                                         "of each row's target, in [0, 1) (0)")
+    premise_labels: bool | None = _opt(help="simcse-sup: every positive of the anchor's premise "
+                                       "is a target (with --batch_sampler group_by_label)")
 
 
 FASTCL = tuple(f.name for f in fields(FastclArguments))
