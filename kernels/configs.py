@@ -94,6 +94,8 @@ SIM_CONFIGS_BY_VARIANT = {
     (90, "16bit", "rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (90, "16bit", "focal-rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (80, "fp32", "focal-rules-guide"): [(64, 16, 8, 3)],
+    # soft targets store the cosines (as focal does): the 128-row masked tile spills there
+    (90, "16bit", "hard-mask-soft"): [(64, 64, 8, 3), (64, 32, 8, 3)],
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
 #: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads
@@ -143,8 +145,12 @@ def sim_configs(f: dict, dtype, arch: int = 90, version: tuple | None = None) ->
     name = variant_name(f)
     second = bool(f["MASK"] or f.get("GUIDE"))
     older = (version or triton_version()) < OLDER_TRITON
-    return ((older and SIM_CONFIGS_OLDER_TRITON.get((arch, kind, name)))
+    # a soft variant's tile is its base's (SOFT is read by the row kernel only), unless listed
+    base = name[:-len("-soft")] if name and name.endswith("-soft") else None
+    return ((older and (SIM_CONFIGS_OLDER_TRITON.get((arch, kind, name))
+                        or SIM_CONFIGS_OLDER_TRITON.get((arch, kind, base))))
             or SIM_CONFIGS_BY_VARIANT.get((arch, kind, name))
+            or SIM_CONFIGS_BY_VARIANT.get((arch, kind, base))
             or SIM_CONFIGS_BY_ARCH.get(arch, {}).get((kind, second))
             or SIM_CONFIGS[(kind, second)])
 

@@ -611,27 +611,27 @@ def _row_kernel(
         # positives-block columns (P: the positive alone without labels); then
         # ℓ = lse − l_ii + (1−ε)(l_ii − Σ_P l/|P|) + ε(l_ii − Σ_K l/|K|), ∂ℓ/∂l = p − y
         row_label = tl.load(label_ids_ptr + rows_g, mask=rows_g < n_labels, other=0)
-        k_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-        kl_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-        p_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-        pl_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+        # (row sums block by block: four BLOCK_N accumulators would not fit in registers)
+        count = tl.zeros((1,), dtype=tl.float32)
+        kl_sum = tl.zeros((1,), dtype=tl.float32)
+        size = tl.zeros((1,), dtype=tl.float32)
+        pl_sum = tl.zeros((1,), dtype=tl.float32)
         for c0 in range(0, M, BLOCK_N):
             cols, ok, p, s, l, is_pos, squared, dropped = _row_probs(
                 t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, n_pos, n_neg,
                 n_noise, rules, inv_t, focal_m, hard_w, hard_beta, FLAGS, TILE_M, BLOCK_N)
             kept = ok[None, :] & _not(dropped)
             same = _same_label(label_ids_ptr, cols, row_label, n_labels, is_pos) & kept
-            k_acc += tl.where(kept, 1.0, 0.0)
-            kl_acc += tl.where(kept, l, 0.0)
-            p_acc += tl.where(same, 1.0, 0.0)
-            pl_acc += tl.where(same, l, 0.0)
-        count = tl.sum(tl.sum(k_acc, axis=1), axis=0)
-        size = tl.sum(tl.sum(p_acc, axis=1), axis=0)
+            count += tl.sum(tl.where(kept, 1.0, 0.0), axis=1)
+            kl_sum += tl.sum(tl.where(kept, l, 0.0), axis=1)
+            size += tl.sum(tl.where(same, 1.0, 0.0), axis=1)
+            pl_sum += tl.sum(tl.where(same, l, 0.0), axis=1)
+        count = tl.sum(count, axis=0)
+        size = tl.sum(size, axis=0)
         a = (1.0 - smoothing) / size
         b = smoothing / count
-        spread = tl.where(n_labels > 0, pos - tl.sum(tl.sum(pl_acc, axis=1), axis=0) / size, 0.0)
-        row_loss += ((1.0 - smoothing) * spread
-                     + smoothing * (pos - tl.sum(tl.sum(kl_acc, axis=1), axis=0) / count))
+        spread = tl.where(n_labels > 0, pos - tl.sum(pl_sum, axis=0) / size, 0.0)
+        row_loss += (1.0 - smoothing) * spread + smoothing * (pos - tl.sum(kl_sum, axis=0) / count)
         pos_g = pos_g + (1.0 - a - b)
     # the positive side has no loss row (a branch: the interpreter of Triton 3.1 takes a
     # scalar mask that is False for no mask at all)
