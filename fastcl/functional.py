@@ -145,9 +145,12 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     mixes the uniform distribution over ``K_i`` into the target, as
     ``F.cross_entropy(label_smoothing=ε)`` does over its classes (there every class is
     kept). Focal's ``s²/τ`` stays on column ``p(i)`` only. Per Matryoshka width, the same
-    targets over that width's logits. Not with ``formulation="released"`` or a layout that
-    gives the positive a side of its own (``"doc_to_query"``, ``"doc_to_doc"``,
-    ``symmetric``, GIST's positive–positive block): ``ValueError``.
+    targets over that width's logits. With ``symmetric`` (or ``"doc_to_query"`` per
+    direction, no guide, ids or hardness) each direction's softmax has its own target, the
+    reverse one's positive the row's own anchor and, with labels, the anchors of its label;
+    ``L = ½(L^→ + L^←)``. Not with ``formulation="released"`` or a positive side that shares
+    the anchor's softmax or its drops (``"doc_to_doc"``, a joint ``"doc_to_query"``, GIST's
+    positive–positive block): ``ValueError``.
 
     Args:
         anchors: (N, d) first view.

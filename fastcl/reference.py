@@ -80,7 +80,8 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
 def _soft_cross_entropy(logits, is_positive, soft, anchor_offset):
     """Each row's ``ℓ_i = −Σ_j y_ij log p_ij`` against the soft target of ``soft``
     (:class:`fastcl.spec.Soft`), written out: ``K_i`` the row's kept entries (finite
-    logits), ``P_i`` its positive, or with labels the kept columns ``j < N_b`` with
+    logits), ``P_i`` its positive, or with labels the kept columns ``j < N_b`` (the first
+    block: the positives, or the anchors on a positive side) with
     ``labels[j] = labels[anchor_offset + i]``, and
     ``y = (1−ε)·1[P_i]/|P_i| + ε·1[K_i]/|K_i|``."""
     kept = ~torch.isneginf(logits)
@@ -90,7 +91,7 @@ def _soft_cross_entropy(logits, is_positive, soft, anchor_offset):
         labels, n = soft.labels, logits.shape[0]
         same = torch.zeros_like(kept)
         same[:, :labels.shape[0]] = labels[None, :] == labels[anchor_offset:anchor_offset + n, None]
-        target = same & kept
+        target = (same & kept) | is_positive
     eps = soft.label_smoothing
     y = ((1 - eps) * target.to(log_p.dtype) / target.sum(dim=1, keepdim=True)
          + eps * kept.to(log_p.dtype) / kept.sum(dim=1, keepdim=True))
@@ -286,11 +287,18 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     # (_cross_entropy), the other blocks join its log-sum-exp
     anchor_pos = torch.zeros_like(anchor_side[0], dtype=torch.bool)
     anchor_pos[rows, g] = True
-    if not positive_side and spec.soft is not None:
+    if spec.soft is not None:
+        # each softmax its own target (a positive side only as two directions: its first
+        # block the anchors, the positive there the row's own anchor)
         everything = torch.cat(anchor_side, dim=1)
         at_positive = torch.zeros_like(everything, dtype=torch.bool)
         at_positive[:, :anchor_pos.shape[1]] = anchor_pos
-        return _soft_cross_entropy(everything, at_positive, spec.soft, anchor_offset).mean()
+        loss = _soft_cross_entropy(everything, at_positive, spec.soft, anchor_offset)
+        if positive_side:
+            reverse = torch.cat(positive_side, dim=1)
+            loss = 0.5 * (loss + _soft_cross_entropy(
+                reverse, _at_cols(own_anchor, reverse.shape[1]), spec.soft, anchor_offset))
+        return loss.mean()
     if not positive_side:
         return _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:]).mean()
     if layout.joint:

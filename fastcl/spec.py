@@ -305,17 +305,25 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                                 noise_lr, noise_std,
                                 temperature if noise_temperature is None else noise_temperature,
                                 noise, generator)
-    soft = _soft(label_smoothing, labels, n_pos, anchors.device, formulation, rules)
+    soft = _soft(label_smoothing, labels, n_pos, anchors.device, formulation)
     spec = LossSpec(
         Logits(temperature, focal_m, hard_negative_weight),
         mask=None if complementary is None else Mask(complementary, phi, reverse=symmetric),
         noise=noise_spec if (noise is not None or count) else None, rules=rules,
         guide=guide_spec, ids=ids, matryoshka=widths, formulation=formulation,
         anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size), soft=soft)
+    if soft is not None and spec.layout.positive_side and not spec.two_directions:
+        names = " and ".join(n for n, on in (("label_smoothing", soft.label_smoothing),
+                                             ("labels", soft.labels is not None)) if on)
+        raise ValueError(f"{names} cannot be combined with a positive side that shares the "
+                         "anchor's softmax or its rules ('doc_to_doc', partition_mode='joint' "
+                         "with 'doc_to_query', GIST's positive-positive block, or "
+                         "'doc_to_query' with a guide, duplicate_ids or hardness_mode) yet; "
+                         "symmetric=True and per_direction 'doc_to_query' take them")
     return _with_backend(spec, backend, anchors), anchors, positives, negatives
 
 
-def _soft(label_smoothing, labels, n_pos, device, formulation, rules) -> Soft | None:
+def _soft(label_smoothing, labels, n_pos, device, formulation) -> Soft | None:
     """``label_smoothing`` (ε ∈ [0, 1)) and ``labels`` (one integer per batch row) checked:
     a :class:`Soft`, or None when both are off."""
     eps = check.finite("label_smoothing", label_smoothing)
@@ -338,11 +346,6 @@ def _soft(label_smoothing, labels, n_pos, device, formulation, rules) -> Soft | 
     if formulation == "released":
         raise ValueError(f"{names} cannot be combined with formulation='released' (the "
                          "authors' BCE has no target distribution); use formulation='paper'")
-    if rules is not None and rules.layout.positive_side:
-        raise ValueError(f"{names} cannot be combined with directions that give the positive "
-                         "a side of its own ('doc_to_query', 'doc_to_doc', symmetric=True, "
-                         "GIST's positive-positive block) yet: the targets are defined on the "
-                         "anchor's row only")
     return Soft(eps, labels)
 
 

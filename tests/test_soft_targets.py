@@ -42,6 +42,14 @@ def test_label_smoothing_is_torch_cross_entropy():
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
         for x, y in zip(_grads(got, (a, p, neg)), _grads(want, (a, p, neg))):
             torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+    # symmetric: each direction its own smoothed target, averaged
+    got = fastcl.contrastive(a, p, temperature=TAU, label_smoothing=0.3, symmetric=True,
+                             backend="reference")
+    s = F.normalize(a, dim=1) @ F.normalize(p, dim=1).T / TAU
+    want = 0.5 * sum(F.cross_entropy(x, torch.arange(9), label_smoothing=0.3) for x in (s, s.T))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    for x, y in zip(_grads(got, (a, p)), _grads(want, (a, p))):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
 
 
 def test_labels_are_supcon_l_out():
@@ -99,6 +107,11 @@ def _case(name, n, d):
     if name == "both+hardness+matryoshka":
         return dict(labels=labels, label_smoothing=0.1, hardness_mode="in_batch_negatives",
                     hardness_strength=2.0, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.0))
+    if name == "both+symmetric+mask":
+        c = F.one_hot(torch.arange(n) % 4, 4).double() + 0.01 * torch.randn(n, 4, generator=g,
+                                                                            dtype=torch.float64)
+        return dict(labels=labels, label_smoothing=0.2, symmetric=True, focal_m=0.2,
+                    complementary=(c, c.flip(1)), phi=0.2)
     if name == "smooth+noise":
         return dict(label_smoothing=0.1, noise=torch.randn(3, d, generator=g, dtype=torch.float64),
                     noise_steps=1)
@@ -106,10 +119,11 @@ def _case(name, n, d):
 
 
 CASES = ["smooth", "labels", "both+focal+hard", "both+mask", "both+ids+guide+q2q",
-         "both+hardness+matryoshka", "smooth+noise"]
+         "both+hardness+matryoshka", "both+symmetric+mask", "smooth+noise"]
 SHAPES = [(1, 3), (19, 5)]          # N = 1; 19 rows and 38 columns cross the 16-wide tiles
 FAST_TRITON = {("smooth", (19, 5)), ("labels", (1, 3)), ("both+focal+hard", (19, 5)),
-               ("both+ids+guide+q2q", (19, 5)), ("both+hardness+matryoshka", (1, 3))}
+               ("both+ids+guide+q2q", (19, 5)), ("both+hardness+matryoshka", (1, 3)),
+               ("both+symmetric+mask", (19, 5))}
 
 
 def _grid():
@@ -180,7 +194,10 @@ def test_edges(backend):
     (dict(labels=torch.zeros(4, 1, dtype=torch.long)), ValueError, "labels"),
     (dict(labels=[0, 1, 2, 3]), TypeError, "labels"),
     (dict(label_smoothing=0.1, formulation="released"), ValueError, "label_smoothing"),
-    (dict(labels=torch.zeros(4, dtype=torch.long), symmetric=True), ValueError, "labels"),
+    (dict(labels=torch.zeros(4, dtype=torch.long), directions=("query_to_doc", "doc_to_doc")),
+     ValueError, "labels"),
+    (dict(label_smoothing=0.1, directions=("query_to_doc", "doc_to_query")), ValueError,
+     "label_smoothing"),
 ])
 def test_bad_values(options, error, match):
     a, p = make(4, 3), make(4, 3, seed=1)
@@ -218,7 +235,7 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
     with pytest.raises(ValueError, match="label_smoothing"):
         FastInfoNCELoss(model, label_smoothing=1.5)
     with pytest.raises(ValueError, match="label_smoothing and class_labels"):
-        FastInfoNCELoss(model, class_labels=True, symmetric=True)
+        FastInfoNCELoss(model, class_labels=True, directions=("query_to_doc", "doc_to_query"))
 
 
 def test_trainer_options():

@@ -79,7 +79,8 @@ def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands,
                            complementary=(mask.complementary[1], mask.complementary[0])
                            if mask is not None and mask.reverse else None,
                            chunk_size=spec.chunk_size, matryoshka=widths,
-                           anchor_offset=offset if cands.shape[0] == n_pos else 0)
+                           anchor_offset=offset if cands.shape[0] == n_pos else 0,
+                           **{k: fields[k] for k in ("label_smoothing", "labels") if k in fields})
         forward = contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
         return 0.5 * (forward + contrastive_loss(reverse, positives[offset:offset + n], cands,
                                                  engine=engine))

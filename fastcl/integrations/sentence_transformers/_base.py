@@ -233,15 +233,16 @@ class FastLoss(nn.Module):
 
     def _soft_targets(self, label_smoothing, class_labels, positive_side: bool = False) -> None:
         """``label_smoothing`` (ε ∈ [0, 1)) and ``class_labels`` checked where the loss is
-        built (``positive_side``: the loss's layout gives the positive a side, where soft
-        targets are not defined)."""
+        built (``positive_side``: the loss's layout gives the positive a side that shares the
+        anchor's softmax or its rules, where soft targets are not defined)."""
         eps = number("label_smoothing", label_smoothing)
         if not 0.0 <= eps < 1.0:
             raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing}")
         if positive_side and (eps or class_labels):
-            raise ValueError("label_smoothing and class_labels apply to the anchor's row only: "
-                             "not with symmetric=True, 'doc_to_query', 'doc_to_doc' or GIST's "
-                             "positive-positive block")
+            raise ValueError("label_smoothing and class_labels take a positive side of its own "
+                             "softmax only (symmetric=True, per_direction 'doc_to_query'): not "
+                             "'doc_to_doc', a joint 'doc_to_query', hardness_mode or "
+                             "mask_duplicates beside it")
         self.label_smoothing, self.class_labels = eps, bool(class_labels)
 
     def _labels(self, labels):
@@ -363,12 +364,13 @@ class FastLoss(nn.Module):
             got.setdefault(name, []).append(x)
         one = lambda name: got[name][0] if got.get(name) else None
         ids = lambda name: [x[:, 0] for x in got.get(name, [])]
+        all_labels = ids("labels")[0] if labels is not None else None
         if symmetric:   # each process scores its own positives against every anchor
             plain = {k: v for k, v in kw.items() if k != "hard_negative_weight"}
             forward = fastcl.contrastive(anchors, one("positives"), cat(got.get("negatives", [])),
-                                         anchor_offset=offset, **kw)
+                                         anchor_offset=offset, labels=all_labels, **kw)
             return 0.5 * (forward + fastcl.contrastive(positives, one("anchors"), anchor_offset=offset,
-                                                       **plain))
+                                                       labels=all_labels, **plain))
         cands = None
         if lay.scores_anchors:
             cands = one("anchors") if not self._local_anchor_block else anchors
@@ -384,8 +386,7 @@ class FastLoss(nn.Module):
                  if lay.scores_anchors else None)
         return fastcl.contrastive(anchors, one("positives"), cat(got.get("negatives", [])),
                                   anchor_offset=offset, anchor_candidates=cands, guide=g,
-                                  duplicate_ids=i, labels=ids("labels")[0] if labels is not None else None,
-                                  **kw)
+                                  duplicate_ids=i, labels=all_labels, **kw)
 
     @staticmethod
     def _columns(embeddings, name, at_least=2, at_most=None):

@@ -67,8 +67,9 @@ class FastInfoNCELoss(FastLoss):
             math). 0: off.
         class_labels: the dataset's ``label`` column is a class id per row: every positive
             of the anchor's class is a target, uniform over them (SupCon's ``L_out``; e.g.
-            the NLI premise's id). Not with ``symmetric`` or a ``directions`` that gives the
-            positive a side.
+            the NLI premise's id). With a positive side (``symmetric``, ``doc_to_query``) only
+            where it has a softmax of its own (``per_direction``, no hardness or
+            ``mask_duplicates``).
 
     Inputs:
         {inputs}
@@ -130,8 +131,9 @@ class FastInfoNCELoss(FastLoss):
         self.focal_m = None if focal_m is None else number("focal_m", focal_m)
         self.mask_duplicates = bool(mask_duplicates)
         self.matryoshka_dims, self.matryoshka_weights = matryoshka(matryoshka_dims, matryoshka_weights)
-        self._soft_targets(label_smoothing, class_labels, self.symmetric or layout.from_directions(
-            self.directions, partition_mode).positive_side)
+        lay = layout.from_directions(self.directions, partition_mode)
+        self._soft_targets(label_smoothing, class_labels, lay.positive_side and (
+            lay.joint or bool(hardness_mode and self.hardness_strength) or self.mask_duplicates))
 
     def _rules(self) -> dict:
         return dict(directions=self.directions, partition_mode=self.partition_mode,
