@@ -41,6 +41,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                 matryoshka_dims: tuple[int, ...] | None = None,
                 matryoshka_weights: tuple[float, ...] | None = None,
                 label_smoothing: float = 0.0, labels: Tensor | None = None,
+                teacher: tuple[Tensor, Tensor] | None = None,
+                teacher_temperature: float | None = None, distill_weight: float = 0.5,
                 backend: Backend = "auto", chunk_size: int | None = None) -> Tensor:
     r"""The composable objective: InfoNCE with any set of the features below, on every backend.
 
@@ -152,6 +154,18 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     the anchor's softmax or its drops (``"doc_to_doc"``, a joint ``"doc_to_query"``, GIST's
     positive–positive block): ``ValueError``.
 
+    **teacher** ``(t_anchors, t_candidates)`` (a frozen encoder's embeddings of the N anchors
+    and of the N_b + K positives and negatives, one width d_t) distils its in-batch
+    similarity distribution: ``y ← (1−λ)·y + λ·q_i``, ``λ = distill_weight``,
+
+    .. math:: q_{ij} = \frac{e^{\cos(t_i, t_j)/τ_t}}{\sum_{k∈T_i} e^{\cos(t_i, t_k)/τ_t}},
+              \ j ∈ T_i
+
+    over ``T_i``, the row's kept columns of the positives and negatives blocks (the noise and
+    the anchors block have no teacher row: ``q = 0`` there), ``τ_t = teacher_temperature``
+    (default τ). No gradient reaches the teacher. Not with a positive side (``symmetric``,
+    ``"doc_to_query"``, ``"doc_to_doc"``).
+
     Args:
         anchors: (N, d) first view.
         positives: (N, d) second view (N_b rows with ``anchor_offset``); row i is anchor
@@ -189,6 +203,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         matryoshka_dims, matryoshka_weights: the prefix widths and their weights (above).
         label_smoothing: ε ∈ [0, 1) (above; 0: off).
         labels: optional (N_b,) integer tensor, a class id per batch row (above).
+        teacher, teacher_temperature, distill_weight: distillation into the target (above):
+            (N, d_t) and (N_b + K, d_t) embeddings, τ_t > 0 (None: τ), λ ∈ [0, 1].
         backend: "auto", "reference", "tiled" or "triton". The Triton kernels compute the
             directions, hardness, guide and duplicate ids with InfoNCE, focal and the noise,
             and ``matryoshka_dims`` a call per width, not those options beside
@@ -214,7 +230,9 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         hardness_strength=hardness_strength, anchor_candidates=anchor_candidates, guide=guide,
         guide_margin=guide_margin, margin_strategy=margin_strategy, duplicate_ids=duplicate_ids,
         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
-        label_smoothing=label_smoothing, labels=labels, backend=backend, chunk_size=chunk_size)
+        label_smoothing=label_smoothing, labels=labels, teacher=teacher,
+        teacher_temperature=teacher_temperature, distill_weight=distill_weight, backend=backend,
+        chunk_size=chunk_size)
     return run(spec, anchors, positives, negatives)
 
 

@@ -95,6 +95,14 @@ def _soft_cross_entropy(logits, is_positive, soft, anchor_offset):
     eps = soft.label_smoothing
     y = ((1 - eps) * target.to(log_p.dtype) / target.sum(dim=1, keepdim=True)
          + eps * kept.to(log_p.dtype) / kept.sum(dim=1, keepdim=True))
+    if soft.teacher is not None:
+        # q: the teacher's softmax over the row's kept documents (the first N_b + K columns)
+        t_anchors, t_docs = soft.teacher
+        width = t_docs.shape[0]
+        t_logits = torch.full_like(log_p, float("-inf"))
+        t_logits[:, :width] = (cosine_matrix(t_anchors, t_docs).to(log_p.dtype)
+                               / soft.teacher_temperature).masked_fill(~kept[:, :width], float("-inf"))
+        y = (1 - soft.distill_weight) * y + soft.distill_weight * torch.softmax(t_logits, dim=1)
     return -(y * log_p).sum(dim=1)
 
 

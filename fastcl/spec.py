@@ -80,10 +80,14 @@ class Soft:
     """Soft targets: row i's loss is ``−Σ_j y_ij log p_ij`` over its kept candidates K_i
     (those in its softmax), ``y_ij = (1−ε)·1[j ∈ P_i]/|P_i| + ε·1[j ∈ K_i]/|K_i|``; ``P_i``
     the positive alone, or with ``labels`` the kept columns of the positives block whose
-    row has the anchor's label."""
+    row has the anchor's label. ``teacher``: ``y ← (1−λ)·y + λ·q``, q the teacher's softmax
+    ``cos(t_i, t_j)/τ_t`` over the row's kept columns of the positives and negatives blocks."""
 
     label_smoothing: float = 0.0          # ε ∈ [0, 1)
     labels: torch.Tensor | None = None    # (N_b,) int64, one per batch row
+    teacher: tuple | None = None          # (t_anchors (N×d_t), t_candidates (N_b+K × d_t)), detached
+    teacher_temperature: float = 0.05     # τ_t
+    distill_weight: float = 0.0           # λ ∈ [0, 1]
 
 
 class Matryoshka(NamedTuple):
@@ -162,11 +166,14 @@ class Epilogue:
     matryoshka: Matryoshka | None = None   # the loss Σ_k w_k·L(x[:, :d_k]) in one pass
     label_smoothing: float = 0.0           # soft targets (fastcl.spec.Soft): ε
     labels: torch.Tensor | None = None     # (N_b,) int64: SupCon's positives by label
+    teacher: tuple | None = None           # (unit rows of the N anchors, of the N_b+K documents)
+    teacher_temperature: float = 0.05
+    distill_weight: float = 0.0
 
     @property
     def soft(self) -> bool:
         """Whether the target is more than the one-hot positive (:class:`Soft`)."""
-        return bool(self.label_smoothing) or self.labels is not None
+        return bool(self.label_smoothing) or self.labels is not None or self.teacher is not None
 
     @property
     def paired(self) -> bool:
@@ -193,12 +200,14 @@ class Epilogue:
                 list(self.blocks or (0, 0, 0, 0)),
                 "" if self.hardness is None else f"{self.hardness[0]}:{float(self.hardness[1])!r}",
                 list(self.guide or ()), list(self.ids or ()), float(self.label_smoothing),
-                [] if self.labels is None else [self.labels])
+                [] if self.labels is None else [self.labels], list(self.teacher or ()),
+                float(self.teacher_temperature), float(self.distill_weight))
 
     @classmethod
     def from_op_args(cls, complementary, temperature, focal_m, hard_negative_weight, phi,
                      formulation, anchor_offset, chunk_size, matryoshka, layout_bits, blocks,
-                     hardness, guide, ids, label_smoothing=0.0, labels=()) -> "Epilogue":
+                     hardness, guide, ids, label_smoothing=0.0, labels=(), teacher=(),
+                     teacher_temperature=0.05, distill_weight=0.0) -> "Epilogue":
         mode, _, beta = hardness.partition(":")
         widths = None
         if matryoshka:
@@ -212,7 +221,9 @@ class Epilogue:
                    blocks=tuple(blocks) if any(blocks) else None,
                    hardness=(mode, float(beta)) if mode else None,
                    guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None,
-                   label_smoothing=label_smoothing, labels=labels[0] if labels else None)
+                   label_smoothing=label_smoothing, labels=labels[0] if labels else None,
+                   teacher=tuple(teacher) if teacher else None,
+                   teacher_temperature=teacher_temperature, distill_weight=distill_weight)
 
 
 #: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
@@ -246,8 +257,9 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                directions=("query_to_doc",), partition_mode="joint", hardness_mode=None,
                hardness_strength=0.0, anchor_candidates=None, guide=None, guide_margin=0.0,
                margin_strategy="absolute", duplicate_ids=None, matryoshka_dims=None,
-               matryoshka_weights=None, label_smoothing=0.0, labels=None, backend="auto",
-               chunk_size=None, focal_name="focal_m"):
+               matryoshka_weights=None, label_smoothing=0.0, labels=None, teacher=None,
+               teacher_temperature=None, distill_weight=0.5, backend="auto", chunk_size=None,
+               focal_name="focal_m"):
     """Check :func:`fastcl.contrastive`'s arguments (every default and cross-field rule) and
     return ``(spec, anchors, positives, negatives)``, the embeddings checked (rows too large
     to square rescaled). Errors name the argument (``focal_name``: ``focal_m``'s name in
@@ -306,12 +318,20 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                                 temperature if noise_temperature is None else noise_temperature,
                                 noise, generator)
     soft = _soft(label_smoothing, labels, n_pos, anchors.device, formulation)
+    if teacher is not None:
+        soft = _teacher(soft, teacher, n, n_pos + (0 if negatives is None else negatives.shape[0]),
+                        anchors, temperature if teacher_temperature is None else teacher_temperature,
+                        distill_weight, formulation)
     spec = LossSpec(
         Logits(temperature, focal_m, hard_negative_weight),
         mask=None if complementary is None else Mask(complementary, phi, reverse=symmetric),
         noise=noise_spec if (noise is not None or count) else None, rules=rules,
         guide=guide_spec, ids=ids, matryoshka=widths, formulation=formulation,
         anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size), soft=soft)
+    if soft is not None and soft.teacher is not None and spec.layout.positive_side:
+        raise ValueError("teacher cannot be combined with a positive side (symmetric, "
+                         "'doc_to_query', 'doc_to_doc', GIST's positive-positive block) yet: the "
+                         "teacher scores the anchor's row only")
     if soft is not None and spec.layout.positive_side and not spec.two_directions:
         names = " and ".join(n for n, on in (("label_smoothing", soft.label_smoothing),
                                              ("labels", soft.labels is not None)) if on)
@@ -347,6 +367,30 @@ def _soft(label_smoothing, labels, n_pos, device, formulation) -> Soft | None:
         raise ValueError(f"{names} cannot be combined with formulation='released' (the "
                          "authors' BCE has no target distribution); use formulation='paper'")
     return Soft(eps, labels)
+
+
+def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_weight,
+             formulation) -> Soft:
+    """``teacher=(t_anchors, t_candidates)`` (N and N_b + K rows of one width: the
+    positives' and negatives' teacher embeddings), ``teacher_temperature`` and
+    ``distill_weight`` (λ ∈ [0, 1]) checked, joined to ``soft``."""
+    if not isinstance(teacher, (tuple, list)) or len(teacher) != 2:
+        raise TypeError("teacher must be a tuple (t_anchors, t_candidates)")
+    t_anchors = check.embeddings("teacher[0] (anchors)", teacher[0], rows=n, scale_free=True)
+    t_docs = check.embeddings("teacher[1] (candidates)", teacher[1], rows=n_docs,
+                              width=t_anchors.shape[1], scale_free=True)
+    for name, x in (("teacher[0] (anchors)", t_anchors), ("teacher[1] (candidates)", t_docs)):
+        if x.device != anchors.device:
+            raise ValueError(f"{name} is on {x.device} but anchors are on {anchors.device}")
+    tau = check.temperature(teacher_temperature, anchors.dtype, name="teacher_temperature")
+    weight = check.finite("distill_weight", distill_weight)
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"distill_weight must lie in [0, 1], got {weight}")
+    if formulation == "released":
+        raise ValueError("teacher cannot be combined with formulation='released' (the authors' "
+                         "BCE has no target distribution); use formulation='paper'")
+    soft = soft or Soft()
+    return Soft(soft.label_smoothing, soft.labels, (t_anchors.detach(), t_docs.detach()), tau, weight)
 
 
 def _exclusive(message: str, joiner: str = ", ", **on) -> None:
@@ -591,6 +635,11 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
     plain directions take both); for those ``"auto"`` takes the tiled path and ``"triton"``
     is refused with the reason."""
     be = resolve_backend(backend, anchors)
+    if be == "triton" and spec.soft is not None and spec.soft.teacher is not None:
+        if backend == "triton":
+            raise ValueError("backend='triton' does not compute teacher yet; use "
+                             "backend='tiled' (the same numbers, without the N×M matrix)")
+        be = "tiled"
     if be == "triton" and spec.ruled and not spec.two_directions:
         lacking = [name for name, on in (
             ("hard_negative_weight", bool(spec.logits.hard_negative_weight)),

@@ -74,6 +74,23 @@ def test_labels_are_supcon_l_out():
         torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
 
 
+def test_teacher_is_cross_entropy_against_its_softmax():
+    """``y = (1−λ)·one-hot + λ·softmax(cos(t_i, t_j)/τ_t)`` written out, every column kept."""
+    a, p, neg = (make(7, 4, dtype=torch.float64, seed=s) for s in (0, 1, 2))
+    t = (make(7, 6, dtype=torch.float64, seed=3, grad=False),
+         make(14, 6, dtype=torch.float64, seed=4, grad=False))
+    got = fastcl.contrastive(a, p, neg, temperature=TAU, teacher=t, teacher_temperature=0.2,
+                             distill_weight=0.4, backend="reference")
+    log_p = torch.log_softmax(F.normalize(a, dim=1) @ F.normalize(torch.cat([p, neg]), dim=1).T
+                              / TAU, dim=1)
+    q = torch.softmax(F.normalize(t[0], dim=1) @ F.normalize(t[1], dim=1).T / 0.2, dim=1)
+    y = 0.6 * F.one_hot(torch.arange(7), 14).double() + 0.4 * q
+    want = -(y * log_p).sum(dim=1).mean()
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    for x, w in zip(_grads(got, (a, p, neg)), _grads(want, (a, p, neg))):
+        torch.testing.assert_close(x, w, atol=1e-12, rtol=0)
+
+
 def test_reference_gradcheck():
     labels = torch.tensor([0, 1, 0, 1, 2])
     inputs = [make(5, 3, dtype=torch.float64, seed=s) for s in range(3)]
@@ -112,6 +129,13 @@ def _case(name, n, d):
                                                                             dtype=torch.float64)
         return dict(labels=labels, label_smoothing=0.2, symmetric=True, focal_m=0.2,
                     complementary=(c, c.flip(1)), phi=0.2)
+    if name == "teacher+both+ids+noise":
+        ids = torch.arange(n) % 5
+        t = (torch.randn(n, 6, generator=g, dtype=torch.float64),
+             torch.randn(2 * n, 6, generator=g, dtype=torch.float64))
+        return dict(labels=labels, label_smoothing=0.1, teacher=t, teacher_temperature=0.2,
+                    distill_weight=0.3, duplicate_ids=(ids, ids + n), focal_m=0.2,
+                    noise=torch.randn(3, d, generator=g, dtype=torch.float64), noise_steps=0)
     if name == "smooth+noise":
         return dict(label_smoothing=0.1, noise=torch.randn(3, d, generator=g, dtype=torch.float64),
                     noise_steps=1)
@@ -119,7 +143,7 @@ def _case(name, n, d):
 
 
 CASES = ["smooth", "labels", "both+focal+hard", "both+mask", "both+ids+guide+q2q",
-         "both+hardness+matryoshka", "both+symmetric+mask", "smooth+noise"]
+         "both+hardness+matryoshka", "both+symmetric+mask", "teacher+both+ids+noise", "smooth+noise"]
 SHAPES = [(1, 3), (19, 5)]          # N = 1; 19 rows and 38 columns cross the 16-wide tiles
 FAST_TRITON = {("smooth", (19, 5)), ("labels", (1, 3)), ("both+focal+hard", (19, 5)),
                ("both+ids+guide+q2q", (19, 5)), ("both+hardness+matryoshka", (1, 3)),
@@ -198,6 +222,14 @@ def test_edges(backend):
      ValueError, "labels"),
     (dict(label_smoothing=0.1, directions=("query_to_doc", "doc_to_query")), ValueError,
      "label_smoothing"),
+    (dict(teacher=(torch.zeros(4, 2),)), TypeError, "teacher"),
+    (dict(teacher=(torch.randn(4, 2), torch.randn(3, 2))), ValueError, r"teacher\[1\]"),
+    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 3))), ValueError, r"teacher\[1\]"),
+    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), distill_weight=1.5), ValueError,
+     "distill_weight"),
+    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), teacher_temperature=0.0), ValueError,
+     "teacher_temperature"),
+    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), symmetric=True), ValueError, "teacher"),
 ])
 def test_bad_values(options, error, match):
     a, p = make(4, 3), make(4, 3, seed=1)

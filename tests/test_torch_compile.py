@@ -103,8 +103,8 @@ def test_aot_autograd_through_the_op_and_its_nan_test():
 
 def test_the_op_refuses_double_backward():
     a, p, _ = _inputs()
-    # no Matryoshka, layout, blocks, hardness, guide, ids, label smoothing, labels
-    plain = ("", -1, [0, 0, 0, 0], "", [], [], 0.0, [])
+    # no Matryoshka, layout, blocks, hardness, guide, ids, label smoothing, labels, teacher
+    plain = ("", -1, [0, 0, 0, 0], "", [], [], 0.0, [], [], 0.05, 0.0)
     loss = fastcl.tiled.tiled_contrastive_op(a, [p], [], 0.05, None, 0.0, 0.0, "paper", 0, None,
                                              *plain, "torch", 0b11, True)[0]
     (g,) = torch.autograd.grad(loss, a)

@@ -78,7 +78,8 @@ _OP_SCHEMA = ("(Tensor anchors, Tensor[] candidates, Tensor[] complementary, flo
               "float? focal_m, float hard_negative_weight, float phi, str formulation, "
               "SymInt anchor_offset, SymInt? chunk_size, str matryoshka, SymInt layout, "
               "SymInt[] blocks, str hardness, Tensor[] guide, Tensor[] ids, float label_smoothing, "
-              "Tensor[] labels, str engine, "
+              "Tensor[] labels, Tensor[] teacher, float teacher_temperature, float distill_weight, "
+              "str engine, "
               "SymInt need, bool scan) -> (Tensor, Tensor, Tensor[])")
 
 
@@ -89,7 +90,9 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
                          formulation: str, anchor_offset: int, chunk_size: int | None,
                          matryoshka: str, layout: int, blocks: list[int], hardness: str,
                          guide: list[torch.Tensor], ids: list[torch.Tensor],
-                         label_smoothing: float, labels: list[torch.Tensor], engine: str,
+                         label_smoothing: float, labels: list[torch.Tensor],
+                         teacher: list[torch.Tensor], teacher_temperature: float,
+                         distill_weight: float, engine: str,
                          need: int, scan: bool
                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(loss, ∂L/∂anchors, [∂L/∂candidates…])`` of :func:`contrastive_forward` (empty
@@ -105,7 +108,8 @@ def tiled_contrastive_op(anchors: torch.Tensor, candidates: list[torch.Tensor],
                 raise ValueError(f"fastcl.tiled_contrastive: {name} contains NaN or Inf values")
     ep = Epilogue.from_op_args(complementary, temperature, focal_m, hard_negative_weight, phi,
                                formulation, anchor_offset, chunk_size, matryoshka, layout,
-                               blocks, hardness, guide, ids, label_smoothing, labels)
+                               blocks, hardness, guide, ids, label_smoothing, labels, teacher,
+                               teacher_temperature, distill_weight)
     loss, grads = contrastive_forward(ep, anchors, tuple(candidates), need,
                                       engine=engine_for("triton" if engine == "triton" else "tiled"))
     empty = lambda x: x.new_empty(0, dtype=_grad_dtype(x.dtype))  # noqa: E731

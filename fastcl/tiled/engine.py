@@ -123,7 +123,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     else:
         logits.mul_(inv_t)
     rules.apply(logits, n_pos, cos, c.first_pos)
-    soft = _SoftTargets(ep, logits, n_pos, ar, diag) if ep.soft else None
+    soft = _SoftTargets(ep, c, logits, n_pos, ar, diag) if ep.soft else None
     if ep.focal_m is None:
         del cos
     drop, rules = rules.comp_drop, None                # the layout's masks are released here
@@ -212,9 +212,11 @@ class _SoftTargets:
     ``a = (1−ε)/|P|``, ``b = ε/|K|`` (K: the kept entries; P: the positive, or with labels
     the kept positives-block columns of the row's label), and the row loss's extra term
     ``Σ_j y_ij (l_ip − l_ij) = (1−ε)(l_ip − Σ_P l/|P|) + ε(l_ip − Σ_K l/|K|)`` beside
-    ``lse − l_ip``. Row sums only: a bool slice (K) and, with labels, an R×N_b one (P)."""
+    ``lse − l_ip``. Row sums only: a bool slice (K) and, with labels, an R×N_b one (P).
+    With a teacher, ``y ← (1−λ)·y + λ·q`` and the extra term ``(1−λ)·… + λ·Σ_j q_ij
+    (l_ip − l_ij)``, q the teacher's softmax over the kept documents (an R×(N_b+K) slice)."""
 
-    def __init__(self, ep: Epilogue, logits, n_pos: int, ar, diag):
+    def __init__(self, ep: Epilogue, c: Chunk, logits, n_pos: int, ar, diag):
         eps = ep.label_smoothing
         self.dead = torch.isneginf(logits)
         pos = logits[ar, diag]
@@ -231,8 +233,18 @@ class _SoftTargets:
                                                               self.same) / size)
         else:
             self.a = torch.full_like(pos, 1.0 - eps)
+        self.b, self.q = eps / count, None
+        if ep.teacher is not None:
+            lam = ep.distill_weight
+            t_rows, t_docs = ep.teacher
+            q = _mm(t_rows[c.r0:c.r1].to(c.q.dtype), t_docs.to(c.q.dtype).T, logits.dtype)
+            width = q.shape[1]
+            q.mul_(1.0 / ep.teacher_temperature).masked_fill_(self.dead[:, :width], float("-inf"))
+            q = torch.softmax(q, dim=1).mul_(lam)
+            extra = (1.0 - lam) * extra + (lam * pos - torch.einsum("ij,ij->i", logits[:, :width], q))
+            self.a, self.b, self.q = (1.0 - lam) * self.a, (1.0 - lam) * self.b, q
         logits.masked_fill_(self.dead, float("-inf"))
-        self.b, self.extra = eps / count, extra
+        self.extra = extra
 
     def gradient(self, grad, ar, diag, others) -> None:
         """In place: ``p − y`` from the softmax ``p`` with the positive's entry ``−q``
@@ -240,7 +252,11 @@ class _SoftTargets:
         grad.sub_(self.b[:, None]).masked_fill_(self.dead, 0.0)
         if self.same is not None:
             grad[:, :self.same.shape[1]].addcmul_(self.same, self.a[:, None], value=-1.0)
-        grad[ar, diag] = -others + (1.0 - self.a - self.b)
+        y_pos = self.a + self.b
+        if self.q is not None:
+            grad[:, :self.q.shape[1]].sub_(self.q)
+            y_pos = y_pos + self.q[ar, diag]
+        grad[ar, diag] = -others + (1.0 - y_pos)
 
 
 def _complementary_drop(ep: Epilogue, comp_q, comp_k, first_pos: int, acc: torch.dtype):
@@ -385,7 +401,8 @@ def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> in
     # (MNRL's hardness: its factor and the cosines it reads)
     rules = m * (4 + acc * (ep.guide is not None) + 2 * acc * (ep.hardness is not None)) if ep.sided else 0
     # soft targets: the kept entries (bool), with labels the positives block's weights
-    soft = (m + n_pos * (acc + 1) * (ep.labels is not None)) if ep.soft else 0
+    soft = (m + n_pos * (acc + 1) * (ep.labels is not None)
+            + (0 if ep.teacher is None else acc * ep.teacher[1].shape[0])) if ep.soft else 0
     return sides * (m * (acc * _slices(ep) + cast) + rules) + mask + soft
 
 
