@@ -206,6 +206,12 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     return grad.to(c.q.dtype)
 
 
+def _row_counts(mask: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Each row's count of True, a block of rows at a time: a bool tensor's sum widens the
+    whole of it to int64 first (8 bytes an entry, twice the R×M float32 buffer)."""
+    return torch.cat([mask[i:i + block].sum(dim=1) for i in range(0, mask.shape[0], block)])
+
+
 class _SoftTargets:
     """Soft targets (:class:`fastcl.spec.Soft`) on a chunk's anchor rows, from their logits
     (R×M, dropped entries −inf, the positive still in): ``y = a·1[P] + b·1[K]`` with
@@ -221,7 +227,7 @@ class _SoftTargets:
         self.dead = torch.isneginf(logits)
         pos = logits[ar, diag]
         logits.masked_fill_(self.dead, 0.0)            # the kept entries' sum, then back
-        count = (logits.shape[1] - self.dead.sum(dim=1)).to(logits.dtype)
+        count = (logits.shape[1] - _row_counts(self.dead)).to(logits.dtype)
         extra = eps * (pos - logits.sum(dim=1) / count)
         self.same = None
         if ep.labels is not None:
