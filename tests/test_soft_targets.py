@@ -123,7 +123,8 @@ def _case(name, n, d):
                     directions=("query_to_doc", "query_to_query"))
     if name == "both+hardness+matryoshka":
         return dict(labels=labels, label_smoothing=0.1, hardness_mode="in_batch_negatives",
-                    hardness_strength=2.0, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.0))
+                    hardness_strength=2.0, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.0),
+                    focal_m=0.3)
     if name == "both+symmetric+mask":
         c = F.one_hot(torch.arange(n) % 4, 4).double() + 0.01 * torch.randn(n, 4, generator=g,
                                                                             dtype=torch.float64)

@@ -46,7 +46,7 @@ def spec_loss(spec: LossSpec, anchors, positives, negatives=None):
     them (the torch engine), else a call per width (the Triton kernels take one width)."""
     engine = engine_for(spec.backend)
     cands = None if spec.rules is None else spec.rules.anchor_candidates
-    if spec.matryoshka is not None and (engine.name != "torch" or spec.soft is not None):
+    if spec.matryoshka is not None and engine.name != "torch":
         cut = lambda x, d: None if x is None else x[:, :d]  # noqa: E731
         return sum(w * _terms(spec, engine, *(cut(x, d) for x in (anchors, positives, negatives, cands)))
                    for d, w in zip(*spec.matryoshka))

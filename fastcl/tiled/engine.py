@@ -200,7 +200,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
             # p_ii − 1 = −q; per direction, 0.5·p_ii − 1 = −0.5·q − 0.5
             grad[ar, diag] = -others if not (ep.paired and not joint) else -0.5 * others - 0.5
         if soft is not None:
-            soft.gradient(grad, ar, diag, others)
+            grad[ar, diag] = -others + (1.0 - soft.subtract(grad, ar, diag))
         if ep.focal_m is not None:
             grad.mul_(_focal_slope(cos, ep, r, c.first_pos, _RowRules.mirror_of(ep, c)))
     grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
@@ -253,9 +253,10 @@ class _SoftTargets:
         logits.masked_fill_(self.dead, float("-inf"))
         self.extra = extra
 
-    def gradient(self, grad, ar, diag, others) -> None:
-        """In place: ``p − y`` from the softmax ``p`` with the positive's entry ``−q``
-        (``p_ii − 1``): ``−q + (1 − a − b)`` there (no cancellation when y_ii = 1)."""
+    def subtract(self, grad, ar, diag):
+        """In place: ``p − y`` off the positive (the softmax ``p`` in ``grad``); returns
+        ``y_ii``, the positive's target (its entry is the caller's: ``−q + (1 − y_ii)``, no
+        cancellation when y_ii = 1)."""
         grad.sub_(self.b[:, None]).masked_fill_(self.dead, 0.0)
         if self.same is not None:
             grad[:, :self.same.shape[1]].addcmul_(self.same, self.a[:, None], value=-1.0)
@@ -263,7 +264,7 @@ class _SoftTargets:
         if self.q is not None:
             grad[:, :self.q.shape[1]].sub_(self.q)
             y_pos = y_pos + self.q[ar, diag]
-        grad[ar, diag] = -others + (1.0 - y_pos)
+        return y_pos
 
 
 def _complementary_drop(ep: Epilogue, comp_q, comp_k, first_pos: int, acc: torch.dtype):
@@ -424,6 +425,8 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
     else:
         logits = torch.mul(dots, (inv_q * inv_t)[:, None], out=spare).mul_(inv_k[None, :])
     rules.apply(logits, n_pos, cos, first)
+    ar = torch.arange(r, device=logits.device)
+    soft = _SoftTargets(ep, c, logits, n_pos, ar, ar + first) if ep.soft else None
     # Every row's own softmax, one fused pass. ℓ_i = lse_i − l_ii = −log p_ii where p_ii ≥
     # e^(−2·bound)/M cannot underflow (no positive side, no layout); else lse_i through the
     # row's largest logit, whose p ≥ 1/M. (Where the others' share q < 1/2: −log1p(−q).)
@@ -465,6 +468,12 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
     if ep.paired and not ep.layout.joint:
         row_loss += weight * 0.5 * (loss + far)
         q = 0.5 + 0.5 * q                  # 1 − 0.5·p_ii
+    elif soft is not None:
+        # soft targets: the extra term beside −log p_ii, p − y off the positive, and on it
+        # p_ii − y_ii = −(q − (1 − y_ii))
+        row_loss += weight * (loss + soft.extra)
+        q = q - (1.0 - soft.subtract(p, ar, ar + first))
+        p[:r].diagonal(first).zero_()
     else:
         row_loss += weight * loss
     # ∂L/∂s^k = w_k (p − δ) g'(s)/N: g'(s) = 1/τ, or with focal modulation (2s + m)/τ off
@@ -508,10 +517,16 @@ def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> in
     # the layout's masks: a few bool slices per side, the guide's cosines, the hardness term
     # (MNRL's hardness: its factor and the cosines it reads)
     rules = m * (4 + acc * (ep.guide is not None) + 2 * acc * (ep.hardness is not None)) if ep.sided else 0
-    # soft targets: the kept entries (bool), with labels the positives block's weights
-    soft = (m + n_pos * (acc + 1) * (ep.labels is not None)
-            + (0 if ep.teacher is None else acc * ep.teacher[1].shape[0])) if ep.soft else 0
-    return sides * (m * (acc * _slices(ep) + cast) + rules) + mask + soft
+    return sides * (m * (acc * _slices(ep) + cast) + rules) + mask + _soft_bytes(ep, m, acc)
+
+
+def _soft_bytes(ep: Epilogue, m: int, acc: int) -> int:
+    """:class:`_SoftTargets`' buffers per row: the kept entries (bool), with labels the
+    positives block's weights, with a teacher its softmax over the documents."""
+    if not ep.soft:
+        return 0
+    return (m + (0 if ep.labels is None else ep.labels.shape[0] * (acc + 1))
+            + (0 if ep.teacher is None else acc * ep.teacher[1].shape[0]))
 
 
 @dataclass(frozen=True)
