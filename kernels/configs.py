@@ -113,6 +113,12 @@ SIM_CONFIGS_OLDER_TRITON = {
     (90, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)],
 }
 
+# A soft variant's similarity tile is its base's (SOFT is read by the row kernel only): its
+# base's own lists, where the base has one and the soft variant none.
+for _lists in (SIM_CONFIGS_BY_VARIANT, SIM_CONFIGS_OLDER_TRITON):
+    _lists.update({(arch, kind, f"{name}-soft"): kept for (arch, kind, name), kept in list(_lists.items())
+                   if f"{name}-soft" in VARIANTS and (arch, kind, f"{name}-soft") not in _lists})
+
 #: What the compile check tries for the lists, (BLOCK_R, BLOCK_D, num_warps, num_stages) with
 #: BLOCK_M = 128 (``--sim-candidates`` reports each one for the aligned launch).
 SIM_CANDIDATES = {
@@ -145,12 +151,8 @@ def sim_configs(f: dict, dtype, arch: int = 90, version: tuple | None = None) ->
     name = variant_name(f)
     second = bool(f["MASK"] or f.get("GUIDE"))
     older = (version or triton_version()) < OLDER_TRITON
-    # a soft variant's tile is its base's (SOFT is read by the row kernel only), unless listed
-    base = name[:-len("-soft")] if name and name.endswith("-soft") else None
-    return ((older and (SIM_CONFIGS_OLDER_TRITON.get((arch, kind, name))
-                        or SIM_CONFIGS_OLDER_TRITON.get((arch, kind, base))))
+    return ((older and SIM_CONFIGS_OLDER_TRITON.get((arch, kind, name)))
             or SIM_CONFIGS_BY_VARIANT.get((arch, kind, name))
-            or SIM_CONFIGS_BY_VARIANT.get((arch, kind, base))
             or SIM_CONFIGS_BY_ARCH.get(arch, {}).get((kind, second))
             or SIM_CONFIGS[(kind, second)])
 
