@@ -96,6 +96,7 @@ SIM_CONFIGS_BY_VARIANT = {
     (80, "fp32", "focal-rules-guide"): [(64, 16, 8, 3)],
     # soft targets store the cosines (as focal does): the 128-row masked tile spills there
     (90, "16bit", "hard-mask-soft"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    (80, "fp32", "rules-guide-soft"): [(32, 16, 8, 3)],
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
 #: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads
