@@ -148,7 +148,7 @@ CASES = ["smooth", "labels", "both+focal+hard", "both+mask", "both+ids+guide+q2q
 SHAPES = [(1, 3), (19, 5)]          # N = 1; 19 rows and 38 columns cross the 16-wide tiles
 FAST_TRITON = {("smooth", (19, 5)), ("labels", (1, 3)), ("both+focal+hard", (19, 5)),
                ("both+ids+guide+q2q", (19, 5)), ("both+hardness+matryoshka", (1, 3)),
-               ("both+symmetric+mask", (19, 5))}
+               ("both+symmetric+mask", (19, 5)), ("teacher+both+ids+noise", (1, 3))}
 
 
 def _grid():
@@ -182,6 +182,10 @@ def test_matches_reference(backend, name, shape):
     dtype = torch.float64 if backend == "tiled" else torch.float32
     tol = dict(atol=1e-9, rtol=1e-9) if backend == "tiled" else dict(atol=1e-4, rtol=1e-4)
     x = [t.detach().to(dtype).requires_grad_() for t in (a, p, neg)]
+    if backend == "triton" and "teacher" in options:      # not in the kernels yet: refused
+        with pytest.raises(ValueError, match="does not compute teacher"):
+            fastcl.contrastive(*x, backend=backend, **_cast(options, dtype))
+        return
     got = fastcl.contrastive(*x, temperature=TAU, backend=backend, chunk_size=7,
                              **_cast(options, dtype))
     torch.testing.assert_close(got.double(), want.detach(), **tol)
