@@ -258,23 +258,39 @@ def test_bad_values(options, error, match):
 # --------------------------------------------------------------------------- sentence-transformers
 
 def test_sentence_transformers_loss_trains(tmp_path, one_thread):
-    """FastInfoNCELoss with label smoothing and class labels (the dataset's ``label`` column)
-    trains a few steps in SentenceTransformerTrainer on a tiny random BERT; its config says
-    both; a bad value fails where the loss is built."""
+    """FastInfoNCELoss with label smoothing, class labels (the dataset's ``label`` column) and
+    a teacher (another tiny random BERT) computes fastcl.contrastive's loss and trains a few
+    steps in SentenceTransformerTrainer; its config says each; a bad value fails where the
+    loss is built."""
     st = pytest.importorskip("sentence_transformers")
     from datasets import Dataset
 
     from fastcl.integrations.sentence_transformers import FastInfoNCELoss
+    from fastcl.integrations.sentence_transformers._base import preprocess
     from test_evaluate import make_tiny_model, random_sentence
     import random
 
     model = st.SentenceTransformer(str(make_tiny_model(tmp_path / "bert")), device="cpu")
+    teacher = st.SentenceTransformer(str(make_tiny_model(tmp_path / "teacher", seed=1)), device="cpu")
     rng = random.Random(3)
     anchors = [random_sentence(rng) for _ in range(16)]
     data = Dataset.from_dict({"anchor": anchors, "positive": anchors,
                               "label": [i % 4 for i in range(16)]})
-    loss = FastInfoNCELoss(model, label_smoothing=0.1, class_labels=True, backend="tiled")
-    assert {"label_smoothing": 0.1, "class_labels": True}.items() <= loss.get_config_dict().items()
+    loss = FastInfoNCELoss(model, label_smoothing=0.1, class_labels=True, teacher=teacher,
+                           teacher_temperature=0.1, distill_weight=0.3, backend="tiled")
+    assert {"label_smoothing": 0.1, "class_labels": True, "teacher_temperature": 0.1,
+            "distill_weight": 0.3}.items() <= loss.get_config_dict().items()
+    # the loss of a batch: fastcl.contrastive's with the teacher's embeddings (eval mode)
+    model.eval()
+    features = [preprocess(model, anchors[:8]) for _ in range(2)]
+    with torch.no_grad():
+        emb = [model(dict(f))["sentence_embedding"] for f in features]
+        t = [teacher(dict(f))["sentence_embedding"] for f in features]
+        want = fastcl.contrastive(*emb, temperature=0.05, labels=torch.arange(8) % 4,
+                                  label_smoothing=0.1, teacher=(t[0], t[1]),
+                                  teacher_temperature=0.1, distill_weight=0.3)
+        torch.testing.assert_close(loss(features, torch.arange(8) % 4), want)
+    model.train()
     args = st.SentenceTransformerTrainingArguments(
         output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=8,
         learning_rate=1e-3, report_to="none", save_strategy="no", logging_steps=1, seed=0,
@@ -284,6 +300,10 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
     assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
     with pytest.raises(ValueError, match="label_smoothing"):
         FastInfoNCELoss(model, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="distill_weight"):
+        FastInfoNCELoss(model, teacher=teacher, distill_weight=2.0)
+    with pytest.raises(ValueError, match="teacher"):
+        FastInfoNCELoss(model, teacher=teacher, symmetric=True)
     with pytest.raises(ValueError, match="label_smoothing and class_labels"):
         FastInfoNCELoss(model, class_labels=True, directions=("query_to_doc", "doc_to_query"))
 

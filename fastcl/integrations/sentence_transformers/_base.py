@@ -311,11 +311,12 @@ class FastLoss(nn.Module):
 
     def _in_batch_loss(self, embeddings, *, temperature: float, focal_m: float | None,
                        symmetric: bool = False, guide=None, duplicate_ids=None,
-                       labels=None) -> Tensor:
+                       labels=None, teacher=None) -> Tensor:
         """:func:`fastcl.contrastive` over columns (anchor, positive[, negative...]) with this
         loss's ``hard_negative_weight``, ``backend``, ``chunk_size`` and :meth:`_rules`;
         ``guide`` and ``duplicate_ids``: a guide's embeddings and the text ids of each column,
-        in the same order; ``labels``: a class id per row (:meth:`_labels`). With
+        in the same order; ``labels``: a class id per row (:meth:`_labels`); ``teacher``: a
+        teacher's embeddings of each column (``teacher_temperature``, ``distill_weight``). With
         ``gather_across_devices``, every process's positives, negatives (and anchors, where
         the rules score them) are the candidates."""
         anchors, positives, *negatives = self._columns(embeddings, type(self).__name__)
@@ -331,6 +332,8 @@ class FastLoss(nn.Module):
         kw = dict(temperature=temperature, focal_m=focal_m, backend=self.backend,
                   chunk_size=self.chunk_size, hard_negative_weight=self.hard_negative_weight,
                   label_smoothing=self.label_smoothing, **rules)
+        if teacher is not None:
+            kw.update(teacher_temperature=self.teacher_temperature, distill_weight=self.distill_weight)
         cat = lambda parts: torch.cat(parts) if parts else None
         g_anchors, g_positives, *g_negatives = guide if guide is not None else (None, None)
         i_anchors, i_positives, *i_negatives = (duplicate_ids if duplicate_ids is not None
@@ -341,7 +344,8 @@ class FastLoss(nn.Module):
                 guide=None if guide is None else (g_anchors, g_positives, cat(g_negatives)),
                 duplicate_ids=None if duplicate_ids is None else (
                     i_positives, cat(i_negatives), i_anchors if lay.scores_anchors else None),
-                labels=labels, **kw)
+                labels=labels, teacher=None if teacher is None else (teacher[0], cat(teacher[1:])),
+                **kw)
         # Each negative column gathered on its own, so that row offset + i stays anchor i's
         # own; 1-D ids travel as one-column tensors. The anchors block is the whole batch's
         # (MNRL) or this process's (GIST).
@@ -356,6 +360,8 @@ class FastLoss(nn.Module):
                            i_anchors=[i_anchors[:, None]] if whole_anchors else [])
         if labels is not None:              # the positives' rows: the batch's
             columns.update(labels=labels[:, None])
+        if teacher is not None:             # the documents' rows: the batch's
+            columns.update(t_positives=teacher[1], t_negatives=list(teacher[2:]))
         names = [k for k, v in columns.items() for _ in (v if isinstance(v, list) else [v])]
         flat = [x for v in columns.values() for x in (v if isinstance(v, list) else [v])]
         offset, gathered = gather_rows(*flat)
@@ -386,7 +392,10 @@ class FastLoss(nn.Module):
                  if lay.scores_anchors else None)
         return fastcl.contrastive(anchors, one("positives"), cat(got.get("negatives", [])),
                                   anchor_offset=offset, anchor_candidates=cands, guide=g,
-                                  duplicate_ids=i, labels=all_labels, **kw)
+                                  duplicate_ids=i, labels=all_labels,
+                                  teacher=None if teacher is None else (
+                                      teacher[0], cat([one("t_positives"), *got.get("t_negatives", [])])),
+                                  **kw)
 
     @staticmethod
     def _columns(embeddings, name, at_least=2, at_most=None):

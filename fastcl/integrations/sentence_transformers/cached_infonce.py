@@ -40,8 +40,8 @@ class CachedFastInfoNCELoss(Cached):
             exactly in pass 2). None: ``mini_batch_size`` decides.
         gather_across_devices, directions, partition_mode, hardness_mode, hardness_strength,
             symmetric, hard_negative_weight, focal_m, mask_duplicates, matryoshka_dims,
-            matryoshka_weights, label_smoothing, class_labels, backend, chunk_size: as
-            :class:`FastInfoNCELoss`.
+            matryoshka_weights, label_smoothing, class_labels, teacher, teacher_temperature,
+            distill_weight, backend, chunk_size: as :class:`FastInfoNCELoss`.
 
     Inputs:
         {inputs}
@@ -75,11 +75,18 @@ class CachedFastInfoNCELoss(Cached):
                  hard_negative_weight: float = 0.0, focal_m: float | None = None,
                  mask_duplicates: bool = False, matryoshka_dims=None, matryoshka_weights=None,
                  label_smoothing: float = 0.0, class_labels: bool = False,
-                 backend: str = "auto", chunk_size: int | None = None):
+                 teacher: SentenceTransformer | None = None, teacher_temperature: float | None = None,
+                 distill_weight: float = 0.5, backend: str = "auto", chunk_size: int | None = None):
         super().__init__(FastInfoNCELoss(
             model, scale, similarity_fct, gather_across_devices, directions, partition_mode,
             hardness_mode, hardness_strength, symmetric=symmetric,
             hard_negative_weight=hard_negative_weight, focal_m=focal_m, mask_duplicates=mask_duplicates,
             matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
-            label_smoothing=label_smoothing, class_labels=class_labels, backend=backend,
+            label_smoothing=label_smoothing, class_labels=class_labels, teacher=teacher,
+            teacher_temperature=teacher_temperature, distill_weight=distill_weight, backend=backend,
             chunk_size=chunk_size), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+
+    def _pass_one_inputs(self, sentence_features):
+        if self.loss.guide is None:
+            return {}
+        return {"teacher_embeddings": self._guide_embeddings(sentence_features, self.mini_batch_size)}

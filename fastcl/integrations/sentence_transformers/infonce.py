@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from fastcl import citations, common, layout
 
-from ._base import FastLoss, SentenceTransformer, cos_sim, documented, matryoshka, number
+from ._base import FastLoss, Guided, SentenceTransformer, cos_sim, documented, matryoshka, number
 
 __all__ = ["FastInfoNCELoss"]
 
 
 @documented(inputs="negatives", data="pairs",
             loss="FastInfoNCELoss(model, scale=20.0)")
-class FastInfoNCELoss(FastLoss):
+class FastInfoNCELoss(Guided, FastLoss):
     r"""InfoNCE with in-batch negatives, fused: a drop-in for ``MultipleNegativesRankingLoss``.
 
     Each anchor ``a_i`` is contrasted with every candidate of the batch, ``c = [p_1 … p_N;
@@ -70,6 +70,12 @@ class FastInfoNCELoss(FastLoss):
             the NLI premise's id). With a positive side (``symmetric``, ``doc_to_query``) only
             where it has a softmax of its own (``per_direction``, no hardness or
             ``mask_duplicates``).
+        teacher: a frozen SentenceTransformer whose in-batch similarity distribution the
+            loss distils: the target becomes ``(1−λ)·y + λ·softmax(cos(t_a, t_c)/τ_t)`` over
+            the row's positives and negatives (:func:`fastcl.contrastive`'s ``teacher``).
+            None: off. Not with ``symmetric`` or a positive side.
+        teacher_temperature: τ_t > 0 (None: the loss's τ).
+        distill_weight: λ ∈ [0, 1].
 
     Inputs:
         {inputs}
@@ -97,7 +103,8 @@ class FastInfoNCELoss(FastLoss):
     _config = ("scale", "directions", "partition_mode", "hardness_mode", "hardness_strength",
                "symmetric", "hard_negative_weight", "focal_m", "mask_duplicates",
                "matryoshka_dims", "matryoshka_weights", "label_smoothing", "class_labels",
-               "gather_across_devices", "backend")
+               "teacher_temperature", "distill_weight", "gather_across_devices", "backend")
+    _guide_argument = "teacher_embeddings"
 
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
                  similarity_fct=cos_sim, gather_across_devices: bool = False,
@@ -106,8 +113,17 @@ class FastInfoNCELoss(FastLoss):
                  symmetric: bool = False, hard_negative_weight: float = 0.0,
                  focal_m: float | None = None, mask_duplicates: bool = False,
                  matryoshka_dims=None, matryoshka_weights=None, label_smoothing: float = 0.0,
-                 class_labels: bool = False, backend: str = "auto", chunk_size: int | None = None):
+                 class_labels: bool = False, teacher: SentenceTransformer | None = None,
+                 teacher_temperature: float | None = None, distill_weight: float = 0.5,
+                 backend: str = "auto", chunk_size: int | None = None):
         super().__init__(model)
+        self._init_guide(model, teacher, "the frozen teacher whose in-batch similarities the "
+                         "loss distils; None for none")
+        self.teacher_temperature = None if teacher_temperature is None else number(
+            "teacher_temperature", teacher_temperature, positive=True)
+        self.distill_weight = number("distill_weight", distill_weight)
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ValueError(f"distill_weight must lie in [0, 1], got {distill_weight}")
         if similarity_fct is not cos_sim:
             raise ValueError("FastInfoNCELoss computes cosine similarity: similarity_fct must be "
                              "sentence_transformers.util.cos_sim")
@@ -132,6 +148,9 @@ class FastInfoNCELoss(FastLoss):
         self.mask_duplicates = bool(mask_duplicates)
         self.matryoshka_dims, self.matryoshka_weights = matryoshka(matryoshka_dims, matryoshka_weights)
         lay = layout.from_directions(self.directions, partition_mode)
+        if teacher is not None and (self.symmetric or lay.positive_side):
+            raise ValueError("teacher scores the anchor's row only: not with symmetric=True, "
+                             "'doc_to_query' or 'doc_to_doc'")
         self._soft_targets(label_smoothing, class_labels, lay.positive_side and (
             lay.joint or bool(hardness_mode and self.hardness_strength) or self.mask_duplicates))
 
@@ -140,10 +159,22 @@ class FastInfoNCELoss(FastLoss):
                     hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength,
                     matryoshka_dims=self.matryoshka_dims, matryoshka_weights=self.matryoshka_weights)
 
-    def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
+    def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None,
+                                     teacher_embeddings=None):
+        """The loss of the columns' embeddings; ``teacher_embeddings``: the teacher's of the
+        same columns (one tensor each), as :meth:`forward` computes them, where it has one."""
+        if (teacher_embeddings is None) != (self.guide is None):
+            raise ValueError("teacher_embeddings go with a teacher model: "
+                             + ("pass the teacher's embeddings of the columns" if self.guide is not None
+                                else "this loss has none"))
         return self._in_batch_loss(embeddings, temperature=1.0 / self.scale, focal_m=self.focal_m,
                                    symmetric=self.symmetric, duplicate_ids=self._ids(duplicate_ids),
-                                   labels=self._labels(labels))
+                                   labels=self._labels(labels), teacher=teacher_embeddings)
+
+    @property
+    def teacher(self):
+        """The teacher model (None: no distillation)."""
+        return self.guide
 
     @property
     def temperature(self) -> float:
