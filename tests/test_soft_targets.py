@@ -309,8 +309,8 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
 
 
 def test_trainer_options():
-    """fastcl-train's --label_smoothing and --premise_labels: checked with their names; the
-    premise ids become the label column the loss reads."""
+    """fastcl-train's --label_smoothing, --premise_labels, --teacher and --distill_weight:
+    checked with their names; the premise ids become the label column the loss reads."""
     datasets = pytest.importorskip("datasets")
     from fastcl.trainer.build import check_objective, examples
 
@@ -318,6 +318,10 @@ def test_trainer_options():
         check_objective("simcse", {"label_smoothing": 1.0})
     with pytest.raises(ValueError, match="--premise_labels"):
         check_objective("simcse", {"premise_labels": True})
+    with pytest.raises(ValueError, match="--teacher"):
+        check_objective("focal", {"teacher": "all-MiniLM-L6-v2"})
+    with pytest.raises(ValueError, match="--distill_weight"):
+        check_objective("simcse", {"distill_weight": 1.5})
     rows = datasets.Dataset.from_dict({"sent0": ["a b", "c", "a b"], "sent1": ["x", "y", "z"],
                                        "hard_neg": ["u", "v", "w"]})
     assert examples(rows, "simcse-sup", premise_labels=True)["label"] == [0, 1, 0]

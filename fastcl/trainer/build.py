@@ -47,6 +47,9 @@ METHOD_OPTIONS = {
     "sensitive_dropout": (("escl",), common.SENSITIVE_DROPOUT),
     "label_smoothing": (("simcse", "simcse-sup", "focal", "dclr"), 0.0),
     "premise_labels": (("simcse-sup",), False),
+    "teacher": (("simcse", "simcse-sup"), None),
+    "teacher_temperature": (("simcse", "simcse-sup"), None),
+    "distill_weight": (("simcse", "simcse-sup"), 0.5),
 }
 GENERAL = {"temperature": common.TEMPERATURE, "mini_batch_size": None, "augment": None}
 FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),
@@ -83,7 +86,8 @@ def check_objective(method: str, options: dict) -> None:
             raise ValueError(f"--{name} applies to --method {ms} only{hint}")
     ranges = {"phi": (-1, 1, "in [-1, 1]"), "noise_ratio": (0, None, ">= 0"), "noise_steps": (0, None, ">= 0"),
               "sensitive_dropout": (0, 0.999999, "in [0, 1)"), "noise_std": (1e-30, None, "> 0"),
-              "label_smoothing": (0, 0.999999, "in [0, 1)")}
+              "label_smoothing": (0, 0.999999, "in [0, 1)"), "distill_weight": (0, 1, "in [0, 1]"),
+              "teacher_temperature": (1e-30, None, "> 0")}
     for name, (low, high, text) in ranges.items():
         v = options.get(name)
         if v is not None and not (v >= low and (high is None or v <= high)):
@@ -208,6 +212,13 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
     kw = dict(gather_across_devices=world_size() > 1, mask_duplicates=bool(o["mask_duplicates"]),
               **({"mini_batch_size": o["mini_batch_size"]} if cached else {}))
     if method in ("simcse", "simcse-sup"):
+        teacher = None
+        if o["teacher"]:   # frozen, its own modules (a plain encoder: mean pooling)
+            own = _is_sentence_transformers_folder(model_path(o["teacher"]))
+            teacher = load_model(o["teacher"], None if own else "avg", device=device, arg="--teacher")
+            teacher.requires_grad_(False)
+            kw.update(teacher=teacher, teacher_temperature=o["teacher_temperature"],
+                      distill_weight=o["distill_weight"])
         cls = st.CachedFastInfoNCELoss if cached else st.FastInfoNCELoss
         loss = cls(model, scale=1.0 / o["temperature"], hard_negative_weight=o["hard_negative_weight"],
                    focal_m=o["focal_m"], label_smoothing=o["label_smoothing"],
