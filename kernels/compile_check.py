@@ -217,13 +217,13 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
             specs += [_sim_spec(variant, f, dtype, arch, store, config, bounded)
                       for config in cfg.sim_configs(f, dtype, arch)
                       for store, bounded in modes(f, dtype)]
-            row = {k: v for k, v in cfg.ROW_BLOCK.items() if k != "num_warps"}
+            row = {k: v for k, v in cfg.row_block(f).items() if k != "num_warps"}
             for want_grad in (True, False):
                 specs.append(Spec(
                     "_row_kernel", variant, dtype, arch,
                     dict(kc.row_flags(f), STORE_EXP=exp, WANT_GRAD=want_grad,
                          TILE_M=cfg.SIM_BLOCK_M, **row),
-                    cfg.ROW_BLOCK.get("num_warps", 4), 3,
+                    cfg.row_block(f).get("num_warps", 4), 3,
                     ("g_ptr",) + (("t_ptr",) if exp else ())))
         # the bounded design's rows: loss, 1/Z and the positive's coefficient from the partials
         finish = {k: v for k, v in cfg.FINISH_BLOCK.items() if k != "num_warps"}

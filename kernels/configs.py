@@ -136,6 +136,16 @@ SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (t
 GPU_ROW_BLOCK = {"BLOCK_N": 2048, "BLOCK_T": 256, "num_warps": 8}
 GPU_FINISH_BLOCK = {"BLOCK_R": 32, "BLOCK_T": 128, "num_warps": 4}
 ROW_BLOCK = {"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET else GPU_ROW_BLOCK
+
+
+def row_block(f: dict) -> dict:
+    """The row kernel's launch sizes for a flag set: soft targets beside the layout's rules
+    hold the most per column (the label ids, the rules' masks), a quarter of the columns a
+    step there (at 2048 Triton 3.6 spilled 8-16 bytes on sm_90, at 1024 Triton 3.1 4 bytes;
+    512 is clean on 3.1, 3.6 and 3.9)."""
+    if INTERPRET or not (f.get("SOFT") and f.get("RULES")):
+        return ROW_BLOCK
+    return dict(ROW_BLOCK, BLOCK_N=ROW_BLOCK["BLOCK_N"] // 4)
 FINISH_BLOCK = {"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET else GPU_FINISH_BLOCK
 
 

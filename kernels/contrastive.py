@@ -1012,7 +1012,7 @@ def triton_chunk(ep, c, want_grad):
         hard_w=float(ep.hard_negative_weight), hard_beta=beta,
         smoothing=float(ep.label_smoothing),
         FLAGS=pack_flags(**row_flags(f), STORE_EXP=store_exp, WANT_GRAD=want_grad),
-        TILE_M=configs.SIM_BLOCK_M, **configs.ROW_BLOCK)
+        TILE_M=configs.SIM_BLOCK_M, **configs.row_block(f))
     return g if want_grad else None
 
 
