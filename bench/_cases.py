@@ -26,6 +26,10 @@ gist-          gist's objective at matryoshka's five widths (MatryoshkaLoss     
 matryoshka     around GISTEmbedLoss), the guide's filter the same at every width
 infonce-       ``infonce(h, h⁺, symmetric=True)``: the mean of both directions    N
 symmetric      (CLIP's loss)
+smoothing      ``infonce(h, h⁺, label_smoothing=0.1)``: soft targets, each row's   N
+               target mixed with the uniform one over its candidates
+supcon         ``infonce(h, h⁺, labels=y)``, y uniform in [0, N/4): every          N
+               positive of the anchor's class a target (SupCon's L_out)
 =============  ==============================================================  ===========
 
 Implementations: ``fastcl`` (``backend="auto"``: Triton on CUDA, tiled elsewhere),
@@ -73,13 +77,14 @@ from fastcl.common import FOCAL_M, NOISE_STEPS, PHI, TEMPERATURE
 
 OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl", "noise", "gist", "matryoshka",
               "gist-matryoshka", "infonce-symmetric", "infonce-learnable", "infonce-margin",
-              "infonce-prior")
+              "infonce-prior", "smoothing", "supcon")
 IMPLS = ("fastcl", "tiled", "reference", "compiled", "mnrl", "gistembed", "wrapped") + ALTERNATIVES
 MNRL_OBJECTIVES = ("infonce", "infonce-hard", "matryoshka")
 #: The implementations that compute only some objectives: the sentence-transformers losses.
 ONLY_FOR = {"mnrl": MNRL_OBJECTIVES, "gistembed": ("gist",), "wrapped": ("matryoshka", "gist-matryoshka")}
 #: The objectives with options the reference's plain functions (hence ``compiled``) lack.
-NOT_COMPILED = ("gist", "matryoshka", "gist-matryoshka", "infonce-margin", "infonce-prior")
+NOT_COMPILED = ("gist", "matryoshka", "gist-matryoshka", "infonce-margin", "infonce-prior",
+                "smoothing", "supcon")
 
 
 def matryoshka_dims(d: int) -> tuple[int, ...]:
@@ -92,7 +97,8 @@ _FUNCTIONS = {"infonce": "infonce", "infonce-hard": "infonce", "infonce-symmetri
               "infonce-learnable": "infonce", "infonce-margin": "infonce", "infonce-prior": "infonce",
               "focal": "focal_infonce",
               "dclr": "dclr_loss", "escl": "escl_loss", "noise": "dclr_noise", "gist": "contrastive",
-              "matryoshka": "contrastive", "gist-matryoshka": "contrastive"}
+              "matryoshka": "contrastive", "gist-matryoshka": "contrastive",
+              "smoothing": "infonce", "supcon": "infonce"}
 
 
 def num_candidates(objective: str, n: int) -> int:
@@ -249,6 +255,10 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
         kwargs["false_negative_margin"] = 0.1
     elif objective == "infonce-prior":      # Chuang et al.'s debiased loss
         kwargs["positive_prior"] = 0.1
+    elif objective == "smoothing":
+        kwargs["label_smoothing"] = 0.1
+    elif objective == "supcon":
+        kwargs["labels"] = torch.randint(0, max(1, n // 4), (n,), generator=gen, device=device)
     if objective in ("gist", "gist-matryoshka"):
         negatives = randn(n, d)
         leaves.append(negatives)

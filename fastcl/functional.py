@@ -42,6 +42,9 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
                 matryoshka_weights: tuple[float, ...] | None = None,
                 false_negative_margin: float | None = None,
                 positive_prior: float | Tensor | None = None,
+                label_smoothing: float = 0.0, labels: Tensor | None = None,
+                teacher: tuple[Tensor, Tensor] | None = None,
+                teacher_temperature: float | None = None, distill_weight: float = 0.5,
                 backend: Backend = "auto", chunk_size: int | None = None) -> Tensor:
     r"""The composable objective: InfoNCE with any set of the features below, on every backend.
 
@@ -152,6 +155,42 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     Triton backend makes a fused call per width (the GEMM work of ``Σ_k d_k`` columns, 2.25×
     one loss for 768, 512, 256, 128, 64). Not with the noise or ``formulation="released"``.
 
+    **Soft targets** (``label_smoothing``, ``labels``). Row i's loss is the cross-entropy
+    against a target distribution over its *kept* candidates ``K_i`` — the entries of its
+    softmax: every column it scores (the positives, ``negatives``, ``Z``, and the anchors
+    block of ``"query_to_query"``) less those dropped by DCLR's mask, the guide, the
+    duplicate ids or the layout's exclusions (the positive is always kept):
+
+    .. math:: ℓ_i = -\sum_{j∈K_i} y_{ij}\log p_{ij},\quad
+              y_{ij} = (1-ε)\,\frac{[j∈P_i]}{|P_i|} + ε\,\frac{[j∈K_i]}{|K_i|}
+
+    with ``p`` the softmax over ``K_i`` of the logits above (focal, ``w``, MNRL's ``β·sg(s)``
+    included) and gradient ``∂ℓ_i/∂l_ij = p_ij − y_ij``. ``P_i`` is the positive alone, or
+    with ``labels`` (one integer per batch row, N_b) every kept column ``j < N_b`` of the
+    positives block with ``labels[j] = labels[p(i)]`` — SupCon's ``L_out``, the positive
+    among them; the negatives block and ``Z`` are never targets. ``label_smoothing = ε``
+    mixes the uniform distribution over ``K_i`` into the target, as
+    ``F.cross_entropy(label_smoothing=ε)`` does over its classes (there every class is
+    kept). Focal's ``s²/τ`` stays on column ``p(i)`` only. Per Matryoshka width, the same
+    targets over that width's logits. With ``symmetric`` (or ``"doc_to_query"`` per
+    direction, no guide, ids or hardness) each direction's softmax has its own target, the
+    reverse one's positive the row's own anchor and, with labels, the anchors of its label;
+    ``L = ½(L^→ + L^←)``. Not with ``formulation="released"`` or a positive side that shares
+    the anchor's softmax or its drops (``"doc_to_doc"``, a joint ``"doc_to_query"``, GIST's
+    positive–positive block): ``ValueError``.
+
+    **teacher** ``(t_anchors, t_candidates)`` (a frozen encoder's embeddings of the N anchors
+    and of the N_b + K positives and negatives, one width d_t) distils its in-batch
+    similarity distribution: ``y ← (1−λ)·y + λ·q_i``, ``λ = distill_weight``,
+
+    .. math:: q_{ij} = \frac{e^{\cos(t_i, t_j)/τ_t}}{\sum_{k∈T_i} e^{\cos(t_i, t_k)/τ_t}},
+              \ j ∈ T_i
+
+    over ``T_i``, the row's kept columns of the positives and negatives blocks (the noise and
+    the anchors block have no teacher row: ``q = 0`` there), ``τ_t = teacher_temperature``
+    (default τ). No gradient reaches the teacher. Not with a positive side (``symmetric``,
+    ``"doc_to_query"``, ``"doc_to_doc"``).
+
     Args (the options not stated above):
         anchors, positives, negatives: (N, d), (N_b, d) and optional (K, d): row i of
             ``positives`` is anchor i's positive (row ``anchor_offset + i``); ``negatives``
@@ -182,6 +221,10 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         false_negative_margin: ``m``, any finite float (None: off; 0.1 in Qwen3-Embedding).
         positive_prior: ``τ⁺`` in [0, 1), a float or an (N,) floating tensor on the anchors'
             device (None: off; 0 keeps only the max's floor ``Q·e^{−1/τ}``).
+        label_smoothing: ε ∈ [0, 1) (above; 0: off).
+        labels: optional (N_b,) integer tensor, a class id per batch row (above).
+        teacher, teacher_temperature, distill_weight: distillation into the target (above):
+            (N, d_t) and (N_b + K, d_t) embeddings, τ_t > 0 (None: τ), λ ∈ [0, 1].
         backend: "auto", "reference", "tiled" or "triton". The Triton kernels take every
             option above with InfoNCE, focal and the noise, ``matryoshka_dims`` a call per
             width, but not the layout's options beside ``hard_negative_weight`` or the DCLR
@@ -207,7 +250,9 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
         guide_margin=guide_margin, margin_strategy=margin_strategy, duplicate_ids=duplicate_ids,
         matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights,
         false_negative_margin=false_negative_margin, positive_prior=positive_prior,
-        backend=backend, chunk_size=chunk_size)
+        label_smoothing=label_smoothing, labels=labels, teacher=teacher,
+        teacher_temperature=teacher_temperature, distill_weight=distill_weight, backend=backend,
+        chunk_size=chunk_size)
     return run(spec, anchors, positives, negatives)
 
 
@@ -229,7 +274,8 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
             temperature: float = common.TEMPERATURE, hard_negative_weight: float = 0.0,
             symmetric: bool = False, anchor_offset: int | None = None,
             false_negative_margin: float | None = None,
-            positive_prior: float | Tensor | None = None, backend: Backend = "auto",
+            positive_prior: float | Tensor | None = None, label_smoothing: float = 0.0,
+            labels: Tensor | None = None, backend: Backend = "auto",
             chunk_size: int | None = None) -> Tensor:
     r"""InfoNCE over in-batch negatives: unsupervised and supervised SimCSE.
 
@@ -242,14 +288,16 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
     ``negatives``); the other arguments as in :func:`contrastive` (``anchor_offset``: anchor
     i's positive is ``positives[anchor_offset + i]``, the loss the mean over these anchors;
     ``false_negative_margin`` and ``positive_prior``: the self-referenced false-negative mask
-    and the debiased loss, None: off).
+    and the debiased loss, None: off;
+    ``label_smoothing`` and ``labels``: soft targets, 0 and None: off).
 
     Reference: Gao, Yao & Chen, "SimCSE", EMNLP 2021.
     """
     return run(*build_spec(anchors, positives, negatives, temperature=temperature,
                            hard_negative_weight=hard_negative_weight, symmetric=symmetric,
                            anchor_offset=anchor_offset, false_negative_margin=false_negative_margin,
-                           positive_prior=positive_prior, backend=backend, chunk_size=chunk_size))
+                           positive_prior=positive_prior, label_smoothing=label_smoothing,
+                           labels=labels, backend=backend, chunk_size=chunk_size))
 
 
 @check.one_host_read

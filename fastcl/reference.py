@@ -47,7 +47,8 @@ def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
 
 
 def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negative_weight,
-               keep, formulation, anchor_offset, false_negative_margin=None, positive_prior=None):
+               keep, formulation, anchor_offset, false_negative_margin=None, positive_prior=None,
+               soft=None):
     """One direction of :func:`contrastive`: the logits of ``anchors`` against ``candidates``
     (positive of anchor i in column ``anchor_offset + i``), then the loss."""
     n = anchors.shape[0]
@@ -76,6 +77,8 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
         return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
+    if soft is not None:
+        return _soft_cross_entropy(logits, is_positive, soft, anchor_offset).mean()
     if positive_prior is not None:
         return _debiased(logits, is_positive, positive_prior, temperature).mean()
     return _cross_entropy(logits, is_positive).mean()
@@ -84,6 +87,35 @@ def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negativ
 def _false_negatives(sim, positive_cosine, margin, protect):
     """``s_ij > s_{i,p(i)} + m`` (the row's own positive's cosine), never at ``protect``."""
     return (sim > (positive_cosine + margin)[:, None]) & ~protect
+
+
+def _soft_cross_entropy(logits, is_positive, soft, anchor_offset):
+    """Each row's ``ℓ_i = −Σ_j y_ij log p_ij`` against the soft target of ``soft``
+    (:class:`fastcl.spec.Soft`), written out: ``K_i`` the row's kept entries (finite
+    logits), ``P_i`` its positive, or with labels the kept columns ``j < N_b`` (the first
+    block: the positives, or the anchors on a positive side) with
+    ``labels[j] = labels[anchor_offset + i]``, and
+    ``y = (1−ε)·1[P_i]/|P_i| + ε·1[K_i]/|K_i|``."""
+    kept = ~torch.isneginf(logits)
+    log_p = torch.log_softmax(logits, dim=1).masked_fill(~kept, 0.0)
+    target = is_positive
+    if soft.labels is not None:
+        labels, n = soft.labels, logits.shape[0]
+        same = torch.zeros_like(kept)
+        same[:, :labels.shape[0]] = labels[None, :] == labels[anchor_offset:anchor_offset + n, None]
+        target = (same & kept) | is_positive
+    eps = soft.label_smoothing
+    y = ((1 - eps) * target.to(log_p.dtype) / target.sum(dim=1, keepdim=True)
+         + eps * kept.to(log_p.dtype) / kept.sum(dim=1, keepdim=True))
+    if soft.teacher is not None:
+        # q: the teacher's softmax over the row's kept documents (the first N_b + K columns)
+        t_anchors, t_docs = soft.teacher
+        width = t_docs.shape[0]
+        t_logits = torch.full_like(log_p, float("-inf"))
+        t_logits[:, :width] = (cosine_matrix(t_anchors, t_docs).to(log_p.dtype)
+                               / soft.teacher_temperature).masked_fill(~kept[:, :width], float("-inf"))
+        y = (1 - soft.distill_weight) * y + soft.distill_weight * torch.softmax(t_logits, dim=1)
+    return -(y * log_p).sum(dim=1)
 
 
 def _positive_logit(logits, is_positive):
@@ -181,7 +213,7 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
                       focal_m=logits.focal_m, hard_negative_weight=logits.hard_negative_weight,
                       keep=keep, formulation=spec.formulation, anchor_offset=offset,
                       false_negative_margin=spec.false_negative_margin,
-                      positive_prior=spec.positive_prior)
+                      positive_prior=spec.positive_prior, soft=spec.soft)
 
 
 def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anchor_candidates):
@@ -313,6 +345,18 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     # (_cross_entropy), the other blocks join its log-sum-exp
     anchor_pos = torch.zeros_like(anchor_side[0], dtype=torch.bool)
     anchor_pos[rows, g] = True
+    if spec.soft is not None:
+        # each softmax its own target (a positive side only as two directions: its first
+        # block the anchors, the positive there the row's own anchor)
+        everything = torch.cat(anchor_side, dim=1)
+        at_positive = torch.zeros_like(everything, dtype=torch.bool)
+        at_positive[:, :anchor_pos.shape[1]] = anchor_pos
+        loss = _soft_cross_entropy(everything, at_positive, spec.soft, anchor_offset)
+        if positive_side:
+            reverse = torch.cat(positive_side, dim=1)
+            loss = 0.5 * (loss + _soft_cross_entropy(
+                reverse, _at_cols(own_anchor, reverse.shape[1]), spec.soft, anchor_offset))
+        return loss.mean()
     if layout.joint or not positive_side:
         if spec.positive_prior is not None:       # one softmax a row (build_spec's rule)
             return _debiased(anchor_side[0], anchor_pos, spec.positive_prior, temperature,

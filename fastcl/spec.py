@@ -14,6 +14,7 @@ small records, each ``None`` when its feature is off (one encoding for "off"):
 * :class:`Matryoshka` — the prefix widths and their weights;
 * ``false_negative_margin`` — drop ``j`` where the loss's own ``s_ij > s_{i,p(i)} + m``;
 * ``positive_prior`` — Chuang et al.'s debiased negatives' sum, ``τ⁺`` per row.
+* :class:`Soft` — soft targets: label smoothing and SupCon's labels.
 
 :class:`Epilogue` is the spec as one engine call sees it (the chunk epilogue's fields: the
 kernels read these names) and encodes itself to and from the custom op's arguments
@@ -22,6 +23,7 @@ kernels read these names) and encodes itself to and from the custom op's argumen
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -83,6 +85,21 @@ class Guide:
     strategy: str = "absolute"
 
 
+@dataclass(frozen=True)
+class Soft:
+    """Soft targets: row i's loss is ``−Σ_j y_ij log p_ij`` over its kept candidates K_i
+    (those in its softmax), ``y_ij = (1−ε)·1[j ∈ P_i]/|P_i| + ε·1[j ∈ K_i]/|K_i|``; ``P_i``
+    the positive alone, or with ``labels`` the kept columns of the positives block whose
+    row has the anchor's label. ``teacher``: ``y ← (1−λ)·y + λ·q``, q the teacher's softmax
+    ``cos(t_i, t_j)/τ_t`` over the row's kept columns of the positives and negatives blocks."""
+
+    label_smoothing: float = 0.0          # ε ∈ [0, 1)
+    labels: torch.Tensor | None = None    # (N_b,) int64, one per batch row
+    teacher: tuple | None = None          # (t_anchors (N×d_t), t_candidates (N_b+K × d_t)), detached
+    teacher_temperature: float = 0.05     # τ_t
+    distill_weight: float = 0.0           # λ ∈ [0, 1]
+
+
 class Matryoshka(NamedTuple):
     dims: tuple[int, ...]                 # d_1 < … < d_K
     weights: tuple[float, ...]
@@ -106,12 +123,16 @@ class LossSpec:
     false_negative_margin: float | None = None   # m: drop s_ij > s_{i,p(i)} + m (never p(i))
     positive_prior: torch.Tensor | None = None   # τ⁺ of each anchor row (N,), accumulate dtype
 
+    soft: Soft | None = None              # None: the one-hot target on the positive
+
     def row_fields(self) -> dict:
         """The :class:`Epilogue` fields every direction of this spec shares (the reverse
         direction of ``symmetric`` too): how a row forms its logits and drops, and the chunking."""
+        soft = {} if self.soft is None else dict(label_smoothing=self.soft.label_smoothing,
+                                                  labels=self.soft.labels)
         return dict(temperature=self.logits.temperature, focal_m=self.logits.focal_m,
                     chunk_size=self.chunk_size, false_negative_margin=self.false_negative_margin,
-                    positive_prior=self.positive_prior)
+                    positive_prior=self.positive_prior, **soft)
 
     @property
     def layout(self) -> Layout:
@@ -170,6 +191,16 @@ class Epilogue:
     false_negative_margin: float | None = None
     # Chuang et al.'s debiased sum of the row's others: τ⁺ of each of the call's N anchor rows
     positive_prior: torch.Tensor | None = None
+    label_smoothing: float = 0.0           # soft targets (fastcl.spec.Soft): ε
+    labels: torch.Tensor | None = None     # (N_b,) int64: SupCon's positives by label
+    teacher: tuple | None = None           # (unit rows of the N anchors, of the N_b+K documents)
+    teacher_temperature: float = 0.05
+    distill_weight: float = 0.0
+
+    @property
+    def soft(self) -> bool:
+        """Whether the target is more than the one-hot positive (:class:`Soft`)."""
+        return bool(self.label_smoothing) or self.labels is not None or self.teacher is not None
 
     @property
     def paired(self) -> bool:
@@ -193,7 +224,8 @@ class Epilogue:
                  "float hard_negative_weight, float phi, str formulation, SymInt anchor_offset, "
                  "SymInt? chunk_size, str matryoshka, SymInt layout, SymInt[] blocks, str hardness, "
                  "Tensor[] guide, Tensor[] ids, float? false_negative_margin, "
-                 "Tensor? positive_prior")
+                 "Tensor? positive_prior, float label_smoothing, Tensor[] labels, "
+                 "Tensor[] teacher, float teacher_temperature, float distill_weight")
 
     def op_args(self) -> tuple:
         widths = ("" if self.matryoshka is None else
@@ -206,12 +238,15 @@ class Epilogue:
                 list(self.blocks or (0, 0, 0, 0)),
                 "" if self.hardness is None else f"{self.hardness[0]}:{float(self.hardness[1])!r}",
                 list(self.guide or ()), list(self.ids or ()), self.false_negative_margin,
-                self.positive_prior)
+                self.positive_prior, float(self.label_smoothing),
+                [] if self.labels is None else [self.labels], list(self.teacher or ()),
+                float(self.teacher_temperature), float(self.distill_weight))
 
     @classmethod
     def from_op_args(cls, complementary, temperature, focal_m, hard_negative_weight, phi,
                      formulation, anchor_offset, chunk_size, matryoshka, layout_bits, blocks,
-                     hardness, guide, ids, false_negative_margin, positive_prior) -> "Epilogue":
+                     hardness, guide, ids, false_negative_margin, positive_prior, label_smoothing,
+                     labels, teacher, teacher_temperature, distill_weight) -> "Epilogue":
         mode, _, beta = hardness.partition(":")
         widths = None
         if matryoshka:
@@ -225,7 +260,10 @@ class Epilogue:
                    blocks=tuple(blocks) if any(blocks) else None,
                    hardness=(mode, float(beta)) if mode else None,
                    guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None,
-                   false_negative_margin=false_negative_margin, positive_prior=positive_prior)
+                   false_negative_margin=false_negative_margin, positive_prior=positive_prior,
+                   label_smoothing=label_smoothing, labels=labels[0] if labels else None,
+                   teacher=tuple(teacher) if teacher else None,
+                   teacher_temperature=teacher_temperature, distill_weight=distill_weight)
 
 
 #: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
@@ -260,7 +298,8 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                hardness_strength=0.0, anchor_candidates=None, guide=None, guide_margin=0.0,
                margin_strategy="absolute", duplicate_ids=None, matryoshka_dims=None,
                matryoshka_weights=None, false_negative_margin=None, positive_prior=None,
-               backend="auto", chunk_size=None, focal_name="focal_m"):
+               label_smoothing=0.0, labels=None, teacher=None, teacher_temperature=None,
+               distill_weight=0.5, backend="auto", chunk_size=None, focal_name="focal_m"):
     """Check :func:`fastcl.contrastive`'s arguments (every default and cross-field rule) and
     return ``(spec, anchors, positives, negatives)``, the embeddings checked (rows too large
     to square rescaled). Errors name the argument (``focal_name``: ``focal_m``'s name in
@@ -332,13 +371,34 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
             float(learnable.detach()) if noisy else common.TEMPERATURE)
     noise_spec = noise_settings(anchors, None if noise is not None else count, noise_steps,
                                 noise_lr, noise_std, noise_temperature, noise, generator)
+    soft = _soft(label_smoothing, labels, n_pos, anchors.device, formulation)
+    if teacher is not None:
+        if teacher_temperature is None:     # τ's value, as the noise's default
+            teacher_temperature = temperature if temperature is not None else float(learnable.detach())
+        soft = _teacher(soft, teacher, n, n_pos + (0 if negatives is None else negatives.shape[0]),
+                        anchors, teacher_temperature, distill_weight, formulation)
+    if soft is not None and prior is not None:
+        raise ValueError("positive_prior cannot be combined with label_smoothing, labels or "
+                         "teacher: the debiased loss has no target distribution")
     spec = LossSpec(
         Logits(temperature, focal_m, hard_negative_weight, learnable),
         mask=None if complementary is None else Mask(complementary, phi, reverse=symmetric),
         noise=noise_spec if noisy else None, rules=rules,
         guide=guide_spec, ids=ids, matryoshka=widths, formulation=formulation,
         anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size),
-        false_negative_margin=false_negative_margin, positive_prior=prior)
+        false_negative_margin=false_negative_margin, positive_prior=prior, soft=soft)
+    if soft is not None and soft.teacher is not None and spec.layout.positive_side:
+        raise ValueError("teacher cannot be combined with a positive side (symmetric, "
+                         "'doc_to_query', 'doc_to_doc', GIST's positive-positive block) yet: the "
+                         "teacher scores the anchor's row only")
+    if soft is not None and spec.layout.positive_side and not spec.two_directions:
+        names = " and ".join(n for n, on in (("label_smoothing", soft.label_smoothing),
+                                             ("labels", soft.labels is not None)) if on)
+        raise ValueError(f"{names} cannot be combined with a positive side that shares the "
+                         "anchor's softmax or its rules ('doc_to_doc', partition_mode='joint' "
+                         "with 'doc_to_query', GIST's positive-positive block, or "
+                         "'doc_to_query' with a guide, duplicate_ids or hardness_mode) yet; "
+                         "symmetric=True and per_direction 'doc_to_query' take them")
     return _with_backend(spec, backend, anchors), anchors, positives, negatives
 
 
@@ -377,6 +437,56 @@ def _positive_prior(value, n: int, anchors) -> torch.Tensor | None:
             raise ValueError(f"positive_prior (τ⁺, a class prior) must lie in [0, 1), got values "
                              f"in [{low}, {high}]")
     return value.detach().to(acc)
+
+
+def _soft(label_smoothing, labels, n_pos, device, formulation) -> Soft | None:
+    """``label_smoothing`` (ε ∈ [0, 1)) and ``labels`` (one integer per batch row) checked:
+    a :class:`Soft`, or None when both are off."""
+    eps = check.finite("label_smoothing", label_smoothing)
+    if not 0.0 <= eps < 1.0:
+        raise ValueError(f"label_smoothing must lie in [0, 1), got {eps}")
+    if labels is not None:
+        if (not isinstance(labels, torch.Tensor) or labels.is_floating_point()
+                or labels.is_complex() or labels.dtype == torch.bool):
+            raise TypeError(f"labels must be an integer tensor, got "
+                            f"{labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__}")
+        if labels.dim() != 1 or labels.shape[0] != n_pos:
+            raise ValueError(f"labels must have shape ({n_pos},) (one per batch row: the "
+                             f"positives' rows), got {tuple(labels.shape)}")
+        if labels.device != device:
+            raise ValueError(f"labels is on {labels.device} but anchors are on {device}")
+        labels = labels.to(torch.long)
+    if not eps and labels is None:
+        return None
+    names = " and ".join(n for n, on in (("label_smoothing", eps), ("labels", labels is not None)) if on)
+    if formulation == "released":
+        raise ValueError(f"{names} cannot be combined with formulation='released' (the "
+                         "authors' BCE has no target distribution); use formulation='paper'")
+    return Soft(eps, labels)
+
+
+def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_weight,
+             formulation) -> Soft:
+    """``teacher=(t_anchors, t_candidates)`` (N and N_b + K rows of one width: the
+    positives' and negatives' teacher embeddings), ``teacher_temperature`` and
+    ``distill_weight`` (λ ∈ [0, 1]) checked, joined to ``soft``."""
+    if not isinstance(teacher, (tuple, list)) or len(teacher) != 2:
+        raise TypeError("teacher must be a tuple (t_anchors, t_candidates)")
+    t_anchors = check.embeddings("teacher[0] (anchors)", teacher[0], rows=n, scale_free=True)
+    t_docs = check.embeddings("teacher[1] (candidates)", teacher[1], rows=n_docs,
+                              width=t_anchors.shape[1], scale_free=True)
+    for name, x in (("teacher[0] (anchors)", t_anchors), ("teacher[1] (candidates)", t_docs)):
+        if x.device != anchors.device:
+            raise ValueError(f"{name} is on {x.device} but anchors are on {anchors.device}")
+    tau = check.temperature(teacher_temperature, anchors.dtype, name="teacher_temperature")
+    weight = check.finite("distill_weight", distill_weight)
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"distill_weight must lie in [0, 1], got {weight}")
+    if formulation == "released":
+        raise ValueError("teacher cannot be combined with formulation='released' (the authors' "
+                         "BCE has no target distribution); use formulation='paper'")
+    soft = soft or Soft()
+    return Soft(soft.label_smoothing, soft.labels, (t_anchors.detach(), t_docs.detach()), tau, weight)
 
 
 def _exclusive(message: str, joiner: str = ", ", **on) -> None:
@@ -646,6 +756,15 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
                     "guide), each with or without false_negative_margin; use backend='tiled' "
                     "(the same numbers, without the N×M matrix)")
             be = "tiled"
+    if be == "triton" and spec.soft is not None and (spec.soft.teacher is not None
+                                                     or spec.false_negative_margin is not None):
+        # the teacher's tile is not in the kernels, nor a flag set of soft targets and margin
+        if backend == "triton":
+            what = ("teacher" if spec.soft.teacher is not None else
+                    "label_smoothing or labels beside false_negative_margin")
+            raise ValueError(f"backend='triton' does not compute {what} yet; use "
+                             "backend='tiled' (the same numbers, without the N×M matrix)")
+        be = "tiled"
     if be == "triton" and spec.ruled and not spec.two_directions:
         lacking = [name for name, on in (
             ("hard_negative_weight", bool(spec.logits.hard_negative_weight)),
@@ -667,6 +786,4 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
                              f"{' and matryoshka_dims' if widths else ''} has its gradient on "
                              f"{where} only")
         be = "tiled"
-    return LossSpec(spec.logits, spec.mask, spec.noise, spec.rules, spec.guide, spec.ids,
-                    spec.matryoshka, spec.formulation, spec.anchor_offset, spec.chunk_size, be,
-                    spec.false_negative_margin, spec.positive_prior)
+    return dataclasses.replace(spec, backend=be)

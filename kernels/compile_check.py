@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHS = (80, 90)
 FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps", "bound", "hard_beta",
-              "lr", "eps"}
+              "lr", "eps", "smoothing"}
 
 #: The integer arguments of the launches compiled, by name (the kernels share their names),
 #: and whether their buffers start on a 16-byte boundary. ``aligned``: the second chunk of
@@ -53,9 +53,9 @@ _NO_RULES = dict(anchor_base=0, n_neg=0, n_noise=0, rules=0)
 RULES_ARGS = dict(vis0=9, vis1=9, exclude_own=True, hard_mode=1, paired=True, joint=True)
 LAUNCHES = {
     "aligned": dict(aligned=True, R=4096, M=32768, D=768, DC=768, first_pos=4096, n_pos=32768,
-                    T=256, n_ck=32768, R_half=4096, **_NO_RULES),
+                    T=256, n_ck=32768, R_half=4096, n_labels=32768, **_NO_RULES),
     "unaligned": dict(aligned=False, R=1000, M=1000, D=130, DC=130, first_pos=1000,
-                      n_pos=1000, T=8, n_ck=1000, R_half=1000, **_NO_RULES),
+                      n_pos=1000, T=8, n_ck=1000, R_half=1000, n_labels=1000, **_NO_RULES),
 }
 
 
@@ -118,7 +118,7 @@ class Result:
 
 
 #: The flags a variant's name says (left out of a specialization's name).
-FLAG_NAMES = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES", "GUIDE")
+FLAG_NAMES = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES", "GUIDE", "SOFT")
 
 #: The representative subset: every kernel and flag set, on these (arch, dtype) pairs (bf16
 #: on both targets: the dtype of large-batch training; fp32's tiles on one).
@@ -148,7 +148,8 @@ def modes(f: dict, dtype: str) -> list[tuple[bool, bool]]:
     from . import contrastive as kc
 
     two_pass = [(kc.stores_exp(f), False)]
-    bounded = not (f["RELEASED"] or f.get("RULES") or f.get("PRIOR") or dtype == "float16")
+    bounded = not (f["RELEASED"] or f.get("RULES") or f.get("PRIOR") or f.get("SOFT")
+                   or dtype == "float16")
     return ([(True, True)] if bounded else []) + two_pass
 
 
@@ -193,13 +194,13 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
             specs += [_sim_spec(variant, f, dtype, arch, store, config, bounded)
                       for config in cfg.sim_configs(f, dtype, arch)
                       for store, bounded in modes(f, dtype)]
-            row = {k: v for k, v in cfg.ROW_BLOCK.items() if k != "num_warps"}
+            row = {k: v for k, v in cfg.row_block(f).items() if k != "num_warps"}
             for want_grad in (True, False):
                 specs.append(Spec(
                     "_row_kernel", variant, dtype, arch,
                     dict(kc.row_flags(f), STORE_EXP=exp, WANT_GRAD=want_grad,
                          TILE_M=cfg.SIM_BLOCK_M, **row),
-                    cfg.ROW_BLOCK.get("num_warps", 4), 3,
+                    cfg.row_block(f).get("num_warps", 4), 3,
                     ("g_ptr",) + (("t_ptr",) if exp else ())))
         # the bounded design's rows: loss, 1/Z and the positive's coefficient from the partials
         finish = {k: v for k, v in cfg.FINISH_BLOCK.items() if k != "num_warps"}

@@ -17,7 +17,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: Every flag set an objective launches, by name (the compile check builds each one).
 _OFF = dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True, RULES=False,
-            GUIDE=False, MARGIN=False, PRIOR=False)
+            GUIDE=False, MARGIN=False, PRIOR=False, SOFT=False)
 VARIANTS = {
     "infonce": dict(_OFF),
     "infonce-hard": dict(_OFF, HARD=True),
@@ -64,6 +64,18 @@ VARIANTS = {
     "mask-margin-prior": dict(_OFF, MASK=True, MARGIN=True, PRIOR=True),
     "rules-margin-prior": dict(_OFF, RULES=True, MARGIN=True, PRIOR=True),
     "rules-guide-margin-prior": dict(_OFF, RULES=True, GUIDE=True, MARGIN=True, PRIOR=True),
+    # soft targets (label smoothing, labels) on each of the above but the released DCLR's
+    # and the noise loss's (the similarity kernel stores the cosines, as focal's does)
+    **{f"{name}-soft": dict(f, SOFT=True) for name, f in (
+        ("infonce", dict(_OFF)), ("infonce-hard", dict(_OFF, HARD=True)),
+        ("focal", dict(_OFF, FOCAL=True)), ("dclr-mask", dict(_OFF, MASK=True)),
+        ("focal-hard", dict(_OFF, FOCAL=True, HARD=True)),
+        ("focal-mask", dict(_OFF, FOCAL=True, MASK=True)),
+        ("hard-mask", dict(_OFF, HARD=True, MASK=True)),
+        ("focal-hard-mask", dict(_OFF, FOCAL=True, HARD=True, MASK=True)),
+        ("rules", dict(_OFF, RULES=True)), ("rules-guide", dict(_OFF, RULES=True, GUIDE=True)),
+        ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)),
+        ("focal-rules-guide", dict(_OFF, FOCAL=True, RULES=True, GUIDE=True)))},
 }
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
@@ -115,6 +127,11 @@ SIM_CONFIGS_BY_VARIANT = {
     (80, "16bit", "focal-rules-margin"): _MID,
     **{(arch, "16bit", "rules-margin"): _MID[:1] for arch in (80, 90)},
     (90, "16bit", "rules-margin-prior"): _MID[:1],
+    # soft targets store the cosines (as focal does): the 128-row masked tile spills there
+    (90, "16bit", "hard-mask-soft"): _MID,
+    # the guide's product beside the margin's or the prior's test: a thinner fp32 tile on sm_80
+    **{(80, "fp32", v): [(32, 16, 8, 3)] for v in ("rules-guide-soft", "rules-guide-margin",
+                                                     "rules-guide-prior", "rules-guide-margin-prior")},
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
 #: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads
@@ -136,7 +153,16 @@ SIM_CONFIGS_OLDER_TRITON = {
     **{(arch, "16bit", v): [(32, 64, 8, 3)] for arch in (80, 90)
        for v in ("rules-guide-margin", "rules-guide-prior", "rules-guide-margin-prior",
                  "focal-rules-guide-margin")},
+    # soft targets store the cosines beside the guide's product (as focal does): 3.1's
+    # (64, 32) spills 40-64 bytes there
+    **{(arch, "16bit", "rules-guide-soft"): [(32, 64, 8, 3)] for arch in (80, 90)},
 }
+
+# A soft variant's similarity tile is its base's (SOFT is read by the row kernel only): its
+# base's own lists, where the base has one and the soft variant none.
+for _lists in (SIM_CONFIGS_BY_VARIANT, SIM_CONFIGS_OLDER_TRITON):
+    _lists.update({(arch, kind, f"{name}-soft"): kept for (arch, kind, name), kept in list(_lists.items())
+                   if f"{name}-soft" in VARIANTS and (arch, kind, f"{name}-soft") not in _lists})
 
 #: What the compile check tries for the lists, (BLOCK_R, BLOCK_D, num_warps, num_stages) with
 #: BLOCK_M = 128 (``--sim-candidates`` reports each one for the aligned launch).
@@ -150,6 +176,16 @@ SIM_FIXED = {"BLOCK_R": 16, "BLOCK_D": 16}                # interpreter tiles (t
 GPU_ROW_BLOCK = {"BLOCK_N": 2048, "BLOCK_T": 256, "num_warps": 8}
 GPU_FINISH_BLOCK = {"BLOCK_R": 32, "BLOCK_T": 128, "num_warps": 4}
 ROW_BLOCK = {"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET else GPU_ROW_BLOCK
+
+
+def row_block(f: dict) -> dict:
+    """The row kernel's launch sizes for a flag set: soft targets beside the layout's rules
+    hold the most per column (the label ids, the rules' masks), a quarter of the columns a
+    step there (at 2048 Triton 3.6 spilled 8-16 bytes on sm_90, at 1024 Triton 3.1 4 bytes;
+    512 is clean on 3.1, 3.6 and 3.9)."""
+    if INTERPRET or not (f.get("SOFT") and f.get("RULES")):
+        return ROW_BLOCK
+    return dict(ROW_BLOCK, BLOCK_N=ROW_BLOCK["BLOCK_N"] // 4)
 FINISH_BLOCK = {"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET else GPU_FINISH_BLOCK
 
 

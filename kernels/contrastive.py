@@ -82,9 +82,10 @@ BOUNDED = tl.constexpr(256)
 WANT_GRAD = tl.constexpr(512)
 MARGIN = tl.constexpr(1024)            # the false-negative margin (a flag of the set)
 PRIOR = tl.constexpr(2048)             # the debiased row loss (a flag of the set)
+SOFT = tl.constexpr(4096)              # soft targets (a flag of the set; the row kernel's)
 _BITS = dict(FOCAL=FOCAL, HARD=HARD, MASK=MASK, RELEASED=RELEASED, POSITIVES=POSITIVES,
              RULES=RULES, GUIDE=GUIDE, STORE_EXP=STORE_EXP, BOUNDED=BOUNDED, WANT_GRAD=WANT_GRAD,
-             MARGIN=MARGIN, PRIOR=PRIOR)
+             MARGIN=MARGIN, PRIOR=PRIOR, SOFT=SOFT)
 
 #: The kernels' ``rules`` (:mod:`fastcl.layout`'s rules of a chunk, one integer): the blocks
 #: each side scores (4 bits a side: positives, negatives, noise, anchors), then these bits,
@@ -533,12 +534,14 @@ def _row_probs(t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, 
     ``max_row``; ``rows_g`` … ``own_anchor`` from ``_rule_rows``): their indices and bounds,
     ``scale`` × the softmax p over ``lse``, the stored cosines s (unused in exp mode), the
     positive, where focal's slope is 2s (the positive, and the mirror with RULES) and the
-    dropped columns, from whatever the similarity kernel stored."""
+    dropped columns, from whatever the similarity kernel stored; and the logits l (the
+    cosines' mode only)."""
     cols = c0 + tl.arange(0, BLOCK_N)
     ok = cols < M
     x = tl.load(t_row + cols, mask=ok, other=0.0).to(tl.float32)
     is_pos = _positive(cols, rows_g, FLAGS)
     squared = is_pos
+    l = x[None, :]                           # the logits, in the cosines' mode
     if STORE_EXP & FLAGS:
         # p = exp(l − tile max) · exp(tile max − lse); a fully masked tile has max −inf, e 0
         tile_max = tl.load(max_row + cols // TILE_M, mask=ok, other=float("-inf"))
@@ -557,18 +560,28 @@ def _row_probs(t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, 
                 squared = squared | mirror
         p = tl.exp(l - lse) * scale
     p = tl.where(ok[None, :], p, 0.0)
-    return cols, ok, p, s, is_pos, squared, dropped
+    return cols, ok, p, s, l, is_pos, squared, dropped
+
+
+@triton.jit
+def _same_label(label_ids_ptr, cols, row_label, n_labels, is_pos):
+    """The columns whose positives-block row has the row's label (``n_labels`` > 0: the
+    positives block's rows; else none), and the positive itself."""
+    lab = tl.load(label_ids_ptr + cols, mask=cols < n_labels, other=0)
+    return ((lab[None, :] == row_label[:, None]) & (cols < n_labels)[None, :]) | is_pos
 
 
 @triton.jit
 def _row_kernel(
     t_ptr, g_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, loss_ptr, prior_ptr,
-    M, first_pos, n_pos, R_half, anchor_base, n_neg, n_noise, rules,
-    inv_t, focal_m, hard_w, hard_beta,
+    label_ids_ptr, M, first_pos, n_pos, R_half, anchor_base, n_neg, n_noise, rules, n_labels,
+    inv_t, focal_m, hard_w, hard_beta, smoothing,
     FLAGS: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """One row of the chunk (``t`` and ``g`` R×M, the partials R × ⌈M/TILE_M⌉): its loss,
-    and with WANT_GRAD its gradient row ``g``."""
+    and with WANT_GRAD its gradient row ``g``. SOFT: the soft target
+    ``y = a·1[P] + b·1[K]`` (``fastcl.spec.Soft``; ``smoothing`` ε, the labels of the
+    positives block where ``n_labels`` > 0), from a first pass over the row."""
     row = tl.program_id(0)
     T = tl.cdiv(M, TILE_M)
     t_row = t_ptr + row.to(tl.int64) * M
@@ -632,7 +645,7 @@ def _row_kernel(
         v_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         log_acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         for c0 in range(0, M, BLOCK_N):
-            cols, ok, p, s, is_pos, squared, dropped = _row_probs(
+            cols, ok, p, s, l, is_pos, squared, dropped = _row_probs(
                 t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, n_pos, n_neg,
                 n_noise, rules, inv_t, focal_m, hard_w, hard_beta, FLAGS, TILE_M, BLOCK_N)
             v_acc += tl.where(ok[None, :] & _not(is_pos), _bce_v(p, is_pos), 0.0)
@@ -649,6 +662,35 @@ def _row_kernel(
         pos_g = -(scale * others + (1.0 - scale))
         if PRIOR & FLAGS:
             pos_g = prior_pos_g
+    a = 0.0
+    b = 0.0
+    if SOFT & FLAGS:
+        # soft targets: Σ and count of the kept logits (K) and of the label's kept
+        # positives-block columns (P: the positive alone without labels); then
+        # ℓ = lse − l_ii + (1−ε)(l_ii − Σ_P l/|P|) + ε(l_ii − Σ_K l/|K|), ∂ℓ/∂l = p − y
+        row_label = tl.load(label_ids_ptr + rows_g, mask=rows_g < n_labels, other=0)
+        # (row sums block by block: four BLOCK_N accumulators would not fit in registers)
+        count = tl.zeros((1,), dtype=tl.float32)
+        kl_sum = tl.zeros((1,), dtype=tl.float32)
+        size = tl.zeros((1,), dtype=tl.float32)
+        pl_sum = tl.zeros((1,), dtype=tl.float32)
+        for c0 in range(0, M, BLOCK_N):
+            cols, ok, p, s, l, is_pos, squared, dropped = _row_probs(
+                t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, n_pos, n_neg,
+                n_noise, rules, inv_t, focal_m, hard_w, hard_beta, FLAGS, TILE_M, BLOCK_N)
+            kept = ok[None, :] & _not(dropped)
+            same = _same_label(label_ids_ptr, cols, row_label, n_labels, is_pos) & kept
+            count += tl.sum(tl.where(kept, 1.0, 0.0), axis=1)
+            kl_sum += tl.sum(tl.where(kept, l, 0.0), axis=1)
+            size += tl.sum(tl.where(same, 1.0, 0.0), axis=1)
+            pl_sum += tl.sum(tl.where(same, l, 0.0), axis=1)
+        count = tl.sum(count, axis=0)
+        size = tl.sum(size, axis=0)
+        a = (1.0 - smoothing) / size
+        b = smoothing / count
+        spread = tl.where(n_labels > 0, pos - tl.sum(pl_sum, axis=0) / size, 0.0)
+        row_loss += (1.0 - smoothing) * spread + smoothing * (pos - tl.sum(kl_sum, axis=0) / count)
+        pos_g = pos_g + (1.0 - a - b)
     # the positive side has no loss row (a branch: the interpreter of Triton 3.1 takes a
     # scalar mask that is False for no mask at all)
     if row < R_half:
@@ -657,13 +699,17 @@ def _row_kernel(
     if WANT_GRAD & FLAGS:
         g_row = g_ptr + row.to(tl.int64) * M
         for c0 in range(0, M, BLOCK_N):
-            cols, ok, p, s, is_pos, squared, dropped = _row_probs(
+            cols, ok, p, s, l, is_pos, squared, dropped = _row_probs(
                 t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, n_pos, n_neg,
                 n_noise, rules, inv_t, focal_m, hard_w, hard_beta, FLAGS, TILE_M, BLOCK_N)
             if RELEASED & FLAGS:
                 grad = tl.where(is_pos, pos_g, _bce_v(p, is_pos) - p * vsum) * inv_t
                 grad = tl.where(dropped, 0.0, grad)      # a × 0 logit has no slope in s
             else:
+                if SOFT & FLAGS:
+                    y = (tl.where(_same_label(label_ids_ptr, cols, row_label, n_labels, is_pos),
+                                  a, 0.0) + b)
+                    p = tl.where(_not(dropped) & ok[None, :], p - y, 0.0)
                 grad = tl.where(is_pos, pos_g, p)
                 if FOCAL & FLAGS:
                     grad = grad * tl.where(squared, 2.0 * s, 2.0 * s + focal_m) * inv_t
@@ -811,7 +857,8 @@ def flags(ep) -> dict:
     return dict(FOCAL=ep.focal_m is not None, HARD=bool(ep.hard_negative_weight),
                 MASK=ep.complementary is not None, RELEASED=ep.formulation == "released",
                 POSITIVES=ep.positives, RULES=ep.sided, GUIDE=ep.guide is not None,
-                MARGIN=ep.false_negative_margin is not None, PRIOR=ep.positive_prior is not None)
+                MARGIN=ep.false_negative_margin is not None, PRIOR=ep.positive_prior is not None,
+                SOFT=ep.soft)
 
 
 def row_flags(f: dict) -> dict:
@@ -823,8 +870,9 @@ def row_flags(f: dict) -> dict:
 def stores_exp(f: dict) -> bool:
     """Whether the gradient needs only the softmax: then the chunk buffer holds
     exp(l − tile max) in the GEMM dtype; focal needs s for its slope, the released DCLR and
-    the debiased loss (its count Q) need the dropped columns, so those keep the fp32 cosines."""
-    return not (f["FOCAL"] or f["RELEASED"] or f["PRIOR"])
+    the debiased loss (its count Q) need the dropped columns, and soft targets the kept
+    logits' row sums, so those keep the fp32 cosines."""
+    return not (f["FOCAL"] or f["RELEASED"] or f["PRIOR"] or f.get("SOFT"))
 
 
 def pack_flags(**on) -> int:
@@ -894,7 +942,8 @@ def logit_bound(ep, dtype: torch.dtype) -> float | None:
     does the released DCLR (its BCE needs each p_ij before its row sum), and float16 chunk
     buffers (5 exponent bits: ``exp(l − B)`` flushes to zero within 17 of B), and the
     layout's rules (a paired row's two sides share or split one softmax in the row kernel)."""
-    if ep.formulation == "released" or dtype == torch.float16 or ep.sided or ep.positive_prior is not None:
+    if (ep.formulation == "released" or dtype == torch.float16 or ep.sided
+            or ep.positive_prior is not None or ep.soft):
         return None
     inv_t = 1.0 / ep.temperature
     w = float(ep.hard_negative_weight)
@@ -1029,13 +1078,23 @@ def triton_chunk(ep, c, want_grad):
                              if want_grad else t)
     prior = c.inv_q if ep.positive_prior is None else (         # (a stand-in, never read)
         ep.positive_prior[c.r0:c.r1].to(torch.float32).contiguous())
+    labels = ep.labels if ep.labels is not None else _no_labels(t.device)
     _row_kernel[(R,)](
-        t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out, prior, M, c.first_pos, c.n_pos, **ints,
+        t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out, prior, labels, M, c.first_pos,
+        c.n_pos, **ints, n_labels=c.n_pos if ep.labels is not None else 0,
         inv_t=1.0 / ep.temperature, focal_m=float(ep.focal_m or 0.0),
         hard_w=float(ep.hard_negative_weight), hard_beta=beta,
+        smoothing=float(ep.label_smoothing),
         FLAGS=pack_flags(**row_flags(f), STORE_EXP=store_exp, WANT_GRAD=want_grad),
-        TILE_M=configs.SIM_BLOCK_M, **configs.ROW_BLOCK)
+        TILE_M=configs.SIM_BLOCK_M, **configs.row_block(f))
     return g if want_grad else None
+
+
+@functools.lru_cache(maxsize=None)
+def _no_labels(device) -> torch.Tensor:
+    """The row kernel's labels without labels (never read): an int64 stand-in, so that the
+    launch is the specialization the compile check builds."""
+    return torch.zeros(1, dtype=torch.long, device=device)
 
 
 def _row_bytes(ep, dtype: torch.dtype, m: int, n_pos: int) -> int:

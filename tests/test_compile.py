@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -91,7 +92,7 @@ def test_every_variant_and_kernel_is_covered(subset):
     # and the layout's rules
     bounded = {r["spec"]["variant"] for r in results
                if r["spec"]["kernel"] == "_similarity_kernel" and r["spec"]["constexprs"]["BOUNDED"]}
-    assert bounded == {v for v, f in VARIANTS.items() if not (f["RELEASED"] or f["RULES"])}
+    assert bounded == {v for v, f in VARIANTS.items() if not (f["RELEASED"] or f["RULES"] or f["SOFT"] or f["PRIOR"])}
     # every kernel and flag set again as an unaligned launch builds it
     unaligned = {(r["spec"]["kernel"], r["spec"]["variant"]) for r in results
                  if r["spec"]["launch"] == "unaligned"}
@@ -336,9 +337,9 @@ def test_engine_flags_are_known_variants():
            Epilogue(0.05, focal_m=0.3, hardness=("hard_negatives", 1.0)),
            Epilogue(0.05, layout=gist(), guide=(c[0], c[0], c[0][0])),
            Epilogue(0.05, focal_m=0.3, layout=gist(), guide=(c[0], c[0], c[0][0]))]
+    base = [ep for ep in eps if ep.formulation == "paper" and ep.positives]
     # the false-negative margin on each (not the released DCLR, not the noise loss)
-    eps += [dataclasses.replace(ep, false_negative_margin=0.1) for ep in eps
-            if ep.formulation == "paper" and ep.positives]
+    eps += [dataclasses.replace(ep, false_negative_margin=0.1) for ep in base]
     # the debiased loss beside the options its Triton path takes (fastcl.spec.TRITON_PRIOR)
     tau = torch.full((2,), 0.1)
     eps += [Epilogue(0.05, positive_prior=tau, **kw) for kw in (
@@ -351,6 +352,8 @@ def test_engine_flags_are_known_variants():
         dict(layout=gist(False, False), blocks=(2, 0, 0, 0), ids=(c[0], c[0]),
              false_negative_margin=0.1),
         dict(guide=(c[0], c[0], c[0][0]), false_negative_margin=0.1))]
+    # soft targets on each but the released DCLR and the noise loss
+    eps += [dataclasses.replace(ep, label_smoothing=0.1) for ep in base]
     assert sorted(map(str, (flags(ep) for ep in eps))) == sorted(map(str, VARIANTS.values()))
 
 

@@ -444,6 +444,14 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
                                    false_negative_margin=0.1)),
                          ((), dict(guide=guide, false_negative_margin=0.1))]:
         _call(batch, combo, "tiled", positive_prior=0.1, **extra)
+    # soft targets (tests/test_soft_targets.py): every combination and the anchor-side rules
+    for combo in COMBOS:
+        _call(batch, combo, "tiled", noise_steps=1, label_smoothing=0.1)
+    for focal in (None, 0.3):
+        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal, label_smoothing=0.1,
+                           directions=("query_to_doc", "query_to_query"))
+        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal, label_smoothing=0.1,
+                           directions=fastcl.layout.gist(True, False), guide=guide)
     launched = {tuple(sorted(flags(ep).items())) for ep in seen}
     known = {tuple(sorted(v.items())) for v in VARIANTS.values()}
     assert launched <= known, launched - known

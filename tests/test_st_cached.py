@@ -243,7 +243,8 @@ def test_arguments_and_config(model, guide):
         "scale": 20.0, "directions": ("query_to_doc",), "partition_mode": "joint", "hardness_mode": None,
         "hardness_strength": 0.0, "symmetric": False, "hard_negative_weight": 0.0, "focal_m": None,
         "mask_duplicates": False, "matryoshka_dims": None, "matryoshka_weights": None,
-        "false_negative_margin": None, "positive_prior": None,
+        "false_negative_margin": None, "positive_prior": None, "label_smoothing": 0.0,
+        "class_labels": False, "teacher_temperature": None, "distill_weight": 0.5,
         "gather_across_devices": False, "learnable_temperature": False, "backend": "auto",
         "mini_batch_size": 8, "mini_batch_num_tokens": None}
     assert "gao2021scaling" in loss.citation and "gao2021simcse" in loss.citation

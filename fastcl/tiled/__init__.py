@@ -62,6 +62,14 @@ def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands,
                   phi=None if mask is None else mask.phi,
                   complementary=None if mask is None else mask.complementary,
                   formulation=spec.formulation, anchor_offset=offset, matryoshka=widths)
+    if spec.soft is not None and spec.soft.teacher is not None:
+        # unit rows (in the GEMM dtype on the Triton engine, as the guide's)
+        acc = accumulate_dtype(anchors.dtype)
+        gemm = driver.matmul_dtype(anchors.dtype, anchors.device) if engine.name != "torch" else acc
+        unit = lambda x: torch.nn.functional.normalize(common.wide(x), dim=1, eps=EPS).to(gemm)  # noqa: E731
+        fields.update(teacher=tuple(unit(x) for x in spec.soft.teacher),
+                      teacher_temperature=spec.soft.teacher_temperature,
+                      distill_weight=spec.soft.distill_weight)
     if spec.two_directions:
         # ½(L→ + L←): the positives against the anchor candidates, focal and (symmetric) the
         # transposed mask there; negatives, w and Z belong to the forward direction only

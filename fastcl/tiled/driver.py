@@ -12,7 +12,7 @@ import torch
 from ..common import EPS, accumulate_dtype
 from ..spec import Epilogue
 from .engine import (TORCH, Chunk, Engine, _acc_and_cast_bytes, _accumulate_mm, _mm, _mm_into,
-                     _RowRules, torch_width)
+                     _RowRules, _soft_bytes, torch_width)
 
 
 #: Default bytes for the per-chunk R×M work buffers (all of them together). On a GPU a chunk
@@ -300,7 +300,8 @@ class _Widths:
         # the layout's masks (bool), the hardness factor, the guide's cosines while formed
         rules = m * (sides + acc * (ep.hardness is not None) + acc * (ep.guide is not None)) if ep.sided else 0
         mask = m * (acc + 1) if ep.complementary is not None else 0
-        return sides * m * (acc * _Widths.slices(ep) + cast) + rules + mask
+        return (sides * m * (acc * _Widths.slices(ep) + cast) + rules + mask
+                + _soft_bytes(ep, m, acc))
 
     @staticmethod
     def slices(ep: Epilogue) -> int:

@@ -126,6 +126,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     else:
         logits.mul_(inv_t)
     rules.apply(logits, n_pos, cos, c.first_pos)
+    soft = _SoftTargets(ep, c, logits, n_pos, ar, diag) if ep.soft else None
     if ep.focal_m is None:
         del cos
     drop, rules = rules.comp_drop, None                # the layout's masks are released here
@@ -183,7 +184,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         row_loss = -log_not.sum(dim=1) + share.clamp_max(100.0)
         del log_not
     else:
-        row_loss = share
+        row_loss = share if soft is None else share + soft.extra
     c.loss_out.copy_(row_loss)
     if not want_grad:
         return None
@@ -210,6 +211,8 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         if ep.positives:
             # p_ii − 1 = −q; per direction, 0.5·p_ii − 1 = −0.5·q − 0.5
             grad[ar, diag] = pos_grad if not (ep.paired and not joint) else -0.5 * others - 0.5
+        if soft is not None:
+            grad[ar, diag] = -others + (1.0 - soft.subtract(grad, ar, diag))
         if ep.focal_m is not None:
             mirror = _RowRules.mirror_of(ep, c)
             if c.tau_out is not None:      # grad is ∂ℓ/∂l here: its dot with s, the s² logits' out
@@ -248,6 +251,66 @@ def _debiased(gap, count, prior, positive, inv_t):
     on_a = some & (a >= b)
     slope = torch.where(on_a, sig / one_less_u.where(on_a, torch.ones_like(g)), torch.zeros_like(g))
     return loss, slope, torch.where(on_a, -slope, -sig)
+
+
+def _row_counts(mask: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Each row's count of True, a block of rows at a time: a bool tensor's sum widens the
+    whole of it to int64 first (8 bytes an entry, twice the R×M float32 buffer)."""
+    return torch.cat([mask[i:i + block].sum(dim=1) for i in range(0, mask.shape[0], block)])
+
+
+class _SoftTargets:
+    """Soft targets (:class:`fastcl.spec.Soft`) on a chunk's anchor rows, from their logits
+    (R×M, dropped entries −inf, the positive still in): ``y = a·1[P] + b·1[K]`` with
+    ``a = (1−ε)/|P|``, ``b = ε/|K|`` (K: the kept entries; P: the positive, or with labels
+    the kept positives-block columns of the row's label), and the row loss's extra term
+    ``Σ_j y_ij (l_ip − l_ij) = (1−ε)(l_ip − Σ_P l/|P|) + ε(l_ip − Σ_K l/|K|)`` beside
+    ``lse − l_ip``. Row sums only: a bool slice (K) and, with labels, an R×N_b one (P).
+    With a teacher, ``y ← (1−λ)·y + λ·q`` and the extra term ``(1−λ)·… + λ·Σ_j q_ij
+    (l_ip − l_ij)``, q the teacher's softmax over the kept documents (an R×(N_b+K) slice)."""
+
+    def __init__(self, ep: Epilogue, c: Chunk, logits, n_pos: int, ar, diag):
+        eps = ep.label_smoothing
+        self.dead = torch.isneginf(logits)
+        pos = logits[ar, diag]
+        logits.masked_fill_(self.dead, 0.0)            # the kept entries' sum, then back
+        count = (logits.shape[1] - _row_counts(self.dead)).to(logits.dtype)
+        extra = eps * (pos - logits.sum(dim=1) / count)
+        self.same = None
+        if ep.labels is not None:
+            self.same = ((ep.labels[None, :n_pos] == ep.labels[diag][:, None])
+                         & ~self.dead[:, :n_pos]).to(logits.dtype)
+            size = self.same.sum(dim=1)
+            self.a = (1.0 - eps) / size
+            extra = extra + (1.0 - eps) * (pos - torch.einsum("ij,ij->i", logits[:, :n_pos],
+                                                              self.same) / size)
+        else:
+            self.a = torch.full_like(pos, 1.0 - eps)
+        self.b, self.q = eps / count, None
+        if ep.teacher is not None:
+            lam = ep.distill_weight
+            t_rows, t_docs = ep.teacher
+            q = _mm(t_rows[c.r0:c.r1].to(c.q.dtype), t_docs.to(c.q.dtype).T, logits.dtype)
+            width = q.shape[1]
+            q.mul_(1.0 / ep.teacher_temperature).masked_fill_(self.dead[:, :width], float("-inf"))
+            q = torch.softmax(q, dim=1).mul_(lam)
+            extra = (1.0 - lam) * extra + (lam * pos - torch.einsum("ij,ij->i", logits[:, :width], q))
+            self.a, self.b, self.q = (1.0 - lam) * self.a, (1.0 - lam) * self.b, q
+        logits.masked_fill_(self.dead, float("-inf"))
+        self.extra = extra
+
+    def subtract(self, grad, ar, diag):
+        """In place: ``p − y`` off the positive (the softmax ``p`` in ``grad``); returns
+        ``y_ii``, the positive's target (its entry is the caller's: ``−q + (1 − y_ii)``, no
+        cancellation when y_ii = 1)."""
+        grad.sub_(self.b[:, None]).masked_fill_(self.dead, 0.0)
+        if self.same is not None:
+            grad[:, :self.same.shape[1]].addcmul_(self.same, self.a[:, None], value=-1.0)
+        y_pos = self.a + self.b
+        if self.q is not None:
+            grad[:, :self.q.shape[1]].sub_(self.q)
+            y_pos = y_pos + self.q[ar, diag]
+        return y_pos
 
 
 def _complementary_drop(ep: Epilogue, comp_q, comp_k, first_pos: int, acc: torch.dtype):
@@ -427,6 +490,8 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
     else:
         logits = torch.mul(dots, (inv_q * inv_t)[:, None], out=spare).mul_(inv_k[None, :])
     rules.apply(logits, n_pos, cos, first)
+    ar = torch.arange(r, device=logits.device)
+    soft = _SoftTargets(ep, c, logits, n_pos, ar, ar + first) if ep.soft else None
     # Every row's own softmax, one fused pass. ℓ_i = lse_i − l_ii = −log p_ii where p_ii ≥
     # e^(−2·bound)/M cannot underflow (no positive side, no layout); else lse_i through the
     # row's largest logit, whose p ≥ 1/M. (Where the others' share q < 1/2: −log1p(−q).)
@@ -468,6 +533,12 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
     if ep.paired and not ep.layout.joint:
         row_loss += weight * 0.5 * (loss + far)
         q = 0.5 + 0.5 * q                  # 1 − 0.5·p_ii
+    elif soft is not None:
+        # soft targets: the extra term beside −log p_ii, p − y off the positive, and on it
+        # p_ii − y_ii = −(q − (1 − y_ii))
+        row_loss += weight * (loss + soft.extra)
+        q = q - (1.0 - soft.subtract(p, ar, ar + first))
+        p[:r].diagonal(first).zero_()
     else:
         row_loss += weight * loss
     # ∂L/∂s^k = w_k (p − δ) g'(s)/N: g'(s) = 1/τ, or with focal modulation (2s + m)/τ off
@@ -512,7 +583,16 @@ def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> in
     # (MNRL's hardness: its factor and the cosines it reads)
     rules = m * (4 + acc * (ep.guide is not None) + 2 * acc * (ep.hardness is not None)) if ep.sided else 0
     rules += m * ((ep.false_negative_margin is not None) + (ep.positive_prior is not None))
-    return sides * (m * (acc * _slices(ep) + cast) + rules) + mask
+    return sides * (m * (acc * _slices(ep) + cast) + rules) + mask + _soft_bytes(ep, m, acc)
+
+
+def _soft_bytes(ep: Epilogue, m: int, acc: int) -> int:
+    """:class:`_SoftTargets`' buffers per row: the kept entries (bool), with labels the
+    positives block's weights, with a teacher its softmax over the documents."""
+    if not ep.soft:
+        return 0
+    return (m + (0 if ep.labels is None else ep.labels.shape[0] * (acc + 1))
+            + (0 if ep.teacher is None else acc * ep.teacher[1].shape[0]))
 
 
 @dataclass(frozen=True)

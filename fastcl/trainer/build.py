@@ -47,6 +47,11 @@ METHOD_OPTIONS = {
     "rd_weight": (("escl",), common.ESCL_WEIGHT),
     "rd": (("escl",), common.ESCL_RD),
     "sensitive_dropout": (("escl",), common.SENSITIVE_DROPOUT),
+    "label_smoothing": (("simcse", "simcse-sup", "focal", "dclr"), 0.0),
+    "premise_labels": (("simcse-sup",), False),
+    "teacher": (("simcse", "simcse-sup"), None),
+    "teacher_temperature": (("simcse", "simcse-sup"), None),
+    "distill_weight": (("simcse", "simcse-sup"), 0.5),
 }
 GENERAL = {"temperature": common.TEMPERATURE, "learnable_temperature": False, "mini_batch_size": None,
            "augment": None}
@@ -84,7 +89,9 @@ def check_objective(method: str, options: dict) -> None:
             raise ValueError(f"--{name} applies to --method {ms} only{hint}")
     ranges = {"phi": (-1, 1, "in [-1, 1]"), "noise_ratio": (0, None, ">= 0"), "noise_steps": (0, None, ">= 0"),
               "sensitive_dropout": (0, 0.999999, "in [0, 1)"), "noise_std": (1e-30, None, "> 0"),
-              "positive_prior": (0, 1 - 2**-53, "in [0, 1)")}
+              "positive_prior": (0, 1 - 2**-53, "in [0, 1)"),
+              "label_smoothing": (0, 0.999999, "in [0, 1)"), "distill_weight": (0, 1, "in [0, 1]"),
+              "teacher_temperature": (1e-30, None, "> 0")}
     for name, (low, high, text) in ranges.items():
         v = options.get(name)
         if v is not None and not (v >= low and (high is None or v <= high)):
@@ -173,10 +180,11 @@ def build_model(args, device: str | None = None):
     return model
 
 
-def examples(dataset, method: str, hard_negative_weight: float = 0.0):
+def examples(dataset, method: str, hard_negative_weight: float = 0.0, premise_labels: bool = False):
     """``dataset`` with the losses' columns: an unsupervised method's one text column (or an
     ``anchor`` column) made ``anchor`` and ``positive``; pairs and triplets renamed from
-    ``sent0, sent1, hard_neg`` where they carry those names."""
+    ``sent0, sent1, hard_neg`` where they carry those names; ``premise_labels``: a ``label``
+    column, the id of each row's anchor text (the rows of one premise share it)."""
     names = dataset.column_names
     if method not in SUPERVISED:
         if names == ["anchor", "positive"]:
@@ -191,6 +199,9 @@ def examples(dataset, method: str, hard_negative_weight: float = 0.0):
     if hard_negative_weight and "negative" not in dataset.column_names:
         raise ValueError(f"--hard_negative_weight {hard_negative_weight:g} weighs each anchor's "
                          "hard negative, but the data has pairs (no hard negative column)")
+    if premise_labels:
+        ids: dict = {}
+        dataset = dataset.add_column("label", [ids.setdefault(t, len(ids)) for t in dataset["anchor"]])
     return dataset
 
 
@@ -206,15 +217,23 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
               learnable_temperature=bool(o["learnable_temperature"]),
               **({"mini_batch_size": o["mini_batch_size"]} if cached else {}))
     if method in ("simcse", "simcse-sup"):
+        teacher = None
+        if o["teacher"]:   # frozen, its own modules (a plain encoder: mean pooling)
+            own = _is_sentence_transformers_folder(model_path(o["teacher"]))
+            teacher = load_model(o["teacher"], None if own else "avg", device=device, arg="--teacher")
+            teacher.requires_grad_(False)
+            kw.update(teacher=teacher, teacher_temperature=o["teacher_temperature"],
+                      distill_weight=o["distill_weight"])
         cls = st.CachedFastInfoNCELoss if cached else st.FastInfoNCELoss
         loss = cls(model, scale=1.0 / o["temperature"], hard_negative_weight=o["hard_negative_weight"],
                    focal_m=o["focal_m"], false_negative_margin=o["false_negative_margin"],
-                   positive_prior=o["positive_prior"], **kw)
+                   positive_prior=o["positive_prior"], label_smoothing=o["label_smoothing"],
+                   class_labels=bool(o["premise_labels"]), **kw)
     elif method == "focal":
         cls = st.CachedFastFocalInfoNCELoss if cached else st.FastFocalInfoNCELoss
         loss = cls(model, temperature=o["temperature"], m=o["m"],
                    false_negative_margin=o["false_negative_margin"],
-                   positive_prior=o["positive_prior"], **kw)
+                   positive_prior=o["positive_prior"], label_smoothing=o["label_smoothing"], **kw)
     elif method == "escl":
         cls = st.CachedFastESCLLoss if cached else st.FastESCLLoss
         loss = cls(model, temperature=o["temperature"], weight=o["rd_weight"], rd=o["rd"],
@@ -234,7 +253,8 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
         loss = cls(model, guide, phi=o["phi"], noise_ratio=o["noise_ratio"], noise_steps=o["noise_steps"],
                    noise_lr=o["noise_lr"], noise_std=o["noise_std"], temperature=o["temperature"],
                    formulation=o["dclr_formulation"], focal_m=o["focal_m"],
-                   guide_dropout=o["complementary_mode"] == "released", **kw)
+                   guide_dropout=o["complementary_mode"] == "released",
+                   label_smoothing=o["label_smoothing"], **kw)
     return st.AugmentedPositives(loss, o["augment"]) if o["augment"] else loss
 
 
@@ -347,7 +367,8 @@ def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=Non
     check_objective(method, objective_options)
     if args is None:
         args = Arguments(output_dir="fastcl-output")
-    dataset = examples(train_dataset, method, objective_options.get("hard_negative_weight") or 0.0)
+    dataset = examples(train_dataset, method, objective_options.get("hard_negative_weight") or 0.0,
+                       bool(objective_options.get("premise_labels")))
     loss = build_loss(method, model, objective_options, device=str(model.device))
     callbacks = list(callbacks or [])
     if evaluator is not None:

@@ -28,7 +28,7 @@ RECIPE = "recipe:"                   # --config recipe:NAME: a recipe shipped wi
 RECIPES = Path(__file__).resolve().parent / "recipes"
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"   # the shipped data (samples/README.md)
 # Options naming local files or folders: saved as absolute paths when they exist.
-PATH_OPTIONS = ("model", "data", "output_dir", "sts_dir", "complementary")
+PATH_OPTIONS = ("model", "data", "output_dir", "sts_dir", "complementary", "teacher")
 # What a method's BERT-base recipe sets when neither a config file nor a flag does.
 RECIPE_DEFAULTS = ("per_device_train_batch_size", "learning_rate", "num_train_epochs", "select")
 # Options whose value must be the same when resuming (they define the run's steps).
@@ -100,6 +100,16 @@ class FastclArguments:
     sensitive_dropout: float | None = _opt(help=f"escl: third view's dropout ({common.SENSITIVE_DROPOUT})")
     augment: str | None = _opt(help="unsupervised: augment the positive copy: NAME[:RATE], NAME one of "
                                + ", ".join(common.AUGMENT_RATES))
+    label_smoothing: float | None = _opt(help="simcse, simcse-sup, focal, dclr: the uniform share "
+                                         "of each row's target, in [0, 1) (0)")
+    premise_labels: bool | None = _opt(help="simcse-sup: every positive of the anchor's premise "
+                                       "is a target (with --batch_sampler group_by_label)")
+    teacher: str | None = _opt(help="simcse, simcse-sup: a frozen teacher encoder whose in-batch "
+                               "similarities the loss distils (a sentence-transformers model)")
+    teacher_temperature: float | None = _opt(help="simcse, simcse-sup: the teacher's softmax "
+                                             "temperature (default: --temperature)")
+    distill_weight: float | None = _opt(help="simcse, simcse-sup: the teacher's share of each "
+                                        "row's target, in [0, 1] (0.5)")
 
 
 FASTCL = tuple(f.name for f in fields(FastclArguments))

@@ -212,7 +212,8 @@ def _st_version() -> tuple[int, ...]:
 #: constructor argument of one of these names goes to the loss under that name
 _SPEC_OPTIONS = frozenset(name for name, p in inspect.signature(fastcl.spec.build_spec).parameters.items()
                           if p.kind is p.KEYWORD_ONLY) - {"focal_name", "noise", "anchor_candidates",
-                                                          "guide", "complementary", "duplicate_ids"}
+                                                          "guide", "complementary", "duplicate_ids",
+                                                          "labels", "teacher"}
 
 
 class FastLoss(nn.Module):
@@ -242,7 +243,7 @@ class FastLoss(nn.Module):
     _column_counts: tuple[int, int | None] = (2, None)
     gather_across_devices: bool = False
     #: constructor arguments that are not in the config
-    _unlogged = ("self", "model", "guide", "similarity_fct", "generator", "chunk_size",
+    _unlogged = ("self", "model", "guide", "teacher", "similarity_fct", "generator", "chunk_size",
                  "show_progress_bar")
     #: constructor arguments named otherwise than fastcl.contrastive's options
     _spec_names: dict[str, str] = {}
@@ -311,6 +312,10 @@ class FastLoss(nn.Module):
         rows = torch.zeros(2, max(width, 1), device=self.model.device)   # (a generator's device)
         rows[:, 0] = 1.0
         negatives = rows if self._column_counts[1] != 2 else None
+        if self.class_labels:           # a class id per row comes with each batch
+            extra.setdefault("labels", torch.zeros(2, dtype=torch.long, device=rows.device))
+        if "teacher" in self._arguments() and self.guide is not None:   # (its embeddings too)
+            extra.setdefault("teacher", (rows, rows if negatives is None else torch.cat([rows, rows])))
         try:
             # the backend's own rules where the rows can take it (else at the first call)
             fastcl.spec.build_spec(rows, rows, negatives, **options, **extra, backend=backend if (
@@ -323,6 +328,18 @@ class FastLoss(nn.Module):
 
     #: drop candidates with the same text as the anchor's positive (:func:`text_ids`)
     mask_duplicates = False
+    #: whether the dataset's label column holds a class id per row (SupCon's positives:
+    #: :func:`fastcl.contrastive`'s ``labels``)
+    class_labels = False
+
+    def _labels(self, labels):
+        """The batch's class ids (the dataset's label column) where ``class_labels`` is on."""
+        if not self.class_labels:
+            return None
+        if labels is None:
+            raise ValueError(f"{type(self).__name__}(class_labels=True) takes a class id per row "
+                             "from the dataset's 'label' column; this batch has no labels")
+        return labels
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         features = self._features(sentence_features)
@@ -372,10 +389,12 @@ class FastLoss(nn.Module):
     #: block), not the whole batch's (MNRL's query_to_query), under gather_across_devices
     _local_anchor_block = False
 
-    def _in_batch_loss(self, embeddings, *, guide=None, duplicate_ids=None) -> Tensor:
+    def _in_batch_loss(self, embeddings, *, guide=None, duplicate_ids=None, labels=None,
+                       teacher=None) -> Tensor:
         """:func:`fastcl.contrastive` over columns (anchor, positive[, negative...]) with this
         loss's :meth:`_options`; ``guide`` and ``duplicate_ids``: a guide's embeddings and the
-        text ids of each column, in the same order. With ``gather_across_devices``, every
+        text ids of each column, in the same order; ``labels``: a class id per row
+        (:meth:`_labels`); ``teacher``: a teacher's embeddings of each column. With ``gather_across_devices``, every
         process's positives, negatives (and anchors, where the rules score them) are the
         candidates."""
         anchors, positives, *negatives = self._columns(embeddings, type(self).__name__)
@@ -399,6 +418,7 @@ class FastLoss(nn.Module):
                 guide=None if guide is None else (g_anchors, g_positives, cat(g_negatives)),
                 duplicate_ids=None if duplicate_ids is None else (
                     i_positives, cat(i_negatives), i_anchors if lay.scores_anchors else None),
+                labels=labels, teacher=None if teacher is None else (teacher[0], cat(teacher[1:])),
                 **kw)
         # Each negative column gathered on its own, so that row offset + i stays anchor i's
         # own; 1-D ids travel as one-column tensors. The anchors block is the whole batch's
@@ -412,6 +432,10 @@ class FastLoss(nn.Module):
         if duplicate_ids is not None:
             columns.update(i_positives=i_positives[:, None], i_negatives=[i[:, None] for i in i_negatives],
                            i_anchors=[i_anchors[:, None]] if whole_anchors else [])
+        if labels is not None:              # the positives' rows: the batch's
+            columns.update(labels=labels[:, None])
+        if teacher is not None:             # the documents' rows: the batch's
+            columns.update(t_positives=teacher[1], t_negatives=list(teacher[2:]))
         names = [k for k, v in columns.items() for _ in (v if isinstance(v, list) else [v])]
         flat = [x for v in columns.values() for x in (v if isinstance(v, list) else [v])]
         offset, gathered = gather_rows(*flat)
@@ -420,12 +444,13 @@ class FastLoss(nn.Module):
             got.setdefault(name, []).append(x)
         one = lambda name: got[name][0] if got.get(name) else None
         ids = lambda name: [x[:, 0] for x in got.get(name, [])]
+        all_labels = ids("labels")[0] if labels is not None else None
         if symmetric:   # each process scores its own positives against every anchor
             plain = {k: v for k, v in kw.items() if k != "hard_negative_weight"}
             forward = fastcl.contrastive(anchors, one("positives"), cat(got.get("negatives", [])),
-                                         anchor_offset=offset, **kw)
+                                         anchor_offset=offset, labels=all_labels, **kw)
             return 0.5 * (forward + fastcl.contrastive(positives, one("anchors"), anchor_offset=offset,
-                                                       **plain))
+                                                       labels=all_labels, **plain))
         cands = None
         if lay.scores_anchors:
             cands = one("anchors") if not self._local_anchor_block else anchors
@@ -441,7 +466,10 @@ class FastLoss(nn.Module):
                  if lay.scores_anchors else None)
         return fastcl.contrastive(anchors, one("positives"), cat(got.get("negatives", [])),
                                   anchor_offset=offset, anchor_candidates=cands, guide=g,
-                                  duplicate_ids=i, **kw)
+                                  duplicate_ids=i, labels=all_labels,
+                                  teacher=None if teacher is None else (
+                                      teacher[0], cat([one("t_positives"), *got.get("t_negatives", [])])),
+                                  **kw)
 
     @staticmethod
     def _columns(embeddings, name, at_least=2, at_most=None):

@@ -34,8 +34,8 @@ class CachedFastDCLRLoss(Cached):
             generator: as :class:`FastDCLRLoss`.
         {cached_args}
         mini_batch_num_tokens: as :class:`CachedFastInfoNCELoss`.
-        gather_across_devices, backend, chunk_size, focal_m, guide_dropout, mask_duplicates: as
-            :class:`FastDCLRLoss`.
+        gather_across_devices, backend, chunk_size, focal_m, guide_dropout, mask_duplicates,
+            label_smoothing: as :class:`FastDCLRLoss`.
 
     Inputs:
         {inputs}

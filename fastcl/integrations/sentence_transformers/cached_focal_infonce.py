@@ -31,7 +31,8 @@ class CachedFastFocalInfoNCELoss(Cached):
         {cached_args}
         mini_batch_num_tokens: as :class:`CachedFastInfoNCELoss`.
         gather_across_devices, backend, chunk_size, hard_negative_weight, mask_duplicates,
-            false_negative_margin, positive_prior: as :class:`FastFocalInfoNCELoss`.
+            false_negative_margin, positive_prior, label_smoothing, class_labels: as
+            :class:`FastFocalInfoNCELoss`.
 
     Inputs:
         {inputs}

@@ -40,7 +40,8 @@ class CachedFastInfoNCELoss(Cached):
             exactly in pass 2). None: ``mini_batch_size`` decides.
         gather_across_devices, directions, partition_mode, hardness_mode, hardness_strength,
             symmetric, hard_negative_weight, focal_m, mask_duplicates, matryoshka_dims,
-            matryoshka_weights, false_negative_margin, positive_prior, backend, chunk_size: as
+            matryoshka_weights, false_negative_margin, positive_prior, label_smoothing,
+            class_labels, teacher, teacher_temperature, distill_weight, backend, chunk_size: as
             :class:`FastInfoNCELoss`.
 
     Inputs:
@@ -75,3 +76,8 @@ class CachedFastInfoNCELoss(Cached):
             model, scale, similarity_fct, gather_across_devices, directions, partition_mode,
             hardness_mode, hardness_strength, **options),
             mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+
+    def _pass_one_inputs(self, sentence_features):
+        if self.loss.guide is None:
+            return {}
+        return {"teacher_embeddings": self._guide_embeddings(sentence_features, self.mini_batch_size)}

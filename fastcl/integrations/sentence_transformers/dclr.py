@@ -56,6 +56,8 @@ class FastDCLRLoss(Guided, FastLoss):
             positive (paper formulation), as :class:`FastInfoNCELoss`.
         learnable_temperature: learn τ with the model, as :class:`FastInfoNCELoss` (the noise
             update takes its current value; the noise carries no gradient).
+        label_smoothing: ε ∈ [0, 1), as :class:`FastInfoNCELoss`: uniform over the row's kept
+            candidates (the noise included, DCLR's dropped negatives not); paper formulation.
 
     Inputs:
         {inputs}
@@ -80,8 +82,8 @@ class FastDCLRLoss(Guided, FastLoss):
     """
 
     _config = ("phi", "noise_ratio", "noise_steps", "noise_lr", "noise_std", "temperature",
-               "formulation", "focal_m", "guide_dropout", "mask_duplicates", "gather_across_devices",
-               "backend")
+               "formulation", "focal_m", "guide_dropout", "mask_duplicates", "label_smoothing",
+               "gather_across_devices", "backend")
     _column_counts = (2, 2)
     _guide_argument = "complementary"
 
@@ -92,7 +94,8 @@ class FastDCLRLoss(Guided, FastLoss):
                  generator: torch.Generator | None = None, backend: str = "auto",
                  chunk_size: int | None = None, gather_across_devices: bool = False,
                  focal_m: float | None = None, guide_dropout: bool = False,
-                 mask_duplicates: bool = False, *, learnable_temperature: bool = False):
+                 mask_duplicates: bool = False, *, label_smoothing: float = 0.0,
+                 learnable_temperature: bool = False):
         super().__init__(model)
         self.mask_duplicates = bool(mask_duplicates)
         self._init_guide(model, guide, "the frozen model whose cosines drop DCLR's false "
@@ -103,6 +106,7 @@ class FastDCLRLoss(Guided, FastLoss):
         self.generator = generator
         self.backend, self.chunk_size = backend, chunk_size
         self.gather_across_devices = gather_across_devices
+        self.label_smoothing = label_smoothing
         self._init_temperature(learnable_temperature, temperature)
         self._check_options()
 

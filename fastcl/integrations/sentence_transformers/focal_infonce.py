@@ -40,6 +40,8 @@ class FastFocalInfoNCELoss(FastLoss):
             logits s(s+m)/τ: its gradient on the tiled path and the reference, not Triton's).
         false_negative_margin, positive_prior: as :class:`FastInfoNCELoss` (the margin tests
             the cosines, not the focal logits). None: off.
+        label_smoothing, class_labels: soft targets, as :class:`FastInfoNCELoss` (focal's
+            ``s²`` stays on the row's own positive).
 
     Inputs:
         {inputs}
@@ -67,17 +69,20 @@ class FastFocalInfoNCELoss(FastLoss):
                  m: float = common.FOCAL_M, backend: str = "auto", chunk_size: int | None = None,
                  gather_across_devices: bool = False, hard_negative_weight: float = 0.0,
                  mask_duplicates: bool = False, *, false_negative_margin: float | None = None,
-                 positive_prior: float | None = None, learnable_temperature: bool = False):
+                 positive_prior: float | None = None, label_smoothing: float = 0.0,
+                 class_labels: bool = False, learnable_temperature: bool = False):
         super().__init__(model)
         self.temperature, self.m, self.backend, self.chunk_size = temperature, m, backend, chunk_size
         self.false_negative_margin, self.positive_prior = false_negative_margin, positive_prior
         self.gather_across_devices = gather_across_devices
         self.hard_negative_weight, self.mask_duplicates = hard_negative_weight, bool(mask_duplicates)
+        self.label_smoothing, self.class_labels = label_smoothing, bool(class_labels)
         self._init_temperature(learnable_temperature, temperature)
         self._check_options()
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
-        return self._in_batch_loss(embeddings, duplicate_ids=self._ids(duplicate_ids))
+        return self._in_batch_loss(embeddings, duplicate_ids=self._ids(duplicate_ids),
+                                   labels=self._labels(labels))
 
     @property
     def citation(self) -> str:

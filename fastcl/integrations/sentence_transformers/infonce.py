@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from fastcl import citations, common
 
-from ._base import FastLoss, SentenceTransformer, cos_sim, documented, number
+from ._base import FastLoss, Guided, SentenceTransformer, cos_sim, documented, number
 
 __all__ = ["FastInfoNCELoss"]
 
 
 @documented(inputs="negatives", data="pairs",
             loss="FastInfoNCELoss(model, scale=20.0)")
-class FastInfoNCELoss(FastLoss):
+class FastInfoNCELoss(Guided, FastLoss):
     r"""InfoNCE with in-batch negatives, fused: a drop-in for ``MultipleNegativesRankingLoss``.
 
     Each anchor ``a_i`` is contrasted with every candidate of the batch, ``c = [p_1 … p_N;
@@ -69,6 +69,21 @@ class FastInfoNCELoss(FastLoss):
             masking, :func:`fastcl.contrastive`). None: off.
         positive_prior: ``τ⁺ ∈ [0, 1)``: Chuang et al.'s debiased loss (one softmax a row:
             not with ``symmetric`` or ``partition_mode="per_direction"``). None: off.
+        label_smoothing: ε ∈ [0, 1): the target mixes ε of the uniform distribution over
+            the row's kept candidates into the positive's one-hot, as
+            ``F.cross_entropy(label_smoothing=ε)`` (:func:`fastcl.contrastive` states the
+            math). 0: off.
+        class_labels: the dataset's ``label`` column is a class id per row: every positive
+            of the anchor's class is a target, uniform over them (SupCon's ``L_out``; e.g.
+            the NLI premise's id). With a positive side (``symmetric``, ``doc_to_query``) only
+            where it has a softmax of its own (``per_direction``, no hardness or
+            ``mask_duplicates``).
+        teacher: a frozen SentenceTransformer whose in-batch similarity distribution the
+            loss distils: the target becomes ``(1−λ)·y + λ·softmax(cos(t_a, t_c)/τ_t)`` over
+            the row's positives and negatives (:func:`fastcl.contrastive`'s ``teacher``).
+            None: off. Not with ``symmetric`` or a positive side.
+        teacher_temperature: τ_t > 0 (None: the loss's τ).
+        distill_weight: λ ∈ [0, 1].
 
     Inputs:
         {inputs}
@@ -93,6 +108,8 @@ class FastInfoNCELoss(FastLoss):
         {example}
     """
 
+    _guide_argument = "teacher_embeddings"
+
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
                  similarity_fct=cos_sim, gather_across_devices: bool = False,
                  directions: tuple[str, ...] = ("query_to_doc",), partition_mode: str = "joint",
@@ -101,9 +118,18 @@ class FastInfoNCELoss(FastLoss):
                  focal_m: float | None = None, mask_duplicates: bool = False,
                  matryoshka_dims=None, matryoshka_weights=None,
                  false_negative_margin: float | None = None, positive_prior: float | None = None,
-                 learnable_temperature: bool = False,
+                 label_smoothing: float = 0.0, class_labels: bool = False,
+                 teacher: SentenceTransformer | None = None, teacher_temperature: float | None = None,
+                 distill_weight: float = 0.5, learnable_temperature: bool = False,
                  backend: str = "auto", chunk_size: int | None = None):
         super().__init__(model)
+        self._init_guide(model, teacher, "the frozen teacher whose in-batch similarities the "
+                         "loss distils; None for none")
+        self.teacher_temperature = None if teacher_temperature is None else number(
+            "teacher_temperature", teacher_temperature, positive=True)
+        self.distill_weight = number("distill_weight", distill_weight)
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ValueError(f"distill_weight must lie in [0, 1], got {distill_weight}")
         if similarity_fct is not cos_sim:
             raise ValueError("FastInfoNCELoss computes cosine similarity: similarity_fct must be "
                              "sentence_transformers.util.cos_sim")
@@ -120,11 +146,25 @@ class FastInfoNCELoss(FastLoss):
         self.backend, self.chunk_size = backend, chunk_size
         self.false_negative_margin, self.positive_prior = false_negative_margin, positive_prior
         self.gather_across_devices = gather_across_devices
+        self.label_smoothing, self.class_labels = label_smoothing, bool(class_labels)
         self._init_temperature(learnable_temperature, 1.0 / self.scale)
         self._check_options()
 
-    def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
-        return self._in_batch_loss(embeddings, duplicate_ids=self._ids(duplicate_ids))
+    def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None,
+                                     teacher_embeddings=None):
+        """The loss of the columns' embeddings; ``teacher_embeddings``: the teacher's of the
+        same columns (one tensor each), as :meth:`forward` computes them, where it has one."""
+        if (teacher_embeddings is None) != (self.guide is None):
+            raise ValueError("teacher_embeddings go with a teacher model: "
+                             + ("pass the teacher's embeddings of the columns" if self.guide is not None
+                                else "this loss has none"))
+        return self._in_batch_loss(embeddings, duplicate_ids=self._ids(duplicate_ids),
+                                   labels=self._labels(labels), teacher=teacher_embeddings)
+
+    @property
+    def teacher(self):
+        """The teacher model (None: no distillation)."""
+        return self.guide
 
     @property
     def temperature(self) -> float:

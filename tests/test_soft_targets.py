@@ -1,0 +1,327 @@
+"""Soft targets (``label_smoothing``, ``labels``): ``ℓ_i = −Σ_j y_ij log p_ij`` over the row's
+kept candidates K_i, ``y = (1−ε)·1[P_i]/|P_i| + ε·1[K_i]/|K_i|`` (fastcl.contrastive's docstring).
+
+The reference against literal float64 formulas (``F.cross_entropy(label_smoothing=ε)``, a
+per-row loop for SupCon's L_out, gradcheck) within 1e-12; every fused backend against the
+reference in one grid (backend an axis): tiled on float64 inputs within 1e-9, Triton in its
+interpreter on float32 inputs against the float64 reference within 1e-4 (its fp32 tolerance,
+as tests/test_contrastive.py); edge shapes (N = 1, N and M off the tiles, odd d), rows whose
+only positive is their own, rows whose every candidate but the positive is dropped; bad values.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastcl
+
+from conftest import correlated, make
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+TAU = 0.1
+
+
+def _grads(loss, inputs):
+    return [g for g in torch.autograd.grad(loss, inputs)]
+
+
+# --------------------------------------------------------------------------- the reference
+
+def test_label_smoothing_is_torch_cross_entropy():
+    """All candidates kept: the target is F.cross_entropy's with label_smoothing=ε."""
+    a, p, neg = make(9, 5, dtype=torch.float64), make(9, 5, dtype=torch.float64, seed=1), \
+        make(4, 5, dtype=torch.float64, seed=2)
+    for eps in (0.0, 0.1, 0.7):
+        got = fastcl.contrastive(a, p, neg, temperature=TAU, label_smoothing=eps,
+                                 backend="reference")
+        logits = F.normalize(a, dim=1) @ F.normalize(torch.cat([p, neg]), dim=1).T / TAU
+        want = F.cross_entropy(logits, torch.arange(9), label_smoothing=eps)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+        for x, y in zip(_grads(got, (a, p, neg)), _grads(want, (a, p, neg))):
+            torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+    # symmetric: each direction its own smoothed target, averaged
+    got = fastcl.contrastive(a, p, temperature=TAU, label_smoothing=0.3, symmetric=True,
+                             backend="reference")
+    s = F.normalize(a, dim=1) @ F.normalize(p, dim=1).T / TAU
+    want = 0.5 * sum(F.cross_entropy(x, torch.arange(9), label_smoothing=0.3) for x in (s, s.T))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    for x, y in zip(_grads(got, (a, p)), _grads(want, (a, p))):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+
+
+def test_labels_are_supcon_l_out():
+    """A row at a time: the mean over the positives-block columns of the anchor's label of
+    −log p, smoothed by ε over every column; the columns a duplicate id drops leave both."""
+    n, eps = 8, 0.2
+    a, p, neg = (make(n, 6, dtype=torch.float64, seed=s) for s in (0, 1, 2))
+    labels = torch.tensor([0, 1, 0, 2, 1, 0, 3, 0])
+    ids = torch.tensor([0, 1, 2, 3, 4, 2, 6, 7])        # column 5 repeats row 2's positive
+    got = fastcl.contrastive(a, p, neg, temperature=TAU, labels=labels, label_smoothing=eps,
+                             duplicate_ids=(ids, ids + 100), backend="reference")
+    s = F.normalize(a, dim=1) @ F.normalize(torch.cat([p, neg]), dim=1).T / TAU
+    total = 0.0
+    for i in range(n):
+        kept = [j for j in range(2 * n) if j == i or j >= n or ids[j] != ids[i]]
+        log_p = torch.log_softmax(s[i, kept], dim=0)
+        pos = [k for k, j in enumerate(kept) if j < n and labels[j] == labels[i]]
+        total = total + (1 - eps) * -log_p[pos].mean() + eps * -log_p.mean()
+    want = total / n
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    for x, y in zip(_grads(got, (a, p, neg)), _grads(want, (a, p, neg))):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+
+
+def test_teacher_is_cross_entropy_against_its_softmax():
+    """``y = (1−λ)·one-hot + λ·softmax(cos(t_i, t_j)/τ_t)`` written out, every column kept."""
+    a, p, neg = (make(7, 4, dtype=torch.float64, seed=s) for s in (0, 1, 2))
+    t = (make(7, 6, dtype=torch.float64, seed=3, grad=False),
+         make(14, 6, dtype=torch.float64, seed=4, grad=False))
+    got = fastcl.contrastive(a, p, neg, temperature=TAU, teacher=t, teacher_temperature=0.2,
+                             distill_weight=0.4, backend="reference")
+    log_p = torch.log_softmax(F.normalize(a, dim=1) @ F.normalize(torch.cat([p, neg]), dim=1).T
+                              / TAU, dim=1)
+    q = torch.softmax(F.normalize(t[0], dim=1) @ F.normalize(t[1], dim=1).T / 0.2, dim=1)
+    y = 0.6 * F.one_hot(torch.arange(7), 14).double() + 0.4 * q
+    want = -(y * log_p).sum(dim=1).mean()
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    for x, w in zip(_grads(got, (a, p, neg)), _grads(want, (a, p, neg))):
+        torch.testing.assert_close(x, w, atol=1e-12, rtol=0)
+
+
+def test_reference_gradcheck():
+    labels = torch.tensor([0, 1, 0, 1, 2])
+    inputs = [make(5, 3, dtype=torch.float64, seed=s) for s in range(3)]
+    assert torch.autograd.gradcheck(
+        lambda a, p, x: fastcl.contrastive(a, p, x, temperature=0.5, focal_m=0.3, labels=labels,
+                                           label_smoothing=0.3, backend="reference"), inputs)
+
+
+# --------------------------------------------------------------------------- fused = reference
+
+def _case(name, n, d):
+    """Options of one grid case (tensors in float64)."""
+    labels = torch.arange(n) % 3
+    g = torch.Generator().manual_seed(7)
+    if name == "smooth":
+        return dict(label_smoothing=0.1)
+    if name == "labels":
+        return dict(labels=labels)
+    if name == "both+focal+hard":
+        return dict(labels=labels, label_smoothing=0.2, focal_m=0.3, hard_negative_weight=0.5)
+    if name == "both+mask":
+        c = F.one_hot(torch.arange(n) % 4, 4).double() + 0.01 * torch.randn(n, 4, generator=g,
+                                                                            dtype=torch.float64)
+        return dict(labels=labels, label_smoothing=0.1, complementary=(c, c.flip(1)), phi=0.2)
+    if name == "both+ids+guide+q2q":
+        ids = torch.arange(n) % 5
+        guide = tuple(torch.randn(n, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        return dict(labels=labels, label_smoothing=0.3, duplicate_ids=(ids, ids + n, ids),
+                    guide=guide + (guide[0],), guide_margin=0.1,
+                    directions=("query_to_doc", "query_to_query"))
+    if name == "both+hardness+matryoshka":
+        return dict(labels=labels, label_smoothing=0.1, hardness_mode="in_batch_negatives",
+                    hardness_strength=2.0, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.0),
+                    focal_m=0.3)
+    if name == "both+symmetric+mask":
+        c = F.one_hot(torch.arange(n) % 4, 4).double() + 0.01 * torch.randn(n, 4, generator=g,
+                                                                            dtype=torch.float64)
+        return dict(labels=labels, label_smoothing=0.2, symmetric=True, focal_m=0.2,
+                    complementary=(c, c.flip(1)), phi=0.2)
+    if name == "teacher+both+ids+noise":
+        ids = torch.arange(n) % 5
+        t = (torch.randn(n, 6, generator=g, dtype=torch.float64),
+             torch.randn(2 * n, 6, generator=g, dtype=torch.float64))
+        return dict(labels=labels, label_smoothing=0.1, teacher=t, teacher_temperature=0.2,
+                    distill_weight=0.3, duplicate_ids=(ids, ids + n), focal_m=0.2,
+                    noise=torch.randn(3, d, generator=g, dtype=torch.float64), noise_steps=0)
+    if name == "smooth+noise":
+        return dict(label_smoothing=0.1, noise=torch.randn(3, d, generator=g, dtype=torch.float64),
+                    noise_steps=1)
+    raise KeyError(name)
+
+
+CASES = ["smooth", "labels", "both+focal+hard", "both+mask", "both+ids+guide+q2q",
+         "both+hardness+matryoshka", "both+symmetric+mask", "teacher+both+ids+noise", "smooth+noise"]
+SHAPES = [(1, 3), (19, 5)]          # N = 1; 19 rows and 38 columns cross the 16-wide tiles
+FAST_TRITON = {("smooth", (19, 5)), ("labels", (1, 3)), ("both+focal+hard", (19, 5)),
+               ("both+ids+guide+q2q", (19, 5)), ("both+hardness+matryoshka", (1, 3)),
+               ("both+symmetric+mask", (19, 5)), ("teacher+both+ids+noise", (1, 3))}
+
+
+def _grid():
+    for backend in ("tiled", "triton"):
+        for name in CASES:
+            for shape in SHAPES:
+                marks = [needs_triton] if backend == "triton" else []
+                if backend == "triton" and (name, shape) not in FAST_TRITON:
+                    marks.append(pytest.mark.slow)
+                yield pytest.param(backend, name, shape, marks=marks,
+                                   id=f"{backend}-{name}-N{shape[0]}d{shape[1]}")
+
+
+def _cast(value, dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    if isinstance(value, tuple):
+        return tuple(_cast(v, dtype) for v in value)
+    return value
+
+
+@pytest.mark.parametrize("backend,name,shape", list(_grid()))
+def test_matches_reference(backend, name, shape):
+    n, d = shape
+    a = make(n, d, dtype=torch.float64)
+    p = correlated(a, 0.8)
+    neg = make(n, d, dtype=torch.float64, seed=3)
+    options = _case(name, n, d)
+    want = fastcl.contrastive(a, p, neg, temperature=TAU, backend="reference", **options)
+    want_grads = _grads(want, (a, p, neg))
+    dtype = torch.float64 if backend == "tiled" else torch.float32
+    tol = dict(atol=1e-9, rtol=1e-9) if backend == "tiled" else dict(atol=1e-4, rtol=1e-4)
+    x = [t.detach().to(dtype).requires_grad_() for t in (a, p, neg)]
+    if backend == "triton" and "teacher" in options:      # not in the kernels yet: refused
+        with pytest.raises(ValueError, match="does not compute teacher"):
+            fastcl.contrastive(*x, backend=backend, **_cast(options, dtype))
+        return
+    got = fastcl.contrastive(*x, temperature=TAU, backend=backend, chunk_size=7,
+                             **_cast(options, dtype))
+    torch.testing.assert_close(got.double(), want.detach(), **tol)
+    for g, w in zip(_grads(got, x), want_grads):
+        torch.testing.assert_close(g.double(), w, **tol)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled",
+                                     pytest.param("triton", marks=needs_triton)])
+def test_edges(backend):
+    """Labels all distinct: only the own positive, the plain smoothed loss. Every candidate
+    but the positive dropped (one duplicate id for all): y is one-hot, the loss and its
+    gradients 0."""
+    dtype = torch.float64 if backend != "triton" else torch.float32
+    a, p = make(6, 4, dtype=dtype), make(6, 4, dtype=dtype, seed=1)
+    own = fastcl.contrastive(a, p, temperature=TAU, labels=torch.arange(6) * 7,
+                             label_smoothing=0.2, backend=backend)
+    plain = fastcl.contrastive(a, p, temperature=TAU, label_smoothing=0.2, backend="reference")
+    torch.testing.assert_close(own.double(), plain.double(), atol=1e-5, rtol=1e-5)
+    same = torch.zeros(6, dtype=torch.long)
+    alone = fastcl.contrastive(a, p, temperature=TAU, labels=same, label_smoothing=0.4,
+                               duplicate_ids=(same,), backend=backend)
+    assert abs(float(alone.detach())) < 1e-6
+    assert all(float(g.abs().max()) < 1e-6 for g in _grads(alone, (a, p)))
+
+
+def test_torch_compile_passes_the_targets_through_the_op():
+    """Under torch.compile the soft targets travel through the custom op's arguments."""
+    a, p = make(8, 4), make(8, 4, seed=1)
+    kw = dict(labels=torch.arange(8) % 3, label_smoothing=0.2, backend="tiled",
+              teacher=(make(8, 5, seed=2, grad=False), make(8, 5, seed=3, grad=False)))
+    x = [t.detach().clone().requires_grad_() for t in (a, p)]
+    got = torch.compile(fastcl.contrastive, backend="aot_eager")(*x, **kw)
+    want = fastcl.contrastive(a, p, **kw)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(_grads(got, x), _grads(want, (a, p))):
+        torch.testing.assert_close(g, w)
+
+
+# --------------------------------------------------------------------------- bad values
+
+@pytest.mark.parametrize("options,error,match", [
+    (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
+    (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
+    (dict(label_smoothing=float("nan")), ValueError, "label_smoothing"),
+    (dict(labels=torch.zeros(4)), TypeError, "labels"),
+    (dict(labels=torch.zeros(3, dtype=torch.long)), ValueError, "labels"),
+    (dict(labels=torch.zeros(4, 1, dtype=torch.long)), ValueError, "labels"),
+    (dict(labels=[0, 1, 2, 3]), TypeError, "labels"),
+    (dict(label_smoothing=0.1, formulation="released"), ValueError, "label_smoothing"),
+    (dict(labels=torch.zeros(4, dtype=torch.long), directions=("query_to_doc", "doc_to_doc")),
+     ValueError, "labels"),
+    (dict(label_smoothing=0.1, directions=("query_to_doc", "doc_to_query")), ValueError,
+     "label_smoothing"),
+    (dict(teacher=(torch.zeros(4, 2),)), TypeError, "teacher"),
+    (dict(teacher=(torch.randn(4, 2), torch.randn(3, 2))), ValueError, r"teacher\[1\]"),
+    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 3))), ValueError, r"teacher\[1\]"),
+    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), distill_weight=1.5), ValueError,
+     "distill_weight"),
+    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), teacher_temperature=0.0), ValueError,
+     "teacher_temperature"),
+    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), symmetric=True), ValueError, "teacher"),
+])
+def test_bad_values(options, error, match):
+    a, p = make(4, 3), make(4, 3, seed=1)
+    with pytest.raises(error, match=match):
+        fastcl.contrastive(a, p, **options)
+
+
+# --------------------------------------------------------------------------- sentence-transformers
+
+def test_sentence_transformers_loss_trains(tmp_path, one_thread):
+    """FastInfoNCELoss with label smoothing, class labels (the dataset's ``label`` column) and
+    a teacher (another tiny random BERT) computes fastcl.contrastive's loss and trains a few
+    steps in SentenceTransformerTrainer; its config says each; a bad value fails where the
+    loss is built."""
+    st = pytest.importorskip("sentence_transformers")
+    from datasets import Dataset
+
+    from fastcl.integrations.sentence_transformers import FastInfoNCELoss
+    from fastcl.integrations.sentence_transformers._base import preprocess
+    from test_evaluate import make_tiny_model, random_sentence
+    import random
+
+    model = st.SentenceTransformer(str(make_tiny_model(tmp_path / "bert")), device="cpu")
+    teacher = st.SentenceTransformer(str(make_tiny_model(tmp_path / "teacher", seed=1)), device="cpu")
+    rng = random.Random(3)
+    anchors = [random_sentence(rng) for _ in range(16)]
+    data = Dataset.from_dict({"anchor": anchors, "positive": anchors,
+                              "label": [i % 4 for i in range(16)]})
+    loss = FastInfoNCELoss(model, label_smoothing=0.1, class_labels=True, teacher=teacher,
+                           teacher_temperature=0.1, distill_weight=0.3, backend="tiled")
+    assert {"label_smoothing": 0.1, "class_labels": True, "teacher_temperature": 0.1,
+            "distill_weight": 0.3}.items() <= loss.get_config_dict().items()
+    # the loss of a batch: fastcl.contrastive's with the teacher's embeddings (eval mode)
+    model.eval()
+    features = [preprocess(model, anchors[:8]) for _ in range(2)]
+    with torch.no_grad():
+        emb = [model(dict(f))["sentence_embedding"] for f in features]
+        t = [teacher(dict(f))["sentence_embedding"] for f in features]
+        want = fastcl.contrastive(*emb, temperature=0.05, labels=torch.arange(8) % 4,
+                                  label_smoothing=0.1, teacher=(t[0], t[1]),
+                                  teacher_temperature=0.1, distill_weight=0.3)
+        torch.testing.assert_close(loss(features, torch.arange(8) % 4), want)
+    model.train()
+    args = st.SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=8,
+        learning_rate=1e-3, report_to="none", save_strategy="no", logging_steps=1, seed=0,
+        use_cpu=True, disable_tqdm=True)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    st.SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
+    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
+    with pytest.raises(ValueError, match="label_smoothing"):
+        FastInfoNCELoss(model, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="distill_weight"):
+        FastInfoNCELoss(model, teacher=teacher, distill_weight=2.0)
+    with pytest.raises(ValueError, match="teacher"):
+        FastInfoNCELoss(model, teacher=teacher, symmetric=True)
+    with pytest.raises(ValueError, match="labels cannot be combined with a positive side"):
+        FastInfoNCELoss(model, class_labels=True, directions=("query_to_doc", "doc_to_query"))
+
+
+def test_trainer_options():
+    """fastcl-train's --label_smoothing, --premise_labels, --teacher and --distill_weight:
+    checked with their names; the premise ids become the label column the loss reads."""
+    datasets = pytest.importorskip("datasets")
+    from fastcl.trainer.build import check_objective, examples
+
+    with pytest.raises(ValueError, match="--label_smoothing"):
+        check_objective("simcse", {"label_smoothing": 1.0})
+    with pytest.raises(ValueError, match="--premise_labels"):
+        check_objective("simcse", {"premise_labels": True})
+    with pytest.raises(ValueError, match="--teacher"):
+        check_objective("focal", {"teacher": "all-MiniLM-L6-v2"})
+    with pytest.raises(ValueError, match="--distill_weight"):
+        check_objective("simcse", {"distill_weight": 1.5})
+    rows = datasets.Dataset.from_dict({"sent0": ["a b", "c", "a b"], "sent1": ["x", "y", "z"],
+                                       "hard_neg": ["u", "v", "w"]})
+    assert examples(rows, "simcse-sup", premise_labels=True)["label"] == [0, 1, 0]
