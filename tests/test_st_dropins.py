@@ -388,7 +388,7 @@ def test_gist_needs_its_guide(model):
 def test_the_drop_ins_on_the_triton_kernels(model, other_guide):
     """The Triton backend (the interpreter on a CPU-only machine) with MNRL's options, GIST's
     filter, duplicate masking and Matryoshka, plain and cached: the model's loss and parameter gradients
-    equal sentence-transformers' losses (tests/test_triton.py holds the kernels to the
+    equal sentence-transformers' losses (tests/test_matches_reference.py holds the kernels to the
     reference over every option)."""
     model.eval()
     triplets = [ANCHORS, POSITIVES, NEGATIVES]
