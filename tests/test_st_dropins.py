@@ -196,7 +196,7 @@ def test_arguments_are_refused_where_the_loss_is_built(model, build, error, matc
 
 @pytest.fixture(scope="module")
 def other_guide():
-    """A guide that disagrees with the model: MiniLM with noise on its weights."""
+    """A guide that disagrees with the model: the model with noise on its weights."""
     g = load_model().eval()
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -414,10 +414,10 @@ def test_the_drop_ins_on_the_triton_kernels(model, other_guide):
     assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, mask_duplicates=True, backend="triton"),
                                duplicated), want, "duplicates")
     from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
-    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0), DIMS[:3]),
+    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0), MODEL_DIMS[:3]),
                           triplets)
     assert_same(loss_and_grads(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4, backend="triton",
-                                                            matryoshka_dims=DIMS[:3]), triplets),
+                                                            matryoshka_dims=MODEL_DIMS[:3]), triplets),
                 want, "matryoshka")
 
 
@@ -477,9 +477,9 @@ def test_duplicates_every_loss_plain_and_cached(model, guide):
         "infonce": (lambda **k: FastInfoNCELoss(model, 10.0, directions=tuple(DIRECTIONS), **k),
                     lambda **k: CachedFastInfoNCELoss(model, 10.0, directions=tuple(DIRECTIONS),
                                                       mini_batch_size=3, **k)),
-        "dclr": (lambda **k: FastDCLRLoss(model, guide, phi=0.8, noise_steps=1, generator=gen(), **k),
-                 lambda **k: CachedFastDCLRLoss(model, guide, phi=0.8, noise_steps=1, generator=gen(),
-                                                mini_batch_size=3, **k)),
+        "dclr": (lambda **k: FastDCLRLoss(model, None, noise_steps=1, generator=gen(), temperature=0.5, **k),
+                 lambda **k: CachedFastDCLRLoss(model, None, noise_steps=1, generator=gen(),
+                                                temperature=0.5, mini_batch_size=3, **k)),
         "escl": (lambda **k: FastESCLLoss(model, weight=0.5, **k),
                  lambda **k: CachedFastESCLLoss(model, weight=0.5, mini_batch_size=3, **k)),
         "gist": (lambda **k: FastGISTEmbedLoss(model, guide, temperature=0.05, margin=-0.5, **k),
@@ -550,6 +550,7 @@ def test_duplicate_ids_are_checked():
 # Matryoshka in one pass
 
 DIMS = (384, 256, 128, 64, 32)
+MODEL_DIMS = (16, 12, 8, 4, 2)      # the tiny model's width and its prefixes
 
 
 def test_one_pass_matryoshka_equals_the_literal_sum():
@@ -652,20 +653,20 @@ def test_matryoshka_equals_matryoshkaloss_around_mnrl(model):
     model.eval()
     columns = [ANCHORS, POSITIVES, NEGATIVES]
     weights = (1.0, 0.5, 0.5, 0.25, 0.25)
-    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0), DIMS,
+    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0), MODEL_DIMS,
                                                 weights), columns)
-    ours = loss_and_grads(model, FastInfoNCELoss(model, 10.0, matryoshka_dims=DIMS,
+    ours = loss_and_grads(model, FastInfoNCELoss(model, 10.0, matryoshka_dims=MODEL_DIMS,
                                                  matryoshka_weights=weights), columns)
     assert_same(ours, want, "one pass")
-    cached = loss_and_grads(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4, matryoshka_dims=DIMS,
+    cached = loss_and_grads(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4, matryoshka_dims=MODEL_DIMS,
                                                          matryoshka_weights=weights), columns)
     assert_same(cached, want, "cached one pass")
     theirs = loss_and_grads(model, MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(
-        model, 10.0, mini_batch_size=4), DIMS, weights), columns)
+        model, 10.0, mini_batch_size=4), MODEL_DIMS, weights), columns)
     assert_same(cached, theirs, "cached vs MatryoshkaLoss(CachedMNRL)")
-    wrapped = loss_and_grads(model, MatryoshkaLoss(model, FastInfoNCELoss(model, 10.0), DIMS, weights), columns)
+    wrapped = loss_and_grads(model, MatryoshkaLoss(model, FastInfoNCELoss(model, 10.0), MODEL_DIMS, weights), columns)
     assert_same(wrapped, want, "MatryoshkaLoss(FastInfoNCELoss)")
-    wrapped = MatryoshkaLoss(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4), DIMS, weights)
+    wrapped = MatryoshkaLoss(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4), MODEL_DIMS, weights)
     try:
         from sentence_transformers.base.losses.gradcache import uses_gradient_cache  # noqa: F401
     except ImportError:   # its MatryoshkaLoss truncates in the forward only: a clear error
@@ -684,13 +685,13 @@ def test_matryoshka_with_mnrl_options_and_gist(model, other_guide):
     columns = [ANCHORS, POSITIVES, NEGATIVES]
     kw = dict(directions=tuple(DIRECTIONS), hardness_mode="all_negatives", hardness_strength=1.0)
     want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0, **kw),
-                                                DIMS[:3]), columns)
-    assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, matryoshka_dims=DIMS[:3], **kw), columns),
+                                                MODEL_DIMS[:3]), columns)
+    assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, matryoshka_dims=MODEL_DIMS[:3], **kw), columns),
                 want, "mnrl options")
     want = loss_and_grads(model, MatryoshkaLoss(model, GISTEmbedLoss(model, other_guide, temperature=0.05),
-                                                DIMS[:3]), columns)
+                                                MODEL_DIMS[:3]), columns)
     got = loss_and_grads(model, FastGISTEmbedLoss(model, other_guide, temperature=0.05,
-                                                  matryoshka_dims=DIMS[:3]), columns)
+                                                  matryoshka_dims=MODEL_DIMS[:3]), columns)
     assert_same(got, want, "gist")
 
 
