@@ -297,11 +297,14 @@ F32, F64, BF, FP16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 SLOW = pytest.mark.slow
 
 
-def param(backend, case, dtype=F32, chunks=(None,), buffers=False, slow=False):
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def param(backend, case, dtype=F32, chunks=(None,), buffers=False, slow=False, gpu=False):
     dname = str(dtype)[6:]
-    cid = f"{backend}-{case.id}-{dname}" + ("-16bit" if buffers else "")
+    cid = f"{backend}-{case.id}-{dname}" + ("-16bit" if buffers else "") + ("-gpu" if gpu else "")
     cid += "".join(f"-chunk{c}" for c in chunks if c is not None)
-    marks = [needs_triton] if backend == "triton" else []
+    marks = ([needs_triton] if backend == "triton" else []) + ([needs_gpu] if gpu else [])
     return pytest.param(backend, case, dtype, chunks, buffers, id=cid, marks=marks + ([SLOW] if slow else []))
 
 
@@ -355,6 +358,10 @@ def grid():
     out += [param("tiled", case, chunks=(5,)) for case in RULES_COVERING]
     out += [param("triton", Features(("matryoshka",) + c, 17, 24, **x), chunks=(7,))
             for c, x in [((), dict(directions=(q2d, q2q)))]]
+    # -- on a GPU (skipped without one): larger shapes in fp32, bf16 and fp16 (real 16-bit buffers)
+    for i, (n, k, d) in enumerate([(256, 0, 768), (1000, 1000, 384), (517, 300, 1024), (4096, 0, 768)]):
+        out += [param("triton", Objective(name, n, k, d), dtype, gpu=True)
+                for name in NAMES for dtype in (F32, BF, FP16)[:3 if i < 3 else 2]]
     return out + grid_16bit()
 
 

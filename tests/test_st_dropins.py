@@ -149,23 +149,6 @@ def test_token_budget_packs_the_mini_batches(model):
     assert len(sizes) % 2 == 0 and sizes[:len(sizes) // 2] == sizes[len(sizes) // 2:]   # replayed
 
 
-def test_options_are_checked_where_the_loss_is_built(model):
-    with pytest.raises(ValueError, match="query_to_doc"):
-        FastInfoNCELoss(model, directions=("doc_to_query",))
-    with pytest.raises(ValueError, match="per_direction"):
-        FastInfoNCELoss(model, directions=("query_to_doc", "doc_to_doc"), partition_mode="per_direction")
-    with pytest.raises(ValueError, match="hardness_mode"):
-        FastInfoNCELoss(model, hardness_mode="hardest")
-    with pytest.raises(ValueError, match="hardness_strength"):
-        FastInfoNCELoss(model, hardness_mode="hard_negatives", hardness_strength=-1.0)
-    with pytest.raises(ValueError, match="symmetric"):
-        FastInfoNCELoss(model, symmetric=True, directions=("query_to_doc", "query_to_query"))
-    with pytest.raises(ValueError, match="mini_batch_num_tokens"):
-        CachedFastInfoNCELoss(model, mini_batch_num_tokens=0)
-    with pytest.raises(TypeError, match="string"):
-        fastcl.contrastive(*_embeddings(2), directions="query_to_doc")
-
-
 @pytest.mark.parametrize("build,error,match", [
     (lambda m: FastFocalInfoNCELoss(m, m=float("nan")), ValueError, "^m must be finite"),
     (lambda m: FastFocalInfoNCELoss(m, temperature=True), TypeError, "temperature must be a real"),
@@ -180,13 +163,24 @@ def test_options_are_checked_where_the_loss_is_built(model):
     (lambda m: FastInfoNCELoss(m, hard_negative_weight=float("nan")), ValueError,
      "hard_negative_weight must be finite"),
     (lambda m: FastGISTEmbedLoss(m, m, temperature=True), TypeError, "temperature must be a real"),
+    (lambda m: FastInfoNCELoss(m, directions=("doc_to_query",)), ValueError, "query_to_doc"),
+    (lambda m: FastInfoNCELoss(m, directions=("query_to_doc", "doc_to_doc"), partition_mode="per_direction"),
+     ValueError, "per_direction"),
+    (lambda m: FastInfoNCELoss(m, hardness_mode="hardest"), ValueError, "hardness_mode"),
+    (lambda m: FastInfoNCELoss(m, hardness_mode="hard_negatives", hardness_strength=-1.0), ValueError,
+     "hardness_strength"),
+    (lambda m: FastInfoNCELoss(m, symmetric=True, directions=("query_to_doc", "query_to_query")), ValueError,
+     "symmetric"),
+    (lambda m: CachedFastInfoNCELoss(m, mini_batch_num_tokens=0), ValueError, "mini_batch_num_tokens"),
+    (lambda m: FastInfoNCELoss(m, matryoshka_dims=(64, 0)), ValueError, "positive integers"),
 ], ids=["focal-m", "focal-temperature", "cached-focal-m", "dclr-phi", "dclr-steps",
         "dclr-formulation", "cached-dclr-phi", "escl-weight", "escl-rd", "cached-escl-weight",
-        "infonce-weight", "gist-temperature"])
+        "infonce-weight", "gist-temperature", "directions", "partition", "hardness-mode",
+        "hardness-strength", "symmetric", "num-tokens", "matryoshka-dims"])
 def test_arguments_are_refused_where_the_loss_is_built(model, build, error, match):
     """One policy: a bad argument fails where the loss is built, naming the argument as that
     class calls it (issue #42: m=nan, phi=2, weight=inf ran until the first step, and the
-    focal loss's error named focal_m)."""
+    focal loss's error named focal_m). fastcl.contrastive's own: tests/test_validation.py."""
     with pytest.raises(error, match=match):
         build(model)
 
@@ -533,19 +527,6 @@ def _write_vocab(words):
     return folder
 
 
-def test_duplicate_ids_are_checked():
-    a, p = _embeddings(2)
-    with pytest.raises(TypeError, match="integer"):
-        fastcl.contrastive(a, p, duplicate_ids=(torch.zeros(7),))
-    with pytest.raises(ValueError, match=r"shape \(7,\)"):
-        fastcl.contrastive(a, p, duplicate_ids=(torch.zeros(6, dtype=torch.long),))
-    with pytest.raises(ValueError, match="anchor candidates"):
-        fastcl.contrastive(a, p, directions=("query_to_doc", "query_to_query"),
-                           duplicate_ids=(torch.arange(7),))
-    with pytest.raises(ValueError, match="released"):
-        fastcl.contrastive(a, p, formulation="released", duplicate_ids=(torch.arange(7),))
-
-
 # ---------------------------------------------------------------------------------------
 # Matryoshka in one pass
 
@@ -693,20 +674,3 @@ def test_matryoshka_with_mnrl_options_and_gist(model, other_guide):
     got = loss_and_grads(model, FastGISTEmbedLoss(model, other_guide, temperature=0.05,
                                                   matryoshka_dims=MODEL_DIMS[:3]), columns)
     assert_same(got, want, "gist")
-
-
-def test_matryoshka_arguments_are_checked(model):
-    a, p = _embeddings(2)
-    with pytest.raises(ValueError, match=r"\[1, 12\]"):
-        fastcl.contrastive(a, p, matryoshka_dims=(12, 13))
-    with pytest.raises(ValueError, match="twice"):
-        fastcl.contrastive(a, p, matryoshka_dims=(6, 6))
-    with pytest.raises(ValueError, match="entries"):
-        fastcl.contrastive(a, p, matryoshka_dims=(6, 3), matryoshka_weights=(1.0,))
-    with pytest.raises(ValueError, match="noise"):
-        fastcl.contrastive(a, p, matryoshka_dims=(6,), noise_ratio=1.0)
-    with pytest.raises(ValueError, match="positive integers"):
-        FastInfoNCELoss(model, matryoshka_dims=(64, 0))
-    with pytest.raises(ValueError, match="backend='triton' does not compute hard_negative_weight"):
-        fastcl.contrastive(a.float(), p.float(), p.float(), matryoshka_dims=(6,), backend="triton",
-                           directions=("query_to_doc", "query_to_query"), hard_negative_weight=0.5)

@@ -165,6 +165,22 @@ CASES = [pytest.param(c, e, re.escape(w), id=w) for c, e, w in LITERAL] + [pytes
     (lambda: fastcl.alignment(torch.empty(4, 3, device="meta"), torch.randn(4, 3)), ValueError,
      "^y is on cpu but x is on meta$"),
     (lambda: fastcl.alignment(P, P.double()), TypeError, "^y has dtype torch.float64 but x has torch.float32$"),
+    # the layout's options, Matryoshka's widths, duplicate ids
+    (lambda: fastcl.contrastive(B.a, B.p, directions="query_to_doc"), TypeError, "string"),
+    (lambda: fastcl.contrastive(A, P, matryoshka_dims=(8, 9)), ValueError, r"\[1, 8\]"),
+    (lambda: fastcl.contrastive(A, P, matryoshka_dims=(6, 6)), ValueError, "twice"),
+    (lambda: fastcl.contrastive(A, P, matryoshka_dims=(6, 3), matryoshka_weights=(1.0,)), ValueError, "entries"),
+    (lambda: fastcl.contrastive(A, P, matryoshka_dims=(6,), noise_ratio=1.0), ValueError, "noise"),
+    (lambda: fastcl.contrastive(A, P, P, matryoshka_dims=(6,), backend="triton", hard_negative_weight=0.5,
+                                directions=("query_to_doc", "query_to_query")), ValueError,
+     "backend='triton' does not compute hard_negative_weight"),
+    (lambda: fastcl.contrastive(A, P, duplicate_ids=(torch.zeros(4),)), TypeError, "integer"),
+    (lambda: fastcl.contrastive(A, P, duplicate_ids=(torch.zeros(3, dtype=torch.long),)), ValueError,
+     r"shape \(4,\)"),
+    (lambda: fastcl.contrastive(A, P, directions=("query_to_doc", "query_to_query"),
+                                duplicate_ids=(torch.arange(4),)), ValueError, "anchor candidates"),
+    (lambda: fastcl.contrastive(A, P, formulation="released", duplicate_ids=(torch.arange(4),)), ValueError,
+     "released"),
 ]]
 
 
