@@ -30,18 +30,20 @@ EOF
 floor="${FASTCL_TRITON_FLOOR:-$declared}"
 mid="${FASTCL_TRITON_MID:-3.6.0}"
 jobs="${FASTCL_CI_JOBS:-$(nproc)}"
-# the files of the suite that hold the kernels to the reference in the interpreter: every
-# objective, flag set, layout rule and edge shape, and the silent cases. Left to the newest
-# Triton, for CI's time: test_contrastive.py, test_properties.py, test_wrong_numbers.py,
-# test_validation.py, test_dclr_released.py, test_offset.py (more of the same comparisons),
-# test_explain.py and test_host_syncs.py (the driver), and the files that need
-# sentence-transformers (whose pandas and pyarrow do not load beside numpy 1.26); all but the
-# last pass on the floor too (FLOOR_INTERPRETER="FILE ..." runs others). Also left to the
-# newest Triton: the tests of the GPU's 16-bit buffers and tiles (16bit, gpu_tiles: the same
-# kernels at other dtypes and sizes, the interpreter's semantics no more than the rest); they
-# pass on the floor too (FLOOR_SELECT="" runs them)
-read -r -a FLOOR_INTERPRETER <<< "${FLOOR_INTERPRETER:-tests/test_triton.py tests/test_silent_cases.py}"
-FLOOR_SELECT="${FLOOR_SELECT-not 16bit and not gpu_tiles}"
+# the Triton cases (-k triton) of the suite's grid against the reference (tests/test_matches_reference.py:
+# every objective, layout rule and edge shape), the kernels' own tests and the silent cases.
+# Left to the newest Triton, for CI's time: the grid's tiled cases, its feature combinations
+# and anchor slices,
+# test_contrastive.py, test_properties.py, test_wrong_numbers.py, test_validation.py and
+# test_dclr_released.py (more of the same comparisons), test_explain.py and
+# test_host_syncs.py (the driver), and the files that need sentence-transformers (whose
+# pandas and pyarrow do not load beside numpy 1.26); all but the last pass on the floor too
+# (FLOOR_INTERPRETER="FILE ..." runs others, FLOOR_SELECT="" all of their cases). Also left
+# to the newest Triton: the tests of the GPU's 16-bit buffers and tiles (16bit, gpu_tiles:
+# the same kernels at other dtypes and sizes, the interpreter's semantics no more than the
+# rest); they pass on the floor too
+read -r -a FLOOR_INTERPRETER <<< "${FLOOR_INTERPRETER:-tests/test_matches_reference.py tests/test_triton.py tests/test_silent_cases.py}"
+FLOOR_SELECT="${FLOOR_SELECT-triton and not 16bit and not gpu_tiles and not features and not slices}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 

@@ -10,8 +10,8 @@
 #                                        (bf16, fp16, fp32, every objective, each kept autotune
 #                                        config alone, the loss and gradients at 16384 against
 #                                        the reference) and the Triton
-#                                        cases of tests/test_contrastive.py (every composed
-#                                        flag set)
+#                                        cases of tests/test_matches_reference.py (every
+#                                        objective, composed flag set and layout rule)
 #   targets    bench/run.py --targets    the acceptance targets, PASS/FAIL with numbers
 #   alternatives bench/run.py --impl ...  what a user would pick instead (torch-lce, cce,
 #                                        memeff, inf-cl) beside fastcl, torch.compile of the
@@ -178,7 +178,7 @@ else
     ALT_ARGS=(--n 16384,32768 --d 768 --dtype bfloat16)
     ALT_BIG_ARGS=(--n 65536,131072,262144 --d 768 --dtype bfloat16)
     ALT_LIMIT=60
-    TESTS=(tests/test_triton.py tests/test_contrastive.py -k "triton or gpu")
+    TESTS=(tests/test_triton.py tests/test_matches_reference.py -k "triton or gpu")
     XDIST=()
     if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 8); fi
 fi

@@ -49,6 +49,62 @@ def _sentence_transformers_before_6():
 _sentence_transformers_before_6()
 
 
+_TINY_ST = {}
+
+
+def tiny_sentence_transformer(folder=None):
+    """The path of a random 1-layer BERT, 16 wide (about 7,000 parameters), saved as a
+    sentence-transformers folder (mean pooling, then unit rows, as all-MiniLM-L6-v2's): what
+    the drop-in equivalence tests compare fastcl's losses on (the packaged MiniLM took about
+    half of the suite's time; one case keeps it). Its WordPiece vocabulary holds the printable
+    characters, their ``##`` continuations and the words of the tests' sentences, so every
+    text tokenizes without ``[UNK]``. Built once a process (in ``folder``, or a temporary
+    folder removed at exit)."""
+    if folder is None and "path" in _TINY_ST:
+        return _TINY_ST["path"]
+    import atexit
+    import shutil
+    import string
+    import tempfile
+    from pathlib import Path
+
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    out = Path(folder or tempfile.mkdtemp(prefix="fastcl-tiny-st-"))
+    if folder is None:
+        atexit.register(shutil.rmtree, out, True)
+        _TINY_ST["path"] = str(out)
+    chars = sorted(set(string.ascii_lowercase + string.digits + string.punctuation))
+    words = sorted(set(TINY_WORDS.split()))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *("##" + c for c in chars), *words]
+    hf = out / "hf"
+    hf.mkdir(parents=True, exist_ok=True)
+    try:
+        tokenizer = BertTokenizer(vocab={t: i for i, t in enumerate(vocab)})
+    except TypeError:  # transformers 4 builds it from a vocabulary file only
+        (hf / "vocab.txt").write_text("\n".join(vocab) + "\n")
+        tokenizer = BertTokenizer(vocab_file=str(hf / "vocab.txt"))
+    tokenizer.save_pretrained(hf)
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, max_position_embeddings=64,
+                         initializer_range=0.2)).save_pretrained(hf)
+    encoder = Transformer(str(hf), max_seq_length=32)
+    SentenceTransformer(modules=[encoder, Pooling(16, "mean"), Normalize()], device="cpu").save(str(out))
+    return str(out)
+
+
+#: whole-word tokens of the tiny encoder's vocabulary (other words split into characters)
+TINY_WORDS = """a an the is are of in on by at to and someone person people man woman men women boy
+girl child kid dog dogs cat cats two playing plays play guitar flute piano wind instrument slicing
+sliced cutting cut peeling onion tomato potato bread being run runs running through beach snow sea
+sleep sleeps sleeping riding rides ride horse pony small feeding bike red apple sat house park
+happy under tree sad fast eats blue big""".split()
+TINY_WORDS = " ".join(TINY_WORDS)
+
+
 # Hypothesis's profiles (tests/test_properties.py): "ci", bounded and derandomized, the
 # default; "long" (>= 20,000 examples over that file). Registered here, where hypothesis's
 # plugin finds them before it reads `pytest --hypothesis-profile long`.

@@ -81,27 +81,23 @@ def _compare(backend, n, k, d, tau, steps, phi=None, dtype=torch.float64, tol=No
 
 
 GRID = [(n, k) for n in (1, 2, 3, 17, 33, 100) for k in sorted({0, n, int(2.5 * n)})]
-
-
-@pytest.mark.parametrize("steps", [0, 4])
-@pytest.mark.parametrize("tau", [0.05, 0.1])
-@pytest.mark.parametrize("n,k", GRID, ids=[f"N{n}K{k}" for n, k in GRID])
-@pytest.mark.parametrize("backend", ["reference", "tiled"])
-def test_released_equals_the_authors_computation(backend, n, k, tau, steps):
-    _compare(backend, n, k, 24, tau, steps)
-
-
-# Triton runs in float32 (in the interpreter here): float32 tolerances. N = 1, 3, 17 with no,
-# N and 2.5·N noise rows; N = 33 (three row tiles of 16) with N of them (2.5·N at N = 17 puts
-# the candidates in two row blocks of 32 already: 17 + 42 = 59).
+# Triton runs in float32 (in the interpreter here): float32 tolerances, τ = 0.05. N = 1, 3, 17
+# with no, N and 2.5·N noise rows; N = 33 (three row tiles of 16) with N of them (2.5·N at
+# N = 17 puts the candidates in two row blocks of 32 already: 17 + 42 = 59).
 TRITON_GRID = [(n, k) for n in (1, 3, 17) for k in sorted({0, n, int(2.5 * n)})] + [(33, 33)]
+CASES = ([pytest.param(be, n, k, tau, id=f"{be}-N{n}K{k}-tau{tau}") for be in ("reference", "tiled")
+          for n, k in GRID for tau in (0.05, 0.1)]
+         + [pytest.param("triton", n, k, 0.05, id=f"triton-N{n}K{k}") for n, k in TRITON_GRID])
 
 
 @pytest.mark.parametrize("steps", [0, 4])
-@pytest.mark.parametrize("n,k", TRITON_GRID, ids=[f"N{n}K{k}" for n, k in TRITON_GRID])
-def test_released_triton(n, k, steps):
-    pytest.importorskip("triton")
-    _compare("triton", n, k, 24, 0.05, steps, dtype=torch.float32, tol=dict(atol=2e-5, rtol=2e-4))
+@pytest.mark.parametrize("backend,n,k,tau", CASES)
+def test_released_equals_the_authors_computation(backend, n, k, tau, steps):
+    if backend == "triton":
+        pytest.importorskip("triton")
+        _compare("triton", n, k, 24, tau, steps, dtype=torch.float32, tol=dict(atol=2e-5, rtol=2e-4))
+    else:
+        _compare(backend, n, k, 24, tau, steps)
 
 
 @pytest.mark.parametrize("backend", ["reference", "tiled", "triton"])

@@ -19,7 +19,7 @@ Tolerances, against the float64 reference on the same (rounded) inputs:
   max(‖x_row‖, EPS))``, the bound on that row's gradient (``v``: the released BCE's largest
   ``p/(1 − p)`` over the negatives, 0 for the paper's loss);
 * ``tol``: float64 1e-9; float32 5e-5 (tiled) and 2e-4 (Triton, as tests/test_triton.py);
-  bfloat16 2e-2 (as tests/test_contrastive.py: the noise is rounded to bf16 every step, the
+  bfloat16 2e-2 (as tests/test_matches_reference.py: the noise is rounded to bf16 every step, the
   gradient to bf16 at the end).
 
 Where the float64 answer itself is not a float32 number, the draw is skipped (``assume``):

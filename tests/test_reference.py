@@ -8,7 +8,10 @@ import torch
 import fastcl
 from fastcl import reference
 
+from fastcl.spec import build_spec
+
 from conftest import correlated, make
+from test_matches_reference import PHI, Batch
 
 
 def t(rows):
@@ -204,3 +207,85 @@ def test_gradcheck_metrics():
     a, p, _ = _views()
     _gradcheck(lambda x, y: fastcl.alignment(x, y), a, p)
     _gradcheck(lambda x: fastcl.uniformity(x), a)
+
+
+# ------------------------------------------------------------ fastcl.contrastive's features
+def _lse(*xs):
+    return math.log(sum(E(x) for x in xs))
+
+
+class TestHandComputedFeatures:
+    # Unit 2-D vectors keep every cosine countable.
+    anchors = [[1.0, 0.0], [0.0, 2.0]]     # norm 2 on row 1: cosines must normalize it away
+
+    def test_focal_with_weighted_hard_negative(self):
+        pos = t([[0.6, 0.8], [0.0, 1.0]])
+        neg = t([[0.0, 1.0], [-1.0, 0.0]])
+        m, tau, w = 0.3, 0.5, 0.7
+        # s row 0: [0.6, 0 | 0, -1];  row 1: [0.8, 1 | 1, 0]
+        # positive s²/τ, every other column s(s+m)/τ, + w on the own hard negative (N + i)
+        row0 = -0.36 / tau + _lse(0.36 / tau, 0.0, 0.0 + w, (-1) * (-1 + m) / tau)
+        row1 = -1 / tau + _lse(0.8 * (0.8 + m) / tau, 1 / tau, 1 * (1 + m) / tau, 0.0 + w)
+        for backend in ("reference", "tiled"):
+            loss = fastcl.contrastive(t(self.anchors), pos, neg, temperature=tau, focal_m=m,
+                                      hard_negative_weight=w, backend=backend)
+            assert loss.item() == pytest.approx((row0 + row1) / 2, rel=1e-12), backend
+
+    def test_focal_mask_and_noise(self):
+        pos = t([[0.6, 0.8], [0.8, 0.6]])
+        noise = t([[-1.0, 0.0]])
+        # complementary: c_0 · c⁺_1 = 0.95 ≥ φ drops (0, 1); c_1 · c⁺_0 = 0 keeps (1, 0)
+        comp = (t([[1.0, 0.0], [0.0, 1.0]]), t([[1.0, 0.0], [0.95, math.sqrt(1 - 0.95**2)]]))
+        m, tau = 0.3, 0.5
+        # s row 0: [0.6, (0.8 dropped) | -1];  row 1: [0.8, 0.6 | 0]; the noise column gets
+        # the negative modulation
+        row0 = -0.36 / tau + _lse(0.36 / tau, (-1) * (-1 + m) / tau)
+        row1 = -0.36 / tau + _lse(0.8 * (0.8 + m) / tau, 0.36 / tau, 0.0)
+        for backend in ("reference", "tiled"):
+            loss = fastcl.contrastive(t(self.anchors), pos, temperature=tau, focal_m=m,
+                                      complementary=comp, phi=0.9, noise=noise, noise_steps=0,
+                                      backend=backend)
+            assert loss.item() == pytest.approx((row0 + row1) / 2, rel=1e-12), backend
+
+    def test_symmetric_mask_and_noise(self):
+        pos = t([[0.6, 0.8], [0.8, 0.6]])
+        noise = t([[-1.0, 0.0]])
+        comp = (t([[1.0, 0.0], [0.0, 1.0]]), t([[1.0, 0.0], [0.95, math.sqrt(1 - 0.95**2)]]))
+        # forward (plain): row 0 [0.6, (dropped) | -1], row 1 [0.8, 0.6 | 0]
+        fwd = 0.5 * ((-0.6 + _lse(0.6, -1.0)) + (-0.6 + _lse(0.8, 0.6, 0.0)))
+        # reverse: positives against anchors, no noise column; α'_ij = 1[cos(c⁺_i, c_j) < φ]:
+        # c⁺_1 · c_0 = 0.95 drops (1, 0); row 0 [0.6, 0.8], row 1 [(dropped), 0.6]
+        rev = 0.5 * ((-0.6 + _lse(0.6, 0.8)) + (-0.6 + _lse(0.6)))
+        for backend in ("reference", "tiled"):
+            loss = fastcl.contrastive(t(self.anchors), pos, temperature=1.0, complementary=comp,
+                                      phi=0.9, noise=noise, noise_steps=0, symmetric=True,
+                                      backend=backend)
+            assert loss.item() == pytest.approx(0.5 * (fwd + rev), rel=1e-12), backend
+
+
+GRADCHECK = [("focal", "hard", "mask", "noise", "symmetric"), ("focal", "mask", "symmetric"),
+             ("hard", "noise"), ("focal", "queue", "noise")]
+
+
+@pytest.mark.parametrize("combo", GRADCHECK, ids=["+".join(c) for c in GRADCHECK])
+def test_reference_gradcheck(combo):
+    batch = Batch(5, 6, k_queue=3 if "queue" in combo else None, dtype=torch.float64)
+    negatives, kw = batch.kwargs(combo)
+    neg = negatives if negatives is not None else batch.neg
+    fn = lambda a, p, n: reference.contrastive(*build_spec(a, p, n if negatives is not None else None,
+                                                           backend="reference", **kw))
+    assert torch.autograd.gradcheck(fn, (batch.a, batch.p, neg), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+def test_reference_gradcheck_offset_and_released():
+    batch = Batch(6, 5, dtype=torch.float64)
+    comp = (batch.comp[0][2:5], batch.comp[1])
+    fn = lambda a, p: reference.contrastive(*build_spec(a[2:5], p, temperature=0.5, focal_m=0.3,
+                                                        complementary=comp, phi=PHI, noise=batch.z,
+                                                        noise_steps=0, anchor_offset=2,
+                                                        backend="reference"))
+    assert torch.autograd.gradcheck(fn, (batch.a, batch.p), eps=1e-6, atol=1e-5, rtol=1e-4)
+    fn = lambda a, p: reference.contrastive(*build_spec(a, p, temperature=0.5, complementary=batch.comp,
+                                                        phi=PHI, noise=batch.z, noise_steps=0,
+                                                        formulation="released", backend="reference"))
+    assert torch.autograd.gradcheck(fn, (batch.a, batch.p), eps=1e-6, atol=1e-5, rtol=1e-4)

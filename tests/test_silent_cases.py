@@ -76,12 +76,6 @@ def test_metrics_take_16_bit_embeddings(dtype):
                                fastcl.alignment(x.double(), y.double()), rtol=2e-2, atol=2e-2)
 
 
-def test_escl_margins_none_names_margins():
-    a = make(4, 8)
-    with pytest.raises(ValueError, match="margins must be a pair"):
-        fastcl.escl_loss(a, correlated(a), correlated(a, seed=4), rd="margin", margins=None)
-
-
 def test_meta_tensors_pass_the_finite_scan():
     """Shape-only (meta) tensors cannot be scanned for NaN: the scan is skipped, not crashed."""
     a = torch.empty(6, 8, device="meta", requires_grad=True)

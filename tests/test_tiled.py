@@ -1,4 +1,5 @@
-"""The tiled path against the reference: values and gradients on shapes that hit chunk edges."""
+"""The tiled engine's own behaviour: gradient scaling, no-grad, chunk sizing, fp16 chunk buffers
+and the noise update's norms (its grid against the reference: tests/test_matches_reference.py)."""
 
 import dataclasses
 
@@ -8,52 +9,7 @@ import torch
 import fastcl
 from fastcl import tiled
 
-from conftest import TOL, correlated, inputs, loss_and_grads, make, objectives
-
-# (N, K extra candidates, d): N=1, N not a multiple of the chunk, M ≠ N, d = 1, d = 384,
-# d not a power of two.
-SHAPES = [(1, 0, 1), (1, 3, 24), (5, 0, 130), (17, 0, 24), (17, 13, 384), (33, 33, 7), (8, 40, 1)]
-CHUNKS = [None, 1, 4, 16]
-CASES = [(name, shape) for shape in SHAPES for name in objectives(1, 0)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("name,shape", CASES, ids=[f"{nm}-N{s[0]}K{s[1]}d{s[2]}" for nm, s in CASES])
-def test_tiled_matches_reference(name, shape, dtype):
-    n, k, d = shape
-    fn = objectives(n, k)[name]
-    a, p, x = inputs(n, k, d, dtype)
-    leaves = [a, p, x]
-    ref_loss, ref_grads = loss_and_grads(lambda: fn(a, p, x, backend="reference"), leaves)
-    for chunk in CHUNKS:
-        loss, grads = loss_and_grads(lambda: fn(a, p, x, backend="tiled", chunk_size=chunk), leaves)
-        assert loss.dtype == ref_loss.dtype
-        torch.testing.assert_close(loss, ref_loss, **TOL[dtype], msg=lambda s: f"loss, chunk={chunk}: {s}")
-        for which, g, rg in zip(("anchors", "positives", "negatives"), grads, ref_grads):
-            if rg is None:
-                assert g is None or not g.abs().any(), f"{which}: unexpected gradient"
-                continue
-            assert g is not None, f"{which}: missing gradient"
-            torch.testing.assert_close(g, rg, **TOL[dtype], msg=lambda s: f"grad {which}, chunk={chunk}: {s}")
-
-
-@pytest.mark.parametrize("name", ["infonce", "focal-negatives", "dclr-weighted", "infonce-symmetric"])
-def test_bfloat16(name):
-    """bf16 inputs: the loss is float32 and within 2e-2 (relative) of the float32 reference on
-    the same bf16-rounded inputs; gradients within 3e-2 of the largest gradient entry."""
-    n, k, d = 24, 24, 96
-    fn = objectives(n, k)[name]
-    a, p, x = inputs(n, k, d, torch.bfloat16)
-    a32, p32, x32 = (t.detach().float().requires_grad_() for t in (a, p, x))
-    ref_loss, ref_grads = loss_and_grads(lambda: fn(a32, p32, x32, backend="reference"), [a32, p32, x32])
-    loss, grads = loss_and_grads(lambda: fn(a, p, x, backend="tiled", chunk_size=7), [a, p, x])
-    assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, ref_loss, atol=0, rtol=2e-2)
-    for g, rg in zip(grads, ref_grads):
-        if rg is not None:
-            assert g.dtype == torch.bfloat16
-            torch.testing.assert_close(g.float(), rg, atol=3e-2 * rg.abs().max().item(), rtol=0)
-
+from conftest import correlated, inputs, loss_and_grads, make
 
 def test_grad_output_scales():
     a, p, _ = inputs(9, 0, 16, torch.float64)

@@ -11,8 +11,8 @@ float64 reference where there is a number to compare:
 4. A temperature below ~3e-39 was accepted and gave NaN.
 5. formulation="released" with noise steps at d = 1: three backends, three losses.
 
-then the clear errors (inference mode, generator, double backward through uniformity, meta
-and sparse tensors, the argument a device mismatch names, the evaluate command's files).
+then the clear errors (inference mode, double backward through uniformity, meta tensors, the
+evaluate command's files); the table of bad arguments is tests/test_validation.py.
 """
 
 import importlib.util
@@ -230,29 +230,6 @@ def test_huge_rows_are_rescaled_exactly():
 
 # ------------------------------------------------------------------ 4. tiny temperatures
 
-TEMPERATURE_CALLS = {
-    "infonce": lambda a, p, t, be: fastcl.infonce(a, p, temperature=t, backend=be),
-    "focal": lambda a, p, t, be: fastcl.focal_infonce(a, p, temperature=t, backend=be),
-    "contrastive": lambda a, p, t, be: fastcl.contrastive(a, p, temperature=t, focal_m=0.3,
-                                                          backend=be),
-    "dclr": lambda a, p, t, be: fastcl.dclr_loss(a, p, temperature=t, backend=be),
-    "dclr noise_temperature": lambda a, p, t, be: fastcl.dclr_loss(a, p, noise_temperature=t,
-                                                                   backend=be),
-    "dclr_noise": lambda a, p, t, be: fastcl.dclr_noise(a, p, 4, temperature=t, backend=be),
-    "escl": lambda a, p, t, be: fastcl.escl_loss(a, p, p.flip(0), temperature=t, backend=be),
-}
-
-
-@pytest.mark.parametrize("name", list(TEMPERATURE_CALLS))
-@pytest.mark.parametrize("tau", [1e-39, 2.9e-39, 1e-30, 1e-20])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_temperature_too_small_for_float32_is_refused(backend, tau, name):
-    a, p = _hard_batch(n=8, d=16, noise=1.0)
-    which = "noise_temperature" if "noise_temperature" in name else "temperature"
-    with pytest.raises(ValueError, match=rf"{which}=.* is too small.* must be >= 1\.\d+e-19"):
-        TEMPERATURE_CALLS[name](a, p, tau, backend)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_smallest_temperature_accepted_gives_finite_right_numbers(backend):
     """Just above the bound, (2 + |m|)/√(float32 max): loss and gradients finite and equal to
@@ -274,17 +251,7 @@ def test_the_smallest_temperature_accepted_gives_finite_right_numbers(backend):
 def test_float64_takes_smaller_temperatures():
     a, p = _hard_batch(n=8, d=16, noise=3.0)
     loss = fastcl.infonce(a.double(), p.double(), temperature=1e-100, backend="tiled")
-    assert torch.isfinite(loss)
-    with pytest.raises(ValueError, match="temperature"):
-        fastcl.infonce(a.double(), p.double(), temperature=1e-160, backend="tiled")
-
-
-def test_a_focal_m_that_makes_every_temperature_too_small_names_it():
-    a, p = _hard_batch(n=8, d=16)
-    with pytest.raises(ValueError, match="temperature=0.05 is too small with focal_m=1e"):
-        fastcl.focal_infonce(a, p, m=1e20)
-    with pytest.raises(ValueError, match="hard_negative_weight"):
-        fastcl.infonce(a, p, p.flip(0), hard_negative_weight=1e300)
+    assert torch.isfinite(loss)         # (1e-160 is refused: tests/test_validation.py)
 
 
 # ------------------------------------------------------------------ 5. released, d = 1
@@ -338,17 +305,6 @@ def test_dclr_under_inference_mode(backend):
     assert noise.shape == (4, 16) and torch.isfinite(noise).all()
 
 
-@pytest.mark.parametrize("bad", [1, "seed", torch.tensor(3), object()])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_wrong_type_generator_names_the_argument(backend, bad):
-    a, p = _hard_batch(n=8, d=16)
-    for call in (lambda: fastcl.dclr_loss(a, p, generator=bad, backend=backend),
-                 lambda: fastcl.contrastive(a, p, noise_ratio=1.0, generator=bad, backend=backend),
-                 lambda: fastcl.dclr_noise(a, p, 3, generator=bad, backend=backend)):
-        with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got"):
-            call()
-
-
 def test_uniformity_can_be_differentiated_twice():
     x = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0),
                     requires_grad=True)
@@ -380,31 +336,6 @@ def test_meta_tensors_on_the_triton_backend_are_a_clear_error():
     with pytest.raises(ValueError, match="backend='triton' cannot run here: the embeddings are meta"):
         fastcl.infonce(a, a, backend="triton")
     assert fastcl.infonce(a, a).device.type == "meta"        # "auto": the tiled path, shapes only
-
-
-@pytest.mark.parametrize("layout", ["coo", "csr"])
-def test_sparse_inputs_name_the_argument(layout):
-    a, p = _hard_batch(n=8, d=16)
-    sparse = lambda t: t.to_sparse() if layout == "coo" else t.to_sparse_csr()
-    for call, name in [(lambda: fastcl.infonce(sparse(a), p), "anchors"),
-                       (lambda: fastcl.infonce(a, sparse(p), backend="reference"), "positives"),
-                       (lambda: fastcl.infonce(a, p, sparse(p)), "negatives"),
-                       (lambda: fastcl.dclr_loss(a, p, noise=sparse(p)), "noise"),
-                       (lambda: fastcl.dclr_loss(a, p, complementary=(sparse(a), p)),
-                        r"complementary\[0\]"),
-                       (lambda: fastcl.escl_loss(a, p, sparse(p)), "sensitive"),
-                       (lambda: fastcl.alignment(a, sparse(p)), "y"),
-                       (lambda: fastcl.uniformity(sparse(a)), "x")]:
-        with pytest.raises(TypeError, match=rf"^{name} must be a dense \(strided\) tensor"):
-            call()
-
-
-def test_alignment_names_x_not_anchors():
-    x, y = torch.empty(4, 3, device="meta"), torch.randn(4, 3)
-    with pytest.raises(ValueError, match="^y is on cpu but x is on meta$"):
-        fastcl.alignment(x, y)
-    with pytest.raises(TypeError, match="^y has dtype torch.float64 but x has torch.float32$"):
-        fastcl.alignment(y, y.double())
 
 
 # ------------------------------------------------------------------ evaluate's files
