@@ -30,7 +30,7 @@ def test_the_wheel_holds_every_package_and_the_console_script(wheel):
                    "fastcl/trainer/__main__.py", "fastcl/kernels/contrastive.py",
                    "fastcl/integrations/sentence_transformers/__init__.py", "fastcl/py.typed",
                    "fastcl/trainer/recipes/simcse-bert.yaml", "fastcl/trainer/recipes/dclr-roberta.yaml",
-                   "fastcl/samples/wiki-sample.txt",
+                   "fastcl/samples/wiki-sample.txt", "fastcl/samples/stsb/sts-dev.csv",
                    "fastcl/samples/README.md"):
         assert module in names, module
     (entry,) = [n for n in names if n.endswith("entry_points.txt")]

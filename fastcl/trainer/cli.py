@@ -178,7 +178,9 @@ def _resolve(args) -> argparse.Namespace:
         _require(not supervised, f"--data: {args.method} needs data of pairs or triplets "
                  "(only a Wikipedia sample for the unsupervised methods ships with fastcl)")
         args.data = str(SAMPLES / "wiki-sample.txt")
-    if args.sts_dir is not None and args.sts_dir.lower() == "none":
+    if args.sts_dir is None:
+        args.sts_dir = str(SAMPLES)
+    elif args.sts_dir.lower() == "none":
         args.sts_dir = None
     recipe = method_defaults(args.method)
     args.recipe_pooler = recipe["pooler"]
