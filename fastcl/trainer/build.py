@@ -4,7 +4,9 @@ twice, its two dropout views) and the method's fastcl loss (:func:`build_loss`).
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -26,28 +28,12 @@ except ImportError:  # pragma: no cover - older releases
 
 METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
 SUPERVISED = ("simcse-sup",)
-# The objective's options: name -> (the methods that read it, its default; None: the loss's
-# own, for DCLR's phi and noise ratio by model family, FAMILY_DEFAULTS).
-METHOD_OPTIONS = {
-    "hard_negative_weight": (("simcse-sup",), 0.0),
-    "focal_m": (("simcse", "simcse-sup", "dclr"), None),
-    "mask_duplicates": (METHODS, None),
-    "phi": (("dclr",), None),
-    "noise_ratio": (("dclr",), None),
-    "noise_steps": (("dclr",), common.NOISE_STEPS),
-    "noise_lr": (("dclr",), common.NOISE_LR),
-    "noise_std": (("dclr",), common.NOISE_STD),
-    "dclr_formulation": (("dclr",), "paper"),
-    "complementary": (("dclr",), None),
-    "complementary_pooler": (("dclr",), None),
-    "complementary_mode": (("dclr",), "frozen"),
-    "m": (("focal",), common.FOCAL_M),
-    "rd_weight": (("escl",), common.ESCL_WEIGHT),
-    "rd": (("escl",), common.ESCL_RD),
-    "sensitive_dropout": (("escl",), common.SENSITIVE_DROPOUT),
-}
-GENERAL = {"temperature": common.TEMPERATURE, "mini_batch_size": None, "augment": None}
-FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),
+LOSSES = {"simcse": "FastInfoNCELoss", "simcse-sup": "FastInfoNCELoss", "dclr": "FastDCLRLoss",
+          "focal": "FastFocalInfoNCELoss", "escl": "FastESCLLoss"}   # Cached<name>: --mini_batch_size
+# An objective option's keyword in the loss classes and fastcl.spec.build_spec, where it differs
+LOSS_NAMES = {"rd_weight": "weight", "dclr_formulation": "formulation"}
+GENERAL = ("temperature", "mini_batch_size", "augment")   # every method reads these
+FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),   # DCLR's, by the model's family
                    "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
 MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")   # the packaged weights
 DEV = "dev"   # the dev evaluator's metrics: eval_dev_<task>, eval_dev_avg
@@ -65,26 +51,50 @@ def on_cpu(args) -> bool:
     return bool(args.use_cpu) or (world_size() > 1 and not torch.cuda.is_available())
 
 
+def loss_class(method: str, cached: bool = False):
+    from fastcl.integrations import sentence_transformers as st
+    return getattr(st, ("Cached" if cached else "") + LOSSES[method])
+
+
+def _keywords(method: str) -> set:
+    return set(inspect.signature(loss_class(method)).parameters)
+
+
 def check_objective(method: str, options: dict) -> None:
-    """Every option of ``options`` is an objective option that ``method`` reads, in range;
-    errors name the option as the command line spells it."""
+    """``options`` (the objective options that have a value) apply to ``method``: its loss
+    class takes each as a keyword; their values pass :func:`fastcl.spec.build_spec`, the
+    one check of a loss's options, on a stand-in batch. Errors name the options as the
+    command line spells them."""
+    from fastcl import augment
+    from fastcl.spec import build_spec
+
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    for name, value in options.items():
-        if name not in METHOD_OPTIONS and name not in GENERAL:
-            raise ValueError(f"{name!r} is no objective option; they are "
-                             f"{', '.join([*GENERAL, *METHOD_OPTIONS])}")
-        methods = METHOD_OPTIONS.get(name, (METHODS,))[0]
-        if value is not None and method not in methods:
+    from .cli import OBJECTIVE
+    for name in options:
+        if name not in (*OBJECTIVE, *GENERAL):
+            raise ValueError(f"{name!r} is no objective option; they are {', '.join([*GENERAL, *OBJECTIVE])}")
+        methods = [m for m in METHODS if LOSS_NAMES.get(name, name) in _keywords(m)]
+        if name not in GENERAL and method not in methods:
             hint = "; --method focal takes its margin as --m" if name == "focal_m" else ""
-            ms = methods[0] if len(methods) == 1 else f"{', '.join(methods[:-1])} or {methods[-1]}"
-            raise ValueError(f"--{name} applies to --method {ms} only{hint}")
-    ranges = {"phi": (-1, 1, "in [-1, 1]"), "noise_ratio": (0, None, ">= 0"), "noise_steps": (0, None, ">= 0"),
-              "sensitive_dropout": (0, 0.999999, "in [0, 1)"), "noise_std": (1e-30, None, "> 0")}
-    for name, (low, high, text) in ranges.items():
-        v = options.get(name)
-        if v is not None and not (v >= low and (high is None or v <= high)):
-            raise ValueError(f"--{name} must be {text}, got {v}")
+            raise ValueError(f"--{name} applies to --method {', '.join(methods[:-1])}"
+                             f"{' or ' if len(methods) > 1 else ''}{methods[-1]} only{hint}")
+    if "augment" in options and method in SUPERVISED:
+        raise ValueError(f"--augment applies to the unsupervised methods (it augments the second "
+                         f"copy of each sentence); {method} takes its positives from the data")
+    spec = {LOSS_NAMES.get(k, k): v for k, v in options.items()}
+    if method == "focal" and "m" in spec:
+        spec.update(focal_m=spec.pop("m"), focal_name="--m")
+    spec = {k: v for k, v in spec.items() if k in inspect.signature(build_spec).parameters}
+    x = torch.eye(2)
+    try:
+        augment.parse(options.get("augment"))
+        build_spec(x, x, x if method in SUPERVISED else None, **spec)
+    except (ValueError, TypeError) as err:   # the message with the command line's names
+        message = str(err)
+        for name in options:
+            message = re.sub(rf"(?<![-\w]){LOSS_NAMES.get(name, name)}\b", f"--{name}", message)
+        raise ValueError(message) from None
 
 
 def _is_sentence_transformers_folder(name: str, hub: bool = True) -> bool:
@@ -110,32 +120,13 @@ def model_path(name: str) -> str:
     return name
 
 
-def _transformer(name: str, arg: str):
-    """sentence-transformers' Transformer module of the Hugging Face encoder ``name``; a
-    missing folder or a hub name that cannot be fetched is an error naming ``arg``."""
-    from .heads import Transformer
-
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        if path.exists() or _looks_like_path(name):
-            raise FileNotFoundError(f"{arg}: no such model folder: {name}")
-    elif not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{arg}: {path} has no config.json; is it a Hugging Face model folder?")
-    try:
-        return Transformer(str(path) if path.is_dir() else name)
-    except OSError as err:
-        if path.is_dir():
-            raise
-        raise _hub_error(name, arg, err) from err
-
-
 def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
                device: str | None = None, arg: str = "--model"):
     """A ``SentenceTransformer`` of ``name``: its own modules for a sentence-transformers model
     when ``pooler`` is None; else its Transformer followed by the modules of ``pooler``."""
     from fastcl.integrations.sentence_transformers._base import SentenceTransformer
 
-    from .heads import pooling_modules
+    from .heads import Transformer, pooling_modules
 
     name = model_path(name)
     if pooler is None:
@@ -143,10 +134,20 @@ def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
             raise ValueError(f"{arg} {name} is not a sentence-transformers model: choose its "
                              "pooler (--pooler)")
         return SentenceTransformer(name, device=device)
+    path = Path(name).expanduser()
     if _is_sentence_transformers_folder(name, hub=False):
         transformer = SentenceTransformer(name, device="cpu")[0]
+    elif not path.is_dir() and (path.exists() or _looks_like_path(name)):
+        raise FileNotFoundError(f"{arg}: no such model folder: {name}")
+    elif path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{arg}: {path} has no config.json; is it a Hugging Face model folder?")
     else:
-        transformer = _transformer(name, arg)
+        try:
+            transformer = Transformer(str(path) if path.is_dir() else name)
+        except OSError as err:
+            if path.is_dir():
+                raise
+            raise _hub_error(name, arg, err) from err
     hf = transformer.auto_model
     if pooler in ("avg_first_last", "avg_top2"):
         hf.config.output_hidden_states = True  # saved with the model's config.json
@@ -191,43 +192,28 @@ def examples(dataset, method: str, hard_negative_weight: float = 0.0):
 
 
 def build_loss(method: str, model, options: dict, device: str | None = None):
-    """The fastcl loss of ``method`` for ``model`` with the objective ``options`` (defaults
-    filled; DCLR's phi and noise ratio by model family, written back into ``options``)."""
+    """The fastcl loss of ``method`` for ``model`` with the objective ``options`` (those that
+    have a value; DCLR's phi and noise ratio by model family, written back into ``options``)."""
     from fastcl.integrations import sentence_transformers as st
 
-    o = {**GENERAL, **{k: d for k, (_, d) in METHOD_OPTIONS.items()},
-         **{k: v for k, v in options.items() if v is not None}}
-    cached = o["mini_batch_size"] is not None
-    kw = dict(gather_across_devices=world_size() > 1, mask_duplicates=bool(o["mask_duplicates"]),
-              **({"mini_batch_size": o["mini_batch_size"]} if cached else {}))
+    kw = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in ("mini_batch_size", "augment")}
+    guide = []
     if method in ("simcse", "simcse-sup"):
-        cls = st.CachedFastInfoNCELoss if cached else st.FastInfoNCELoss
-        loss = cls(model, scale=1.0 / o["temperature"], hard_negative_weight=o["hard_negative_weight"],
-                   focal_m=o["focal_m"], **kw)
-    elif method == "focal":
-        cls = st.CachedFastFocalInfoNCELoss if cached else st.FastFocalInfoNCELoss
-        loss = cls(model, temperature=o["temperature"], m=o["m"], **kw)
-    elif method == "escl":
-        cls = st.CachedFastESCLLoss if cached else st.FastESCLLoss
-        loss = cls(model, temperature=o["temperature"], weight=o["rd_weight"], rd=o["rd"],
-                   sensitive_dropout=o["sensitive_dropout"], **kw)
-    else:  # dclr
+        kw["scale"] = 1.0 / kw.pop("temperature", common.TEMPERATURE)
+    if method == "dclr":
         roberta = "roberta" in model[0].auto_model.config.model_type
         for name, values in FAMILY_DEFAULTS.items():
-            if o[name] is None:
-                o[name] = options[name] = values[roberta]
-        guide = None
-        if o["complementary"]:
-            pooler = o["complementary_pooler"] or (
-                None if _is_sentence_transformers_folder(o["complementary"]) else "cls_before_pooler")
-            guide = load_model(o["complementary"], pooler, device=device, arg="--complementary")
-            guide.requires_grad_(False)
-        cls = st.CachedFastDCLRLoss if cached else st.FastDCLRLoss
-        loss = cls(model, guide, phi=o["phi"], noise_ratio=o["noise_ratio"], noise_steps=o["noise_steps"],
-                   noise_lr=o["noise_lr"], noise_std=o["noise_std"], temperature=o["temperature"],
-                   formulation=o["dclr_formulation"], focal_m=o["focal_m"],
-                   guide_dropout=o["complementary_mode"] == "released", **kw)
-    return st.AugmentedPositives(loss, o["augment"]) if o["augment"] else loss
+            kw[name] = options[name] = kw.get(name, values[roberta])
+        path, pooler = kw.pop("complementary", None), kw.pop("complementary_pooler", None)
+        if path:
+            pooler = pooler or (None if _is_sentence_transformers_folder(path) else "cls_before_pooler")
+            guide = [load_model(path, pooler, device=device, arg="--complementary").requires_grad_(False)]
+        kw["guide_dropout"] = kw.pop("complementary_mode", "frozen") == "released"
+        guide = guide or [None]
+    cached = options.get("mini_batch_size")
+    loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1, **kw,
+                                            **({"mini_batch_size": cached} if cached else {}))
+    return st.AugmentedPositives(loss, options["augment"]) if options.get("augment") else loss
 
 
 class Trainer(SentenceTransformerTrainer):
@@ -299,14 +285,20 @@ def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=Non
                   **objective_options):
     """A ``SentenceTransformerTrainer`` that trains ``model`` (a ``SentenceTransformer``) on
     ``train_dataset`` (a ``datasets.Dataset``: one text column, or anchor, positive[, negative]
-    for simcse-sup) with fastcl's loss of ``method`` and ``objective_options`` (``temperature``,
-    ``mini_batch_size``, ``augment``, :data:`METHOD_OPTIONS`). ``args``:
+    for simcse-sup) with fastcl's loss of ``method`` and ``objective_options`` (the fields of
+    :class:`.cli.ObjectiveArguments`, ``mini_batch_size``, ``augment``; DCLR: ``complementary``,
+    ``complementary_pooler``, ``complementary_mode``). ``args``:
     ``SentenceTransformerTrainingArguments`` (default: output in ``fastcl-output``). With an
     ``evaluator`` the last step is evaluated too, and with ``load_best_model_at_end`` step 0
     competes (``eval_on_start``): a run that never beats its base model ends with its weights."""
+    guide = {k: objective_options.pop(k) for k in ("complementary", "complementary_pooler",
+                                                    "complementary_mode") if k in objective_options}
+    objective_options = {k: v for k, v in objective_options.items() if v is not None}
     check_objective(method, objective_options)
-    if args is None:
-        args = Arguments(output_dir="fastcl-output")
+    if guide and method != "dclr":
+        raise ValueError(f"--{next(iter(guide))} applies to --method dclr only")
+    objective_options.update(guide)
+    args = args or Arguments(output_dir="fastcl-output")
     dataset = examples(train_dataset, method, objective_options.get("hard_negative_weight") or 0.0)
     loss = build_loss(method, model, objective_options, device=str(model.device))
     callbacks = list(callbacks or [])
