@@ -1,12 +1,14 @@
 """:func:`build_trainer`, the Python API the command line calls too, and its parts: the model
-(:func:`load_model`), the losses' columns (:func:`examples`: an unsupervised method's sentence
-twice, its two dropout views) and the method's fastcl loss (:func:`build_loss`)."""
+(:func:`load_model`), the losses' columns (:func:`examples`) and the method's fastcl loss
+(:func:`build_loss`), its options (:class:`ObjectiveArguments`) checked by
+:func:`fastcl.spec.build_spec` (:func:`check_objective`)."""
 
 from __future__ import annotations
 
 import inspect
 import os
 import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -30,15 +32,47 @@ METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
 SUPERVISED = ("simcse-sup",)
 LOSSES = {"simcse": "FastInfoNCELoss", "simcse-sup": "FastInfoNCELoss", "dclr": "FastDCLRLoss",
           "focal": "FastFocalInfoNCELoss", "escl": "FastESCLLoss"}   # Cached<name>: --mini_batch_size
-# An objective option's keyword in the loss classes and fastcl.spec.build_spec, where it differs
-LOSS_NAMES = {"rd_weight": "weight", "dclr_formulation": "formulation"}
-GENERAL = ("temperature", "mini_batch_size", "augment")   # every method reads these
+LOSS_NAMES = {"rd_weight": "weight", "dclr_formulation": "formulation"}   # where a loss says otherwise
+GENERAL = ("mini_batch_size", "augment")   # options of every method, not of its loss class
+GUIDE = ("complementary", "complementary_pooler", "complementary_mode")   # DCLR's guide model
 FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),   # DCLR's, by the model's family
                    "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
 MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")   # the packaged weights
 DEV = "dev"   # the dev evaluator's metrics: eval_dev_<task>, eval_dev_avg
 SELECT = {"stsb": "stsb-dev", "avg": "avg"}   # --select: the metric that picks the best step
 CHECKPOINT_PREFIX = "checkpoint-"
+
+
+def _opt(default=None, help="", **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ObjectiveArguments:
+    """The objective's options (``None``: the loss's default). A new loss option is one field
+    here: the method's loss class receives it under its name (:data:`LOSS_NAMES` where the
+    class calls it otherwise); a method whose loss class has no such keyword refuses it; where
+    :func:`fastcl.spec.build_spec` has the keyword, it checks the value as the options are
+    parsed (else the loss class does, when it is built)."""
+
+    temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
+    hard_negative_weight: float | None = _opt(help="simcse-sup: log-weight of the hard negative")
+    focal_m: float | None = _opt(help="simcse, simcse-sup, dclr: Focal-InfoNCE's modulation")
+    mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive (true/false)")
+    phi: float | None = _opt(help=f"dclr: drop negatives whose guide cosine >= phi ({common.PHI})")
+    noise_ratio: float | None = _opt(help=f"dclr: noise negatives per anchor ({common.NOISE_RATIO:g})")
+    noise_steps: int | None = _opt(help=f"dclr: ascent steps on the noise ({common.NOISE_STEPS})")
+    noise_lr: float | None = _opt(help=f"dclr: noise step size ({common.NOISE_LR:g})")
+    noise_std: float | None = _opt(help=f"dclr: initial noise std ({common.NOISE_STD:g})")
+    dclr_formulation: str | None = _opt(help="dclr: the paper's loss or the released code's",
+                                        choices=("paper", "released"))
+    m: float | None = _opt(help=f"focal: margin of the negative logits ({common.FOCAL_M})")
+    rd_weight: float | None = _opt(help=f"escl: weight of the relative difference ({common.ESCL_WEIGHT:g})")
+    rd: str | None = _opt(help="escl: the relative difference's form", choices=("softplus", "margin"))
+    sensitive_dropout: float | None = _opt(help=f"escl: third view's dropout ({common.SENSITIVE_DROPOUT})")
+
+
+OBJECTIVE = tuple(f.name for f in fields(ObjectiveArguments))
 
 
 def world_size() -> int:
@@ -56,25 +90,20 @@ def loss_class(method: str, cached: bool = False):
     return getattr(st, ("Cached" if cached else "") + LOSSES[method])
 
 
-def _keywords(method: str) -> set:
-    return set(inspect.signature(loss_class(method)).parameters)
-
-
 def check_objective(method: str, options: dict) -> None:
-    """``options`` (the objective options that have a value) apply to ``method``: its loss
-    class takes each as a keyword; their values pass :func:`fastcl.spec.build_spec`, the
-    one check of a loss's options, on a stand-in batch. Errors name the options as the
-    command line spells them."""
+    """``options`` (objective options that have a value) apply to ``method`` (its loss class
+    takes each), and their values pass :func:`fastcl.spec.build_spec` on a stand-in batch.
+    Errors name the options as the command line spells them."""
     from fastcl import augment
     from fastcl.spec import build_spec
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    from .cli import OBJECTIVE
     for name in options:
-        if name not in (*OBJECTIVE, *GENERAL):
-            raise ValueError(f"{name!r} is no objective option; they are {', '.join([*GENERAL, *OBJECTIVE])}")
-        methods = [m for m in METHODS if LOSS_NAMES.get(name, name) in _keywords(m)]
+        if name not in (*OBJECTIVE, *GENERAL, *GUIDE):
+            raise ValueError(f"{name!r} is no objective option; they are {', '.join([*OBJECTIVE, *GENERAL, *GUIDE])}")
+        methods = [m for m in METHODS if {LOSS_NAMES.get(name, name), "scale" if name == "temperature" else ""}
+                   & set(inspect.signature(loss_class(m)).parameters) or name in GUIDE and m == "dclr"]
         if name not in GENERAL and method not in methods:
             hint = "; --method focal takes its margin as --m" if name == "focal_m" else ""
             raise ValueError(f"--{name} applies to --method {', '.join(methods[:-1])}"
@@ -82,14 +111,14 @@ def check_objective(method: str, options: dict) -> None:
     if "augment" in options and method in SUPERVISED:
         raise ValueError(f"--augment applies to the unsupervised methods (it augments the second "
                          f"copy of each sentence); {method} takes its positives from the data")
-    spec = {LOSS_NAMES.get(k, k): v for k, v in options.items()}
+    spec = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in GUIDE}
     if method == "focal" and "m" in spec:
         spec.update(focal_m=spec.pop("m"), focal_name="--m")
-    spec = {k: v for k, v in spec.items() if k in inspect.signature(build_spec).parameters}
     x = torch.eye(2)
     try:
         augment.parse(options.get("augment"))
-        build_spec(x, x, x if method in SUPERVISED else None, **spec)
+        build_spec(x, x, x if method in SUPERVISED else None,
+                   **{k: v for k, v in spec.items() if k in inspect.signature(build_spec).parameters})
     except (ValueError, TypeError) as err:   # the message with the command line's names
         message = str(err)
         for name in options:
@@ -123,18 +152,18 @@ def model_path(name: str) -> str:
 def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
                device: str | None = None, arg: str = "--model"):
     """A ``SentenceTransformer`` of ``name``: its own modules for a sentence-transformers model
-    when ``pooler`` is None; else its Transformer followed by the modules of ``pooler``."""
+    when ``pooler`` is None; else its Transformer followed by the modules of ``pooler``. A
+    missing folder or a hub name that cannot be fetched is an error naming ``arg``."""
     from fastcl.integrations.sentence_transformers._base import SentenceTransformer
 
     from .heads import Transformer, pooling_modules
 
     name = model_path(name)
-    if pooler is None:
-        if not _is_sentence_transformers_folder(name):
-            raise ValueError(f"{arg} {name} is not a sentence-transformers model: choose its "
-                             "pooler (--pooler)")
-        return SentenceTransformer(name, device=device)
     path = Path(name).expanduser()
+    if pooler is None and not _is_sentence_transformers_folder(name):
+        raise ValueError(f"{arg} {name} is not a sentence-transformers model: choose its pooler (--pooler)")
+    if pooler is None:
+        return SentenceTransformer(name, device=device)
     if _is_sentence_transformers_folder(name, hub=False):
         transformer = SentenceTransformer(name, device="cpu")[0]
     elif not path.is_dir() and (path.exists() or _looks_like_path(name)):
@@ -152,8 +181,7 @@ def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
     if pooler in ("avg_first_last", "avg_top2"):
         hf.config.output_hidden_states = True  # saved with the model's config.json
     modules = pooling_modules(pooler, hf.config.hidden_size, hf.config.num_hidden_layers,
-                              mlp_only_train=mlp_only_train,
-                              init_std=getattr(hf.config, "initializer_range", 0.02))
+                              mlp_only_train=mlp_only_train, init_std=getattr(hf.config, "initializer_range", 0.02))
     return SentenceTransformer(modules=[transformer, *modules], device=device)
 
 
@@ -162,18 +190,17 @@ def build_model(args, device: str | None = None):
     method's). Sets ``args.pooler_used`` (None: the base model's own modules kept)."""
     keep = args.pooler is None and _is_sentence_transformers_folder(model_path(args.model))
     pooler = None if keep else (args.pooler or args.recipe_pooler)
-    model = load_model(args.model, pooler, mlp_only_train=args.mlp_only_train and pooler == "cls",
+    model = load_model(args.model, pooler, mlp_only_train=bool(args.mlp_only_train) and pooler == "cls",
                        device=device)
-    args.pooler_used = pooler
-    args.model_max_seq_length = model.max_seq_length
+    args.pooler_used, args.model_max_seq_length = pooler, model.max_seq_length
     model.max_seq_length = args.max_seq_len   # training inputs; the saved model keeps its own
     return model
 
 
 def examples(dataset, method: str, hard_negative_weight: float = 0.0):
     """``dataset`` with the losses' columns: an unsupervised method's one text column (or an
-    ``anchor`` column) made ``anchor`` and ``positive``; pairs and triplets renamed from
-    ``sent0, sent1, hard_neg`` where they carry those names."""
+    ``anchor`` column) twice, ``anchor`` and ``positive`` (its two dropout views); pairs and
+    triplets renamed from ``sent0, sent1, hard_neg`` where they carry those names."""
     names = dataset.column_names
     if method not in SUPERVISED:
         if names == ["anchor", "positive"]:
@@ -196,7 +223,7 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
     have a value; DCLR's phi and noise ratio by model family, written back into ``options``)."""
     from fastcl.integrations import sentence_transformers as st
 
-    kw = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in ("mini_batch_size", "augment")}
+    kw = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in (*GENERAL, *GUIDE)}
     guide = []
     if method in ("simcse", "simcse-sup"):
         kw["scale"] = 1.0 / kw.pop("temperature", common.TEMPERATURE)
@@ -204,12 +231,11 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
         roberta = "roberta" in model[0].auto_model.config.model_type
         for name, values in FAMILY_DEFAULTS.items():
             kw[name] = options[name] = kw.get(name, values[roberta])
-        path, pooler = kw.pop("complementary", None), kw.pop("complementary_pooler", None)
+        path, pooler = options.get("complementary"), options.get("complementary_pooler")
         if path:
             pooler = pooler or (None if _is_sentence_transformers_folder(path) else "cls_before_pooler")
-            guide = [load_model(path, pooler, device=device, arg="--complementary").requires_grad_(False)]
-        kw["guide_dropout"] = kw.pop("complementary_mode", "frozen") == "released"
-        guide = guide or [None]
+        guide = [load_model(path, pooler, device=device, arg="--complementary").requires_grad_(False) if path else None]
+        kw["guide_dropout"] = options.get("complementary_mode") == "released"
     cached = options.get("mini_batch_size")
     loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1, **kw,
                                             **({"mini_batch_size": cached} if cached else {}))
@@ -230,10 +256,9 @@ class Trainer(SentenceTransformerTrainer):
         folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
         if self.args.should_save and self.guard is not None:
             self.guard()
-        limit, self.args.save_total_limit = self.args.save_total_limit, None
         own = getattr(self.model, "_orig_mod", self.model)
-        cut = own.max_seq_length
-        own.max_seq_length = self.export_max_seq_length or cut
+        limit, cut = self.args.save_total_limit, own.max_seq_length
+        self.args.save_total_limit, own.max_seq_length = None, self.export_max_seq_length or cut
         try:
             super()._save_checkpoint(model, trial)
         except (OSError, RuntimeError) as err:
@@ -286,25 +311,21 @@ def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=Non
     """A ``SentenceTransformerTrainer`` that trains ``model`` (a ``SentenceTransformer``) on
     ``train_dataset`` (a ``datasets.Dataset``: one text column, or anchor, positive[, negative]
     for simcse-sup) with fastcl's loss of ``method`` and ``objective_options`` (the fields of
-    :class:`.cli.ObjectiveArguments`, ``mini_batch_size``, ``augment``; DCLR: ``complementary``,
-    ``complementary_pooler``, ``complementary_mode``). ``args``:
+    :class:`ObjectiveArguments`, :data:`GENERAL`, DCLR's :data:`GUIDE`). ``args``:
     ``SentenceTransformerTrainingArguments`` (default: output in ``fastcl-output``). With an
     ``evaluator`` the last step is evaluated too, and with ``load_best_model_at_end`` step 0
     competes (``eval_on_start``): a run that never beats its base model ends with its weights."""
-    guide = {k: objective_options.pop(k) for k in ("complementary", "complementary_pooler",
-                                                    "complementary_mode") if k in objective_options}
-    objective_options = {k: v for k, v in objective_options.items() if v is not None}
-    check_objective(method, objective_options)
-    if guide and method != "dclr":
-        raise ValueError(f"--{next(iter(guide))} applies to --method dclr only")
-    objective_options.update(guide)
+    options = {k: v for k, v in objective_options.items() if v is not None}
+    check_objective(method, options)
     args = args or Arguments(output_dir="fastcl-output")
-    dataset = examples(train_dataset, method, objective_options.get("hard_negative_weight") or 0.0)
-    loss = build_loss(method, model, objective_options, device=str(model.device))
+    dataset = examples(train_dataset, method, options.get("hard_negative_weight") or 0.0)
+    loss = build_loss(method, model, options, device=str(model.device))
     callbacks = list(callbacks or [])
     if evaluator is not None:
         callbacks.append(EvaluateLastStep())
         if args.load_best_model_at_end and not (args.deepspeed or args.fsdp):
             callbacks.append(KeepBase(model))
-    return Trainer(model=model, args=args, train_dataset=dataset, loss=loss, evaluator=evaluator,
-                   callbacks=callbacks)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, loss=loss, evaluator=evaluator,
+                      callbacks=callbacks)
+    trainer.objective_options = options   # as the loss took them (DCLR's family defaults filled)
+    return trainer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 from pathlib import Path
 
@@ -19,7 +19,8 @@ from .. import augment, common
 from ..data import parse_columns
 from ..encoders import POOLERS
 from ..files import replace_text
-from .build import DEV, METHODS, SELECT, SUPERVISED, Arguments, check_objective, on_cpu, world_size
+from .build import (DEV, GENERAL, GUIDE, METHODS, OBJECTIVE, SELECT, SUPERVISED, Arguments, ObjectiveArguments,
+                    _opt, check_objective, on_cpu, world_size)
 
 CONFIG_FILE = "fastcl_config.yaml"   # the run's options, written into --output_dir
 RECIPE = "recipe:"                   # --config recipe:NAME: a recipe shipped with fastcl
@@ -27,10 +28,6 @@ RECIPES = Path(__file__).resolve().parent / "recipes"
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"   # the shipped data (samples/README.md)
 PATH_OPTIONS = ("model", "data", "output_dir", "sts_dir", "complementary")   # saved absolute
 RECIPE_DEFAULTS = ("per_device_train_batch_size", "learning_rate", "num_train_epochs", "select")
-
-
-def _opt(default=None, help="", **kw):
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
@@ -59,52 +56,24 @@ class FastclArguments:
     mlp_only_train: bool | None = _opt(help="--pooler cls: the MLP in training only (true/false)")
     complementary: str | None = _opt(help="dclr: the frozen guide encoder (e.g. a SimCSE run)")
     complementary_pooler: str | None = _opt(help="dclr: pooler of a plain guide", choices=POOLERS)
-    complementary_mode: str = _opt("frozen", "dclr: the guide frozen, or as released (dropout on)",
-                                   choices=("frozen", "released"))
+    complementary_mode: str | None = _opt(help="dclr: the guide frozen (default), or as released "
+                                          "(dropout on)", choices=("frozen", "released"))
     resume: bool = _opt(False, "continue from the newest complete OUTPUT_DIR/checkpoint-N")
     allow_changed_data: bool = _opt(False, "--resume although the training data changed")
-    allow_nonempty_output_dir: bool = _opt(False, "train into a non-empty folder (nothing is removed)")
     if "overwrite_output_dir" not in Arguments.__dataclass_fields__:   # transformers 5 dropped it
         overwrite_output_dir: bool = _opt(False, "train again into a folder holding a fastcl run")
 
 
-@dataclass
-class ObjectiveArguments:
-    """The objective's options. A field here is all a new loss option needs: it reaches the
-    method's loss class as the keyword of its name (:data:`.build.LOSS_NAMES` where the class
-    calls it otherwise); a method whose loss class has no such keyword refuses it; where
-    :func:`fastcl.spec.build_spec` has the keyword, it checks the value when the options are
-    parsed (else the loss class does, when it is built). ``None``: the loss's default."""
-
-    temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
-    hard_negative_weight: float | None = _opt(help="simcse-sup: log-weight of the hard negative")
-    focal_m: float | None = _opt(help="simcse, simcse-sup, dclr: Focal-InfoNCE's modulation")
-    mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive (true/false)")
-    phi: float | None = _opt(help=f"dclr: drop negatives whose guide cosine >= phi ({common.PHI})")
-    noise_ratio: float | None = _opt(help=f"dclr: noise negatives per anchor ({common.NOISE_RATIO:g})")
-    noise_steps: int | None = _opt(help=f"dclr: ascent steps on the noise ({common.NOISE_STEPS})")
-    noise_lr: float | None = _opt(help=f"dclr: noise step size ({common.NOISE_LR:g})")
-    noise_std: float | None = _opt(help=f"dclr: initial noise std ({common.NOISE_STD:g})")
-    dclr_formulation: str | None = _opt(help="dclr: the paper's loss or the released code's",
-                                        choices=("paper", "released"))
-    m: float | None = _opt(help=f"focal: margin of the negative logits ({common.FOCAL_M})")
-    rd_weight: float | None = _opt(help=f"escl: weight of the relative difference ({common.ESCL_WEIGHT:g})")
-    rd: str | None = _opt(help="escl: the relative difference's form", choices=("softplus", "margin"))
-    sensitive_dropout: float | None = _opt(help=f"escl: third view's dropout ({common.SENSITIVE_DROPOUT})")
-
-
 FASTCL = tuple(f.name for f in fields(FastclArguments))
-OBJECTIVE = tuple(f.name for f in fields(ObjectiveArguments))
 # Options that may differ on --resume (all others define the run's steps).
-FREE_ON_RESUME = ("output_dir", "config", "resume", "allow_changed_data", "allow_nonempty_output_dir",
-                  "overwrite_output_dir", "report_to", "logging_dir", "per_device_eval_batch_size",
-                  "dataloader_num_workers", "save_total_limit", "eval_on_start", "disable_tqdm")
+FREE_ON_RESUME = ("output_dir", "config", "resume", "allow_changed_data", "overwrite_output_dir", "report_to", "logging_dir", "per_device_eval_batch_size",
+                  "dataloader_num_workers", "save_total_limit", "eval_on_start", "disable_tqdm",
+                  "logging_steps", "logging_first_step", "push_to_hub", "hub_model_id", "run_name")
 
 
 def objective_options(args) -> dict:
     """The objective options of the resolved ``args`` that have a value."""
-    return {k: getattr(args, k) for k in (*OBJECTIVE, "mini_batch_size", "augment")
-            if getattr(args, k) is not None}
+    return {k: getattr(args, k) for k in (*OBJECTIVE, *GENERAL, *GUIDE) if getattr(args, k) is not None}
 
 
 def method_defaults(method: str) -> dict:
@@ -160,9 +129,7 @@ def _resolve(args) -> argparse.Namespace:
         args.augment = augment.parse(args.augment).spec   # canonical: NAME:rate
     if args.complementary and (Path(args.complementary) / CONFIG_FILE).is_file():
         args.complementary = str(Path(args.complementary) / "model")  # a fastcl-train output folder
-    for name in ("complementary", "complementary_pooler"):
-        _require(getattr(args, name) is None or args.method == "dclr", f"--{name} applies to --method dclr only")
-    _require(args.complementary or (args.complementary_pooler is None and args.complementary_mode == "frozen"),
+    _require(args.complementary or (args.complementary_pooler is None and args.complementary_mode != "released"),
              "--complementary_pooler and --complementary_mode released need --complementary (the model)")
     _require(args.text_column is None or not supervised,
              f"--text_column applies to unsupervised methods; {args.method} reads --columns")

@@ -32,13 +32,13 @@ DATA_RECORD = "fastcl_data.json"  # the training data's fingerprint (files.data_
 STATE = "trainer_state.json"
 # What transformers reads of a checkpoint's training state when it resumes (and STATE).
 TRAINING_STATE = {"optimizer.pt": ("state", "param_groups"), "rng_state*.pth": ("python", "numpy", "cpu")}
-# What a fastcl run writes at the top of its folder, besides checkpoint-N/ ("runs": TensorBoard's).
+# What a run writes at the top of its folder, besides checkpoint-N/ ("runs": TensorBoard's).
 OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, DATA_RECORD, "runs", "eval")
 
 
 class TrainLog(TrainerCallback):
     """Each record transformers logs, as a line of ``train_log.jsonl`` (main process); the
-    dev scores also on the console."""
+    dev scores on the console too."""
 
     def __init__(self, out: Path):
         self.out = out
@@ -47,13 +47,11 @@ class TrainLog(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         kind = "eval" if any(k.startswith("eval_") for k in logs) else "step" if "loss" in logs else "summary"
-        record = {"type": kind, "step": state.global_step, "epoch": state.epoch,
-                  **{k.removeprefix(f"eval_{build.DEV}_"): v for k, v in logs.items()}}
-        append_log(self.out, record)
+        record = append_log(self.out, {"type": kind, "step": state.global_step, "epoch": state.epoch,
+                                       **{k.removeprefix(f"eval_{build.DEV}_"): v for k, v in logs.items()}})
         if kind == "eval":
-            scores = ", ".join(f"{k} {v:.2f}" for k, v in record.items()
-                               if k in ("stsb-dev", "sickr-dev", "avg") and isinstance(v, float))
-            print(f"dev at step {state.global_step}: {scores}", flush=True)
+            print(f"dev at step {state.global_step}: " + ", ".join(
+                f"{k} {record[k]:.2f}" for k in ("stsb-dev", "sickr-dev", "avg") if record.get(k) is not None), flush=True)
 
 
 class GracefulStop(TrainerCallback):
@@ -134,15 +132,10 @@ def prepare_output(args, out: Path) -> OutputLock:
     ours = (out / CONFIG_FILE).is_file()
     if args.resume and not ours:
         raise FileNotFoundError(f"--resume: {out} holds no fastcl run ({CONFIG_FILE} is missing)")
-    if entries and not ours and not args.allow_nonempty_output_dir:
+    if entries and not ours:
         raise ValueError(f"--output_dir {out} is not empty and holds no fastcl run "
-                         f"({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}); choose an "
-                         "empty or new folder, or pass --allow_nonempty_output_dir to train there "
-                         "(nothing in it is removed)")
-    taken = [n for n in entries if writes(n)]
-    if taken and not ours:
-        raise ValueError(f"--output_dir {out} is not a fastcl run but holds {', '.join(taken)}, "
-                         "which a run would write over; choose another folder")
+                         f"({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}): "
+                         "choose an empty or new folder")
     lock = OutputLock(out).acquire()
     try:
         if lock.previous:
@@ -255,42 +248,7 @@ def check_data(args, out: Path, dataset, resumed: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# The end of a run
-
-def comparison(records: list, select: str, saved_step: int | None) -> dict | None:
-    """Step 0 (the base model) against the saved step, by the selection metric; None when
-    either has no finite score."""
-    metric = build.SELECT[select]
-    scores = {r["step"]: r[metric] for r in records
-              if r.get("type") == "eval" and isinstance(r.get(metric), (int, float))}
-    start, saved = scores.get(0), scores.get(saved_step)
-    if start is None or saved is None or not math.isfinite(saved):
-        return None
-    trained = [v for s, v in scores.items() if s > 0 and math.isfinite(v)]
-    return {"metric": metric, "step0": start, "best": saved, "best_step": saved_step,
-            "best_trained": max(trained, default=None), "improved": saved > start}
-
-
-def save_model(model, args, out: Path, cmp: dict | None) -> Path:
-    """Write the trained model to ``out/MODEL_DIR`` (staged, swapped in whole); its card
-    compares it with step 0."""
-    from .heads import without_training_heads
-
-    final = without_training_heads(model)
-    final.max_seq_length = args.model_max_seq_length
-    target = out / MODEL_DIR
-    stage = files.stage_dir(target)
-    final.save_pretrained(str(stage))
-    files.crash_point("model-stage")
-    if cmp is not None and (stage / "README.md").is_file():
-        with open(stage / "README.md", "a", encoding="utf-8") as f:
-            f.write(f"\n## fastcl: the base model and the saved step\n\n{cmp['metric']} (Spearman x100): "
-                    f"{cmp['step0']:.2f} at step 0 (the base model), {cmp['best']:.2f} at step "
-                    f"{cmp['best_step']} (saved). " + ("Training improved on the base model.\n"
-                    if cmp["improved"] else "**Training did not improve on the base model.**\n"))
-    files.swap_in(stage, target)
-    return target
-
+# The run
 
 def main(argv=None, prog: str = PROG) -> int:
     """The trainer's command line (``fastcl-train``, ``python -m fastcl.trainer``,
@@ -354,14 +312,11 @@ def _train(args, out: Path, checkpoint: Path | None, main_process: bool) -> int:
         check_data(args, out, data.dataset, resumed=bool(checkpoint))
     model = build.build_model(args, device="cpu" if args.use_cpu else None)
     stop = GracefulStop()
-    callbacks = [TrainLog(out), stop]
-    options = objective_options(args)
-    guide = {k: getattr(args, k) for k in ("complementary", "complementary_pooler", "complementary_mode")}
     trainer = build.build_trainer(args.method, model, data.dataset, training_arguments(args),
                                   evaluator=_evaluator(args, main_process) if args.sts_dir else None,
-                                  callbacks=callbacks, **options, **(guide if args.method == "dclr" else {}))
+                                  callbacks=[TrainLog(out), stop], **objective_options(args))
     for name in FAMILY_DEFAULTS:   # DCLR's, resolved by the model's family
-        setattr(args, name, options.get(name))
+        setattr(args, name, trainer.objective_options.get(name))
     step = step_of(checkpoint) if checkpoint else 0
     if main_process:
         if checkpoint:
@@ -370,8 +325,7 @@ def _train(args, out: Path, checkpoint: Path | None, main_process: bool) -> int:
         append_log(out, {"type": "start", "step": step, "resumed": bool(checkpoint),
                          "examples": len(data.dataset), "skipped": data.skipped,
                          "processes": build.world_size(),
-                         "args": json_safe({k: getattr(v, "value", v) for k, v in vars(args).items()
-                                            if k != "config"})})
+                         "args": {k: getattr(v, "value", v) for k, v in vars(args).items() if k != "config"}})
         print(f"{args.method}: {len(data.dataset)} examples from {data.source}"
               + (f" ({data.skipped} skipped)" if data.skipped else "")
               + f", {batch} a step, pooling: {args.pooler_used or 'the base model own modules'}"
@@ -394,12 +348,11 @@ def _train(args, out: Path, checkpoint: Path | None, main_process: bool) -> int:
 
 
 def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None:
-    """A resume of a run whose training had ended (killed while exporting): the trainer
-    takes the checkpoint's state and the model the uninterrupted run ended with (the best
-    step's, step 0 included); no step is run."""
+    """A resume of a run whose training had ended: the trainer takes the checkpoint's state
+    and the model the uninterrupted run ended with (the best step's, step 0 included)."""
     trainer.state = TrainerState.load_from_json(str(checkpoint / STATE))
     best = trainer.state.best_model_checkpoint
-    source = out / Path(best).name if args.sts_dir and best else checkpoint   # this folder's
+    source = out / Path(best).name if args.sts_dir and best else checkpoint   # in this folder
     if source != checkpoint:
         if not files.verify_manifest(source):
             raise FileNotFoundError(f"--resume: {source}, the best step's checkpoint, is missing "
@@ -413,23 +366,44 @@ def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None
             callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
 
 
+def comparison(records: list, select: str, saved_step: int | None) -> dict | None:
+    """Step 0 (the base model) against the saved step, by the selection metric; None when
+    either has no finite score."""
+    metric = build.SELECT[select]
+    scores = {r["step"]: r[metric] for r in records
+              if r.get("type") == "eval" and isinstance(r.get(metric), (int, float))}
+    start, saved = scores.get(0), scores.get(saved_step)
+    if start is None or saved is None or not math.isfinite(saved):
+        return None
+    trained = [v for s, v in scores.items() if s > 0 and math.isfinite(v)]
+    return {"metric": metric, "step0": start, "best": saved, "best_step": saved_step,
+            "best_trained": max(trained, default=None), "improved": saved > start}
+
+
 def _finish(trainer, args, out: Path) -> int:
-    """Save the best evaluated model (step 0 included) or the last, and say how it compares
-    with step 0."""
+    """Save the best evaluated model (step 0 included), or the last step's, to ``OUT/model``
+    (staged and swapped in whole) and say how it compares with step 0."""
+    from .heads import without_training_heads
+
     best = getattr(trainer.state, "best_global_step", None)
     if best is None and trainer.state.best_model_checkpoint:  # older transformers
         best = step_of(trainer.state.best_model_checkpoint)
     saved_step = best if args.load_best_model_at_end and best is not None else trainer.state.global_step
     cmp = comparison(read_log(out), args.select, saved_step) if args.sts_dir else None
     guard_links(out)
-    target = save_model(trainer.model, args, out, cmp)
+    final, target = without_training_heads(trainer.model), out / MODEL_DIR
+    final.max_seq_length = args.model_max_seq_length
+    stage = files.stage_dir(target)
+    final.save_pretrained(str(stage))
+    files.crash_point("model-stage")
+    files.swap_in(stage, target)
     summary = {"method": args.method, "steps": trainer.state.global_step, "saved_step": saved_step,
                "select": args.select if args.sts_dir else None, "comparison": cmp, "model": str(target)}
     files.replace_text(out / RESULTS, json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
     print(f"model saved to {target} (step {saved_step})")
     if cmp is not None and not cmp["improved"]:
-        what = ("the base model is saved (--keep_last saves the last step)" if saved_step == 0
-                else "the model card says so")
         _say(f"warning: training did not improve on the base model: {cmp['metric']} "
-             f"{cmp['step0']:.2f} at step 0, at best {cmp['best_trained']:.2f}; {what}")
+             f"{cmp['step0']:.2f} at step 0, at best {cmp['best_trained']:.2f}; "
+             + ("the base model is saved (--keep_last saves the last step)" if saved_step == 0
+                else "the saved step is the best trained one"))
     return 0
