@@ -236,9 +236,8 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
             pooler = pooler or (None if _is_sentence_transformers_folder(path) else "cls_before_pooler")
         guide = [load_model(path, pooler, device=device, arg="--complementary").requires_grad_(False) if path else None]
         kw["guide_dropout"] = options.get("complementary_mode") == "released"
-    cached = options.get("mini_batch_size")
-    loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1, **kw,
-                                            **({"mini_batch_size": cached} if cached else {}))
+    cached = {"mini_batch_size": options["mini_batch_size"]} if "mini_batch_size" in options else {}
+    loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1, **kw, **cached)
     return st.AugmentedPositives(loss, options["augment"]) if options.get("augment") else loss
 
 

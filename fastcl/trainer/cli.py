@@ -16,7 +16,6 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from .. import augment, common
-from ..data import parse_columns
 from ..encoders import POOLERS
 from ..files import replace_text
 from .build import (DEV, GENERAL, GUIDE, METHODS, OBJECTIVE, SELECT, SUPERVISED, Arguments, ObjectiveArguments,
@@ -131,12 +130,6 @@ def _resolve(args) -> argparse.Namespace:
         args.complementary = str(Path(args.complementary) / "model")  # a fastcl-train output folder
     _require(args.complementary or (args.complementary_pooler is None and args.complementary_mode != "released"),
              "--complementary_pooler and --complementary_mode released need --complementary (the model)")
-    _require(args.text_column is None or not supervised,
-             f"--text_column applies to unsupervised methods; {args.method} reads --columns")
-    _require(args.columns is None or supervised,
-             f"--columns applies to --method simcse-sup; {args.method} reads --text_column")
-    if args.columns is not None:
-        parse_columns(args.columns)
     if args.data is None:
         _require(not supervised, f"--data: {args.method} needs data of pairs or triplets "
                  "(only a Wikipedia sample for the unsupervised methods ships with fastcl)")
@@ -165,8 +158,6 @@ def _resolve(args) -> argparse.Namespace:
              f"--per_device_train_batch_size {args.per_device_train_batch_size} on {world_size()} "
              "process(es): a batch needs >= 2 examples (in-batch negatives)")
     _require(args.max_seq_len >= 2, f"--max_seq_len must be >= 2, got {args.max_seq_len}")
-    _require(args.mini_batch_size is None or args.mini_batch_size >= 1,
-             f"--mini_batch_size must be >= 1, got {args.mini_batch_size}")
     _require(not evaluate or args.save_steps % args.eval_steps == 0,
              f"--save_steps {args.save_steps:g} must be a multiple of --eval_steps {args.eval_steps:g} "
              "(the best evaluated step must have a checkpoint to be kept)")
