@@ -228,27 +228,28 @@ def test_a_sentence_transformers_model_keeps_its_pooling(tiny, tmp_path):
     assert sentence_transformers_pooler(out / "model")[0] == "cls_before_pooler"
 
 
-def test_step_zero_is_evaluated_and_compared_with_the_saved_step(tiny, tmp_path, capsys):
+def test_step_zero_is_evaluated_on_the_shipped_dev_part_and_compared_with_the_saved_step(tiny, tmp_path, capsys):
+    """Without --sts_dir the run scores STS-B dev's CC BY-SA part that ships (and says it is a
+    part), at step 0, every --eval_steps and the last step; the best of them is saved."""
     out = tmp_path / "eval"
-    assert train.main(base_args(tiny, out, steps=4, sts_dir=tiny / "sts", eval_steps=2)) == 0
+    argv = base_args(tiny, out, steps=3, eval_steps=2)
+    del argv[argv.index("--sts_dir"):argv.index("--sts_dir") + 2]   # the default: the shipped part
+    assert train.main(argv) == 0
+    printed = capsys.readouterr()
+    assert "the 375 CC BY-SA pairs of STS-B dev that ship with fastcl" in printed.out
+    assert "not STS-B dev scores" in printed.out and "--sts_dir" in printed.out
     evals = [r for r in read_log(out) if r["type"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 2, 4]
+    assert [r["step"] for r in evals] == [0, 2, 3] and "dev at step 0: stsb-dev" in printed.out
     assert all(isinstance(r["stsb-dev"], float) and "stsb-dev_alignment" in r for r in evals)
     saved = json.loads((out / train.RESULTS).read_text())
     best = max((r["stsb-dev"], -r["step"]) for r in evals)   # step 0 included; ties: the earliest
-    assert saved["saved_step"] == -best[1]
     cmp = saved["comparison"]
-    assert cmp["step0"] == evals[0]["stsb-dev"] and cmp["best"] == best[0]
-    err = capsys.readouterr().err
-    assert ("did not improve on the base model" in err) == (not cmp["improved"])
-
-
-def test_the_comparison_says_when_training_made_the_model_worse():
+    assert saved["saved_step"] == -best[1] and cmp["step0"] == evals[0]["stsb-dev"] and cmp["best"] == best[0]
+    assert ("did not improve on the base model" in printed.err) == (not cmp["improved"])
     records = [{"type": "eval", "step": 0, "stsb-dev": 80.0, "avg": 70.0},
                {"type": "eval", "step": 2, "stsb-dev": 75.0, "avg": 71.0}]
     assert train.comparison(records, "stsb", 2)["improved"] is False
-    assert train.comparison(records, "avg", 2)["improved"] is True
-    assert train.comparison(records, "stsb", 4) is None
+    assert train.comparison(records, "avg", 2)["improved"] is True and train.comparison(records, "stsb", 4) is None
 
 
 def _ranked_sts_dir(root, model, n=30, seed=3):
@@ -330,6 +331,12 @@ def uninterrupted(tiny, tmp_path_factory):
     return losses(out)
 
 
+def finish(proc, code, timeout=300):
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == code, err[-3000:]
+    return err
+
+
 def test_sigkill_at_a_random_step_then_resume_gives_the_same_losses(tiny, tmp_path, uninterrupted):
     """Real processes: the first is held (SIGSTOP) once its log reaches a random step, and a
     second run started on its folder meanwhile is refused, naming the lock and its holder;
@@ -343,18 +350,12 @@ def test_sigkill_at_a_random_step_then_resume_gives_the_same_losses(tiny, tmp_pa
     wait_for_steps(out, kill_at, first)
     first.send_signal(signal.SIGSTOP)
     try:
-        second = trainer_process(argv + ["--resume"])
-        _, err = second.communicate(timeout=120)
+        err = finish(trainer_process(argv + ["--resume"]), 1, 120)
     finally:
         first.send_signal(signal.SIGKILL)
-        first.communicate()
-    assert first.returncode == -signal.SIGKILL, f"ended before step {kill_at}"
-    assert second.returncode == 1, err[-3000:]
+    finish(first, -signal.SIGKILL)
     assert f"in use by another run (lock {out / files.LOCK}, held by pid {first.pid}" in err
-    third = trainer_process(argv + ["--resume"])
-    _, err = third.communicate(timeout=300)
-    assert third.returncode == 0, err[-3000:]
-    assert "took over the lock of a run that is no longer running" in err
+    assert "took over the lock of a run that is no longer running" in finish(trainer_process(argv + ["--resume"]), 0)
     assert losses(out) == uninterrupted, f"killed at step {kill_at}"
 
 
@@ -364,14 +365,10 @@ def test_sigterm_checkpoints_the_step_then_resume_gives_the_same_losses(tiny, tm
     first = trainer_process(argv)
     wait_for_steps(out, 2, first)
     first.send_signal(signal.SIGTERM)
-    _, err = first.communicate(timeout=120)
-    assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "stopped by signal 15 after step" in err and not (out / train.RESULTS).exists()
-    stopped_at = max(s for s, _ in losses(out))
-    assert (out / f"checkpoint-{stopped_at}" / files.MANIFEST).is_file()
-    second = trainer_process(argv + ["--resume"])
-    _, err = second.communicate(timeout=300)
-    assert second.returncode == 0, err[-3000:]
+    assert "stopped by signal 15 after step" in finish(first, 128 + signal.SIGTERM, 120)
+    assert not (out / train.RESULTS).exists()
+    assert (out / f"checkpoint-{max(s for s, _ in losses(out))}" / files.MANIFEST).is_file()
+    finish(trainer_process(argv + ["--resume"]), 0)
     assert losses(out) == uninterrupted
 
 
@@ -469,23 +466,27 @@ def test_a_run_killed_after_its_last_step_resumes_to_the_uninterrupted_end(tiny,
         train.main(base_args(tiny, killed, resume=True, **extra))
 
 
-def test_a_link_where_a_checkpoint_goes_is_removed_never_written_through(tiny, tmp_path, outside):
-    """The campaign's case: a finished run's checkpoint replaced by a link to a model folder,
-    trained again with --overwrite-output-dir: the link is removed, the model it points to
-    is untouched, the checkpoint is a real folder of the run."""
+def test_a_finished_run_is_only_replaced_when_asked_and_links_are_never_followed(tiny, tmp_path, outside):
+    """The campaign's case: a finished run's checkpoint, model and TensorBoard folder replaced
+    by links to a model folder, trained again with --overwrite_output_dir: the links are
+    removed, what they point to is untouched, the run's entries are real folders."""
     import shutil
     out = tmp_path / "R"
     argv = base_args(tiny, out, steps=3, save_steps=3)
     assert train.main(argv) == 0
+    with pytest.raises(SystemExit, match=r"holds a finished run \(train_results.json\).*--overwrite_output_dir"):
+        train.main(argv)
     mymodel = outside / "mymodel"
     shutil.copytree(tiny / "bert", mymodel)
     outside.seal()
     before = {p.name: p.read_bytes() for p in mymodel.iterdir()}
-    shutil.rmtree(out / "checkpoint-3")
-    os.symlink(mymodel, out / "checkpoint-3")
+    for name in ("checkpoint-3", "model"):
+        shutil.rmtree(out / name)
+    for name in ("checkpoint-3", "model", "checkpoint-9", "runs"):
+        os.symlink(mymodel, out / name)
     assert train.main(argv + ["--overwrite-output-dir"]) == 0
     assert {p.name: p.read_bytes() for p in mymodel.iterdir()} == before
-    assert not (out / "checkpoint-3").is_symlink() and files.verify_manifest(out / "checkpoint-3")
+    assert files.verify_manifest(out / "checkpoint-3") and (out / "model" / "modules.json").is_file()
     assert_plain_folder(out)
 
 
@@ -751,26 +752,6 @@ def test_a_folder_that_is_not_a_fastcl_run_is_refused(tiny, tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_a_finished_run_is_only_replaced_when_asked_and_links_are_never_followed(tiny, tmp_path, outside):
-    out = tmp_path / "done"
-    assert train.main(base_args(tiny, out, steps=1)) == 0
-    with pytest.raises(SystemExit, match=r"holds a finished run \(train_results.json\).*--overwrite_output_dir"):
-        train.main(base_args(tiny, out, steps=1))
-    # links out of the folder, where the model and a checkpoint were
-    victim = outside / "victim"
-    victim.mkdir()
-    (victim / "precious.txt").write_text("keep me")
-    outside.seal()
-    import shutil
-    shutil.rmtree(out / "model")
-    os.symlink(victim, out / "model")
-    os.symlink(victim, out / "checkpoint-9")
-    os.symlink(victim, out / "runs")
-    assert train.main(base_args(tiny, out, steps=1, overwrite_output_dir=True)) == 0
-    assert (victim / "precious.txt").read_text() == "keep me"
-    assert not (out / "model").is_symlink() and (out / "model" / "modules.json").is_file()
-
-
 def test_an_interrupted_swap_is_finished_at_the_next_start(tmp_path):
     out = tmp_path / "o"
     (out / "model").mkdir(parents=True)
@@ -851,17 +832,6 @@ def test_the_training_arguments_follow_the_options(tiny, tmp_path):
     args = cli.resolve_args(parser, cli.parse_args(parser, ["--method", "dclr"]))
     assert (args.per_device_train_batch_size, args.learning_rate, args.num_train_epochs) == (128, 3e-5, 3)
     assert args.select == "avg" and args.output_dir == "runs/dclr" and args.model == "all-MiniLM-L6-v2"
-
-
-def test_help_documents_every_option(capsys):
-    with pytest.raises(SystemExit):
-        train.main(["--help"])
-    text = capsys.readouterr().out
-    for flag in ("--save_total_limit", "--lr_scheduler_type", "--gradient_accumulation_steps",
-                 "--batch_sampler", "--report_to", "--push_to_hub",
-                 "--mini_batch_size", "recipe:NAME", "--learning_rate",
-                 "--per_device_train_batch_size", "--bf16", "--deepspeed", "--fsdp", "--keep_last"):
-        assert flag in text
 
 
 # ---------------------------------------------------------------------------------------

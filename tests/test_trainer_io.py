@@ -342,35 +342,31 @@ def test_the_saved_config_parses_back_to_the_same_options(tmp_path, method, extr
     assert options(again) == {**options(args), "output_dir": str(tmp_path.resolve())}
 
 
-@pytest.mark.parametrize("text,message", [
-    ("method: simcse\nbatch_sise: 4\n", r"run.yaml: unknown key 'batch_sise'"),
-    ("per_device_train_batch_size: many\n",
+@pytest.mark.parametrize("name,text,message", [
+    ("run.yaml", "method: simcse\nbatch_sise: 4\n", r"run.yaml: unknown key 'batch_sise'"),
+    ("run.yaml", "per_device_train_batch_size: many\n",
      r"run.yaml: argument --per_device_train_batch_size.*: invalid int value: 'many'"),
-    ("mlp_only_train: maybe\n", r"run.yaml: argument --mlp_only_train.*: Truthy value expected: got maybe"),
-    ("learning_rate: true\n", r"run.yaml: argument --learning_rate.*: invalid float value: 'True'"),
-    ("pooler: max\n", r"run.yaml: argument --pooler: invalid choice: 'max'"),
-    ("- method\n- simcse\n", r"run.yaml must hold a mapping of option names to values, not a list"),
-    ("method: [unclosed\n", r"run.yaml is not valid YAML"),
-    ("config: other.yaml\n", r"unknown key 'config'"),
+    ("run.yaml", "mlp_only_train: maybe\n", r"run.yaml: argument --mlp_only_train.*: Truthy value expected: got maybe"),
+    ("run.yaml", "learning_rate: true\n", r"run.yaml: argument --learning_rate.*: invalid float value: 'True'"),
+    ("run.yaml", "pooler: max\n", r"run.yaml: argument --pooler: invalid choice: 'max'"),
+    ("run.yaml", "- method\n- simcse\n", r"run.yaml must hold a mapping of option names to values, not a list"),
+    ("run.yaml", "method: [unclosed\n", r"run.yaml is not valid YAML"),
+    ("run.yaml", "config: other.yaml\n", r"unknown key 'config'"),
+    ("none.yaml", None, r"--config: no such file"),
+    ("run.toml", "", r"a config file is YAML \(.yaml, .yml\) or JSON"),
+    ("recipe:simcse-large", None, r"no recipe 'simcse-large'; the recipes are dclr-bert"),
 ])
-def test_config_errors_name_the_file_and_key(tmp_path, capsys, text, message):
-    path = tmp_path / "run.yaml"
-    path.write_text(text)
+def test_config_errors_name_the_file_and_key(tmp_path, capsys, name, text, message):
+    spec = name if name.startswith("recipe:") else str(tmp_path / name)
+    if text is not None:
+        (tmp_path / name).write_text(text)
     with pytest.raises(SystemExit) as err:
-        parse(["--config", str(path), "--method", "simcse", "--model", "m", "--data", "d",
-               "--output_dir", "o"])
+        parse(["--config", spec, "--method", "simcse", "--model", "m", "--data", "d", "--output_dir", "o"])
     assert err.value.code == 2
     assert __import__("re").search(message, capsys.readouterr().err)
 
 
-def test_config_files_and_recipes_that_do_not_exist(tmp_path, capsys):
-    for spec, message in ((str(tmp_path / "none.yaml"), "--config: no such file"),
-                          (str(tmp_path / "run.toml"), "a config file is YAML (.yaml, .yml) or JSON"),
-                          ("recipe:simcse-large", "no recipe 'simcse-large'; the recipes are dclr-bert")):
-        with pytest.raises(SystemExit):
-            parse(["--config", spec])
-        assert message in capsys.readouterr().err
-    # the method may come from the file; neither giving it is an error
+def test_the_method_may_come_from_the_config_file(tmp_path, capsys):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"model": "m", "data": "d"}))
     with pytest.raises(SystemExit):
@@ -410,13 +406,6 @@ def test_the_papers_recipes_ship_and_resolve(capsys):
     with pytest.raises(SystemExit):
         parse(["--help"])
     assert "recipe:NAME" in capsys.readouterr().out
-
-
-def test_the_recipes_are_package_data():
-    tomllib = pytest.importorskip("tomllib")
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "fastcl.trainer.recipes" in setuptools["packages"]
-    assert setuptools["package-data"]["fastcl.trainer.recipes"] == ["*.yaml"]
 
 
 def test_the_shipped_samples_are_the_defaults_and_small(tmp_path):
