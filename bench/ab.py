@@ -3,6 +3,7 @@
 
     python bench/ab.py                     # GPU: infonce N=M=32768 and 16384, noise K=N=16384
     python bench/ab.py --device cpu --n 256 --noise-n 128 --d 64     # a tiny CPU run
+    python bench/ab.py --device cpu --objectives infonce,matryoshka --n 2048 --noise-n ""
     git worktree add /tmp/base HEAD~1 && python bench/ab.py --base /tmp/base   # two commits
 
 Variants of this checkout, measured one after the other on the same inputs in one process:
@@ -44,7 +45,7 @@ from pathlib import Path
 import _autotune
 import _checkout  # noqa: F401  (fastcl importable from a bare checkout)
 import _report
-from _cases import NOISE_STEPS, from_spec, num_candidates
+from _cases import NOISE_STEPS, OBJECTIVES, from_spec, num_candidates
 from _env import device_slug, environment
 from _measure import add_throughput, default_threads, matmul_limit, select_device, sync
 from _runner import measure_in_process
@@ -266,7 +267,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--n", default=None, help="comma list of infonce N=M (GPU default 32768,16384)")
+    p.add_argument("--n", default=None, help="comma list of N (GPU default 32768,16384)")
+    p.add_argument("--objectives", default="infonce",
+                   help="comma list of _cases.OBJECTIVES measured at each --n (default infonce)")
     p.add_argument("--noise-n", default=None, help="comma list of noise-update K=N (GPU default "
                    "16384; '' for none)")
     p.add_argument("--d", type=int, default=768)
@@ -300,7 +303,11 @@ def main(argv=None) -> int:
     ns = [int(x) for x in (args.n or ("32768,16384" if gpu else "256")).split(",") if x.strip()]
     noise_ns = [int(x) for x in (args.noise_n if args.noise_n is not None
                                  else "16384" if gpu else "128").split(",") if x.strip()]
-    cases = [("infonce", n) for n in ns] + [("noise", n) for n in noise_ns]
+    objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
+    unknown = sorted(set(objectives) - set(OBJECTIVES))
+    if unknown:
+        p.error(f"--objectives: unknown {unknown} (one of {', '.join(OBJECTIVES)})")
+    cases = [(o, n) for o in objectives for n in ns] + [("noise", n) for n in noise_ns]
     variants = ["" if v.strip() == "new" else v.strip() for v in args.variants.split(",") if v.strip()]
     if args.base is not None:                       # this checkout, then the other commit's
         variants = ["", "base"]

@@ -121,7 +121,7 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     **matryoshka_dims** ``(d_1, …, d_K)`` with ``matryoshka_weights`` ``(w_1, …, w_K)`` (all 1
     by default): ``L = Σ_k w_k·L(x[:, :d_k])``, the loss of every prefix of the embeddings
     (their own cosines), as sentence-transformers' ``MatryoshkaLoss`` around this loss. The
-    tiled path computes every width in one pass over d (:func:`fastcl.tiled.matryoshka_forward`),
+    tiled path computes every width in one pass over d (the driver's :class:`fastcl.tiled.driver._Widths`),
     with focal, the hard negatives' log-weight, the DCLR mask, ``symmetric`` and the options
     above (the masks, the guide's filter among them, computed once for every width); the
     Triton backend makes a fused call per width (the GEMM work of ``Σ_k d_k`` columns, 2.25×

@@ -33,7 +33,7 @@ from ..spec import Epilogue, LossSpec
 from . import driver
 from .autograd import TiledContrastive, contrastive_loss, tiled_contrastive_op  # noqa: F401
 from .driver import (DEFAULT_MEMORY_BUDGET, MIN_CHUNK_ROWS, _norms, _tangent_,  # noqa: F401
-                     chunk_rows, contrastive_forward, matmul_dtype, matryoshka_forward,
+                     chunk_rows, contrastive_forward, matmul_dtype,
                      rows_per_chunk)
 from .engine import TORCH, Chunk, Engine, _layout_drops, engine_for, torch_chunk  # noqa: F401
 from .noise import _noise_step, dclr_noise, noise_update  # noqa: F401

@@ -1,6 +1,6 @@
 """The one chunk driver: anchor rows in chunks, each chunk's cosines through an engine's
-epilogue, and the gradients from its ``H`` (:func:`contrastive_forward`); Matryoshka's
-widths in one pass over d (:func:`matryoshka_forward`, the torch engine's)."""
+epilogue, and the gradients from its ``H`` (:func:`contrastive_forward`); with Matryoshka's
+widths, every width in the same pass over d (:class:`_Widths`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from ..common import EPS, accumulate_dtype
 from ..spec import Epilogue
-from .engine import (TORCH, Chunk, Engine, _acc_and_cast_bytes, _accumulate_mm, _focal_logits,
-                     _focal_slope, _mm, _mm_into, _RowRules)
+from .engine import (TORCH, Chunk, Engine, _acc_and_cast_bytes, _accumulate_mm, _mm, _mm_into,
+                     _RowRules, torch_width)
 
 
 #: Default bytes for the per-chunk R×M work buffers (all of them together). On a GPU a chunk
@@ -69,8 +69,13 @@ def chunk_rows(engine, ep: Epilogue, n: int, m: int, n_pos: int, dtype: torch.dt
                device: torch.device) -> int:
     """The rows per chunk the driver uses for ``engine`` (the benchmarks ask it too)."""
     device = torch.device(device)
-    return rows_per_chunk(n, m, ep, engine.row_bytes(ep, dtype, m, n_pos), device.type,
-                          engine.row_multiple, _free_bytes(device))
+    if ep.matryoshka is None:
+        return rows_per_chunk(n, m, ep, engine.row_bytes(ep, dtype, m, n_pos), device.type,
+                              engine.row_multiple, _free_bytes(device))
+    rows = rows_per_chunk(n, m, ep, _Widths.row_bytes(ep, dtype, m), device.type, 16,
+                          _free_bytes(device))
+    # Matryoshka's GEMMs are per band, narrow: a short last chunk of them costs more
+    return rows if ep.chunk_size is not None else _even_chunks(n, rows)
 
 
 def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
@@ -103,18 +108,17 @@ def _norms(x: torch.Tensor, acc: torch.dtype):
 def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine = TORCH,
                         gemm_dtype: torch.dtype | None = None,
                         anchor_norms: torch.Tensor | None = None, raw_candidates: bool = False):
-    """The chunked driver shared by every engine. Returns
-    ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with ``None`` where ``need`` says no
-    gradient is wanted. ``gemm_dtype`` overrides the dtype the chunk GEMMs read
-    (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's 16-bit buffers.
-    ``anchor_norms``: the anchors' row norms (:func:`_norms`), where a caller that passes the
-    same anchors again (DCLR's noise steps) has them. ``raw_candidates``: in place of the
-    candidates' gradients, ``(u, keys, ‖k‖, 1/‖k‖)`` with ``u`` (M×d, accumulate dtype) the
-    sums ``Σ_i H_ij q̂_i`` before the chain rule through k̂: each row is ∂L/∂k_j's before its
-    projection onto k_j's tangent space, times a positive factor (what DCLR's noise step,
-    which takes each row's direction alone, reads)."""
-    if ep.matryoshka is not None:
-        return matryoshka_forward(ep, anchors, candidates, need, gemm_dtype)
+    """The chunked driver shared by every engine and every epilogue, Matryoshka's widths
+    included (:class:`_Widths`). Returns ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with
+    ``None`` where ``need`` says no gradient is wanted. ``gemm_dtype`` overrides the dtype
+    the chunk GEMMs read (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's
+    16-bit buffers. ``anchor_norms``: the anchors' row norms (:func:`_norms`), where a
+    caller that passes the same anchors again (DCLR's noise steps) has them.
+    ``raw_candidates``: in place of the candidates' gradients, ``(u, keys, ‖k‖, 1/‖k‖)``
+    with ``u`` (M×d, accumulate dtype) the sums ``Σ_i H_ij q̂_i`` before the chain rule
+    through k̂: each row is ∂L/∂k_j's before its projection onto k_j's tangent space, times
+    a positive factor (what DCLR's noise step, which takes each row's direction alone,
+    reads)."""
     n_rows, d = anchors.shape
     n = n_rows // 2 if ep.paired else n_rows      # loss rows: two sides each when paired
     in_dtype, device = anchors.dtype, anchors.device
@@ -124,49 +128,59 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
     m = sum(sizes)
     need_q, need_k = bool(need[0]), any(need[1:])
     released = ep.formulation == "released"
+    # dq rows are final once their chunk is done: stored in the input dtype straight away
+    # fp16 keeps them in the accumulate dtype until backward has applied the incoming scale:
+    # at scale 1 (before a loss scaler's 2¹⁶) fp16 would flush most of a gradient of ~1/N.
+    out_dtype = acc if in_dtype == torch.float16 else in_dtype
 
     # One (M×d) candidate matrix; a copy only when there are several blocks or a dtype change.
     # Made contiguous once here, at the boundary: the engines assume unit stride along d.
     keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype).contiguous()
-    norm_k = _norms(keys, acc)
-    norm_q = _norms(anchors, acc) if anchor_norms is None else anchor_norms
-    inv_k, inv_q = norm_k.reciprocal(), norm_q.reciprocal()
-    # H's column factor γ·c·inv_k_j ≤ γ (c = the smallest norm of a row that was not clamped)
-    # keeps H in a 16-bit range whatever the norms (no host sync: c stays on the device); γ
-    # lifts fp16 entries off its subnormals. A zero row's c/EPS would overflow float16 (and a
-    # c of EPS would flush every other column): there its factor is capped at γ and its dk
-    # row gets the excess back; its terms in dq are 0 either way.
-    c_min, gain = _smallest_unclamped(norm_k), _fp16_gain(ep, dtype)
-    h_scale = c_min * gain if gain != 1.0 else c_min
-    ratio = inv_k * c_min
-    excess = ratio.clamp_min(1.0) if dtype == torch.float16 else None
-    ginv_k = ratio.clamp_max(1.0) if excess is not None else ratio
-    if gain != 1.0:
-        ginv_k = ginv_k * gain
-    dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
-    # dq rows are final once their chunk is done: stored in the input dtype straight away
-    # fp16 keeps them in the accumulate dtype until backward has applied the incoming scale:
-    # at scale 1 (before a loss scaler's 2¹⁶) fp16 would flush most of a gradient of ~1/N.
-    grad_dtype = acc if in_dtype == torch.float16 else in_dtype
-    dq = torch.empty(n_rows, d, dtype=grad_dtype, device=device) if need_q else None
     comp = None
     if ep.complementary is not None:
         comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
                 for x in ep.complementary]
-
     rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device)
     denom = n * m if released else n
-    row_loss = torch.empty(n, dtype=acc, device=device)
-    tangent = engine.tangent                  # the engine's fused chain rule, if it has one
-    w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
+    row_loss = torch.zeros(n, dtype=acc, device=device)
+    widths = None
+    if ep.matryoshka is not None:
+        widths = _Widths(ep, anchors, keys, n, rows, need_q, need_k)
+    else:
+        norm_k = _norms(keys, acc)
+        norm_q = _norms(anchors, acc) if anchor_norms is None else anchor_norms
+        inv_k, inv_q = norm_k.reciprocal(), norm_q.reciprocal()
+        # H's column factor γ·c·inv_k_j ≤ γ (c = the smallest norm of a row that was not
+        # clamped) keeps H in a 16-bit range whatever the norms (no host sync: c stays on the
+        # device); γ lifts fp16 entries off its subnormals. A zero row's c/EPS would overflow
+        # float16 (and a c of EPS would flush every other column): there its factor is capped
+        # at γ and its dk row gets the excess back; its terms in dq are 0 either way.
+        c_min, gain = _smallest_unclamped(norm_k), _fp16_gain(ep, dtype)
+        h_scale = c_min * gain if gain != 1.0 else c_min
+        ratio = inv_k * c_min
+        excess = ratio.clamp_min(1.0) if dtype == torch.float16 else None
+        ginv_k = ratio.clamp_max(1.0) if excess is not None else ratio
+        if gain != 1.0:
+            ginv_k = ginv_k * gain
+        w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
+        tangent = engine.tangent                # the engine's fused chain rule, if it has one
+    dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
+    dq = None
+    if need_q:
+        dq = (torch.zeros(n_rows, d, dtype=acc, device=device) if widths is not None
+              else torch.empty(n_rows, d, dtype=out_dtype, device=device))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         take = functools.partial(_chunk_rows, r0=r0, r1=r1, n=n, paired=ep.paired)
         q = take(anchors).to(dtype).contiguous()
-        inv_q_c = take(inv_q)
-        chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q_c, inv_k,
-                      ginv_k, loss_out=row_loss[r0:r1], comp_q=comp[0][r0:r1] if comp else None,
-                      comp_k=comp[1] if comp else None)
+        inv_q_c = None if widths is not None else take(inv_q)
+        chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q_c,
+                      None if widths is not None else inv_k,
+                      None if widths is not None else ginv_k, loss_out=row_loss[r0:r1],
+                      comp_q=comp[0][r0:r1] if comp else None, comp_k=comp[1] if comp else None)
+        if widths is not None:
+            widths.chunk(ep, chunk, take, dq, dk)
+            continue
         h = engine.chunk(ep, chunk, need_q or need_k)
         if h is not None:
             dq_c = None
@@ -181,11 +195,14 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         del h
 
     loss = (row_loss.sum(dtype=torch.float64) / denom).to(acc)
-    grads = [dq]
     if need_k and raw_candidates:
-        return loss, grads + [(dk, keys, norm_k, inv_k)]
-    if need_k:
-        out_dtype = acc if in_dtype == torch.float16 else in_dtype
+        return loss, [dq, (dk, keys, norm_k, inv_k)]
+    if widths is not None:
+        if need_k:
+            widths.finish(keys, dk)
+        dk = dk.to(out_dtype) if need_k else None
+        dq = dq.to(out_dtype) if need_q else None
+    elif need_k:
         col_scale = (denom * h_scale).reciprocal()
         if excess is not None:
             col_scale = col_scale * excess          # one entry per candidate row
@@ -194,20 +211,21 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
             dk = tangent(dk, keys, inv_k, col_scale, torch.empty(m, d, dtype=out_dtype, device=device))
         else:
             dk = _tangent_(dk.mul_(col_scale[:, None]), keys, norm_k, rows).to(out_dtype)
-        grads += [part if want else None for part, want in zip(dk.split(sizes), need[1:])]
-    else:
-        grads += [None] * len(candidates)
-    return loss, grads
+    grads = [part if want else None for part, want in zip(dk.split(sizes), need[1:])] if need_k \
+        else [None] * len(candidates)
+    return loss, [dq] + grads
 
 
-def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None):
-    r"""Matryoshka in one pass: ``L = Σ_k w_k·L_k``, ``L_k`` the loss of the prefixes
-    ``x[:, :d_k]`` (their own cosines ``s^k``), with one GEMM over d per product instead of
-    one per dimension. Same contract as :func:`contrastive_forward`.
+class _Widths:
+    r"""Matryoshka's ``L = Σ_k w_k·L_k`` in the driver's one pass: ``L_k`` the loss of the
+    prefixes ``x[:, :d_k]`` (their own cosines ``s^k``), with one GEMM over d per product
+    instead of one per width. The state of one driver call: the bands, the prefix norms, the
+    chunk buffers (allocated once) and the candidates' radial sums.
 
     The widths split d into bands ``(d_{k−1}, d_k]``. Forward: the prefix dot products grow
     band by band, ``D^k = D^{k−1} + Q_band K_bandᵀ``, and each ``k`` turns its cosines
-    ``s^k = D^k / (‖q^k‖‖k^k‖)`` (prefix norms) into its row loss and ``A^k = ∂L/∂s^k``. By
+    ``s^k = D^k / (‖q^k‖‖k^k‖)`` (prefix norms) into its row loss and ``A^k = ∂L/∂s^k``
+    (the torch engine's epilogue of a width, :func:`~fastcl.tiled.engine.torch_width`). By
     the chain rule through the prefix cosines,
 
     .. math:: \frac{∂L}{∂q_i}\Big|_{band} = \Big(\sum_{k: d_k ≥ band} Ã^k\Big) K_{band}
@@ -216,78 +234,76 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
 
     (and the same for the keys with ``Ãᵀ`` and column sums): the sums ``B = Σ_{k ≥ band}
     Ã^k``, formed from the widest width down, take one GEMM per band for each gradient.
-    A chunk holds every width's Ã^k (as ``f^k ⊙ H^k``, its row factor apart) besides D and
-    one scratch slice, allocated once for the call. The anchors' and candidates' own
-    features: focal modulation, the hard negative's log-weight, DCLR's mask, and the rules
-    of :mod:`fastcl.layout` (a positive side, its joint or own softmax, the drops, MNRL's
-    hardness term); the masks are the texts', computed once for every width."""
-    n_rows, d = anchors.shape
-    n = n_rows // 2 if ep.paired else n_rows      # loss rows: two sides each when paired
-    sides = 2 if ep.paired else 1
-    in_dtype, device = anchors.dtype, anchors.device
-    acc = accumulate_dtype(in_dtype)
-    dtype = gemm_dtype or matmul_dtype(in_dtype, device)
-    sizes = [c.shape[0] for c in candidates]
-    m, n_pos = sum(sizes), sizes[0]
-    need_q, need_k = bool(need[0]), any(need[1:])
-    dims, weights = ep.matryoshka
-    bands = list(zip((0,) + dims[:-1], dims))
-    keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype).contiguous()
-    q_all = anchors.to(dtype)
+    The radial sums ``c`` replace the single width's tangent projection: each width projects
+    onto its own prefix. A chunk holds every width's Ã^k (as ``f^k ⊙ H^k``, its row factor
+    apart) besides D and one scratch slice. The masks (:class:`_RowRules`) are the texts',
+    computed once per chunk for every width."""
 
-    def prefix_norms(x):                        # (rows, K): ‖x[:, :d_k]‖ in acc
-        parts = torch.stack([torch.linalg.vector_norm(x[:, lo:hi], dim=1, dtype=acc) for lo, hi in bands],
-                            dim=1)
-        return parts.square_().cumsum(dim=1).sqrt_()
+    def __init__(self, ep: Epilogue, anchors, keys, n: int, rows: int, need_q: bool, need_k: bool):
+        acc, device, m = accumulate_dtype(anchors.dtype), anchors.device, keys.shape[0]
+        dims, self.weights = ep.matryoshka
+        self.bands = list(zip((0,) + dims[:-1], dims))
+        self.need_q, self.need_k, self.acc = need_q, need_k, acc
 
-    norm_q, norm_k = prefix_norms(anchors), prefix_norms(keys)
-    inv_q, inv_k = 1.0 / norm_q.clamp_min(EPS), 1.0 / norm_k.clamp_min(EPS)
-    # the radial term of x/max(‖x‖, EPS) exists only where the norm was not clamped
-    radial_q = (norm_q > EPS).to(acc) * inv_q * inv_q
-    radial_k = (norm_k > EPS).to(acc) * inv_k * inv_k
-    # each width's factors contiguous (rows' per chunk, below): a strided broadcast operand
-    # costs the R×M passes their vectorization
-    inv_k_w = inv_k.T.contiguous()
-    dq = torch.zeros(n_rows, d, dtype=acc, device=device) if need_q else None
-    dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
-    col_c = torch.zeros(len(dims), m, dtype=acc, device=device)   # per width, contiguous
-    row_loss = torch.zeros(n, dtype=acc, device=device)
-    comp = None
-    if ep.complementary is not None:
-        comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
-                for x in ep.complementary]
-    rows = rows_per_chunk(n, m, ep, _matryoshka_row_bytes(ep, dtype, m), device.type, 16,
-                          _free_bytes(device))
-    if ep.chunk_size is None:
-        rows = _even_chunks(n, rows)
-    # The chunk's slices, allocated once and reused by every chunk (the last one takes the
-    # first rows): a fresh R×M allocation per chunk and width costs its page faults again.
-    slices = 2 + len(dims) + (ep.focal_m is not None or ep.hardness is not None)
-    buffers = torch.empty(slices, sides * min(rows, n), m, dtype=acc, device=device).unbind(0)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        r = r1 - r0
-        take = functools.partial(_chunk_rows, r0=r0, r1=r1, n=n, paired=ep.paired)
-        q = take(q_all)
-        first = ep.anchor_offset + r0               # the column of row r0's positive
-        rules = _RowRules(ep, Chunk(r0, r1, n, n_pos, first, q, keys, None, None, None,
-                                    comp_q=comp[0][r0:r1] if comp else None,
-                                    comp_k=comp[1] if comp else None), acc)
-        dots, pool = buffers[0][:sides * r], [b[:sides * r] for b in buffers[1:len(dims) + 2]]
-        cos = buffers[-1][:sides * r] if slices > 2 + len(dims) else None
+        def prefix_norms(x):                        # (rows, K): ‖x[:, :d_k]‖ in acc
+            parts = torch.stack([torch.linalg.vector_norm(x[:, lo:hi], dim=1, dtype=acc)
+                                 for lo, hi in self.bands], dim=1)
+            return parts.square_().cumsum(dim=1).sqrt_()
+
+        norm_q, norm_k = prefix_norms(anchors), prefix_norms(keys)
+        self.inv_q, inv_k = 1.0 / norm_q.clamp_min(EPS), 1.0 / norm_k.clamp_min(EPS)
+        # the radial term of x/max(‖x‖, EPS) exists only where the norm was not clamped
+        self.radial_q = (norm_q > EPS).to(acc) * self.inv_q * self.inv_q
+        self.radial_k = (norm_k > EPS).to(acc) * inv_k * inv_k
+        # each width's factors contiguous (rows' per chunk, below): a strided broadcast
+        # operand costs the R×M passes their vectorization
+        self.inv_k_w = inv_k.T.contiguous()
+        self.col_c = torch.zeros(len(dims), m, dtype=acc, device=device)   # per width
+        # The chunk's slices, allocated once and reused by every chunk (the last one takes
+        # the first rows): a fresh R×M allocation per chunk and width costs its page faults
+        # again.
+        sides = 2 if ep.paired else 1
+        self.buffers = torch.empty(self.slices(ep), sides * min(rows, n), m, dtype=acc,
+                                   device=device).unbind(0)
+
+    @staticmethod
+    def row_bytes(ep: Epilogue, dtype: torch.dtype, m: int) -> int:
+        """The buffers per loss row: D, a scratch slice and one H per width (the cosines too
+        with focal or MNRL's hardness), each side's, the masks, and B's cast to the GEMM
+        dtype."""
+        acc, cast = _acc_and_cast_bytes(dtype)
+        sides = 2 if ep.paired else 1
+        # the layout's masks (bool), the hardness factor, the guide's cosines while formed
+        rules = m * (sides + acc * (ep.hardness is not None) + acc * (ep.guide is not None)) if ep.sided else 0
+        mask = m * (acc + 1) if ep.complementary is not None else 0
+        return sides * m * (acc * _Widths.slices(ep) + cast) + rules + mask
+
+    @staticmethod
+    def slices(ep: Epilogue) -> int:
+        return 2 + len(ep.matryoshka[0]) + (ep.focal_m is not None or ep.hardness is not None)
+
+    def chunk(self, ep: Epilogue, c: Chunk, take, dq, dk) -> None:
+        """One chunk: its row losses into ``c.loss_out``, its rows of ``dq`` and its share of
+        ``dk`` (the keys' radial terms at :meth:`finish`)."""
+        r, n, r0, r1, acc, bands = c.r1 - c.r0, c.n, c.r0, c.r1, self.acc, self.bands
+        q, keys, first, buffers = c.q, c.keys, c.first_pos, self.buffers
+        rules = _RowRules(ep, c, acc)
+        sides = 2 if ep.paired else 1
+        dots, pool = buffers[0][:sides * r], [b[:sides * r] for b in buffers[1:len(bands) + 2]]
+        cos = buffers[-1][:sides * r] if len(buffers) > 2 + len(bands) else None
         # per width: Ã^k = diag(f^k) H^k − δ·g^k, and the radial sums
-        row_f, row_c = torch.empty(2, len(dims), sides * r, dtype=acc, device=device)
-        pos_g = torch.empty(len(dims), r, dtype=acc, device=device)
-        inv_q_c = take(inv_q).T.contiguous()          # (K, sides·r)
+        row_f, row_c = torch.empty(2, len(bands), sides * r, dtype=acc, device=q.device)
+        pos_g = torch.empty(len(bands), r, dtype=acc, device=q.device)
+        inv_q_c = take(self.inv_q).T.contiguous()          # (K, sides·r)
         h = []
         for k, (lo, hi) in enumerate(bands):
             if k == 0:
                 _mm_into(dots, q[:, lo:hi], keys[:, lo:hi].T)
             else:
                 _accumulate_mm(dots, q[:, lo:hi], keys[:, lo:hi].T)
-            kept, free = _matryoshka_width(ep, weights[k], n, n_pos, dots, pool.pop(), pool.pop(), cos,
-                                           inv_q_c[k], inv_k_w[k], first, rules, row_loss[r0:r1],
-                                           row_f[k], pos_g[k], row_c[k], col_c[k])
+            kept, free = torch_width(ep, self.weights[k], c, dots, pool.pop(), pool.pop(), cos,
+                                     inv_q_c[k], self.inv_k_w[k], rules, row_f[k], pos_g[k],
+                                     row_c[k], self.col_c[k])
             h.append(kept)
             pool.append(free)
         # the widest width down: B = Σ_{k ≥ band} Ã^k, one GEMM per band and gradient
@@ -299,34 +315,28 @@ def matryoshka_forward(ep: Epilogue, anchors, candidates, need, gemm_dtype=None)
             else:
                 total_b.addcmul_(h[k], row_f[k, :, None])
             total_b[:r].diagonal(first).sub_(pos_g[k])
-            b = total_b.to(dtype)
-            if need_q:
+            b = total_b.to(q.dtype)
+            if self.need_q:
                 _accumulate_mm(dq[r0:r1, lo:hi], b[:r], keys[:, lo:hi])
                 if ep.paired:
                     _accumulate_mm(dq[n + r0:n + r1, lo:hi], b[r:], keys[:, lo:hi])
-            if need_k:
+            if self.need_k:
                 _accumulate_mm(dk[:, lo:hi], b.T, q[:, lo:hi])
-        if need_q:
-            coef = row_c.T * take(radial_q)                       # (sides·r, K)
+        if self.need_q:
+            coef = row_c.T * take(self.radial_q)                       # (sides·r, K)
             for k, (lo, hi) in enumerate(bands):
                 # band k takes the radial terms of every width that covers it
                 radial = q[:, lo:hi].to(acc) * coef[:, k:].sum(dim=1, keepdim=True)
                 dq[r0:r1, lo:hi] -= radial[:r]
                 if ep.paired:
                     dq[n + r0:n + r1, lo:hi] -= radial[r:]
-    if need_k:
-        coef = col_c.T * radial_k
-        for k, (lo, hi) in enumerate(bands):
-            dk[:, lo:hi].addcmul_(keys[:, lo:hi].to(acc), coef[:, k:].sum(dim=1, keepdim=True),
+
+    def finish(self, keys, dk) -> None:
+        """The keys' radial terms, every chunk's column sums together, into ``dk``."""
+        coef = self.col_c.T * self.radial_k
+        for k, (lo, hi) in enumerate(self.bands):
+            dk[:, lo:hi].addcmul_(keys[:, lo:hi].to(self.acc), coef[:, k:].sum(dim=1, keepdim=True),
                                   value=-1.0)
-    loss = (row_loss.sum(dtype=torch.float64) / n).to(acc)
-    out_dtype = acc if in_dtype == torch.float16 else in_dtype
-    grads = [dq.to(out_dtype) if need_q else None]
-    if need_k:
-        grads += [part.to(out_dtype) if want else None for part, want in zip(dk.split(sizes), need[1:])]
-    else:
-        grads += [None] * len(candidates)
-    return loss, grads
 
 
 def _even_chunks(n: int, rows: int, multiple: int = 16) -> int:
@@ -340,118 +350,6 @@ def _even_chunks(n: int, rows: int, multiple: int = 16) -> int:
 def _chunk_rows(x: torch.Tensor, r0: int, r1: int, n: int, paired: bool) -> torch.Tensor:
     """A chunk's rows of ``x``: [r0, r1), and with a positive side also [n + r0, n + r1)."""
     return x[r0:r1] if not paired else torch.cat([x[r0:r1], x[n + r0:n + r1]])
-
-
-def _matryoshka_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int) -> int:
-    """:func:`matryoshka_forward`'s buffers per loss row: D, a scratch slice and one H per
-    width (the cosines too with focal or MNRL's hardness), each side's, the masks, and B's
-    cast to the GEMM dtype."""
-    acc, cast = _acc_and_cast_bytes(dtype)
-    slices = 2 + len(ep.matryoshka[0]) + (ep.focal_m is not None or ep.hardness is not None)
-    sides = 2 if ep.paired else 1
-    # the layout's masks (bool), the hardness factor, the guide's cosines while formed
-    rules = m * (sides + acc * (ep.hardness is not None) + acc * (ep.guide is not None)) if ep.sided else 0
-    return sides * m * (acc * slices + cast) + rules + (m * (acc + 1) if ep.complementary is not None else 0)
-
-
-#: Where ``2·bound + ln M`` (:func:`_logit_bound`) stays below this, every softmax entry is a
-#: normal float32 number, and a row's loss ``lse − l_ii`` is ``−log p_ii`` without its
-#: log-sum-exp.
-_EXACT_LOG_BOUND = 80.0
-
-
-def _logit_bound(ep: Epilogue) -> float:
-    """A bound on |logit| from the epilogue alone (cosines lie in [−1, 1]): 1/τ, (1 + |m|)/τ
-    with focal modulation, plus the hard negative's |log-weight|."""
-    slope = 1.0 + abs(ep.focal_m) if ep.focal_m is not None else 1.0
-    return slope / ep.temperature + abs(ep.hard_negative_weight)
-
-
-def _matryoshka_width(ep, weight, n, n_pos, dots, out, spare, cos, inv_q, inv_k, first, rules,
-                      row_loss, row_f, pos_g, row_c, col_c):
-    r"""One width's epilogue on a chunk, from its prefix dot products ``dots`` (R'×M, kept;
-    R' = 2R with a positive side, rows R + i): ``row_loss += w_k·L_k``; ``row_f`` ← ``f``
-    (R') and ``pos_g`` ← ``g`` (R) with ``Ã^k = diag(f) H − δ·g`` (δ: each anchor-side row's
-    positive, column ``first + i``); the radial sums ``Σ_j Ã_ij D_ij`` into ``row_c`` and
-    ``Σ_i Ã_ij D_ij`` added to ``col_c``. ``out`` and ``spare`` are free R'×M slices, ``cos``
-    (R'×M, with focal or MNRL's hardness) holds the cosines; ``rules``: the chunk's
-    :class:`_MatryoshkaRules`. Returns ``(H, free)``: the slice that holds H and the one
-    left free.
-
-    Every pass over the slice counts (they, not the GEMMs, bound the time): the softmax is
-    one fused pass (its rows stay in cache), 1/(‖q‖τN) stays in the row factor ``f``, and
-    the column factor 1/‖k‖ is applied once, to H, before the radial product."""
-    r = rules.r
-    inv_t = 1.0 / ep.temperature
-    if cos is not None:
-        torch.mul(dots, inv_q[:, None], out=cos).mul_(inv_k[None, :])
-    if ep.focal_m is not None:
-        pos_cos = cos[:r].diagonal(first).clone()
-        logits = _focal_logits(spare, cos, ep, r, first, rules.mirror)
-    else:
-        logits = torch.mul(dots, (inv_q * inv_t)[:, None], out=spare).mul_(inv_k[None, :])
-    rules.apply(logits, n_pos, cos, first)
-    # Every row's own softmax, one fused pass. ℓ_i = lse_i − l_ii = −log p_ii where p_ii ≥
-    # e^(−2·bound)/M cannot underflow (no positive side, no layout); else lse_i through the
-    # row's largest logit, whose p ≥ 1/M. (Where the others' share q < 1/2: −log1p(−q).)
-    exact = not ep.sided and 2.0 * _logit_bound(ep) + math.log(logits.shape[1]) <= _EXACT_LOG_BOUND
-    if not exact:
-        top = logits.amax(dim=1)
-        pos = logits[:r].diagonal(first).clone()
-    p = torch.ops.aten._softmax.out(logits, 1, False, out=out)
-    # The others' share of each anchor row's softmax, q = Σ_{j≠i} p_ij = 1 − p_ii, summed with
-    # the positive's entry taken out: where the positive dominates p_ii rounds to 1, and
-    # −log p_ii and p_ii − 1 keep no digit; −log1p(−q) and −q keep them all. The
-    # positive's entry of H is then 0, its whole term in g (below).
-    if not exact:
-        lse = top - p.amax(dim=1).log_()
-    p_pos = p[:r].diagonal(first).clone()
-    p[:r].diagonal(first).zero_()
-    q = p[:r].sum(dim=1)
-    scale = 1.0                       # each row's softmax in the loss's: p_loss = scale·p
-    if exact:
-        near = -p_pos.log()
-    else:
-        if ep.paired and ep.layout.joint:
-            # rows i and R + i share one softmax, log Σ_{both sides} e^l: each side's own
-            # rescaled by e^(lse_side − lse). A positive side may drop every column (the
-            # guide's filter): its row is 0/0 on its own, and nothing in the shared one.
-            dead = torch.isneginf(top)
-            p.masked_fill_(dead[:, None], 0.0)
-            lse = lse.masked_fill(dead, float("-inf"))
-            joint = torch.logaddexp(lse[:r], lse[r:])
-            scale = torch.exp(lse - joint.repeat(2))
-            q = scale[:r] * q + scale[r:] * (~dead[r:]).to(q.dtype)
-            lse = joint
-        near = lse[:r] - pos
-        if ep.paired and not ep.layout.joint:
-            # each side its own softmax: the mean of the two log-sum-exps
-            scale = 0.5
-            far = lse[r:] - pos
-    loss = torch.where(q < 0.5, torch.neg(q).log1p_().neg_(), near)
-    if ep.paired and not ep.layout.joint:
-        row_loss += weight * 0.5 * (loss + far)
-        q = 0.5 + 0.5 * q                  # 1 − 0.5·p_ii
-    else:
-        row_loss += weight * loss
-    # ∂L/∂s^k = w_k (p − δ) g'(s)/N: g'(s) = 1/τ, or with focal modulation (2s + m)/τ off
-    # the positive (and the positive side's own anchor) and 2s/τ on them; MNRL's β·sg(s) has
-    # no slope. The positive's p_loss − 1 = −q.
-    base = inv_q * (weight * inv_t / n)
-    row_f.copy_(base * scale)
-    pos_g.copy_(base[:r] * inv_k[first:first + r] * q
-                * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
-    if ep.focal_m is not None:
-        p.mul_(_focal_slope(cos, ep, r, first, rules.mirror))
-    held = p.mul_(inv_k[None, :])
-    # the radial sums: Σ_j Ã_ij D_ij = f_i Σ_j H_ij D_ij − g_i D_ii, and by columns
-    product = torch.mul(held, dots, out=spare)
-    pos_dots = pos_g * dots[:r].diagonal(first)
-    row_c.copy_(product.sum(dim=1).mul_(row_f))
-    row_c[:r] -= pos_dots
-    col_c += torch.mv(product.T, row_f)
-    col_c[first:first + r] -= pos_dots
-    return held, spare
 
 
 def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_pos) -> None:

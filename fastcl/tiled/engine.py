@@ -6,6 +6,7 @@ GEMM helpers the driver uses."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -321,6 +322,107 @@ def _focal_slope(cos, ep: Epilogue, r: int, first: int, mirror: int | None):
     if mirror is not None:
         slope[r:].diagonal(mirror).sub_(ep.focal_m)
     return slope
+
+
+#: Where ``2·bound + ln M`` (:func:`_logit_bound`) stays below this, every softmax entry is a
+#: normal float32 number, and a row's loss ``lse − l_ii`` is ``−log p_ii`` without its
+#: log-sum-exp.
+_EXACT_LOG_BOUND = 80.0
+
+
+def _logit_bound(ep: Epilogue) -> float:
+    """A bound on |logit| from the epilogue alone (cosines lie in [−1, 1]): 1/τ, (1 + |m|)/τ
+    with focal modulation, plus the hard negative's |log-weight|."""
+    slope = 1.0 + abs(ep.focal_m) if ep.focal_m is not None else 1.0
+    return slope / ep.temperature + abs(ep.hard_negative_weight)
+
+
+def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, inv_q, inv_k,
+                rules: _RowRules, row_f, pos_g, row_c, col_c):
+    r"""The PyTorch engine's epilogue of one Matryoshka width (the driver's
+    :class:`~fastcl.tiled.driver._Widths`) on a chunk, from its prefix dot products ``dots``
+    (R'×M, kept; R' = 2R with a positive side, rows R + i): ``c.loss_out += w_k·L_k``; ``row_f`` ← ``f``
+    (R') and ``pos_g`` ← ``g`` (R) with ``Ã^k = diag(f) H − δ·g`` (δ: each anchor-side row's
+    positive, column ``first + i``); the radial sums ``Σ_j Ã_ij D_ij`` into ``row_c`` and
+    ``Σ_i Ã_ij D_ij`` added to ``col_c``. ``out`` and ``spare`` are free R'×M slices, ``cos``
+    (R'×M, with focal or MNRL's hardness) holds the cosines; ``rules``: the chunk's
+    :class:`_RowRules`, shared by every width. Returns ``(H, free)``: the slice that holds H and the one
+    left free.
+
+    Every pass over the slice counts (they, not the GEMMs, bound the time): the softmax is
+    one fused pass (its rows stay in cache), 1/(‖q‖τN) stays in the row factor ``f``, and
+    the column factor 1/‖k‖ is applied once, to H, before the radial product."""
+    r, n, n_pos, first, row_loss = rules.r, c.n, c.n_pos, c.first_pos, c.loss_out
+    inv_t = 1.0 / ep.temperature
+    if cos is not None:
+        torch.mul(dots, inv_q[:, None], out=cos).mul_(inv_k[None, :])
+    if ep.focal_m is not None:
+        pos_cos = cos[:r].diagonal(first).clone()
+        logits = _focal_logits(spare, cos, ep, r, first, rules.mirror)
+    else:
+        logits = torch.mul(dots, (inv_q * inv_t)[:, None], out=spare).mul_(inv_k[None, :])
+    rules.apply(logits, n_pos, cos, first)
+    # Every row's own softmax, one fused pass. ℓ_i = lse_i − l_ii = −log p_ii where p_ii ≥
+    # e^(−2·bound)/M cannot underflow (no positive side, no layout); else lse_i through the
+    # row's largest logit, whose p ≥ 1/M. (Where the others' share q < 1/2: −log1p(−q).)
+    exact = not ep.sided and 2.0 * _logit_bound(ep) + math.log(logits.shape[1]) <= _EXACT_LOG_BOUND
+    if not exact:
+        top = logits.amax(dim=1)
+        pos = logits[:r].diagonal(first).clone()
+    p = torch.ops.aten._softmax.out(logits, 1, False, out=out)
+    # The others' share of each anchor row's softmax, q = Σ_{j≠i} p_ij = 1 − p_ii, summed with
+    # the positive's entry taken out: where the positive dominates p_ii rounds to 1, and
+    # −log p_ii and p_ii − 1 keep no digit; −log1p(−q) and −q keep them all. The
+    # positive's entry of H is then 0, its whole term in g (below).
+    if not exact:
+        lse = top - p.amax(dim=1).log_()
+    p_pos = p[:r].diagonal(first).clone()
+    p[:r].diagonal(first).zero_()
+    q = p[:r].sum(dim=1)
+    scale = 1.0                       # each row's softmax in the loss's: p_loss = scale·p
+    if exact:
+        near = -p_pos.log()
+    else:
+        if ep.paired and ep.layout.joint:
+            # rows i and R + i share one softmax, log Σ_{both sides} e^l: each side's own
+            # rescaled by e^(lse_side − lse). A positive side may drop every column (the
+            # guide's filter): its row is 0/0 on its own, and nothing in the shared one.
+            dead = torch.isneginf(top)
+            p.masked_fill_(dead[:, None], 0.0)
+            lse = lse.masked_fill(dead, float("-inf"))
+            joint = torch.logaddexp(lse[:r], lse[r:])
+            scale = torch.exp(lse - joint.repeat(2))
+            q = scale[:r] * q + scale[r:] * (~dead[r:]).to(q.dtype)
+            lse = joint
+        near = lse[:r] - pos
+        if ep.paired and not ep.layout.joint:
+            # each side its own softmax: the mean of the two log-sum-exps
+            scale = 0.5
+            far = lse[r:] - pos
+    loss = torch.where(q < 0.5, torch.neg(q).log1p_().neg_(), near)
+    if ep.paired and not ep.layout.joint:
+        row_loss += weight * 0.5 * (loss + far)
+        q = 0.5 + 0.5 * q                  # 1 − 0.5·p_ii
+    else:
+        row_loss += weight * loss
+    # ∂L/∂s^k = w_k (p − δ) g'(s)/N: g'(s) = 1/τ, or with focal modulation (2s + m)/τ off
+    # the positive (and the positive side's own anchor) and 2s/τ on them; MNRL's β·sg(s) has
+    # no slope. The positive's p_loss − 1 = −q.
+    base = inv_q * (weight * inv_t / n)
+    row_f.copy_(base * scale)
+    pos_g.copy_(base[:r] * inv_k[first:first + r] * q
+                * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
+    if ep.focal_m is not None:
+        p.mul_(_focal_slope(cos, ep, r, first, rules.mirror))
+    held = p.mul_(inv_k[None, :])
+    # the radial sums: Σ_j Ã_ij D_ij = f_i Σ_j H_ij D_ij − g_i D_ii, and by columns
+    product = torch.mul(held, dots, out=spare)
+    pos_dots = pos_g * dots[:r].diagonal(first)
+    row_c.copy_(product.sum(dim=1).mul_(row_f))
+    row_c[:r] -= pos_dots
+    col_c += torch.mv(product.T, row_f)
+    col_c[first:first + r] -= pos_dots
+    return held, spare
 
 
 def _slices(ep: Epilogue) -> int:
