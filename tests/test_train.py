@@ -783,6 +783,7 @@ def test_an_interrupted_swap_is_finished_at_the_next_start(tmp_path):
     ({"m": "nan", "method": "focal"}, "--m must be"),
     ({"focal_m": 0.2, "method": "focal"}, "--method focal takes its margin as --m"),
     ({"rd": "margin"}, "--rd applies to --method escl only"),
+    ({"sensitive_dropout": 1.5, "method": "escl"}, "sensitive_dropout must lie in [0, 1), got 1.5"),  # by the loss
     ({"hard_negative_weight": 1}, "--hard_negative_weight needs one hard negative per anchor"),
     ({"augment": "crop"}, "--augment: unknown augmentation 'crop'"),
     ({"augment": "token_cutoff", "method": "simcse-sup"}, "--augment applies to the unsupervised"),

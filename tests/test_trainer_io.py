@@ -101,24 +101,38 @@ def test_each_table_format_gives_supervised_triplets_and_pairs(tmp_path, suffix)
     assert len(data_io.read_training_data(named, "simcse-sup")) == 2
 
 
-def test_which_text_column_by_default(tmp_path):
+@pytest.mark.parametrize("name,content,kw,message", [
+    ("one.jsonl", [{"id": 1, "body": "a b"}], {"text_column": "id"}, r"column 'id' holds .*int64.*not text"),
+    ("two.parquet", [{"title": "t", "body": "a b"}], {}, r"--data: method focal trains on .*\['title', 'body'\].*--text_column"),
+    ("two.parquet", [{"title": "t", "body": "a b"}], {"text_column": "text"},
+     r"--text_column: .*two.parquet has no column 'text'.*\['title', 'body'\]"),
+    ("one.jsonl", [{"id": 1, "body": "a b"}], {"columns": "id,body"}, "--columns applies to simcse-sup"),
+    ("one.jsonl", [{"id": 1, "body": "a b"}], {"split": "test"}, r"--data_split applies to a dataset name; .*one.jsonl is a local file"),
+    ("data.xml", "<s>a</s>\n", {}, r"--data: data.xml: unknown format '.xml'; .*\.jsonl.*\.parquet"),
+    ("wiki", "a line\n", {}, r"unknown format '\(no suffix\)'"),
+    ("bad.parquet", "PAR1 not really parquet", {}, "--data: bad.parquet cannot be read as parquet: ArrowInvalid"),
+    ("bad.jsonl", '{"text": "a"}\n{"text": \n', {}, "--data: bad.jsonl cannot be read as json"),
+    ("blank.jsonl", [{"text": " "}, {"text": None}], {}, "holds no usable examples"),
+    ("bad.tsv", 'text\n"unclosed\tx\n', {}, r"bad.tsv:2: malformed csv.*unbalanced quote"),  # strict quoting
+    ("t.txt", b"one\ntwo \xe9t\xe9\n", {}, "t.txt is not UTF-8 text"),
+])
+def test_a_table_that_does_not_fit_is_an_error_naming_it(tmp_path, name, content, kw, message):
+    path = tmp_path / name
+    if isinstance(content, list):
+        write_table(path, content)
+    else:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=message):
+        data_io.read_training_data(path, "focal", **kw)
+
+
+def test_which_text_column_and_columns_by_default(tmp_path):
     one = write_table(tmp_path / "one.jsonl", [{"id": 1, "body": "a b"}, {"id": 2, "body": "c"}])
     assert list(data_io.read_training_data(one, "focal").dataset["text"]) == ["a b", "c"]
-    two = write_table(tmp_path / "two.parquet", [{"title": "t", "body": "a b"}])
-    with pytest.raises(ValueError, match=r"--data: method focal trains on .*\['title', 'body'\].*--text_column"):
-        data_io.read_training_data(two, "focal")
-    with pytest.raises(ValueError, match=r"--text_column: .*two.parquet has no column 'text'.*\['title', 'body'\]"):
-        data_io.read_training_data(two, "focal", text_column="text")
-    with pytest.raises(ValueError, match=r"column 'id' holds .*int64.*not text"):
-        data_io.read_training_data(one, "focal", text_column="id")
-    with pytest.raises(ValueError, match="--columns applies to simcse-sup"):
-        data_io.read_training_data(one, "focal", columns="id,body")
     with pytest.raises(ValueError, match="--text_column applies to unsupervised"):
         data_io.read_training_data(one, "simcse-sup", text_column="body")
     with pytest.raises(ValueError, match="--columns takes 2 or 3 distinct"):
         data_io.read_training_data(one, "simcse-sup", columns="body")
-    with pytest.raises(ValueError, match="--data_split applies to a dataset name; .*one.jsonl is a local file"):
-        data_io.read_training_data(one, "focal", split="test")
 
 
 def test_a_folder_of_files_of_one_format(tmp_path):
@@ -151,31 +165,6 @@ def test_a_folder_of_files_of_one_format(tmp_path):
     write_table(sup / "y.csv", [{"sent0": "d", "sent1": "e"}])
     with pytest.raises(ValueError, match="disagree: x.csv has triplets, y.csv has pairs"):
         data_io.read_training_data(sup, "simcse-sup")
-
-
-def test_unknown_formats_and_unreadable_files_are_clear_errors(tmp_path):
-    (tmp_path / "data.xml").write_text("<s>a</s>\n")
-    with pytest.raises(ValueError, match=r"--data: data.xml: unknown format '.xml'; .*\.jsonl.*\.parquet"):
-        data_io.read_training_data(tmp_path / "data.xml", "simcse")
-    (tmp_path / "wiki").write_text("a line\n")
-    with pytest.raises(ValueError, match=r"unknown format '\(no suffix\)'"):
-        data_io.read_training_data(tmp_path / "wiki", "simcse")
-    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really parquet")
-    with pytest.raises(ValueError, match="--data: bad.parquet cannot be read as parquet: ArrowInvalid"):
-        data_io.read_training_data(tmp_path / "bad.parquet", "simcse")
-    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n')
-    with pytest.raises(ValueError, match="--data: bad.jsonl cannot be read as json"):
-        data_io.read_training_data(tmp_path / "bad.jsonl", "simcse")
-    write_table(tmp_path / "blank.jsonl", [{"text": " "}, {"text": None}])
-    with pytest.raises(ValueError, match="holds no usable examples"):
-        data_io.read_training_data(tmp_path / "blank.jsonl", "simcse")
-    # the csv reader's strict quoting applies to .tsv too
-    (tmp_path / "bad.tsv").write_text('text\n"unclosed\tx\n')
-    with pytest.raises(ValueError, match=r"bad.tsv:2: malformed csv.*unbalanced quote"):
-        data_io.read_training_data(tmp_path / "bad.tsv", "simcse")
-    (tmp_path / "t.txt").write_bytes(b"one\ntwo \xe9t\xe9\n")
-    with pytest.raises(ValueError, match=f"--data: {tmp_path / 't.txt'} is not UTF-8 text"):
-        data_io.read_training_data(tmp_path / "t.txt", "simcse")
 
 
 def cache_dataset(cache: Path, tmp_path, name: str, rows: list) -> None:
