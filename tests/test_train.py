@@ -814,7 +814,7 @@ def test_bad_options_name_the_option(tiny, tmp_path, capsys, change, message):
 
 
 def test_the_training_arguments_follow_the_options(tiny, tmp_path):
-    from fastcl.trainer import build, cli
+    from fastcl.trainer import cli
 
     parser = cli.build_parser()
     args = cli.resolve_args(parser, cli.parse_args(parser, base_args(

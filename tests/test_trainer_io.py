@@ -17,7 +17,7 @@ from fastcl import data as data_io
 from fastcl.trainer import cli
 from fastcl.trainer.logs import read_log
 from test_evaluate import random_sentence
-from test_train import ROOT, base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
+from test_train import base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # nothing written outside tmp_path
 
@@ -200,7 +200,6 @@ def test_a_dataset_names_fingerprint_follows_its_rows(tmp_path, offline_datasets
     """A run on a dataset name records the training dataset's fingerprint (the rows it
     trains on): the same rows give the same one, other rows another, which a resume names."""
     from fastcl import files
-    from fastcl.trainer import build
 
     def fingerprint(rows, where):
         shutil.rmtree(offline_datasets, ignore_errors=True)

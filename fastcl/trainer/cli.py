@@ -65,9 +65,10 @@ class FastclArguments:
 
 FASTCL = tuple(f.name for f in fields(FastclArguments))
 # Options that may differ on --resume (all others define the run's steps).
-FREE_ON_RESUME = ("output_dir", "config", "resume", "allow_changed_data", "overwrite_output_dir", "report_to", "logging_dir", "per_device_eval_batch_size",
-                  "dataloader_num_workers", "save_total_limit", "eval_on_start", "disable_tqdm",
-                  "logging_steps", "logging_first_step", "push_to_hub", "hub_model_id", "run_name")
+FREE_ON_RESUME = ("output_dir", "config", "resume", "allow_changed_data", "overwrite_output_dir", "report_to",
+                  "logging_dir", "per_device_eval_batch_size", "dataloader_num_workers", "save_total_limit",
+                  "eval_on_start", "disable_tqdm", "logging_steps", "logging_first_step", "push_to_hub",
+                  "hub_model_id", "run_name")
 
 
 def objective_options(args) -> dict:
