@@ -406,4 +406,6 @@ def _finish(trainer, args, out: Path) -> int:
              f"{cmp['step0']:.2f} at step 0, at best {cmp['best_trained']:.2f}; "
              + ("the base model is saved (--keep_last saves the last step)" if saved_step == 0
                 else "the saved step is the best trained one"))
+    if args.push_to_hub:   # the saved model (transformers pushes the run's checkpoints)
+        final.push_to_hub(args.hub_model_id or out.resolve().name)
     return 0
