@@ -72,7 +72,7 @@ from _alternatives import ALTERNATIVES, loss_fn as alternative_loss
 from fastcl.common import FOCAL_M, NOISE_STEPS, PHI, TEMPERATURE
 
 OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl", "noise", "gist", "matryoshka",
-              "gist-matryoshka", "infonce-symmetric")
+              "gist-matryoshka", "infonce-symmetric", "infonce-learnable")
 IMPLS = ("fastcl", "tiled", "reference", "compiled", "mnrl", "gistembed", "wrapped") + ALTERNATIVES
 MNRL_OBJECTIVES = ("infonce", "infonce-hard", "matryoshka")
 #: The implementations that compute only some objectives: the sentence-transformers losses.
@@ -88,6 +88,7 @@ def matryoshka_dims(d: int) -> tuple[int, ...]:
 COMPLEMENTARY_DIM = 384
 
 _FUNCTIONS = {"infonce": "infonce", "infonce-hard": "infonce", "infonce-symmetric": "infonce",
+              "infonce-learnable": "infonce",
               "focal": "focal_infonce",
               "dclr": "dclr_loss", "escl": "escl_loss", "noise": "dclr_noise", "gist": "contrastive",
               "matryoshka": "contrastive", "gist-matryoshka": "contrastive"}
@@ -240,6 +241,9 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
         kwargs["matryoshka_dims"] = matryoshka_dims(d)
     elif objective == "infonce-symmetric":
         kwargs["symmetric"] = True
+    elif objective == "infonce-learnable":   # τ a 0-dim tensor that takes a gradient
+        kwargs["temperature"] = torch.tensor(TEMPERATURE, device=device, requires_grad=True)
+        leaves.append(kwargs["temperature"])
     if objective in ("gist", "gist-matryoshka"):
         negatives = randn(n, d)
         leaves.append(negatives)

@@ -16,7 +16,8 @@ measures each case in two fresh processes, one importing fastcl from ``DIR`` (va
 ``base``) and one from this checkout, alternately.
 
 Per case and variant: the median forward+backward time (``triton.testing.do_bench`` on
-GPU), the first call (autotuning and compilation), the peak memory beyond the inputs (GPU),
+GPU; on CPU also the process's CPU time, which a machine loaded by other work leaves
+steadier than the wall time), the first call (autotuning and compilation), the peak memory beyond the inputs (GPU),
 useful TFLOP/s as a percentage of the ``torch.mm`` throughput measured once per shape, what
 autotuning chose, and the result against the default's: the loss (relative difference), or
 for the noise update the distance between the two noises over the largest distance the
@@ -245,6 +246,10 @@ def status(row, base) -> str:
     return (f"{what}: {row['median_s'] * 1e3:.2f} ms"
             + (f" ({row['median_s'] / base['median_s']:.3f}x new)" if base and base is not row else "")
             + (f", {mem:.1f} MiB" if mem is not None else "")
+            + (f", CPU time {row['cpu_median_s'] * 1e3:.2f} ms"
+               + (f" ({row['cpu_median_s'] / base['cpu_median_s']:.3f}x new)"
+                  if base and base is not row and base.get("cpu_median_s") else "")
+               if row.get("cpu_median_s") is not None else "")
             + (f", {row['pct_of_matmul']:.1f}% of mm" if row.get("pct_of_matmul") is not None else "")
             + (f", rel diff {row['rel_diff']:.1e}" + ("" if row["same"] else " MISMATCH")
                if row.get("rel_diff") is not None else ""))

@@ -27,8 +27,9 @@ defines the objectives, implementations, inputs and FLOP counts):
   ``mnrl`` (sentence-transformers' ``MultipleNegativesRankingLoss`` on the same
   embeddings). A case that fails — out of memory, a timeout, a missing package — is a row
   saying so, and the same implementation is not tried at larger N;
-* objectives infonce, infonce-hard, focal, dclr (weighting + noise), escl, and the DCLR
-  noise update on its own;
+* objectives infonce, infonce-hard, focal, dclr (weighting + noise), escl, the DCLR
+  noise update on its own, and infonce-learnable (the temperature a tensor that takes its
+  gradient);
 * end to end: one unsupervised SimCSE training step (one forward of the duplicated batch,
   the loss, backward; ``_e2e.py``) on a
   BERT-shaped encoder with random weights at a few batch sizes, and the share of the step

@@ -243,6 +243,24 @@ def temperature(value, dtype: torch.dtype, *, name: str = "temperature", focal_m
     return value
 
 
+def learnable(name: str, value) -> tuple:
+    """``(number, tensor or None)``: a tensor that requires grad (a learnable ``name``, one
+    element) read once for its value, returned 0-dim beside it; anything else as given (the
+    number checks follow). The value is read on the host: the fused kernels take it as a
+    number, its gradient flows back through the tensor."""
+    if not (isinstance(value, torch.Tensor) and value.requires_grad):
+        return value, None
+    if value.numel() != 1:
+        raise ValueError(f"{name} must be a number or a tensor of one element, got a tensor of "
+                         f"shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got {value.dtype}")
+    value = value.reshape(())
+    if torch.compiler.is_compiling():   # read (and checked) by the custom op at run time
+        return None, value
+    return float(value.detach()), value
+
+
 def positive(name: str, value) -> float:
     value = finite(name, value)
     if value <= 0:
@@ -255,7 +273,7 @@ def finite(name: str, value) -> float:
         # float() would silently cut the graph: a learnable value would get no gradient
         raise TypeError(f"{name} is a tensor that requires grad, but fastcl's losses take it as "
                         f"a number and return no gradient for it; pass float({name}) (a "
-                        f"learnable {name} is not supported)")
+                        f"learnable {name} is not supported; a learnable temperature is)")
     if isinstance(value, bool):         # a switch where a number belongs: True is not 1.0
         raise TypeError(f"{name} must be a real number, got {value!r}")
     try:

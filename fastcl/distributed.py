@@ -21,10 +21,7 @@ class _GatherWithGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts)
+        return _all_gather(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -45,8 +42,10 @@ class _GatherWithGrad(torch.autograd.Function):
 def gather(x: torch.Tensor, group=None) -> torch.Tensor:
     """The rows of ``x`` of every process, concatenated in rank order; differentiable when
     ``x`` requires grad (see :class:`_GatherWithGrad`), a plain all_gather otherwise."""
-    if x.requires_grad:
-        return _GatherWithGrad.apply(x, group)
+    return _GatherWithGrad.apply(x, group) if x.requires_grad else _all_gather(x, group)
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)

@@ -262,7 +262,8 @@ def _tensor_globals():
         return contextlib.nullcontext()
 
 
-def _load_tensors(path: Path):
+def load_tensors(path: Path):
+    """A checkpoint file's tensors, ``torch.load(weights_only=True)`` (mapped where it can)."""
     import warnings
 
     import torch
@@ -310,7 +311,7 @@ def check_loadable(folder, keys: dict | None = None) -> None:
                 with safe_open(str(path), framework="pt") as f:
                     value = dict.fromkeys(f.keys())
             elif suffix in (".pt", ".pth", ".bin") and path.name not in NOT_LOADED:
-                value = _load_tensors(path)
+                value = load_tensors(path)
             else:
                 continue
         except Exception as err:  # noqa: BLE001 - whatever the parser says, as one line

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _validation as check
 from . import common, reference, tiled
-from .spec import LossSpec, build_spec, inputs, noise_settings, resolve_backend
+from .spec import LossSpec, build_spec, escl_options, inputs, noise_settings, resolve_backend
 
 __all__ = ["contrastive", "infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss",
            "resolve_backend"]
@@ -127,46 +127,37 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     Triton backend makes a fused call per width (the GEMM work of ``Σ_k d_k`` columns, 2.25×
     one loss for 768, 512, 256, 128, 64). Not with the noise or ``formulation="released"``.
 
-    Args:
-        anchors: (N, d) first view.
-        positives: (N, d) second view (N_b rows with ``anchor_offset``); row i is anchor
-            i's positive.
-        negatives: optional (K, d) extra negatives: hard negatives (row i belongs to anchor
-            i, K = N_b) or any K rows such as a queue.
+    Args (the options not stated above):
+        anchors, positives, negatives: (N, d), (N_b, d) and optional (K, d): row i of
+            ``positives`` is anchor i's positive (row ``anchor_offset + i``); ``negatives``
+            are hard negatives (row i anchor i's, K = N_b, which ``hard_negative_weight``
+            needs) or any K rows such as a queue.
         temperature: τ ≥ (2 + |m|)/√max of the accumulate dtype (1.08e-19 for float32 and
-            16-bit inputs; below it the logits or their gradient overflow).
-        focal_m: Focal-InfoNCE's m (None: no focal modulation; m = 0 still squares every
-            cosine, s²/τ).
-        hard_negative_weight: the log-weight ``w``; needs K = N_b ``negatives``.
-        complementary: ``(c, c⁺)`` — (N, d_c) and (N_b, d_c) — turns the DCLR mask on.
-        phi: the mask's cosine threshold φ ∈ [-1, 1] (read only with ``complementary``).
-        noise: optional (K_z, d) starting noise (fixes K_z; ``noise_steps=0`` uses it as is).
-        noise_ratio: ``K_z = round(noise_ratio·N_b)`` when ``noise`` is None; ≥ 0.
-        noise_steps, noise_lr, noise_std, noise_temperature, generator: the noise update
-            (:func:`dclr_noise`'s ``steps``, ``lr``, ``std``, ``temperature`` — default τ — and
-            ``generator``).
-        formulation: "paper" or "released" (above).
-        symmetric: also score positives against anchors and average the two directions.
+            16-bit inputs; below it the logits or their gradient overflow). A 0-dim (one
+            element) tensor that requires grad is a learnable τ with the exact gradient
+            ``∂L/∂τ = −(1/τ²)·Σ_ij (∂L/∂l_ij)·f_ij`` (``f`` the logits' numerators: s, or
+            focal's s² and s(s+m)), which the fused paths form from row sums the backward has
+            (docs/engine.md). Focal with it runs on the tiled path and the reference, not on
+            Triton nor beside ``matryoshka_dims``. Its value is read once; the noise ``Z``
+            uses it and carries no gradient to it.
+        phi: φ ∈ [-1, 1], read only with ``complementary``.
+        noise, noise_ratio, noise_steps, noise_lr, noise_std, noise_temperature, generator:
+            the noise (above; :func:`dclr_noise`'s ``steps``, ``lr``, ``std``,
+            ``temperature``); ``noise`` fixes K_z, and ``noise_steps=0`` uses it as is.
         anchor_offset: the anchors are rows ``[anchor_offset, anchor_offset + N)`` of the
             batch that ``positives``, ``negatives`` and ``complementary[1]`` hold (global
-            negatives across processes; as in :func:`infonce`). The noise update then sees
-            only these anchors (:func:`dclr_loss` says how to share one ``Z``).
-        directions, partition_mode: as above (MNRL's names and defaults); ``directions`` may
-            also be a :class:`fastcl.layout.Layout`, e.g. ``fastcl.layout.gist()`` for
-            GISTEmbedLoss's blocks (then ``partition_mode`` stays "joint").
-        hardness_mode: None, "in_batch_negatives", "hard_negatives" or "all_negatives".
-        hardness_strength: β ≥ 0 (0: off).
+            negatives across processes); the noise update then sees only these anchors
+            (:func:`dclr_loss` says how to share one ``Z``).
+        directions: MNRL's names, or a :class:`fastcl.layout.Layout` such as
+            ``fastcl.layout.gist()`` for GISTEmbedLoss's blocks (``partition_mode`` then
+            "joint").
         anchor_candidates: the whole batch's anchors (N_b rows) for ``"query_to_query"`` and
-            ``"doc_to_query"`` when ``anchor_offset`` is given, or any rows that anchor i
-            finds at row i (default: ``anchors``).
-        guide, guide_margin, margin_strategy: the guide's filter (above).
-        duplicate_ids: the texts' ids (above).
-        matryoshka_dims, matryoshka_weights: the prefix widths and their weights (above).
-        backend: "auto", "reference", "tiled" or "triton". The Triton kernels compute the
-            directions, hardness, guide and duplicate ids with InfoNCE, focal and the noise,
-            and ``matryoshka_dims`` a call per width, not those options beside
-            ``hard_negative_weight`` or the DCLR mask: ``"auto"`` runs those on the tiled
-            path, ``"triton"`` refuses them.
+            ``"doc_to_query"`` with ``anchor_offset``, or any rows that anchor i finds at row
+            i (default: ``anchors``).
+        backend: "auto", "reference", "tiled" or "triton". The Triton kernels take every
+            option above with InfoNCE, focal and the noise, ``matryoshka_dims`` a call per
+            width, but not the layout's options beside ``hard_negative_weight`` or the DCLR
+            mask: ``"auto"`` runs those on the tiled path, ``"triton"`` refuses them.
         chunk_size: anchor rows per chunk in the tiled path (default: from a memory budget).
 
     Returns the scalar loss (float32 for 16-bit inputs); gradients flow to ``anchors``,
@@ -216,22 +207,9 @@ def infonce(anchors: Tensor, positives: Tensor, negatives: Tensor | None = None,
 
     with ``s_ij = cos(anchors_i, k_j)`` and candidates ``k = [positives; negatives]``.
 
-    Args:
-        anchors: (N, d) first view.
-        positives: (N, d) second view; row i is anchor i's positive.
-        negatives: optional (K, d) extra negatives: hard negatives (row i belongs to
-            anchor i, K = N) or any K rows such as a queue.
-        temperature: τ > 0.
-        hard_negative_weight: log-weight ``w`` added to the logit of each anchor's own hard
-            negative (column N + i); needs K = N.
-        symmetric: also score positives against anchors and average the two directions.
-        anchor_offset: for global negatives across processes (None: positives has exactly
-            the anchors' rows): the anchors are rows ``[anchor_offset, anchor_offset + N)``
-            of the batch that ``positives`` and ``negatives`` hold (anchor i's positive is
-            ``positives[anchor_offset + i]``, its hard negative ``negatives[anchor_offset + i]``);
-            the loss is their mean.
-        backend: "auto", "reference", "tiled" or "triton".
-        chunk_size: anchor rows per chunk in the tiled path (default: from a memory budget).
+    ``w`` = ``hard_negative_weight`` at anchor i's own hard negative (column N + i, K = N
+    ``negatives``); the other arguments as in :func:`contrastive` (``anchor_offset``: anchor
+    i's positive is ``positives[anchor_offset + i]``, the loss the mean over these anchors).
 
     Reference: Gao, Yao & Chen, "SimCSE", EMNLP 2021.
     """
@@ -393,15 +371,11 @@ def escl_loss(anchors: Tensor, positives: Tensor, sensitive: Tensor, *,
         chunk_size=chunk_size)
     sensitive = check.embeddings("sensitive", sensitive, rows=anchors.shape[0],
                                  width=anchors.shape[1], like=anchors, scale_free=True)
-    weight = check.finite("weight", weight)
-    rd = check.choice("rd", rd, ("softplus", "margin"))
-    if not isinstance(margins, (tuple, list)) or len(margins) != 2:
-        raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
-    margins = (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
+    weight, rd, margins = escl_options(weight, rd, margins)
     loss = run(spec, anchors, positives)
     # The RD term only pairs row i with row i: O(N·d), identical for every backend.
     own = positives[spec.anchor_offset:spec.anchor_offset + anchors.shape[0]]
     with common.autocast_off(anchors.device):
         return loss + weight * common.relative_difference(anchors, own, sensitive,
-                                                          temperature=spec.logits.temperature,
+                                                          temperature=spec.logits.tau,
                                                           rd=rd, margins=margins)

@@ -167,11 +167,14 @@ def _row_keys(x: torch.Tensor) -> torch.Tensor:
     """One int64 per row, equal for bitwise-equal rows: the rows' bit patterns against odd
     64-bit multipliers, summed with wrap-around (integer sums do not depend on their order;
     no host read, as torch.compile and meta tensors need). Two different rows collide with
-    probability ~2⁻⁶⁴."""
-    x = x.contiguous()
-    bits = x.view(torch.int64 if x.element_size() == 8 else torch.int32).to(torch.int64)
+    probability ~2⁻⁶⁴. Summed a band of 128 columns at a time: the int64 products of the
+    whole M×d matrix would be 2–4× the guide embeddings themselves."""
+    bits = x.contiguous().view(torch.int64 if x.element_size() == 8 else torch.int32)
     weights = torch.arange(x.shape[1], dtype=torch.int64, device=x.device) * 0x2545F4914F6CDD1D | 1
-    return (bits * weights).sum(dim=1)
+    key = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+    for lo in range(0, x.shape[1], 128):
+        key += (bits[:, lo:lo + 128].to(torch.int64) * weights[lo:lo + 128]).sum(dim=1)
+    return key
 
 
 def column_groups(n_pos: int, n_neg: int, n_noise: int, n_anchor: int, device) -> torch.Tensor:

@@ -12,7 +12,19 @@ from .functional import Backend, Formulation
 
 
 class _Loss(nn.Module):
+    """Holds the ``__init__`` arguments named in ``_fields`` (shown by ``repr``) and passes
+    them, with those in ``_quiet`` (not shown), to the functional form."""
+
     _fields: tuple[str, ...] = ()
+    _quiet: tuple[str, ...] = ()
+
+    def _keep(self, values: dict) -> None:
+        super().__init__()
+        for name in self._fields + self._quiet:
+            setattr(self, name, values[name])
+
+    def _options(self) -> dict:
+        return {name: getattr(self, name) for name in self._fields + self._quiet}
 
     def extra_repr(self) -> str:
         return ", ".join(f"{f}={getattr(self, f)!r}" for f in self._fields)
@@ -28,14 +40,10 @@ class InfoNCE(_Loss):
 
     def __init__(self, temperature: float = c.TEMPERATURE, hard_negative_weight: float = 0.0,
                  symmetric: bool = False, backend: Backend = "auto", chunk_size: int | None = None):
-        super().__init__()
-        self.temperature, self.hard_negative_weight, self.symmetric = temperature, hard_negative_weight, symmetric
-        self.backend, self.chunk_size = backend, chunk_size
+        self._keep(locals())
 
     def forward(self, anchors: Tensor, positives: Tensor, negatives: Tensor | None = None) -> Tensor:
-        return fn.infonce(anchors, positives, negatives, temperature=self.temperature,
-                          hard_negative_weight=self.hard_negative_weight, symmetric=self.symmetric,
-                          backend=self.backend, chunk_size=self.chunk_size)
+        return fn.infonce(anchors, positives, negatives, **self._options())
 
 
 class FocalInfoNCE(_Loss):
@@ -45,12 +53,10 @@ class FocalInfoNCE(_Loss):
 
     def __init__(self, temperature: float = c.TEMPERATURE, m: float = c.FOCAL_M,
                  backend: Backend = "auto", chunk_size: int | None = None):
-        super().__init__()
-        self.temperature, self.m, self.backend, self.chunk_size = temperature, m, backend, chunk_size
+        self._keep(locals())
 
     def forward(self, anchors: Tensor, positives: Tensor, negatives: Tensor | None = None) -> Tensor:
-        return fn.focal_infonce(anchors, positives, negatives, temperature=self.temperature,
-                                m=self.m, backend=self.backend, chunk_size=self.chunk_size)
+        return fn.focal_infonce(anchors, positives, negatives, **self._options())
 
 
 class DCLRLoss(_Loss):
@@ -62,6 +68,7 @@ class DCLRLoss(_Loss):
 
     _fields = ("phi", "noise_ratio", "noise_steps", "noise_lr", "noise_std", "noise_temperature",
                "temperature", "formulation", "backend", "chunk_size")
+    _quiet = ("generator",)
 
     def __init__(self, phi: float = c.PHI, noise_ratio: float = c.NOISE_RATIO,
                  noise_steps: int = c.NOISE_STEPS, noise_lr: float = c.NOISE_LR,
@@ -69,20 +76,12 @@ class DCLRLoss(_Loss):
                  temperature: float = c.TEMPERATURE, formulation: Formulation = "paper",
                  generator: torch.Generator | None = None, backend: Backend = "auto",
                  chunk_size: int | None = None):
-        super().__init__()
-        self.phi, self.noise_ratio, self.noise_steps = phi, noise_ratio, noise_steps
-        self.noise_lr, self.noise_std, self.noise_temperature = noise_lr, noise_std, noise_temperature
-        self.temperature, self.formulation, self.generator = temperature, formulation, generator
-        self.backend, self.chunk_size = backend, chunk_size
+        self._keep(locals())
 
     def forward(self, anchors: Tensor, positives: Tensor,
                 complementary: tuple[Tensor, Tensor] | None = None, noise: Tensor | None = None) -> Tensor:
-        return fn.dclr_loss(anchors, positives, complementary=complementary, phi=self.phi,
-                            noise=noise, noise_ratio=self.noise_ratio, noise_steps=self.noise_steps,
-                            noise_lr=self.noise_lr, noise_std=self.noise_std,
-                            noise_temperature=self.noise_temperature, temperature=self.temperature,
-                            generator=self.generator, formulation=self.formulation,
-                            backend=self.backend, chunk_size=self.chunk_size)
+        return fn.dclr_loss(anchors, positives, complementary=complementary, noise=noise,
+                            **self._options())
 
 
 class ESCLLoss(_Loss):
@@ -93,11 +92,7 @@ class ESCLLoss(_Loss):
     def __init__(self, temperature: float = c.TEMPERATURE, weight: float = c.ESCL_WEIGHT,
                  rd: str = c.ESCL_RD, margins: tuple[float, float] = c.ESCL_MARGINS,
                  backend: Backend = "auto", chunk_size: int | None = None):
-        super().__init__()
-        self.temperature, self.weight, self.rd, self.margins = temperature, weight, rd, margins
-        self.backend, self.chunk_size = backend, chunk_size
+        self._keep(locals())
 
     def forward(self, anchors: Tensor, positives: Tensor, sensitive: Tensor) -> Tensor:
-        return fn.escl_loss(anchors, positives, sensitive, temperature=self.temperature,
-                            weight=self.weight, rd=self.rd, margins=self.margins,
-                            backend=self.backend, chunk_size=self.chunk_size)
+        return fn.escl_loss(anchors, positives, sensitive, **self._options())

@@ -143,12 +143,12 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
     keep = None
     if mask is not None:
         keep = dclr_weights(*mask.complementary, candidates.shape[0] - n_pos, phi=mask.phi,
-                            temperature=logits.temperature, formulation=spec.formulation,
+                            temperature=logits.tau, formulation=spec.formulation,
                             anchor_offset=offset)
     if spec.ruled:
         return _sides(spec, anchors, positives, candidates, negatives, keep,
                       anchors if anchor_candidates is None else anchor_candidates)
-    return _direction(anchors, candidates, n_pos, temperature=logits.temperature,
+    return _direction(anchors, candidates, n_pos, temperature=logits.tau,
                       focal_m=logits.focal_m, hard_negative_weight=logits.hard_negative_weight,
                       keep=keep, formulation=spec.formulation, anchor_offset=offset)
 
@@ -159,7 +159,7 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     with ``-inf`` where an entry is dropped, the blocks side by side, one log-sum-exp per row
     (or one per side, averaged). ``symmetric`` is such a layout, its mask transposed on the
     positive side (``spec.mask.reverse``)."""
-    temperature, focal_m = spec.logits.temperature, spec.logits.focal_m
+    temperature, focal_m = spec.logits.tau, spec.logits.focal_m
     hard_negative_weight, anchor_offset = spec.logits.hard_negative_weight, spec.anchor_offset
     layout = spec.layout
     hardness_mode, hardness_strength = (None, 0.0) if spec.rules is None or spec.rules.hardness is None \

@@ -36,9 +36,16 @@ SYMMETRIC = Layout(positive_to_anchors=True, exclude_own=True, joint=False)
 
 @dataclass(frozen=True)
 class Logits:
-    temperature: float
+    temperature: float | None             # τ's value (a learnable τ's, read once at the build;
+    #                                        None while traced: the custom op reads it)
     focal_m: float | None = None          # None: no focal modulation
     hard_negative_weight: float = 0.0     # log-weight at column N_b + p(i)
+    learnable: torch.Tensor | None = None  # τ as a 0-dim tensor that requires grad, or None
+
+    @property
+    def tau(self):
+        """τ as the reference's logits divide by it: the learnable tensor, else the number."""
+        return self.temperature if self.learnable is None else self.learnable
 
 
 @dataclass(frozen=True)
@@ -166,7 +173,8 @@ class Epilogue:
     def op_args(self) -> tuple:
         widths = ("" if self.matryoshka is None else
                   ",".join(f"{d}:{float(w)!r}" for d, w in zip(*self.matryoshka)))
-        return (list(self.complementary or ()), float(self.temperature),
+        return (list(self.complementary or ()),
+                0.0 if self.temperature is None else float(self.temperature),   # 0: the op's tau
                 None if self.focal_m is None else float(self.focal_m),
                 float(self.hard_negative_weight), float(self.phi or 0.0), self.formulation,
                 int(self.anchor_offset), self.chunk_size, widths, _layout_bits(self.layout),
@@ -236,8 +244,10 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     n, n_pos = anchors.shape[0], positives.shape[0]
     focal_m = None if focal_m is None else check.finite(focal_name, focal_m)
     hard_negative_weight = check.finite("hard_negative_weight", hard_negative_weight)
-    temperature = check.temperature(temperature, anchors.dtype, focal_m=focal_m,
-                                    hard_negative_weight=hard_negative_weight)
+    temperature, learnable = check.learnable("temperature", temperature)
+    if temperature is not None:       # None: a learnable τ being traced (the op reads it)
+        temperature = check.temperature(temperature, anchors.dtype, focal_m=focal_m,
+                                        hard_negative_weight=hard_negative_weight)
     if hard_negative_weight and (negatives is None or negatives.shape[0] != n_pos):
         got = "no negatives" if negatives is None else f"{negatives.shape[0]} negatives"
         raise ValueError(f"hard_negative_weight needs one hard negative per anchor "
@@ -278,17 +288,30 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
         _exclusive("matryoshka_dims does not combine with {}", joiner=" or ",
                    **{"formulation='released'": formulation == "released",
                       "noise": noise is not None or count > 0})
+    noisy = noise is not None or count > 0
+    if noise_temperature is None:
+        # τ's value; a traced learnable τ is read here only where the noise needs it (a graph
+        # break), else the default stands in, checked and unused
+        noise_temperature = temperature if temperature is not None else (
+            float(learnable.detach()) if noisy else common.TEMPERATURE)
     noise_spec = noise_settings(anchors, None if noise is not None else count, noise_steps,
-                                noise_lr, noise_std,
-                                temperature if noise_temperature is None else noise_temperature,
-                                noise, generator)
+                                noise_lr, noise_std, noise_temperature, noise, generator)
     spec = LossSpec(
-        Logits(temperature, focal_m, hard_negative_weight),
+        Logits(temperature, focal_m, hard_negative_weight, learnable),
         mask=None if complementary is None else Mask(complementary, phi, reverse=symmetric),
-        noise=noise_spec if (noise is not None or count) else None, rules=rules,
+        noise=noise_spec if noisy else None, rules=rules,
         guide=guide_spec, ids=ids, matryoshka=widths, formulation=formulation,
         anchor_offset=anchor_offset, chunk_size=check.chunk_size(chunk_size))
     return _with_backend(spec, backend, anchors), anchors, positives, negatives
+
+
+def escl_options(weight, rd, margins) -> tuple:
+    """ESCL's ``(weight, rd, margins)`` checked (:func:`fastcl.escl_loss`)."""
+    weight = check.finite("weight", weight)
+    rd = check.choice("rd", rd, ("softplus", "margin"))
+    if not isinstance(margins, (tuple, list)) or len(margins) != 2:
+        raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
+    return weight, rd, (check.finite("margins[0]", margins[0]), check.finite("margins[1]", margins[1]))
 
 
 def _exclusive(message: str, joiner: str = ", ", **on) -> None:
@@ -544,5 +567,15 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
                              "the N×M matrix)")
         if lacking:
             be = "tiled"
+    if spec.logits.learnable is not None and spec.logits.focal_m is not None and be != "reference":
+        # focal logits s(s+m)/τ: ∂L/∂τ needs a row sum the torch engine's epilogue of a single
+        # width forms, not the kernels' nor Matryoshka's widths'
+        widths = spec.matryoshka is not None
+        if widths or backend == "triton":
+            where = "backend='reference'" + ("" if widths else " or 'tiled'")
+            raise ValueError(f"a learnable temperature (a tensor that requires grad) with focal_m"
+                             f"{' and matryoshka_dims' if widths else ''} has its gradient on "
+                             f"{where} only")
+        be = "tiled"
     return LossSpec(spec.logits, spec.mask, spec.noise, spec.rules, spec.guide, spec.ids,
                     spec.matryoshka, spec.formulation, spec.anchor_offset, spec.chunk_size, be)

@@ -1,43 +1,23 @@
 """Compile every kernel specialization fastcl can launch, for a CUDA target, without a GPU.
 
 Triton's interpreter never runs the code generator, so a kernel can pass every interpreter
-test and still fail to compile for a GPU. Triton's compiler itself needs no GPU: this
-module builds each kernel × flag set × dtype × autotune config for ``sm_80`` / ``sm_90``
-from its source (``triton.compile`` of an ``ASTSource`` with a ``GPUTarget``), runs ptxas
-(shipped in the triton wheel) and reads its report: registers, spill bytes, stack frame.
+test and still fail to compile for a GPU. Triton's compiler needs no GPU: each kernel × flag
+set × dtype × autotune config is built for ``sm_80`` / ``sm_90`` from its source
+(``triton.compile`` of an ``ASTSource`` with a ``GPUTarget``), and ptxas (in the triton
+wheel) reports registers, spills and stack frame. Each specialization is compiled as a launch
+builds it (``LAUNCHES``): Triton marks 16-byte aligned buffers and integers divisible by 16,
+and turns an integer equal to 1 into a constant, at launch time (with Triton's own function
+where the installed Triton exposes it); without those marks the 16-bit K loop is not
+pipelined, another kernel. ``aligned`` (a large-batch step) must compile without spills in
+the kept configs; ``unaligned`` (odd sizes, views at an odd offset) must compile. What the
+default run and each option compile: docs/testing.md.
 
-Each specialization is compiled as a launch would build it. Triton specializes a kernel on its
-arguments when it is launched: a pointer whose address is a multiple of 16 and an integer
-that is a multiple of 16 are marked divisible by 16 (which lets the loads vectorize and the
-K loop pipeline through asynchronous copies), an integer equal to 1 becomes a constant. A
-compile without those facts is another kernel (on sm_90 the 128×128×64 similarity tile
-loses its pipeline and spills 224 bytes without them, and has neither problem with them).
-So every specialization names a launch (``LAUNCHES``): ``aligned``, the arguments of a
-large-batch step (N = M = 32768, d = 768, chunks of 4096 rows; every buffer 16-byte
-aligned), for which fastcl's kept configs must compile without spills; ``unaligned``, odd
-sizes and views at an odd offset (no argument divisible by 16), which must compile, their
-spills reported (the autotuner times every config at the shape it is given). The default
-run builds the aligned launches and, on a covering subset (``pairwise``: every kernel, flag
-set and mode, each flag set unaligned on one of the targets), the unaligned ones
-(``--exhaustive``: all of them). The marks are made by Triton's own launch-time function
-where the installed Triton exposes it.
-
-    python -m fastcl.kernels.compile_check                # the representative subset
     python -m fastcl.kernels.compile_check --arch 80 90 --dtype bfloat16   # bf16, both targets
     python -m fastcl.kernels.compile_check --full --json report.json
-    python -m fastcl.kernels.compile_check --exhaustive      # the subset, no covering subsets
-    python -m fastcl.kernels.compile_check --aligned-only --first-config --pairwise
     python -m fastcl.kernels.compile_check --sim-candidates   # what the lists are chosen from
 
-A specialization fails on a compile error, or on register spills in a config that fastcl
-keeps, for the aligned launch (``--allow-spills`` reports them only); the lists a Triton
-keeps are its own (``configs.sim_configs``: an older Triton leaves out what spills there).
-The report's ``async`` column counts the asynchronous copies (cp.async) in the PTX: a
-pipelined K loop has them. Each run
-compiles into a fresh, private ``TRITON_CACHE_DIR``: Triton's cache key does not see every
-module global a kernel reads, so a cached build of a fixed kernel could make a broken one
-look fine. It must run without ``TRITON_INTERPRET=1``
-(the interpreter replaces the jitted functions this needs).
+Each run compiles into a fresh, private ``TRITON_CACHE_DIR`` (Triton's cache key does not
+see every module global a kernel reads), without ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -191,16 +171,12 @@ def candidates(archs=ARCHS, dtypes=None) -> list[Spec]:
 def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = False,
                     launches=("aligned", "unaligned"), exhaustive: bool = False) -> list[Spec]:
     """What fastcl can launch: every kernel and flag set with the configs in use (the lists
-    of the installed Triton), each in every mode its objective is launched in (``modes``).
-    The pairs of (arch, dtype): by default ``SUBSET``, bf16 on both targets and fp32 on
-    sm_80; ``full``: every dtype on every arch; ``rest``: the full matrix less the subset.
-    ``launches``: the aligned large-batch launch, and (unless ``full`` or ``rest``) the same
-    specializations as an unaligned launch. The default subset takes the aligned launches
-    in the first config of each list for every flag set and mode, and each config of each
-    list at least once on each target (``exhaustive``: every config with every flag set; each
-    must compile without spills), and a covering subset (``pairwise``) of the unaligned
-    launches (their first configs: every kernel, flag set and mode, each flag set on each
-    target; they must compile, their spills are reported); ``exhaustive``: all of them."""
+    of the installed Triton), each in every mode its objective is launched in (``modes``),
+    on the (arch, dtype) pairs of ``SUBSET`` (``full``: all of them; ``rest``: all but
+    ``SUBSET``; ``dtypes``: these on ``archs``), for ``launches``. Unless ``exhaustive`` (or
+    ``full``/``rest``), the aligned launches are ``first_configs`` plus each config of each
+    list once on each target, and the unaligned ones a covering subset (``pairwise``) given
+    the aligned ones (docs/testing.md)."""
     from . import configs as cfg
     from . import contrastive as kc
 
@@ -576,20 +552,13 @@ def _pairs(spec: Spec, configs: bool = False, every_target: bool = True) -> set:
 
 
 def pairwise(specs: list[Spec], configs: bool = False, given: list[Spec] = ()) -> list[Spec]:
-    """A subset of ``specs`` in which, for each kernel, every pair of factor values that some
-    specialization of ``specs`` has (``_factors``: flag set × dtype, flag set × arch, flag
-    set × mode, the similarity kernel's flag set × config list, mode × dtype, dtype × arch,
-    arch × launch, …) is compiled at least once, and each flag set on each target; with
-    ``configs``, each config on each target too: every kernel, flag set and mode on every
-    target without the full product of flag sets, modes and configs. ``given``: specializations compiled anyway (in the same run), whose pairs
-    count as covered, and then each flag set on each target is not asked for: the default
-    subset's unaligned launches given its aligned ones (each flag set unaligned once, on
-    either target), the other dtypes given the default subset (each flag set in float16
-    and in the config lists the subset does not use: 16-bit on sm_80, fp32 on sm_90).
-    Greedy and deterministic: the earliest specialization that covers the most pairs not
-    yet covered (so after ``first_configs`` still the first config of a list), in the order
-    of ``specs``. The default run's unaligned launches, and the other dtypes in
-    ``tests/test_compile.py``."""
+    """A subset of ``specs`` in which, for each kernel, every pair of factor values
+    (``_factors``: flag set, dtype, arch, launch, mode, the similarity kernel's config list)
+    that some specialization of ``specs`` has is compiled at least once, and each flag set on
+    each target; with ``configs``, each config on each target too. ``given``: specializations
+    compiled anyway, whose pairs count as covered (each flag set on each target is then not
+    asked for). Greedy and deterministic: the earliest specialization that covers the most
+    pairs not yet covered, in the order of ``specs``."""
     every_target = not given
     covers = [_pairs(s, configs, every_target) for s in specs]
     need = set().union(*covers) if covers else set()

@@ -65,22 +65,20 @@ SIM_CONFIGS = {
 }
 #: Where a target takes another list: sm_90 has the registers for the 128-row masked tile.
 SIM_CONFIGS_BY_ARCH = {90: {("16bit", True): [(128, 64, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3)]}}
+#: The two middle 16-bit tiles, the list of most flag sets below.
+_MID = [(64, 64, 8, 3), (64, 32, 8, 3)]
 #: Where one flag set (a name in VARIANTS) needs its own list on one target, by (arch, input
 #: kind, variant): the flag sets that hold the most beside the tile (focal's s beside E, the
 #: layout's masks, the guide's second product) take smaller tiles there.
 SIM_CONFIGS_BY_VARIANT = {
-    (90, "16bit", "focal-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    **{(90, "16bit", v): _MID for v in ("focal-mask", "focal-hard-mask", "focal-rules",
+                                         "rules-guide", "focal-rules-guide")},
+    (80, "16bit", "focal-rules"): _MID,
     (90, "16bit", "focal-hard"): [(128, 32, 8, 4), (64, 64, 8, 3)],
-    (90, "16bit", "focal-hard-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
+    **{(arch, "16bit", "rules"): _MID[:1] for arch in (80, 90)},
     (90, "fp32", "focal"): [(64, 32, 8, 3)],
     (90, "fp32", "focal-hard"): [(32, 32, 8, 3)],
     (90, "fp32", "focal-hard-mask"): [(32, 16, 8, 3)],
-    (80, "16bit", "rules"): [(64, 64, 8, 3)],
-    (90, "16bit", "rules"): [(64, 64, 8, 3)],
-    (80, "16bit", "focal-rules"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (90, "16bit", "focal-rules"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (90, "16bit", "rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (90, "16bit", "focal-rules-guide"): [(64, 64, 8, 3), (64, 32, 8, 3)],
     (80, "fp32", "focal-rules-guide"): [(64, 16, 8, 3)],
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
@@ -90,13 +88,9 @@ SIM_CONFIGS_BY_VARIANT = {
 #: for every Triton: 3.6 and the newest keep their larger tiles.
 OLDER_TRITON = (3, 6)
 SIM_CONFIGS_OLDER_TRITON = {
-    (90, "16bit", "dclr-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (90, "16bit", "hard-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (90, "16bit", "dclr-released-mask"): [(64, 64, 8, 3), (64, 32, 8, 3)],
-    (80, "16bit", "rules-guide"): [(64, 32, 8, 3)],
-    (90, "16bit", "rules-guide"): [(64, 32, 8, 3)],
-    (80, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)],
-    (90, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)],
+    **{(90, "16bit", v): _MID for v in ("dclr-mask", "hard-mask", "dclr-released-mask")},
+    **{(arch, "16bit", "rules-guide"): _MID[1:] for arch in (80, 90)},
+    **{(arch, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)] for arch in (80, 90)},
 }
 
 #: What the compile check tries for the lists, (BLOCK_R, BLOCK_D, num_warps, num_stages) with

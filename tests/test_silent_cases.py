@@ -38,13 +38,15 @@ def test_double_backward_is_a_clear_error(name, backend):
     assert a.grad is not None
 
 
-@pytest.mark.parametrize("fn", ["infonce", "focal_infonce", "dclr_loss"])
-def test_temperature_that_requires_grad_is_refused(fn):
+@pytest.mark.parametrize("fn,name", [("infonce", "hard_negative_weight"), ("focal_infonce", "m"),
+                                     ("dclr_loss", "noise_temperature")])
+def test_a_number_that_requires_grad_is_refused(fn, name):
+    # (a learnable temperature is a feature: tests/test_learnable_temperature.py)
     a = make(5, 8)
     p = correlated(a)
-    tau = torch.tensor(0.05, requires_grad=True)
-    with pytest.raises(TypeError, match="temperature is a tensor that requires grad"):
-        getattr(fastcl, fn)(a, p, temperature=tau)
+    value = torch.tensor(0.05, requires_grad=True)
+    with pytest.raises(TypeError, match=f"{name} is a tensor that requires grad"):
+        getattr(fastcl, fn)(a, p, **{name: value})
     # a tensor without a graph is a number like any other
     kw = lambda: ({"generator": torch.Generator().manual_seed(0)} if fn == "dclr_loss" else {})
     torch.testing.assert_close(getattr(fastcl, fn)(a, p, temperature=torch.tensor(0.05), **kw()),

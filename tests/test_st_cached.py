@@ -243,8 +243,8 @@ def test_arguments_and_config(model, guide):
         "scale": 20.0, "directions": ("query_to_doc",), "partition_mode": "joint", "hardness_mode": None,
         "hardness_strength": 0.0, "symmetric": False, "hard_negative_weight": 0.0, "focal_m": None,
         "mask_duplicates": False, "matryoshka_dims": None, "matryoshka_weights": None,
-        "gather_across_devices": False, "backend": "auto", "mini_batch_size": 8,
-        "mini_batch_num_tokens": None}
+        "gather_across_devices": False, "learnable_temperature": False, "backend": "auto",
+        "mini_batch_size": 8, "mini_batch_num_tokens": None}
     assert "gao2021scaling" in loss.citation and "gao2021simcse" in loss.citation
     assert loss.uses_gradient_cache is True  # backward runs from a hook (what wrapper losses check)
     with pytest.raises(ValueError, match="mini_batch_size"):

@@ -105,12 +105,12 @@ def test_the_op_refuses_double_backward():
     a, p, _ = _inputs()
     plain = ("", -1, [0, 0, 0, 0], "", [], [])   # no Matryoshka, layout, blocks, hardness, guide, ids
     loss = fastcl.tiled.tiled_contrastive_op(a, [p], [], 0.05, None, 0.0, 0.0, "paper", 0, None,
-                                             *plain, "torch", 0b11, True)[0]
+                                             *plain, "torch", 0b11, True, None)[0]
     (g,) = torch.autograd.grad(loss, a)
     torch.testing.assert_close(loss, fastcl.infonce(a, p, backend="tiled"))
     with pytest.raises(RuntimeError, match="differentiated twice"):
         loss = fastcl.tiled.tiled_contrastive_op(a, [p], [], 0.05, None, 0.0, 0.0, "paper", 0, None,
-                                                 *plain, "torch", 0b11, True)[0]
+                                                 *plain, "torch", 0b11, True, None)[0]
         torch.autograd.grad(loss, a, create_graph=True)
 
 

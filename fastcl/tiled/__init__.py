@@ -1,10 +1,8 @@
 """The tiled path: every objective without ever holding the N×M similarity matrix.
 
-Anchor rows are processed in chunks of R rows. For a chunk we form the R×M slice of
-cosines ``s_ij = (q_i·k_j)/(‖q_i‖‖k_j‖)`` from the raw inputs and their norms, turn it
-into logits (temperature, focal modulation, hard-negative log-weight, DCLR mask),
-reduce it to the per-row log-sum-exp and positive logit, and — because the loss is
-the last op of the graph — turn the same slice into the gradient at once:
+Anchor rows are processed in chunks of R rows (:mod:`.driver`). A chunk's R×M cosines
+``s_ij = (q_i·k_j)/(‖q_i‖‖k_j‖)``, from the raw inputs and their norms, become logits and the
+row losses, and — the loss being the last op of the graph — the gradient at once:
 
     ∂L/∂l_ij = (p_ij − 1[j = i]) / N,      p = softmax over the row's kept columns
     ∂L/∂s_ij = ∂L/∂l_ij · g'(s_ij)          (1/τ; focal: 2s/τ on the positive, (2s+m)/τ else)
@@ -12,15 +10,11 @@ the last op of the graph — turn the same slice into the gradient at once:
     u_q = G' K,   u_k += G'ᵀ Q_chunk        (two GEMMs on the raw inputs)
     ∂L/∂x = u − x̂ (x̂·u)                     (the chain through the L2 normalization)
 
-Backward only scales the stored gradients by the incoming scalar. Peak extra memory
-is the R×M chunk buffers (one fp32 slice; two for focal; an R×N slice of the
-complementary model's cosines for DCLR) plus the N×d and M×d gradients; R comes
-from a memory budget. The driver is shared by the Triton backend, which swaps the
-PyTorch epilogue (:func:`torch_chunk`) for fused kernels.
-
-Rooms: :mod:`.engine` (the engine contract and the PyTorch engine), :mod:`.driver` (the
-chunk loop and the gradients), :mod:`.autograd` (the autograd Function and the custom op,
-one backward), :mod:`.noise` (DCLR's noise update); here, a spec's loss on them.
+Backward only scales the stored gradients by the incoming scalar. Peak extra memory is the
+chunk's R×M buffers (R from a memory budget) plus the N×d and M×d gradients. Rooms:
+:mod:`.engine` (the engine contract, the PyTorch engine), :mod:`.driver` (the chunk loop and
+the gradients, Matryoshka's widths included), :mod:`.autograd` (the Function and the custom
+op, one backward), :mod:`.noise` (DCLR's noise update); here, a spec's loss on them.
 """
 
 from __future__ import annotations
@@ -55,6 +49,7 @@ def spec_loss(spec: LossSpec, anchors, positives, negatives=None):
 
 def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands, widths=None):
     logits, mask, offset = spec.logits, spec.mask, spec.anchor_offset
+    tau = logits.learnable
     blocks = [positives] + ([] if negatives is None else [negatives])
     if spec.noise is not None:
         z = dclr_noise(spec.noise, anchors, positives, formulation=spec.formulation,
@@ -78,15 +73,15 @@ def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands,
                            if mask is not None and mask.reverse else None,
                            chunk_size=spec.chunk_size, matryoshka=widths,
                            anchor_offset=offset if cands.shape[0] == n_pos else 0)
-        forward = contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
+        forward = contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine, tau=tau)
         return 0.5 * (forward + contrastive_loss(reverse, positives[offset:offset + n], cands,
-                                                 engine=engine))
+                                                 engine=engine, tau=tau))
     if spec.ruled:
         rows, blocks, ep = _ruled_inputs(spec, fields, anchors, positives, negatives, blocks, cands,
                                          driver.matmul_dtype(anchors.dtype, anchors.device)
                                          if engine.name != "torch" else None)
-        return contrastive_loss(ep, rows, *blocks, engine=engine)
-    return contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine)
+        return contrastive_loss(ep, rows, *blocks, engine=engine, tau=tau)
+    return contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine, tau=tau)
 
 
 def _ruled_inputs(spec: LossSpec, fields, anchors, positives, negatives, blocks, cands,

@@ -107,10 +107,23 @@ def _norms(x: torch.Tensor, acc: torch.dtype):
 
 def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine = TORCH,
                         gemm_dtype: torch.dtype | None = None,
-                        anchor_norms: torch.Tensor | None = None, raw_candidates: bool = False):
-    """The chunked driver shared by every engine and every epilogue, Matryoshka's widths
+                        anchor_norms: torch.Tensor | None = None, raw_candidates: bool = False,
+                        temperature_grad: bool = False):
+    r"""The chunked driver shared by every engine and every epilogue, Matryoshka's widths
     included (:class:`_Widths`). Returns ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with
-    ``None`` where ``need`` says no gradient is wanted. ``gemm_dtype`` overrides the dtype
+    ``None`` where ``need`` says no gradient is wanted.
+
+    ``temperature_grad``: one more entry, ∂L/∂τ (0-dim), from sums the backward forms
+    anyway. Every logit is ``s/τ`` plus terms free of τ with no slope in s (the hard
+    negative's w, MNRL's ``β·sg(s)``, a drop's −inf, the released code's 0), so
+    ``∂L/∂τ = −(1/τ) Σ_ij (∂L/∂s_ij)·s_ij = −(1/τ) Σ_i w_i q_i·u_i``: each anchor row's dot
+    product with its ``u_i = (H K)_i`` before the chain rule through q̂ (``G' = w ⊙ H``,
+    :func:`_chunk_gradients`), an R×d pass a chunk, no second pass over the N×M products;
+    Matryoshka's widths: ``−(1/τ) Σ_k Σ_i c^k_i``, their radial sums. Focal logits (``s²``
+    on the positives, ``s² + m·s`` elsewhere) add ``m/(2τ)·Σ_{j off the positives} g_ij s_ij``
+    (g = ∂L/∂l) to half the sum, which the torch engine's epilogue forms (``Chunk.tau_out``);
+    :func:`fastcl.spec.build_spec` keeps focal with a learnable τ off the Triton engine and
+    Matryoshka's widths. ``gemm_dtype`` overrides the dtype
     the chunk GEMMs read (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's
     16-bit buffers. ``anchor_norms``: the anchors' row norms (:func:`_norms`), where a
     caller that passes the same anchors again (DCLR's noise steps) has them.
@@ -126,7 +139,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
     dtype = gemm_dtype or matmul_dtype(in_dtype, device)
     sizes = [c.shape[0] for c in candidates]
     m = sum(sizes)
-    need_q, need_k = bool(need[0]), any(need[1:])
+    need_k = any(need[1:])
+    need_q = bool(need[0])
     released = ep.formulation == "released"
     # dq rows are final once their chunk is done: stored in the input dtype straight away
     # fp16 keeps them in the accumulate dtype until backward has applied the incoming scale:
@@ -142,7 +156,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
                 for x in ep.complementary]
     rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device)
     denom = n * m if released else n
-    row_loss = torch.zeros(n, dtype=acc, device=device)
+    # Matryoshka's widths add their terms to the row losses; a single width writes them
+    row_loss = (torch.empty if ep.matryoshka is None else torch.zeros)(n, dtype=acc, device=device)
     widths = None
     if ep.matryoshka is not None:
         widths = _Widths(ep, anchors, keys, n, rows, need_q, need_k)
@@ -164,6 +179,10 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
             ginv_k = ginv_k * gain
         w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
         tangent = engine.tangent                # the engine's fused chain rule, if it has one
+    radial = torch.zeros((), dtype=acc, device=device) if temperature_grad else None
+    # focal's logits f = s² (the positives) and s² + m·s: Σ g·f = (τ/2)·Σ A·s + (m/2)·Σ_off g·s,
+    # the last a row sum the torch engine forms in its epilogue (the Triton one does not)
+    focal_sum = radial.clone() if temperature_grad and ep.focal_m is not None else None
     dk = torch.zeros(m, d, dtype=acc, device=device) if need_k else None
     dq = None
     if need_q:
@@ -177,17 +196,19 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q_c,
                       None if widths is not None else inv_k,
                       None if widths is not None else ginv_k, loss_out=row_loss[r0:r1],
+                      tau_out=focal_sum,
                       comp_q=comp[0][r0:r1] if comp else None, comp_k=comp[1] if comp else None)
         if widths is not None:
-            widths.chunk(ep, chunk, take, dq, dk)
+            widths.chunk(ep, chunk, take, dq, dk, radial)
             continue
-        h = engine.chunk(ep, chunk, need_q or need_k)
+        # ∂L/∂τ reads H's rows too (u = H K), without the anchors' gradient
+        h = engine.chunk(ep, chunk, need_q or need_k or temperature_grad)
         if h is not None:
             dq_c = None
             if need_q:
                 dq_c = dq[r0:r1] if not ep.paired else torch.empty_like(q, dtype=dq.dtype)
             _chunk_gradients(h, q, keys, inv_q_c, take(norm_q), take(w), dq_c, dk, tangent, acc,
-                             ep.anchor_offset + r0)
+                             ep.anchor_offset + r0, radial)
             if need_q and ep.paired:
                 dq[r0:r1], dq[n + r0:n + r1] = dq_c[:r1 - r0], dq_c[r1 - r0:]
         # this chunk's R×M buffer is released before the next chunk allocates its own: the
@@ -213,7 +234,10 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
             dk = _tangent_(dk.mul_(col_scale[:, None]), keys, norm_k, rows).to(out_dtype)
     grads = [part if want else None for part, want in zip(dk.split(sizes), need[1:])] if need_k \
         else [None] * len(candidates)
-    return loss, [dq] + grads
+    if focal_sum is not None:
+        radial = 0.5 * radial + focal_sum * (0.5 * ep.focal_m / (ep.temperature * denom))
+    return loss, [dq] + grads + (
+        [radial / -ep.temperature] if temperature_grad else [])
 
 
 class _Widths:
@@ -282,9 +306,10 @@ class _Widths:
     def slices(ep: Epilogue) -> int:
         return 2 + len(ep.matryoshka[0]) + (ep.focal_m is not None or ep.hardness is not None)
 
-    def chunk(self, ep: Epilogue, c: Chunk, take, dq, dk) -> None:
+    def chunk(self, ep: Epilogue, c: Chunk, take, dq, dk, tau_sum=None) -> None:
         """One chunk: its row losses into ``c.loss_out``, its rows of ``dq`` and its share of
-        ``dk`` (the keys' radial terms at :meth:`finish`)."""
+        ``dk`` (the keys' radial terms at :meth:`finish`); ``tau_sum`` (0-dim): its radial
+        sums ``Σ_k Σ_i c^k_i`` added (∂L/∂τ's)."""
         r, n, r0, r1, acc, bands = c.r1 - c.r0, c.n, c.r0, c.r1, self.acc, self.bands
         q, keys, first, buffers = c.q, c.keys, c.first_pos, self.buffers
         rules = _RowRules(ep, c, acc)
@@ -322,6 +347,8 @@ class _Widths:
                     _accumulate_mm(dq[n + r0:n + r1, lo:hi], b[r:], keys[:, lo:hi])
             if self.need_k:
                 _accumulate_mm(dk[:, lo:hi], b.T, q[:, lo:hi])
+        if tau_sum is not None:
+            tau_sum += row_c.sum()
         if self.need_q:
             coef = row_c.T * take(self.radial_q)                       # (sides·r, K)
             for k, (lo, hi) in enumerate(bands):
@@ -352,7 +379,8 @@ def _chunk_rows(x: torch.Tensor, r0: int, r1: int, n: int, paired: bool) -> torc
     return x[r0:r1] if not paired else torch.cat([x[r0:r1], x[n + r0:n + r1]])
 
 
-def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_pos) -> None:
+def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_pos,
+                     radial=None) -> None:
     """One chunk's share of the gradients from its ``H`` (R×M): ``dq = tangent(w ⊙ (H K))``
     for its rows, written into ``dq``, and ``dk += Hᵀ q̂``, with ``G' = w ⊙ H``. Row factors
     ``w_i = inv_q_i / (N·c)``: Σ_i H_ij w_i q_i = Σ_i H_ij q̂_i / (N·c), so the second GEMM takes
@@ -361,40 +389,45 @@ def _chunk_gradients(h, q, keys, inv_q, norm_q, w, dq, dk, tangent, acc, first_p
 
     ``h`` may be an engine's bounded form ``(E, 1/Z, c)``, ``H = diag(1/Z) E − δ·c`` (the
     positive of row i at column ``first_pos + i``, c None without positives): the GEMMs then
-    take E itself, with 1/Z on the rows of E K and of q̂, and the positive's term apart."""
-    if isinstance(h, tuple):
-        _bounded_gradients(*h, q, keys, inv_q, w, dq, dk, tangent, acc, first_pos)
-        return
+    take E itself, with 1/Z on the rows of E K and of q̂, and the positive's term apart.
+    ``radial`` (0-dim): ``Σ_i w_i q_i·u_i`` with ``u = H K`` is added to it
+    (:func:`contrastive_forward`'s ∂L/∂τ); in the bounded form
+    ``u_i = (E K)_i/Z_i − c_i k_{first_pos + i}``."""
+    bounded, r = None, q.shape[0]
+    if isinstance(h, tuple):       # only from an engine with a fused chain rule (Triton's)
+        h, inv_z, pos_coef = h
+        bounded = (inv_z, pos_coef, keys, first_pos, dk)
     q_hat = None
+    u = _mm(h, keys, acc) if dq is not None or radial is not None else None
+    if radial is not None:
+        dots = _row_dots(q, u)
+        if bounded is not None:
+            dots *= inv_z
+            if pos_coef is not None:
+                dots -= _row_dots(q, keys[first_pos:first_pos + r].to(acc)) * pos_coef
+        radial += dots @ w
     if dq is not None and tangent is not None:
+        # the bounded form's fused chain rule also applies 1/Z and the positive's term, and
+        # writes q̂/Z and the positive's term of dk
         q_hat = torch.empty_like(q) if dk is not None else None
-        tangent(_mm(h, keys, acc), q, inv_q, w, dq, x_hat=q_hat)
+        tangent(u, q, inv_q, w, dq, x_hat=q_hat, bounded=bounded)
     elif dq is not None:
-        dq.copy_(_tangent_(_mm(h, keys, acc).mul_(w[:, None]), q, norm_q, q.shape[0]))
-    if dk is not None:
-        if q_hat is None:
-            q_hat = _unit(q, inv_q).to(q.dtype)
-        _accumulate_mm(dk, h.T, q_hat)
+        dq.copy_(_tangent_(u.mul_(w[:, None]), q, norm_q, r))
+    if dk is None:
+        return
+    if q_hat is None:
+        q_hat = _unit(q, inv_q)
+        if bounded is not None:
+            if pos_coef is not None:
+                dk[first_pos:first_pos + r].addcmul_(q_hat, pos_coef[:, None], value=-1.0)
+            q_hat.mul_(inv_z[:, None])
+        q_hat = q_hat.to(q.dtype)
+    _accumulate_mm(dk, h.T, q_hat)
 
 
-def _bounded_gradients(e, inv_z, pos_coef, q, keys, inv_q, w, dq, dk, tangent, acc,
-                       first_pos) -> None:
-    """:func:`_chunk_gradients` for ``H = diag(1/Z) E − δ·c``: dq through the engine's fused
-    chain rule (which also applies 1/Z and the positive's term, writes q̂/Z and the
-    positive's term of dk), or, without dq, q̂/Z and that term here."""
-    r = q.shape[0]
-    q_hat = None
-    if dq is not None:
-        q_hat = torch.empty_like(q) if dk is not None else None
-        tangent(_mm(e, keys, acc), q, inv_q, w, dq, x_hat=q_hat,
-                bounded=(inv_z, pos_coef, keys, first_pos, dk))
-    elif dk is not None:
-        unit = _unit(q, inv_q)
-        if pos_coef is not None:
-            dk[first_pos:first_pos + r].addcmul_(unit, pos_coef[:, None], value=-1.0)
-        q_hat = unit.mul_(inv_z[:, None]).to(q.dtype)
-    if dk is not None:
-        _accumulate_mm(dk, e.T, q_hat)
+def _row_dots(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``x_i · u_i`` for each row, in u's (accumulate) dtype."""
+    return torch.einsum("id,id->i", x.to(u.dtype), u)
 
 
 def _fp16_gain(ep: Epilogue, dtype: torch.dtype) -> float:

@@ -93,6 +93,8 @@ class Chunk:
     inv_k: torch.Tensor         # (M,)
     ginv_k: torch.Tensor        # (M,) γ·c·inv_k (c: the smallest unclamped ‖k_j‖), H's column factor
     loss_out: torch.Tensor | None = None  # (R,) where the engine writes the row losses
+    tau_out: torch.Tensor | None = None   # 0-dim: focal's Σ_{j off the positives} (∂ℓ_i/∂l_ij)·s_ij
+    #                                       added (a learnable temperature's gradient reads it)
     comp_q: torch.Tensor | None = None   # (R×d_c) complementary anchors, normalized, matmul dtype
     comp_k: torch.Tensor | None = None   # (N×d_c) complementary positives, likewise
 
@@ -199,7 +201,13 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
             # p_ii − 1 = −q; per direction, 0.5·p_ii − 1 = −0.5·q − 0.5
             grad[ar, diag] = -others if not (ep.paired and not joint) else -0.5 * others - 0.5
         if ep.focal_m is not None:
-            grad.mul_(_focal_slope(cos, ep, r, c.first_pos, _RowRules.mirror_of(ep, c)))
+            mirror = _RowRules.mirror_of(ep, c)
+            if c.tau_out is not None:      # grad is ∂ℓ/∂l here: its dot with s, the s² logits' out
+                c.tau_out += torch.dot(grad.view(-1), cos.view(-1)) - torch.dot(
+                    grad[:r].diagonal(c.first_pos), cos[:r].diagonal(c.first_pos))
+                if mirror is not None:
+                    c.tau_out -= torch.dot(grad[r:].diagonal(mirror), cos[r:].diagonal(mirror))
+            grad.mul_(_focal_slope(cos, ep, r, c.first_pos, mirror))
     grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
     return grad.to(c.q.dtype)
 

@@ -44,25 +44,15 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
 
     Paper (``positives=None``): ``L_U``'s positive term does not depend on Z, so ``∂L_U/∂Z``
     is the candidate gradient of a positive-free InfoNCE of the anchors against Z. Released
-    code (``positives`` given): the step's loss is the cross-entropy over ``[h⁺; Z]``, so the
-    in-batch columns join the log-sum-exp. Either way each step is one pass of the shared
-    driver asking for Z's gradient alone, then ``z_j += lr · g_j/‖g_j‖``, a step of length
-    exactly lr. A row with ``g_j = 0`` stays put (paper) or becomes 0 (released: its 0/0 is
-    NaN, then zeroed).
-
-    The direction is formed from ``g_j/max|g_j|`` (:func:`fastcl.common.safe_direction`): a
-    row of a far-away noise vector can have g ≈ 1e-25, whose squared norm is 0 in float32.
-    The gradient is first projected once more onto the tangent space of z_j
-    (:func:`fastcl.common.project_out_radial`), which removes the chain rule's rounding
-    residual along z_j: at d = 1 every cosine is ±1 whatever z, g is exactly 0, and that
-    residual would otherwise become a full step. Rows of Z too large to square are rescaled
-    for the driver (:func:`fastcl.common.shrink_huge_rows`; the direction of g_j does not
-    depend on z_j's length); the step is taken on Z itself. ``huge_rows``: whether Z has such
-    rows, if the caller knows; None: the input checks decide (one host read when they are
-    on, none when off).
-
-    The anchors' norms are taken once for the ``steps`` passes (each pass of the driver
-    would take them again).
+    code (``positives`` given): the step's loss is the cross-entropy over ``[h⁺; Z]``. Each
+    step is one pass of the driver asking for Z's gradient alone, then ``z_j += lr ·
+    g_j/‖g_j‖`` (a row with ``g_j = 0`` stays put; released: it becomes 0), the direction
+    formed as :func:`fastcl.common.safe_direction` does (g ≈ 1e-25 squares to 0 in float32)
+    after one more projection onto z_j's tangent space
+    (:func:`fastcl.common.project_out_radial`: at d = 1 the chain rule's rounding residual
+    would otherwise be a full step). Rows of Z too large to square are rescaled for the
+    driver only (``huge_rows``: whether Z has them, if the caller knows; None: the input
+    checks decide). The anchors' norms are taken once for the ``steps`` passes.
     """
     z = noise.detach().to(accumulate_dtype(anchors.dtype)).clone()
     if steps == 0 or z.shape[0] == 0:

@@ -56,6 +56,8 @@ class ObjectiveArguments:
     parsed (else the loss class does, when it is built)."""
 
     temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
+    learnable_temperature: bool = _opt(False, "learn the temperature with the model, from --temperature "
+                                       "(logged as temperature)")
     hard_negative_weight: float | None = _opt(help="simcse-sup: log-weight of the hard negative")
     focal_m: float | None = _opt(help="simcse, simcse-sup, dclr: Focal-InfoNCE's modulation")
     mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive (true/false)")
@@ -250,6 +252,34 @@ class Trainer(SentenceTransformerTrainer):
 
     guard = None
     export_max_seq_length = None
+    LOSS_PARAMETERS = "loss_parameters.pt"   # a checkpoint's parameters of the loss itself (τ)
+
+    def _fastcl_loss(self):
+        """fastcl's loss inside its wrappers (AugmentedPositives' ``loss``)."""
+        loss = self.loss
+        while not hasattr(loss, "_own_parameters") and hasattr(loss, "loss"):
+            loss = loss.loss
+        return loss
+
+    def _own(self) -> dict:
+        """The loss's own parameters (a learnable temperature) by name."""
+        return {f"own.{i}": p for i, p in enumerate(self._fastcl_loss()._own_parameters())}
+
+    def log(self, logs, *args, **kwargs):
+        """A learnable temperature's value beside each step's loss."""
+        loss = self._fastcl_loss()
+        if loss.learnable_temperature and "loss" in logs:
+            logs["temperature"] = loss.current_temperature
+        super().log(logs, *args, **kwargs)
+
+    def _load_from_checkpoint(self, checkpoint_path: str) -> None:
+        super()._load_from_checkpoint(checkpoint_path)
+        path = Path(checkpoint_path) / self.LOSS_PARAMETERS
+        own = self._own()
+        if own and path.is_file():
+            with torch.no_grad():
+                for name, value in files.load_tensors(path).items():   # tensors only
+                    own[name].copy_(value)
 
     def _save_checkpoint(self, model, trial):
         folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
@@ -268,6 +298,9 @@ class Trainer(SentenceTransformerTrainer):
                           "--resume") from err
         finally:
             self.args.save_total_limit, own.max_seq_length = limit, cut
+        if self.args.should_save and self._own():
+            torch.save({k: v.detach().cpu() for k, v in self._own().items()},
+                       folder / self.LOSS_PARAMETERS)
         if self.args.should_save:
             files.crash_point("checkpoint-manifest")
             files.write_manifest(folder)

@@ -18,6 +18,9 @@
 
 from __future__ import annotations
 
+import inspect
+import math
+import re
 import textwrap
 from typing import Any, Iterable
 
@@ -58,7 +61,7 @@ except ImportError:  # older releases: fastcl's implementation of the same contr
         return False
 
 __all__ = ["GRADCACHE_BASE", "Cached", "FastLoss", "Guided", "SentenceTransformer", "cos_sim",
-           "documented", "embed_columns", "gather_rows", "matryoshka", "number", "text_ids"]
+           "documented", "embed_columns", "gather_rows", "number", "text_ids"]
 
 # The sections every loss's docstring shares in form, written once (see `documented`).
 _INPUTS = {
@@ -133,17 +136,6 @@ def number(name: str, value, *, positive: bool = False) -> float:
     return check.positive(name, value) if positive else check.finite(name, value)
 
 
-def matryoshka(dims, weights) -> tuple:
-    """``matryoshka_dims`` and ``matryoshka_weights`` of a loss, checked where it is built by
-    :func:`fastcl.contrastive`'s own check (the widths against the embeddings' width at the
-    first call) and kept as given: tuples, or (None, None)."""
-    from fastcl.spec import matryoshka
-    matryoshka(dims, weights, None)
-    if dims is None:
-        return None, None
-    return tuple(dims), None if weights is None else tuple(float(w) for w in weights)
-
-
 def gather_rows(*columns: Tensor) -> tuple[int, list[Tensor]]:
     """This process's first row in the global batch and, for each local column, the rows of
     every process in rank order. Columns that require grad keep it (the gather's backward
@@ -211,18 +203,123 @@ def _same_inputs(a: dict, b: dict) -> bool:
     return True
 
 
-class FastLoss(nn.Module):
-    """Shared plumbing: the input checks, embedding the columns, the config
-    sentence-transformers logs (the attributes named in ``_config``)."""
+def _st_version() -> tuple[int, ...]:
+    from importlib import metadata
+    return tuple(int(x) for x in re.findall(r"\d+", metadata.version("sentence-transformers"))[:2])
 
-    _config: tuple[str, ...] = ()
+
+#: fastcl's loss options (:func:`fastcl.spec.build_spec`'s keywords but the tensors): a loss's
+#: constructor argument of one of these names goes to the loss under that name
+_SPEC_OPTIONS = frozenset(name for name, p in inspect.signature(fastcl.spec.build_spec).parameters.items()
+                          if p.kind is p.KEYWORD_ONLY) - {"focal_name", "noise", "anchor_candidates",
+                                                          "guide", "complementary", "duplicate_ids"}
+
+
+class FastLoss(nn.Module):
+    """Shared plumbing: the input checks, embedding the columns, the options and the config
+    sentence-transformers logs, both derived from the constructor's arguments.
+
+    **Options.** A constructor argument named as one of :func:`fastcl.contrastive`'s options
+    (``focal_m``, ``directions``, ``backend``…) is kept as an attribute of that name and
+    handed to it unchanged (:meth:`_options`); ``_spec_names`` maps the arguments a loss names
+    otherwise (focal's ``m``, GIST's ``margin``). :meth:`_check_options`, at the end of each
+    constructor, builds the loss's :class:`~fastcl.spec.LossSpec` from them on a small batch:
+    every bad option fails there, with build_spec's own error, under the argument's name. A
+    new option of :func:`fastcl.contrastive` is one keyword of the constructor (and its
+    docstring).
+
+    **Config.** ``get_config_dict`` holds every constructor argument but those in
+    ``_unlogged`` (the models, the similarity function and where the work runs), read back
+    from the attribute of that name.
+
+    **learnable_temperature.** τ becomes a parameter of the loss, ``log_scale = log(1/τ)``
+    (CLIP's logit scale), initialized from the temperature given; the optimizer finds it
+    among the loss's parameters (sentence-transformers' trainer builds it from the loss),
+    and sentence-transformers ≥ 6.2 clears its gradient with the model's each step.
+    """
+
     #: how many input columns the loss takes: (at least, at most or None for any number)
     _column_counts: tuple[int, int | None] = (2, None)
     gather_across_devices: bool = False
+    #: constructor arguments that are not in the config
+    _unlogged = ("self", "model", "guide", "similarity_fct", "generator", "chunk_size",
+                 "show_progress_bar")
+    #: constructor arguments named otherwise than fastcl.contrastive's options
+    _spec_names: dict[str, str] = {}
+    learnable_temperature = False
 
     def __init__(self, model: SentenceTransformer):
         super().__init__()
         self.model = model
+
+    @classmethod
+    def _arguments(cls) -> list[str]:
+        """The constructor's named arguments, in order."""
+        return [name for name, p in inspect.signature(cls.__init__).parameters.items()
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+
+    @classmethod
+    def _config_names(cls) -> tuple[str, ...]:
+        return tuple(name for name in cls._arguments() if name not in cls._unlogged)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._config_names()}
+
+    def _options(self) -> dict:
+        """The options :func:`fastcl.contrastive` takes from this loss, under its names; the
+        temperature a tensor (``exp(−log_scale)``) with ``learnable_temperature``."""
+        out = {self._spec_names.get(name, name): getattr(self, name) for name in self._arguments()
+               if self._spec_names.get(name, name) in _SPEC_OPTIONS}
+        out["temperature"] = torch.exp(-self.log_scale) if self.learnable_temperature else self.temperature
+        return out
+
+    def _init_temperature(self, learnable_temperature: bool, temperature: float) -> None:
+        """``learnable_temperature``: ``temperature`` (checked) becomes the parameter
+        ``log_scale = log(1/τ)``."""
+        self.learnable_temperature = check.flag("learnable_temperature", learnable_temperature)
+        if not self.learnable_temperature:
+            return
+        if _st_version() < (6, 2):
+            raise ValueError("learnable_temperature needs sentence-transformers >= 6.2, whose "
+                             "trainer clears the gradients of parameters a loss owns each step")
+        self.log_scale = nn.Parameter(torch.tensor(-math.log(check.positive("temperature",
+                                                                            temperature))))
+
+    def _own_parameters(self) -> list:
+        """The parameters of the loss itself, not of its models: a learnable temperature."""
+        return [self.log_scale] if self.learnable_temperature else []
+
+    @property
+    def current_temperature(self) -> float:
+        """τ as the loss computes it now: the learned one with ``learnable_temperature``."""
+        if self.learnable_temperature:
+            return float(torch.exp(-self.log_scale.detach()))
+        return float(self.temperature)
+
+    def _check_options(self, **extra) -> None:
+        """Build this loss's spec from its options on a batch of two rows (negatives too
+        where the loss takes them; ``extra``: more of build_spec's arguments): the first bad
+        option raises build_spec's error, the argument named as the constructor names it.
+        (The backend is resolved again at each call, where the embeddings' device is known.)"""
+        options = self._options()
+        backend = check.choice("backend", options.pop("backend", "auto"), check.BACKENDS)
+        dims = options.get("matryoshka_dims")
+        try:
+            width = max([x for x in dims if isinstance(x, int)] or [1]) if dims is not None else 1
+        except TypeError:      # not a sequence: build_spec says so
+            width = 1
+        rows = torch.zeros(2, max(width, 1), device=self.model.device)   # (a generator's device)
+        rows[:, 0] = 1.0
+        negatives = rows if self._column_counts[1] != 2 else None
+        try:
+            # the backend's own rules where the rows can take it (else at the first call)
+            fastcl.spec.build_spec(rows, rows, negatives, **options, **extra, backend=backend if (
+                backend == "reference" or fastcl.spec.triton_problem(rows) is None) else "tiled")
+        except (TypeError, ValueError) as err:
+            renamed = str(err)
+            for name, spec_name in self._spec_names.items():
+                renamed = re.sub(rf"\b{spec_name}\b", name, renamed)
+            raise type(err)(renamed) from None
 
     #: drop candidates with the same text as the anchor's positive (:func:`text_ids`)
     mask_duplicates = False
@@ -250,9 +347,6 @@ class FastLoss(nn.Module):
                              "compute_loss_from_embeddings")
         return duplicate_ids if self.mask_duplicates else None
 
-    def get_config_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._config}
-
     def _features(self, sentence_features: Iterable[dict[str, Tensor]],
                   name: str | None = None) -> list[dict[str, Tensor]]:
         """The input columns as a list, checked before any forward: as many as the loss
@@ -274,34 +368,27 @@ class FastLoss(nn.Module):
         return (bool(self.gather_across_devices) and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size() > 1)
 
-    def _rules(self) -> dict:
-        """The options of :mod:`fastcl.layout` this loss hands to :func:`fastcl.contrastive`."""
-        return {}
-
     #: whether the anchors block holds this process's anchors only (GIST's anchor–anchor
     #: block), not the whole batch's (MNRL's query_to_query), under gather_across_devices
     _local_anchor_block = False
 
-    def _in_batch_loss(self, embeddings, *, temperature: float, focal_m: float | None,
-                       symmetric: bool = False, guide=None, duplicate_ids=None) -> Tensor:
+    def _in_batch_loss(self, embeddings, *, guide=None, duplicate_ids=None) -> Tensor:
         """:func:`fastcl.contrastive` over columns (anchor, positive[, negative...]) with this
-        loss's ``hard_negative_weight``, ``backend``, ``chunk_size`` and :meth:`_rules`;
-        ``guide`` and ``duplicate_ids``: a guide's embeddings and the text ids of each column,
-        in the same order. With ``gather_across_devices``, every process's positives,
-        negatives (and anchors, where the rules score them) are the candidates."""
+        loss's :meth:`_options`; ``guide`` and ``duplicate_ids``: a guide's embeddings and the
+        text ids of each column, in the same order. With ``gather_across_devices``, every
+        process's positives, negatives (and anchors, where the rules score them) are the
+        candidates."""
         anchors, positives, *negatives = self._columns(embeddings, type(self).__name__)
-        if self.hard_negative_weight and len(negatives) != 1:
+        kw = self._options()
+        if kw.get("hard_negative_weight") and len(negatives) != 1:
             raise ValueError("hard_negative_weight needs exactly one negative column, "
                              f"got {len(negatives)}")
-        rules = self._rules()
-        lay = rules.get("directions", layout.PLAIN)
-        if layout.names_plain(lay, rules.get("partition_mode", "joint")):
+        symmetric = kw.pop("symmetric", False)
+        lay = kw.get("directions", layout.PLAIN)
+        if layout.names_plain(lay, kw.get("partition_mode", "joint")):
             lay = layout.PLAIN
         elif not isinstance(lay, layout.Layout):
-            lay = layout.from_directions(lay, rules.get("partition_mode", "joint"))
-        kw = dict(temperature=temperature, focal_m=focal_m, backend=self.backend,
-                  chunk_size=self.chunk_size, hard_negative_weight=self.hard_negative_weight,
-                  **rules)
+            lay = layout.from_directions(lay, kw.get("partition_mode", "joint"))
         cat = lambda parts: torch.cat(parts) if parts else None
         g_anchors, g_positives, *g_negatives = guide if guide is not None else (None, None)
         i_anchors, i_positives, *i_negatives = (duplicate_ids if duplicate_ids is not None
@@ -477,6 +564,7 @@ class Cached(GRADCACHE_BASE, nn.Module):
     (:meth:`_pass_one_inputs`)."""
 
     _pass_one: dict = {}
+    _own_grads: list = []      # (parameter, its gradient) of the loss's own, from pass 1
     #: the plain loss's class
     _plain: type = FastLoss
     #: the plain loss's attributes assigned through the wrapper besides its ``_config``
@@ -501,13 +589,22 @@ class Cached(GRADCACHE_BASE, nn.Module):
         # the plain loss's options are its own: assigned there (nn.Module would keep a module
         # value, a guide, on the wrapper where the plain loss never sees it)
         loss = self.__dict__.get("_modules", {}).get("loss")
-        if loss is not None and (name in loss._config or name in self._delegated):
+        if loss is not None and (name in loss._config_names() or name in self._delegated):
             setattr(loss, name, value)
         else:
             super().__setattr__(name, value)
 
+    @classmethod
+    def _config_names(cls) -> tuple[str, ...]:
+        """The plain loss's config and this loss's own arguments (the mini-batching's)."""
+        plain = cls._plain._config_names()
+        own = [name for name, p in inspect.signature(cls.__init__).parameters.items()
+               if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+               and name not in cls._plain._unlogged and name not in plain]
+        return plain + tuple(own)
+
     def get_config_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._config}
+        return {name: getattr(self, name) for name in self._config_names()}
 
     def _views(self, sentence_features: list) -> list:
         return sentence_features
@@ -538,10 +635,18 @@ class Cached(GRADCACHE_BASE, nn.Module):
         sentence_features = self.loss._features(sentence_features, type(self).__name__)
         self._pass_one = {**self.loss._feature_inputs(sentence_features),
                           **self._pass_one_inputs(sentence_features)}
+        self._own_grads = []
         try:
-            return self.forward_cached(self._views(sentence_features), labels)
+            loss = self.forward_cached(self._views(sentence_features), labels)
         finally:
             self._pass_one = {}
+        # The loss's own parameters (a learnable temperature): the GradCache forward returns
+        # a detached loss; their gradient from pass 1 joins it as a term of value 0 whose
+        # gradient is that one, times whatever the backward brings (accumulation, scaling).
+        for param, grad in self._own_grads:
+            loss = loss + ((param - param.detach()) * grad).sum()
+        self._own_grads = []
+        return loss
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, **inputs):
         """The plain loss's, on the whole batch's embeddings."""
@@ -555,8 +660,11 @@ class Cached(GRADCACHE_BASE, nn.Module):
         if not with_backward:
             return loss
         leaves = [r for column in reps for r in column]
-        for leaf, grad in zip(leaves, torch.autograd.grad(loss, leaves, allow_unused=True)):
+        own = [p for p in self.loss._own_parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, leaves + own, allow_unused=True)
+        for leaf, grad in zip(leaves, grads):
             leaf.grad = grad
+        self._own_grads = [(p, g) for p, g in zip(own, grads[len(leaves):]) if g is not None]
         return loss.detach()
 
     @property

@@ -56,22 +56,16 @@ class CachedFastDCLRLoss(Cached):
     """
 
     _plain = FastDCLRLoss
-    _config = FastDCLRLoss._config + ("mini_batch_size",)
 
     def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, phi: float = common.PHI,
                  noise_ratio: float = common.NOISE_RATIO, noise_steps: int = common.NOISE_STEPS,
                  noise_lr: float = common.NOISE_LR, noise_std: float = common.NOISE_STD,
                  temperature: float = common.TEMPERATURE, formulation: str = "paper",
                  generator: torch.Generator | None = None, *, mini_batch_size: int = 32,
-                 show_progress_bar: bool = False, gather_across_devices: bool = False,
-                 backend: str = "auto", chunk_size: int | None = None, focal_m: float | None = None,
-                 guide_dropout: bool = False, mask_duplicates: bool = False,
-                 mini_batch_num_tokens: int | None = None):
+                 show_progress_bar: bool = False, mini_batch_num_tokens: int | None = None, **options):
         super().__init__(FastDCLRLoss(
             model, guide, phi, noise_ratio, noise_steps, noise_lr, noise_std, temperature,
-            formulation, generator, backend=backend, chunk_size=chunk_size,
-            gather_across_devices=gather_across_devices, focal_m=focal_m, guide_dropout=guide_dropout,
-            mask_duplicates=mask_duplicates), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+            formulation, generator, **options), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
 
     def _pass_one_inputs(self, sentence_features):
         return {"complementary": self._guide_embeddings(sentence_features, self.mini_batch_size)}

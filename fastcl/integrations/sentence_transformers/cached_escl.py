@@ -58,18 +58,13 @@ class CachedFastESCLLoss(Cached):
     """
 
     _plain = FastESCLLoss
-    _config = FastESCLLoss._config + ("mini_batch_size",)
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  weight: float = common.ESCL_WEIGHT, rd: str = common.ESCL_RD,
                  sensitive_dropout: float = common.SENSITIVE_DROPOUT, *, mini_batch_size: int = 32,
-                 show_progress_bar: bool = False, gather_across_devices: bool = False,
-                 margins: tuple[float, float] = common.ESCL_MARGINS, backend: str = "auto",
-                 chunk_size: int | None = None, mask_duplicates: bool = False):
-        super().__init__(FastESCLLoss(
-            model, temperature, weight, rd, sensitive_dropout, backend=backend, chunk_size=chunk_size,
-            gather_across_devices=gather_across_devices, margins=margins,
-            mask_duplicates=mask_duplicates), mini_batch_size, show_progress_bar)
+                 show_progress_bar: bool = False, **options):
+        super().__init__(FastESCLLoss(model, temperature, weight, rd, sensitive_dropout, **options),
+                         mini_batch_size, show_progress_bar)
 
     def _views(self, sentence_features):
         return [*sentence_features, _SensitiveView(sentence_features[0])]

@@ -52,14 +52,9 @@ class CachedFastFocalInfoNCELoss(Cached):
     """
 
     _plain = FastFocalInfoNCELoss
-    _config = FastFocalInfoNCELoss._config + ("mini_batch_size",)
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  m: float = common.FOCAL_M, *, mini_batch_size: int = 32, show_progress_bar: bool = False,
-                 gather_across_devices: bool = False, backend: str = "auto", chunk_size: int | None = None,
-                 hard_negative_weight: float = 0.0, mask_duplicates: bool = False,
-                 mini_batch_num_tokens: int | None = None):
-        super().__init__(FastFocalInfoNCELoss(
-            model, temperature, m, backend=backend, chunk_size=chunk_size,
-            gather_across_devices=gather_across_devices, hard_negative_weight=hard_negative_weight,
-            mask_duplicates=mask_duplicates), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+                 mini_batch_num_tokens: int | None = None, **options):
+        super().__init__(FastFocalInfoNCELoss(model, temperature, m, **options), mini_batch_size,
+                         show_progress_bar, mini_batch_num_tokens)

@@ -53,20 +53,15 @@ class CachedFastGISTEmbedLoss(Cached):
     """
 
     _plain = FastGISTEmbedLoss
-    _config = FastGISTEmbedLoss._config + ("mini_batch_size", "mini_batch_num_tokens")
 
     def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, temperature: float = 0.01,
                  mini_batch_size: int = 32, mini_batch_num_tokens: int | None = None,
                  show_progress_bar: bool = False, margin_strategy: str = "absolute",
                  margin: float = 0.0, contrast_anchors: bool = True, contrast_positives: bool = True,
-                 gather_across_devices: bool = False, *, focal_m: float | None = None,
-                 mask_duplicates: bool = False, matryoshka_dims=None, matryoshka_weights=None,
-                 backend: str = "auto", chunk_size: int | None = None):
+                 gather_across_devices: bool = False, **options):
         super().__init__(FastGISTEmbedLoss(
             model, guide, temperature, margin_strategy, margin, contrast_anchors, contrast_positives,
-            gather_across_devices, focal_m=focal_m, mask_duplicates=mask_duplicates,
-            matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights, backend=backend,
-            chunk_size=chunk_size), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+            gather_across_devices, **options), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
 
     def _pass_one_inputs(self, sentence_features):
         return {"guide_embeddings": self._guide_embeddings(sentence_features, self.mini_batch_size)}

@@ -63,20 +63,14 @@ class CachedFastInfoNCELoss(Cached):
     """
 
     _plain = FastInfoNCELoss
-    _config = FastInfoNCELoss._config + ("mini_batch_size", "mini_batch_num_tokens")
 
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
                  similarity_fct=cos_sim, mini_batch_size: int = 32,
                  mini_batch_num_tokens: int | None = None, gather_across_devices: bool = False,
                  directions: tuple[str, ...] = ("query_to_doc",), partition_mode: str = "joint",
                  show_progress_bar: bool = False, hardness_mode: str | None = None,
-                 hardness_strength: float = 0.0, *, symmetric: bool = False,
-                 hard_negative_weight: float = 0.0, focal_m: float | None = None,
-                 mask_duplicates: bool = False, matryoshka_dims=None, matryoshka_weights=None,
-                 backend: str = "auto", chunk_size: int | None = None):
+                 hardness_strength: float = 0.0, **options):
         super().__init__(FastInfoNCELoss(
             model, scale, similarity_fct, gather_across_devices, directions, partition_mode,
-            hardness_mode, hardness_strength, symmetric=symmetric,
-            hard_negative_weight=hard_negative_weight, focal_m=focal_m, mask_duplicates=mask_duplicates,
-            matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights, backend=backend,
-            chunk_size=chunk_size), mini_batch_size, show_progress_bar, mini_batch_num_tokens)
+            hardness_mode, hardness_strength, **options),
+            mini_batch_size, show_progress_bar, mini_batch_num_tokens)

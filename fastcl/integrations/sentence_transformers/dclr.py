@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 import fastcl
-from fastcl import _validation as check
 from fastcl import citations, common, distributed
 
-from ._base import FastLoss, Guided, SentenceTransformer, documented, gather_rows, number
+from ._base import FastLoss, Guided, SentenceTransformer, documented, gather_rows
 
 __all__ = ["FastDCLRLoss"]
 
@@ -55,6 +54,8 @@ class FastDCLRLoss(Guided, FastLoss):
         focal_m: Focal-InfoNCE's modulation on top (paper formulation only). None: off.
         mask_duplicates: drop every in-batch candidate with the same text as the anchor's
             positive (paper formulation), as :class:`FastInfoNCELoss`.
+        learnable_temperature: learn τ with the model, as :class:`FastInfoNCELoss` (the noise
+            update takes its current value; the noise carries no gradient).
 
     Inputs:
         {inputs}
@@ -91,38 +92,32 @@ class FastDCLRLoss(Guided, FastLoss):
                  generator: torch.Generator | None = None, backend: str = "auto",
                  chunk_size: int | None = None, gather_across_devices: bool = False,
                  focal_m: float | None = None, guide_dropout: bool = False,
-                 mask_duplicates: bool = False):
+                 mask_duplicates: bool = False, *, learnable_temperature: bool = False):
         super().__init__(model)
         self.mask_duplicates = bool(mask_duplicates)
         self._init_guide(model, guide, "the frozen model whose cosines drop DCLR's false "
                          "negatives; it may be the model itself; None for none", guide_dropout)
-        self.focal_m = None if focal_m is None else number("focal_m", focal_m)
-        self.phi = check.phi(phi)
-        self.noise_ratio = number("noise_ratio", noise_ratio)
-        if self.noise_ratio < 0:
-            raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
-        self.noise_steps = check.non_negative_int("noise_steps", noise_steps)
-        self.noise_lr = number("noise_lr", noise_lr)
-        self.noise_std = number("noise_std", noise_std, positive=True)
-        self.temperature = number("temperature", temperature, positive=True)
-        self.formulation = check.choice("formulation", formulation, ("paper", "released"))
+        self.focal_m, self.phi, self.formulation, self.temperature = focal_m, phi, formulation, temperature
+        self.noise_ratio, self.noise_steps, self.noise_lr, self.noise_std = (noise_ratio, noise_steps,
+                                                                             noise_lr, noise_std)
         self.generator = generator
         self.backend, self.chunk_size = backend, chunk_size
         self.gather_across_devices = gather_across_devices
+        self._init_temperature(learnable_temperature, temperature)
+        self._check_options()
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, complementary=None,
                                      duplicate_ids=None):
         anchors, positives = self._columns(embeddings, type(self).__name__, 2, 2)
-        kw = dict(phi=self.phi, temperature=self.temperature, formulation=self.formulation,
-                  focal_m=self.focal_m, backend=self.backend, chunk_size=self.chunk_size)
+        kw = self._options()
+        noise_options = {name: kw.pop(name) for name in ("noise_ratio", "noise_steps", "noise_lr",
+                                                         "noise_std", "generator")}
         ids = self._ids(duplicate_ids)
         if not self._gathering():
             if ids is not None:
                 kw["duplicate_ids"] = (ids[1],)
             return fastcl.contrastive(anchors, positives, complementary=complementary,
-                                      noise_ratio=self.noise_ratio, noise_steps=self.noise_steps,
-                                      noise_lr=self.noise_lr, noise_std=self.noise_std,
-                                      generator=self.generator, **kw)
+                                      **noise_options, **kw)
         guide_pos = [complementary[1].detach()] if complementary is not None else []
         extra = [ids[1][:, None]] if ids is not None else []
         offset, (positives, all_anchors, *rest) = gather_rows(positives, anchors.detach(), *guide_pos,
@@ -133,7 +128,8 @@ class FastDCLRLoss(Guided, FastLoss):
         # the noise of one process on the whole batch; rank 0's copy for every process
         num = common.noise_count(self.noise_ratio, positives.shape[0], self.formulation)
         noise = fastcl.dclr_noise(all_anchors, positives.detach(), num, steps=self.noise_steps,
-                                  lr=self.noise_lr, std=self.noise_std, temperature=self.temperature,
+                                  lr=self.noise_lr, std=self.noise_std,
+                                  temperature=self.current_temperature,
                                   generator=self.generator, formulation=self.formulation,
                                   backend=self.backend, chunk_size=self.chunk_size)
         noise = distributed.broadcast(noise, src=0)

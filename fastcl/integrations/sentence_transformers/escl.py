@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import fastcl
-from fastcl import _validation as check
 from fastcl import citations, common
 from fastcl.encoders import dropout_rate
+from fastcl.spec import escl_options
 
-from ._base import FastLoss, SentenceTransformer, documented, embed_columns, gather_rows, number
+from ._base import FastLoss, SentenceTransformer, documented, embed_columns, gather_rows
 
 __all__ = ["FastESCLLoss"]
 
@@ -41,6 +41,8 @@ class FastESCLLoss(FastLoss):
         margins: ``(a, b)`` of ``rd="margin"``.
         mask_duplicates: drop every candidate whose text equals that of the anchor's
             positive (the texts' token ids, hashed before the forward) from the InfoNCE term.
+        learnable_temperature: learn τ with the model, as :class:`FastInfoNCELoss` (in both
+            terms).
 
     Inputs:
         {inputs}
@@ -71,18 +73,18 @@ class FastESCLLoss(FastLoss):
                  weight: float = common.ESCL_WEIGHT, rd: str = common.ESCL_RD,
                  sensitive_dropout: float = common.SENSITIVE_DROPOUT, backend: str = "auto",
                  chunk_size: int | None = None, gather_across_devices: bool = False,
-                 margins: tuple[float, float] = common.ESCL_MARGINS, mask_duplicates: bool = False):
+                 margins: tuple[float, float] = common.ESCL_MARGINS, mask_duplicates: bool = False,
+                 *, learnable_temperature: bool = False):
         super().__init__(model)
         self.mask_duplicates = bool(mask_duplicates)
         if not 0.0 <= sensitive_dropout < 1.0:
             raise ValueError(f"sensitive_dropout must lie in [0, 1), got {sensitive_dropout}")
-        self.temperature = number("temperature", temperature, positive=True)
-        self.weight, self.rd = number("weight", weight), check.choice("rd", rd, ("softplus", "margin"))
-        if not isinstance(margins, (tuple, list)) or len(margins) != 2:
-            raise ValueError(f"margins must be a pair (a, b), got {margins!r}")
-        self.margins = (number("margins[0]", margins[0]), number("margins[1]", margins[1]))
+        self.temperature = temperature
+        self.weight, self.rd, self.margins = escl_options(weight, rd, margins)
         self.sensitive_dropout, self.backend, self.chunk_size = sensitive_dropout, backend, chunk_size
         self.gather_across_devices = gather_across_devices
+        self._init_temperature(learnable_temperature, temperature)
+        self._check_options()
 
     def forward(self, sentence_features, labels=None):
         sentence_features = self._features(sentence_features)
@@ -95,8 +97,7 @@ class FastESCLLoss(FastLoss):
     def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
         anchors, positives, sensitive = self._columns(
             embeddings, f"{type(self).__name__} (with the sensitive view)", 3, 3)
-        kw = dict(temperature=self.temperature, weight=self.weight, rd=self.rd, margins=self.margins,
-                  backend=self.backend, chunk_size=self.chunk_size)
+        kw = dict(self._options(), weight=self.weight, rd=self.rd, margins=self.margins)
         ids = self._ids(duplicate_ids)
         if not self._gathering():
             return fastcl.escl_loss(anchors, positives, sensitive,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastcl import citations, common
 
-from ._base import FastLoss, SentenceTransformer, documented, number
+from ._base import FastLoss, SentenceTransformer, documented
 
 __all__ = ["FastFocalInfoNCELoss"]
 
@@ -36,6 +36,8 @@ class FastFocalInfoNCELoss(FastLoss):
             negative; needs exactly one negative column. 0: off.
         mask_duplicates: drop every candidate whose text equals that of the anchor's
             positive, as :class:`FastInfoNCELoss`.
+        learnable_temperature: learn τ with the model, as :class:`FastInfoNCELoss` (focal's
+            logits s(s+m)/τ: its gradient on the tiled path and the reference, not Triton's).
 
     Inputs:
         {inputs}
@@ -57,23 +59,21 @@ class FastFocalInfoNCELoss(FastLoss):
         {example}
     """
 
-    _config = ("temperature", "m", "hard_negative_weight", "mask_duplicates", "gather_across_devices",
-               "backend")
+    _spec_names = {"m": "focal_m"}
 
     def __init__(self, model: SentenceTransformer, temperature: float = common.TEMPERATURE,
                  m: float = common.FOCAL_M, backend: str = "auto", chunk_size: int | None = None,
                  gather_across_devices: bool = False, hard_negative_weight: float = 0.0,
-                 mask_duplicates: bool = False):
+                 mask_duplicates: bool = False, *, learnable_temperature: bool = False):
         super().__init__(model)
-        self.temperature = number("temperature", temperature, positive=True)
-        self.m, self.backend, self.chunk_size = number("m", m), backend, chunk_size
+        self.temperature, self.m, self.backend, self.chunk_size = temperature, m, backend, chunk_size
         self.gather_across_devices = gather_across_devices
-        self.hard_negative_weight = number("hard_negative_weight", hard_negative_weight)
-        self.mask_duplicates = bool(mask_duplicates)
+        self.hard_negative_weight, self.mask_duplicates = hard_negative_weight, bool(mask_duplicates)
+        self._init_temperature(learnable_temperature, temperature)
+        self._check_options()
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
-        return self._in_batch_loss(embeddings, temperature=self.temperature, focal_m=self.m,
-                                   duplicate_ids=self._ids(duplicate_ids))
+        return self._in_batch_loss(embeddings, duplicate_ids=self._ids(duplicate_ids))
 
     @property
     def citation(self) -> str:

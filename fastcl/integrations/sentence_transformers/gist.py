@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastcl import citations, layout
 
-from ._base import FastLoss, Guided, SentenceTransformer, documented, matryoshka, number
+from ._base import FastLoss, Guided, SentenceTransformer, documented
 
 __all__ = ["FastGISTEmbedLoss"]
 
@@ -52,6 +52,7 @@ class FastGISTEmbedLoss(Guided, FastLoss):
             ``cos(cos + m)/τ``). None: off.
         matryoshka_dims, matryoshka_weights: the loss of every prefix width, weighted and
             summed, as :class:`FastInfoNCELoss` (one pass per width here).
+        learnable_temperature: learn τ with the model, as :class:`FastInfoNCELoss`.
         mask_duplicates: also drop candidates with the same text as the anchor's positive
             (the guide's cosine of a duplicate is ~1 and drops it anyway unless the margin is
             negative).
@@ -77,36 +78,30 @@ class FastGISTEmbedLoss(Guided, FastLoss):
         {example}
     """
 
-    _config = ("temperature", "margin_strategy", "margin", "contrast_anchors", "contrast_positives",
-               "focal_m", "mask_duplicates", "matryoshka_dims", "matryoshka_weights",
-               "gather_across_devices", "backend")
     _local_anchor_block = True    # GISTEmbedLoss's anchor–anchor block: this process's anchors
+    _spec_names = {"margin": "guide_margin"}
 
     def __init__(self, model: SentenceTransformer, guide: SentenceTransformer, temperature: float = 0.01,
                  margin_strategy: str = "absolute", margin: float = 0.0, contrast_anchors: bool = True,
                  contrast_positives: bool = True, gather_across_devices: bool = False, *,
                  focal_m: float | None = None, mask_duplicates: bool = False, matryoshka_dims=None,
-                 matryoshka_weights=None, backend: str = "auto", chunk_size: int | None = None):
+                 matryoshka_weights=None, learnable_temperature: bool = False,
+                 backend: str = "auto", chunk_size: int | None = None):
         super().__init__(model)
         if guide is None:
             raise TypeError("FastGISTEmbedLoss needs a guide model (a SentenceTransformer)")
         self._init_guide(model, guide, "the frozen model whose cosines drop false negatives")
-        if margin_strategy not in layout.MARGIN_STRATEGIES:
-            raise ValueError(f"margin_strategy must be one of {layout.MARGIN_STRATEGIES}, got "
-                             f"{margin_strategy!r}")
-        self.temperature = number("temperature", temperature, positive=True)
-        self.margin_strategy, self.margin = margin_strategy, number("margin", margin)
+        self.temperature, self.margin_strategy, self.margin = temperature, margin_strategy, margin
         self.contrast_anchors, self.contrast_positives = bool(contrast_anchors), bool(contrast_positives)
         self.gather_across_devices, self.focal_m = gather_across_devices, focal_m
         self.mask_duplicates, self.backend, self.chunk_size = bool(mask_duplicates), backend, chunk_size
-        self.hard_negative_weight = 0.0
-        self.matryoshka_dims, self.matryoshka_weights = matryoshka(matryoshka_dims, matryoshka_weights)
+        self.matryoshka_dims, self.matryoshka_weights = matryoshka_dims, matryoshka_weights
         self._layout = layout.gist(self.contrast_anchors, self.contrast_positives)
+        self._init_temperature(learnable_temperature, temperature)
+        self._check_options()
 
-    def _rules(self) -> dict:
-        return dict(directions=self._layout,
-                    guide_margin=self.margin, margin_strategy=self.margin_strategy,
-                    matryoshka_dims=self.matryoshka_dims, matryoshka_weights=self.matryoshka_weights)
+    def _options(self) -> dict:
+        return {**super()._options(), "directions": self._layout}
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, guide_embeddings=None,
                                      duplicate_ids=None):
@@ -118,8 +113,8 @@ class FastGISTEmbedLoss(Guided, FastLoss):
         if len(guide_embeddings) != len(embeddings):
             raise ValueError(f"guide_embeddings has {len(guide_embeddings)} columns but the "
                              f"embeddings have {len(embeddings)}")
-        return self._in_batch_loss(embeddings, temperature=self.temperature, focal_m=self.focal_m,
-                                   guide=guide_embeddings, duplicate_ids=self._ids(duplicate_ids))
+        return self._in_batch_loss(embeddings, guide=guide_embeddings,
+                                   duplicate_ids=self._ids(duplicate_ids))
 
     @property
     def citation(self) -> str:

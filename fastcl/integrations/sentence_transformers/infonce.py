@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fastcl import citations, common, layout
+from fastcl import citations, common
 
-from ._base import FastLoss, SentenceTransformer, cos_sim, documented, matryoshka, number
+from ._base import FastLoss, SentenceTransformer, cos_sim, documented, number
 
 __all__ = ["FastInfoNCELoss"]
 
@@ -61,6 +61,9 @@ class FastInfoNCELoss(FastLoss):
             (MNRL's options included; on the Triton backend: a fused call per width). None:
             off.
         matryoshka_weights: the ``w_k`` (default: all 1).
+        learnable_temperature: learn τ with the model: a parameter of the loss, ``log_scale =
+            log(1/τ)`` (CLIP's logit scale), starting at ``log(scale)``; ``temperature`` then
+            reads its current value. Needs sentence-transformers ≥ 6.2.
 
     Inputs:
         {inputs}
@@ -85,51 +88,35 @@ class FastInfoNCELoss(FastLoss):
         {example}
     """
 
-    _config = ("scale", "directions", "partition_mode", "hardness_mode", "hardness_strength",
-               "symmetric", "hard_negative_weight", "focal_m", "mask_duplicates",
-               "matryoshka_dims", "matryoshka_weights", "gather_across_devices", "backend")
-
     def __init__(self, model: SentenceTransformer, scale: float = 1.0 / common.TEMPERATURE,
                  similarity_fct=cos_sim, gather_across_devices: bool = False,
                  directions: tuple[str, ...] = ("query_to_doc",), partition_mode: str = "joint",
                  hardness_mode: str | None = None, hardness_strength: float = 0.0, *,
                  symmetric: bool = False, hard_negative_weight: float = 0.0,
                  focal_m: float | None = None, mask_duplicates: bool = False,
-                 matryoshka_dims=None, matryoshka_weights=None,
+                 matryoshka_dims=None, matryoshka_weights=None, learnable_temperature: bool = False,
                  backend: str = "auto", chunk_size: int | None = None):
         super().__init__(model)
         if similarity_fct is not cos_sim:
             raise ValueError("FastInfoNCELoss computes cosine similarity: similarity_fct must be "
                              "sentence_transformers.util.cos_sim")
         self.scale = number("scale", scale, positive=True)
-        self.directions = tuple(directions) if not isinstance(directions, str) else directions
-        layout.from_directions(self.directions, partition_mode)       # checked here, by name
-        if hardness_mode is not None and hardness_mode not in layout.HARDNESS_MODES:
-            raise ValueError(f"hardness_mode must be None or one of {layout.HARDNESS_MODES}, "
-                             f"got {hardness_mode!r}")
-        self.partition_mode, self.hardness_mode = partition_mode, hardness_mode
-        self.hardness_strength = number("hardness_strength", hardness_strength)
-        if self.hardness_strength < 0:
-            raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+        self.directions = tuple(directions) if isinstance(directions, list) else directions
         if symmetric and (self.directions != ("query_to_doc",) or partition_mode != "joint"):
             raise ValueError("symmetric=True is directions=('query_to_doc', 'doc_to_query'), "
                              "partition_mode='per_direction': give one or the other")
-        self.similarity_fct, self.symmetric = similarity_fct, bool(symmetric)
-        self.hard_negative_weight = number("hard_negative_weight", hard_negative_weight)
+        self.similarity_fct, self.symmetric = similarity_fct, symmetric
+        self.partition_mode, self.hardness_mode = partition_mode, hardness_mode
+        self.hardness_strength, self.hard_negative_weight = hardness_strength, hard_negative_weight
+        self.focal_m, self.mask_duplicates = focal_m, bool(mask_duplicates)
+        self.matryoshka_dims, self.matryoshka_weights = matryoshka_dims, matryoshka_weights
         self.backend, self.chunk_size = backend, chunk_size
         self.gather_across_devices = gather_across_devices
-        self.focal_m = None if focal_m is None else number("focal_m", focal_m)
-        self.mask_duplicates = bool(mask_duplicates)
-        self.matryoshka_dims, self.matryoshka_weights = matryoshka(matryoshka_dims, matryoshka_weights)
-
-    def _rules(self) -> dict:
-        return dict(directions=self.directions, partition_mode=self.partition_mode,
-                    hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength,
-                    matryoshka_dims=self.matryoshka_dims, matryoshka_weights=self.matryoshka_weights)
+        self._init_temperature(learnable_temperature, 1.0 / self.scale)
+        self._check_options()
 
     def compute_loss_from_embeddings(self, embeddings, labels=None, duplicate_ids=None):
-        return self._in_batch_loss(embeddings, temperature=1.0 / self.scale, focal_m=self.focal_m,
-                                   symmetric=self.symmetric, duplicate_ids=self._ids(duplicate_ids))
+        return self._in_batch_loss(embeddings, duplicate_ids=self._ids(duplicate_ids))
 
     @property
     def temperature(self) -> float:

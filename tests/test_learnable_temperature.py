@@ -1,0 +1,302 @@
+"""A learnable temperature: ``temperature`` a 0-dim tensor that requires grad.
+
+∂L/∂τ on every backend equals autograd through the float64 reference (which equals the
+literal formula ``−(1/τ²)·(1/N)·Σ_ij (p_ij − y_ij)·f_ij``, f the logits' numerator: s, or
+focal's s² on the positive and s(s+m) elsewhere); the reference passes float64 gradcheck.
+Tolerances: the reference against the formula 1e-9 (relative), tiled float64 against the
+reference ``conftest.TOL[float64]``, Triton's interpreter on float32 inputs against the
+float64 reference on the same rounded inputs ``atol = rtol = 1e-4`` (tests/test_contrastive.py's).
+"""
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+import fastcl
+
+from conftest import TOL, correlated, make
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+TRITON_TOL = dict(atol=1e-4, rtol=1e-4)
+TAU = 0.2
+
+
+def _comp(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    c = torch.nn.functional.one_hot(torch.arange(n) % 3, 3).double()
+    return c + 0.05 * torch.randn(n, 3, generator=g, dtype=torch.float64)
+
+
+def _features(a, p, x):
+    """name -> the keyword arguments of fastcl.contrastive (besides temperature), with
+    ``negatives`` among them: every feature whose logits are ``s/τ`` plus terms free of τ."""
+    n, d = a.shape
+    comp = (_comp(n, 1).to(a.dtype), _comp(n, 2).to(a.dtype))
+    ids = torch.arange(max(n, x.shape[0])) % 3
+    guide = [correlated(t.detach(), 0.3, seed=9).detach() for t in (a, p, x)]
+    return {
+        "plain": {},
+        "negatives": dict(negatives=x),
+        "hard": dict(negatives=x[:n], hard_negative_weight=0.7),
+        "symmetric": dict(symmetric=True),
+        "mask": dict(complementary=comp, phi=0.5),
+        "released": dict(complementary=comp, phi=0.5, noise=x, noise_steps=0,
+                         formulation="released"),
+        "noise": dict(noise=x, noise_steps=2),      # Z carries no gradient, to τ neither
+        "directions": dict(negatives=x[:n], directions=("query_to_doc", "query_to_query",
+                                                         "doc_to_query", "doc_to_doc"),
+                           hardness_mode="all_negatives", hardness_strength=0.5,
+                           duplicate_ids=(ids[:n], ids[:n], ids[:n])),
+        "per-direction": dict(directions=("query_to_doc", "doc_to_query"),
+                              partition_mode="per_direction"),
+        "gist": dict(negatives=x, directions=fastcl.layout.gist(), guide=tuple(guide),
+                     guide_margin=0.05),
+        "matryoshka": dict(negatives=x, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.5)),
+        # focal logits s²/τ, s(s+m)/τ: the torch engine's epilogue adds the row sum they need
+        "focal": dict(negatives=x[:n], focal_m=0.3, hard_negative_weight=0.4),
+        "focal-gist": dict(negatives=x, directions=fastcl.layout.gist(), guide=tuple(guide),
+                           focal_m=-0.2),
+        "focal-symmetric": dict(symmetric=True, focal_m=0.5),
+    }
+
+
+FEATURES = list(_features(make(2, 3), make(2, 3), make(2, 3)))
+#: (N anchors, K extra rows, d): one anchor; rows and columns off the tiles (chunks of 3,
+#: Triton's 16-row tiles) and an odd width
+SHAPES = [(1, 1, 3), (7, 7, 5), (17, 17, 9)]
+
+
+def _grads(backend, features, shape, dtype, wide=False):
+    """The loss and its gradients (τ, anchors, positives[, negatives]) on ``backend``;
+    ``wide``: in float64, from the inputs as ``dtype`` rounds them."""
+    n, k, d = shape
+    rounded = lambda x: x.detach().double().requires_grad_() if wide else x  # noqa: E731
+    a = make(n, d, dtype=dtype, seed=n + d)
+    p, a, x = rounded(correlated(a, 0.8)), rounded(a), rounded(make(k, d, dtype=dtype, seed=3))
+    tau = torch.tensor(TAU, dtype=torch.float64 if wide else dtype, requires_grad=True)
+    kw = _features(a, p, x)[features]
+    for key in ("complementary", "guide"):
+        if key in kw and wide:   # the frozen models' embeddings as the call in dtype had them
+            kw[key] = tuple(t.to(dtype).double() for t in kw[key])
+    loss = fastcl.contrastive(a, p, temperature=tau, backend=backend,
+                              chunk_size=None if backend == "reference" else 3, **kw)
+    inputs = [tau, a, p] + ([kw["negatives"]] if "negatives" in kw else [])
+    return [loss] + list(torch.autograd.grad(loss, inputs))
+
+
+#: Triton's interpreter takes the largest shape with a covering set of the features
+GRID = [(be, f, shape) for be in ("tiled", "triton") for f in FEATURES for shape in SHAPES
+        if be == "tiled" or (not f.startswith("focal") and (shape[0] <= 7 or f in (
+            "plain", "gist", "matryoshka")))]
+
+
+@pytest.mark.parametrize("backend,features,shape", [
+    pytest.param(*case, marks=needs_triton if case[0] == "triton" else (),
+                 id=f"{case[0]}-{case[1]}-{'x'.join(map(str, case[2]))}") for case in GRID])
+def test_temperature_gradient_matches_the_reference(backend, features, shape):
+    """The loss, ∂L/∂τ and every embedding's gradient (the learnable τ changes none of them)."""
+    dtype = torch.float64 if backend == "tiled" else torch.float32
+    got = _grads(backend, features, shape, dtype)
+    want = _grads("reference", features, shape, dtype, wide=True)
+    tol = TOL[torch.float64] if backend == "tiled" else TRITON_TOL
+    for name, g, w in zip(["loss", "tau", "anchors", "positives", "negatives"], got, want):
+        torch.testing.assert_close(g.double(), w, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def _literal(a, p, x, tau, focal_m=None):
+    """−(1/τ²)·(1/N)·Σ_ij (p_ij − y_ij)·f_ij, in float64, from the whole matrix."""
+    s = torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(
+        torch.cat([p, x]), dim=1).T
+    eye = torch.zeros_like(s, dtype=torch.bool)
+    eye[range(a.shape[0]), range(a.shape[0])] = True
+    f = s if focal_m is None else torch.where(eye, s * s, s * (s + focal_m))
+    y = eye.double()
+    return -((torch.softmax(f / tau, dim=1) - y) * f).sum() / (tau * tau * a.shape[0])
+
+
+@pytest.mark.parametrize("focal_m", [None, 0.3])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_reference_is_the_literal_formula_and_passes_gradcheck(shape, focal_m):
+    n, k, d = shape
+    a, x = make(n, d, dtype=torch.float64, grad=False), make(k, d, dtype=torch.float64, seed=3, grad=False)
+    p = correlated(a, 0.8)
+    tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
+    loss = fastcl.contrastive(a, p, x, temperature=tau, focal_m=focal_m, backend="reference")
+    (got,) = torch.autograd.grad(loss, tau)
+    want = _literal(a, p, x, TAU, focal_m)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-9)
+    assert torch.autograd.gradcheck(
+        lambda t: fastcl.contrastive(a, p, x, temperature=t, focal_m=focal_m, backend="reference"),
+        (tau,))
+
+
+@pytest.mark.parametrize("backend", ["tiled", pytest.param("triton", marks=needs_triton)])
+def test_only_the_temperature_learns(backend):
+    """Embeddings without grad: the backward still forms the rows' sums ∂L/∂τ reads."""
+    dtype = torch.float64 if backend == "tiled" else torch.float32
+    a, x = make(7, 5, dtype=dtype, grad=False), make(7, 5, dtype=dtype, seed=3, grad=False)
+    p = correlated(a, 0.8)
+    tau = torch.tensor(TAU, dtype=dtype, requires_grad=True)
+    (got,) = torch.autograd.grad(fastcl.infonce(a, p, x, temperature=tau, backend=backend), tau)
+    want = _literal(a.double(), p.double(), x.double(), TAU)
+    torch.testing.assert_close(got.double(), want, **(TOL[dtype] if backend == "tiled" else TRITON_TOL))
+    if backend == "tiled":
+        assert torch.autograd.gradcheck(lambda t: fastcl.infonce(a, p, x, temperature=t, backend="tiled"),
+                                        (tau,))
+
+
+def test_infonce_dclr_and_escl_take_it_too():
+    a, p = make(6, 4, dtype=torch.float64), correlated(make(6, 4, dtype=torch.float64))
+    s = correlated(a, 1.0, seed=5).detach()
+    for fn in (lambda t, be: fastcl.infonce(a, p, temperature=t, symmetric=True, backend=be),
+               lambda t, be: fastcl.dclr_loss(a, p, temperature=t, noise=p.detach(), noise_steps=1,
+                                              backend=be),
+               lambda t, be: fastcl.escl_loss(a, p, s, temperature=t, backend=be)):
+        got, want = ((tau := torch.tensor(TAU, dtype=torch.float64, requires_grad=True),
+                      torch.autograd.grad(fn(tau, be), (tau, a, p)))[1] for be in ("tiled", "reference"))
+        torch.testing.assert_close(got, want, **TOL[torch.float64])
+
+
+BAD = {"two-elements": (torch.tensor([0.1, 0.2]), r"^temperature must be a number or a tensor of one"),
+       "negative": (torch.tensor(-0.1), r"^temperature must be > 0"),
+       "zero": (torch.tensor(0.0), r"^temperature must be > 0"),
+       "nan": (torch.tensor(float("nan")), r"^temperature must be finite"),
+       "inf": (torch.tensor(float("inf")), r"^temperature must be finite"),
+       "focal-triton": (torch.tensor(TAU), r"^a learnable temperature .* with focal_m has its "
+                        r"gradient on backend='reference' or 'tiled' only"),
+       "focal-matryoshka": (torch.tensor(TAU), r"^a learnable temperature .* with focal_m and "
+                            r"matryoshka_dims has its gradient on backend='reference' only")}
+
+
+@pytest.mark.parametrize("backend,case", [(be, case) for be in ("reference", "tiled") for case in BAD
+                                          if not (be == "reference" and case.startswith("focal"))])
+def test_a_bad_temperature_tensor_is_refused_by_name(backend, case):
+    a, (value, match) = make(4, 3), BAD[case]
+    focal = dict(focal_m=0.3, matryoshka_dims=(2, 3)) if case == "focal-matryoshka" else dict(
+        focal_m=0.3, backend="triton") if case == "focal-triton" else {}
+    with pytest.raises(ValueError, match=match):
+        fastcl.contrastive(a, correlated(a), temperature=value.clone().requires_grad_(),
+                           **{"backend": backend, **focal})
+
+
+def test_compiled_learnable_temperature_equals_eager_without_a_graph_break():
+    import torch._dynamo as dynamo
+    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
+    fn = lambda a, p, t: fastcl.contrastive(a, p, temperature=t, matryoshka_dims=(4, 8),  # noqa: E731
+                                            backend="tiled")
+    a, tau = make(12, 8), torch.tensor(TAU, requires_grad=True)
+    p = correlated(a)
+    dynamo.reset()
+    explained = dynamo.explain(fn)(a, p, tau)
+    assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
+    dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=True)
+    got = torch.autograd.grad(compiled(a, p, tau), (tau, a))
+    want = torch.autograd.grad(fn(a, p, tau), (tau, a))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        compiled(a, p, torch.tensor(-1.0, requires_grad=True))
+
+
+# --------------------------------------------------------------------------- sentence-transformers
+
+def _st_model(tmp_path):
+    st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
+    from test_evaluate import make_tiny_model
+    return st.SentenceTransformer(str(make_tiny_model(tmp_path / "bert")), device="cpu")
+
+
+def test_st_losses_learn_their_temperature_in_the_trainer(tmp_path):
+    """The loss's log_scale is in the trainer's optimizer, moves over a few steps, and the
+    cached loss gives it the plain loss's gradient through GradCache's two passes."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    from fastcl.integrations.sentence_transformers import CachedFastInfoNCELoss, FastInfoNCELoss
+    from test_evaluate import random_sentence
+    import random
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    model = _st_model(tmp_path)
+    rng = random.Random(0)
+    sentences = [random_sentence(rng) for _ in range(16)]
+    embs = [torch.randn(8, 32, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+    losses = [cls(model, scale=20.0, learnable_temperature=True, backend="tiled")
+              for cls in (FastInfoNCELoss, CachedFastInfoNCELoss)]
+    model.eval()          # the same embeddings in both passes
+    features = [model.tokenize(sentences[:8]), model.tokenize(sentences[8:])]
+    for loss in losses:
+        assert loss.current_temperature == pytest.approx(0.05)
+        loss([dict(f) for f in features], None).backward()
+    torch.testing.assert_close(losses[1].log_scale.grad, losses[0].log_scale.grad)
+    want = torch.autograd.grad(fastcl.contrastive(
+        *embs, temperature=torch.exp(-losses[0].log_scale), backend="reference"), losses[0].log_scale)
+    got = torch.autograd.grad(losses[0].compute_loss_from_embeddings(embs), losses[0].log_scale)
+    torch.testing.assert_close(got, want)
+
+    model.train()
+    loss = FastInfoNCELoss(model, learnable_temperature=True, backend="tiled")
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=8, report_to="none",
+        save_strategy="no", use_cpu=True, learning_rate=0.05, dataloader_drop_last=True, seed=0)
+    trainer = SentenceTransformerTrainer(model=model, args=args, loss=loss,
+                                         train_dataset=Dataset.from_dict({"anchor": sentences,
+                                                                          "positive": sentences}))
+    trainer.train()
+    assert any(p is loss.log_scale for group in trainer.optimizer.param_groups for p in group["params"])
+    assert loss.current_temperature != pytest.approx(0.05, rel=1e-3)
+    assert loss.get_config_dict()["learnable_temperature"] is True
+
+
+def test_st_losses_refuse_a_bad_option_where_they_are_built(tmp_path):
+    """Every option through build_spec's checks at construction, named as the constructor
+    names it (the spec calls focal's m focal_m and GIST's margin guide_margin)."""
+    from fastcl.integrations.sentence_transformers import (FastFocalInfoNCELoss, FastGISTEmbedLoss,
+                                                           FastInfoNCELoss)
+    model = _st_model(tmp_path)
+    for build, match in [
+            (lambda: FastInfoNCELoss(model, hardness_mode="easy"), r"^hardness_mode must be one of"),
+            (lambda: FastInfoNCELoss(model, matryoshka_dims=(4, 4)), r"^matryoshka_dims has a width twice"),
+            (lambda: FastInfoNCELoss(model, backend="cuda"), r"^backend must be one of"),
+            (lambda: FastFocalInfoNCELoss(model, m=float("nan")), r"^m must be finite"),
+            (lambda: FastFocalInfoNCELoss(model, learnable_temperature=True, backend="triton"),
+             r"learnable temperature .* with m has its gradient on backend='reference' or 'tiled'"),
+            (lambda: FastGISTEmbedLoss(model, model, margin=float("inf")), r"^margin must be finite")]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            build()
+
+
+def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monkeypatch):
+    """fastcl-train --learnable_temperature: the value in each step's log record, moving;
+    each checkpoint holds it and a resumed trainer takes it back."""
+    from fastcl.trainer import run as train
+    from fastcl.trainer.build import Trainer
+    from fastcl.trainer.logs import read_log
+    from test_train import base_args, make_tiny
+    tiny = make_tiny(tmp_path / "tiny")
+    out = tmp_path / "run"
+    assert train.main(base_args(tiny, out, steps=4, learnable_temperature=True, save_steps=2,
+                                temperature=0.1, learning_rate=0.05)) == 0
+    values = [r["temperature"] for r in read_log(out) if r["type"] == "step"]
+    assert len(values) == 4 and values[-1] != pytest.approx(0.1, rel=1e-3)
+    saved = torch.load(out / "checkpoint-4" / Trainer.LOSS_PARAMETERS)
+    assert float(torch.exp(-saved["own.0"])) == pytest.approx(values[-1], rel=1e-4)
+
+    import datasets
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
+
+    from fastcl.trainer import build_trainer
+    trainer = build_trainer("simcse", SentenceTransformer(str(out / train.MODEL_DIR), device="cpu"),
+                            datasets.Dataset.from_dict({"sentence": ["a b", "c d"]}),
+                            args=SentenceTransformerTrainingArguments(str(tmp_path / "again"), use_cpu=True,
+                                                                      report_to="none"),
+                            temperature=0.1, learnable_temperature=True)
+    assert trainer.loss.current_temperature == pytest.approx(0.1)
+    # what --resume calls (the model's own part, sentence-transformers', left out here)
+    monkeypatch.setattr(SentenceTransformerTrainer, "_load_from_checkpoint", lambda self, path: None)
+    trainer._load_from_checkpoint(str(out / "checkpoint-4"))
+    assert trainer.loss.current_temperature == pytest.approx(values[-1], rel=1e-4)
