@@ -254,31 +254,23 @@ class Trainer(SentenceTransformerTrainer):
     export_max_seq_length = None
     LOSS_PARAMETERS = "loss_parameters.pt"   # a checkpoint's parameters of the loss itself (τ)
 
-    def _fastcl_loss(self):
-        """fastcl's loss inside its wrappers (AugmentedPositives' ``loss``)."""
-        loss = self.loss
-        while not hasattr(loss, "_own_parameters") and hasattr(loss, "loss"):
-            loss = loss.loss
-        return loss
-
-    def _own(self) -> dict:
-        """The loss's own parameters (a learnable temperature) by name."""
-        return {f"own.{i}": p for i, p in enumerate(self._fastcl_loss()._own_parameters())}
+    def _own(self) -> tuple:
+        """fastcl's loss (inside AugmentedPositives) and its own parameters by name (τ learned)."""
+        loss = self.loss if hasattr(self.loss, "_own_parameters") else self.loss.loss
+        return loss, {f"own.{i}": p for i, p in enumerate(loss._own_parameters())}
 
     def log(self, logs, *args, **kwargs):
-        """A learnable temperature's value beside each step's loss."""
-        loss = self._fastcl_loss()
-        if loss.learnable_temperature and "loss" in logs:
+        loss, own = self._own()
+        if own and "loss" in logs:   # a learnable temperature's value beside each step's loss
             logs["temperature"] = loss.current_temperature
         super().log(logs, *args, **kwargs)
 
     def _load_from_checkpoint(self, checkpoint_path: str) -> None:
         super()._load_from_checkpoint(checkpoint_path)
-        path = Path(checkpoint_path) / self.LOSS_PARAMETERS
-        own = self._own()
+        own, path = self._own()[1], Path(checkpoint_path) / self.LOSS_PARAMETERS
         if own and path.is_file():
             with torch.no_grad():
-                for name, value in files.load_tensors(path).items():   # tensors only
+                for name, value in files.load_tensors(path).items():   # weights_only
                     own[name].copy_(value)
 
     def _save_checkpoint(self, model, trial):
@@ -298,9 +290,8 @@ class Trainer(SentenceTransformerTrainer):
                           "--resume") from err
         finally:
             self.args.save_total_limit, own.max_seq_length = limit, cut
-        if self.args.should_save and self._own():
-            torch.save({k: v.detach().cpu() for k, v in self._own().items()},
-                       folder / self.LOSS_PARAMETERS)
+        if self.args.should_save and (params := self._own()[1]):
+            torch.save({k: v.detach().cpu() for k, v in params.items()}, folder / self.LOSS_PARAMETERS)
         if self.args.should_save:
             files.crash_point("checkpoint-manifest")
             files.write_manifest(folder)
