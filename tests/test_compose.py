@@ -37,7 +37,7 @@ def test_trainer_focal_m_changes_the_loss(tiny, tmp_path):  # noqa: F811
     ("focal", {"focal_m": 0.3}, "--focal_m applies to --method simcse, simcse-sup or dclr only; "
                                 "--method focal takes its margin as --m"),
     ("escl", {"focal_m": 0.3}, "--focal_m applies to --method"),
-    ("dclr", {"focal_m": 0.3, "dclr_formulation": "released"}, "--focal_m combines with"),
+    ("dclr", {"focal_m": 0.3, "dclr_formulation": "released"}, "got --focal_m as well"),
 ])
 def test_trainer_refuses_focal_m_where_it_does_not_apply(tiny, tmp_path, capsys, method, extra,  # noqa: F811
                                                          message):

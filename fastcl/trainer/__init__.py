@@ -4,9 +4,9 @@
 poolers, :mod:`.run` the run folder and resume, :mod:`.logs` records; docs/training.md."""
 
 from .build import build_trainer, load_model
-from .cli import SAMPLES, FastclArguments, build_parser, resolve_args
+from .cli import SAMPLES, FastclArguments, ObjectiveArguments, build_parser, resolve_args
 from .logs import LOG, read_log
 from .run import MODEL_DIR, RESULTS, main
 
-__all__ = ["build_trainer", "load_model", "main", "FastclArguments", "SAMPLES", "build_parser",
+__all__ = ["build_trainer", "load_model", "main", "FastclArguments", "ObjectiveArguments", "SAMPLES", "build_parser",
            "resolve_args", "read_log", "LOG", "MODEL_DIR", "RESULTS"]

@@ -1,10 +1,14 @@
 """:func:`build_trainer`, the Python API the command line calls too, and its parts: the model
-(:func:`load_model`), the losses' columns (:func:`examples`: an unsupervised method's sentence
-twice, its two dropout views) and the method's fastcl loss (:func:`build_loss`)."""
+(:func:`load_model`), the losses' columns (:func:`examples`) and the method's fastcl loss
+(:func:`build_loss`), its options (:class:`ObjectiveArguments`) checked by
+:func:`fastcl.spec.build_spec` (:func:`check_objective`)."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -26,41 +30,67 @@ except ImportError:  # pragma: no cover - older releases
 
 METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
 SUPERVISED = ("simcse-sup",)
-# The objective's options: name -> (the methods that read it, its default; None: the loss's
-# own, for DCLR's phi and noise ratio by model family, FAMILY_DEFAULTS).
-METHOD_OPTIONS = {
-    "hard_negative_weight": (("simcse-sup",), 0.0),
-    "focal_m": (("simcse", "simcse-sup", "dclr"), None),
-    "mask_duplicates": (METHODS, None),
-    "phi": (("dclr",), None),
-    "noise_ratio": (("dclr",), None),
-    "noise_steps": (("dclr",), common.NOISE_STEPS),
-    "noise_lr": (("dclr",), common.NOISE_LR),
-    "noise_std": (("dclr",), common.NOISE_STD),
-    "dclr_formulation": (("dclr",), "paper"),
-    "complementary": (("dclr",), None),
-    "complementary_pooler": (("dclr",), None),
-    "complementary_mode": (("dclr",), "frozen"),
-    "m": (("focal",), common.FOCAL_M),
-    "false_negative_margin": (("simcse", "simcse-sup", "focal"), None),
-    "positive_prior": (("simcse", "simcse-sup", "focal"), None),
-    "rd_weight": (("escl",), common.ESCL_WEIGHT),
-    "rd": (("escl",), common.ESCL_RD),
-    "sensitive_dropout": (("escl",), common.SENSITIVE_DROPOUT),
-    "label_smoothing": (("simcse", "simcse-sup", "focal", "dclr"), 0.0),
-    "premise_labels": (("simcse-sup",), False),
-    "teacher": (("simcse", "simcse-sup"), None),
-    "teacher_temperature": (("simcse", "simcse-sup"), None),
-    "distill_weight": (("simcse", "simcse-sup"), 0.5),
-}
-GENERAL = {"temperature": common.TEMPERATURE, "learnable_temperature": False, "mini_batch_size": None,
-           "augment": None}
-FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),
+LOSSES = {"simcse": "FastInfoNCELoss", "simcse-sup": "FastInfoNCELoss", "dclr": "FastDCLRLoss",
+          "focal": "FastFocalInfoNCELoss", "escl": "FastESCLLoss"}   # Cached<name>: --mini_batch_size
+LOSS_NAMES = {"rd_weight": "weight", "dclr_formulation": "formulation",
+              "premise_labels": "class_labels"}   # where a loss says otherwise
+GENERAL = ("mini_batch_size", "augment")   # options of every method, not of its loss class
+GUIDE = ("complementary", "complementary_pooler", "complementary_mode")   # DCLR's guide model
+MODELS = GUIDE + ("teacher",)   # options naming a model: loaded, not values of the spec
+FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),   # DCLR's, by the model's family
                    "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
 MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")   # the packaged weights
 DEV = "dev"   # the dev evaluator's metrics: eval_dev_<task>, eval_dev_avg
 SELECT = {"stsb": "stsb-dev", "avg": "avg"}   # --select: the metric that picks the best step
 CHECKPOINT_PREFIX = "checkpoint-"
+
+
+def _opt(default=None, help="", **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ObjectiveArguments:
+    """The objective's options (``None``: the loss's default). A new loss option is one field
+    here: the method's loss class receives it under its name (:data:`LOSS_NAMES` where the
+    class calls it otherwise); a method whose loss class has no such keyword refuses it; where
+    :func:`fastcl.spec.build_spec` has the keyword, it checks the value as the options are
+    parsed (else the loss class does, when it is built)."""
+
+    temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
+    learnable_temperature: bool = _opt(False, "learn the temperature with the model, from --temperature "
+                                       "(logged as temperature)")
+    hard_negative_weight: float | None = _opt(help="simcse-sup: log-weight of the hard negative")
+    focal_m: float | None = _opt(help="simcse, simcse-sup, dclr: Focal-InfoNCE's modulation")
+    mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive (true/false)")
+    phi: float | None = _opt(help=f"dclr: drop negatives whose guide cosine >= phi ({common.PHI})")
+    noise_ratio: float | None = _opt(help=f"dclr: noise negatives per anchor ({common.NOISE_RATIO:g})")
+    noise_steps: int | None = _opt(help=f"dclr: ascent steps on the noise ({common.NOISE_STEPS})")
+    noise_lr: float | None = _opt(help=f"dclr: noise step size ({common.NOISE_LR:g})")
+    noise_std: float | None = _opt(help=f"dclr: initial noise std ({common.NOISE_STD:g})")
+    dclr_formulation: str | None = _opt(help="dclr: the paper's loss or the released code's",
+                                        choices=("paper", "released"))
+    m: float | None = _opt(help=f"focal: margin of the negative logits ({common.FOCAL_M})")
+    rd_weight: float | None = _opt(help=f"escl: weight of the relative difference ({common.ESCL_WEIGHT:g})")
+    rd: str | None = _opt(help="escl: the relative difference's form", choices=("softplus", "margin"))
+    sensitive_dropout: float | None = _opt(help=f"escl: third view's dropout ({common.SENSITIVE_DROPOUT})")
+    false_negative_margin: float | None = _opt(help="simcse, simcse-sup, focal: drop candidates "
+                                               "whose cosine beats the positive's by more")
+    positive_prior: float | None = _opt(help="simcse, simcse-sup, focal: the debiased loss's class "
+                                        "prior tau+ in [0, 1)")
+    label_smoothing: float | None = _opt(help="simcse, simcse-sup, focal, dclr: the uniform share "
+                                         "of each row's target, in [0, 1) (0)")
+    premise_labels: bool | None = _opt(help="simcse-sup: every positive of the anchor's premise "
+                                       "is a target (with --batch_sampler group_by_label)")
+    teacher: str | None = _opt(help="simcse, simcse-sup: a frozen teacher encoder whose in-batch "
+                               "similarities the loss distils (a sentence-transformers model)")
+    teacher_temperature: float | None = _opt(help="simcse, simcse-sup: the teacher's softmax "
+                                             "temperature (default: --temperature)")
+    distill_weight: float | None = _opt(help="simcse, simcse-sup: the teacher's share of each "
+                                        "row's target, in [0, 1] (0.5)")
+
+
+OBJECTIVE = tuple(f.name for f in fields(ObjectiveArguments))
 
 
 def world_size() -> int:
@@ -73,29 +103,45 @@ def on_cpu(args) -> bool:
     return bool(args.use_cpu) or (world_size() > 1 and not torch.cuda.is_available())
 
 
+def loss_class(method: str, cached: bool = False):
+    from fastcl.integrations import sentence_transformers as st
+    return getattr(st, ("Cached" if cached else "") + LOSSES[method])
+
+
 def check_objective(method: str, options: dict) -> None:
-    """Every option of ``options`` is an objective option that ``method`` reads, in range;
-    errors name the option as the command line spells it."""
+    """``options`` (objective options that have a value) apply to ``method`` (its loss class
+    takes each), and their values pass :func:`fastcl.spec.build_spec` on a stand-in batch.
+    Errors name the options as the command line spells them."""
+    from fastcl import augment
+    from fastcl.spec import build_spec
+
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    for name, value in options.items():
-        if name not in METHOD_OPTIONS and name not in GENERAL:
-            raise ValueError(f"{name!r} is no objective option; they are "
-                             f"{', '.join([*GENERAL, *METHOD_OPTIONS])}")
-        methods = METHOD_OPTIONS.get(name, (METHODS,))[0]
-        if value is not None and method not in methods:
+    for name in options:
+        if name not in (*OBJECTIVE, *GENERAL, *GUIDE):
+            raise ValueError(f"{name!r} is no objective option; they are {', '.join([*OBJECTIVE, *GENERAL, *GUIDE])}")
+        methods = [m for m in METHODS if {LOSS_NAMES.get(name, name), "scale" if name == "temperature" else ""}
+                   & set(inspect.signature(loss_class(m)).parameters) or name in GUIDE and m == "dclr"]
+        if name not in GENERAL and method not in methods:
             hint = "; --method focal takes its margin as --m" if name == "focal_m" else ""
-            ms = methods[0] if len(methods) == 1 else f"{', '.join(methods[:-1])} or {methods[-1]}"
-            raise ValueError(f"--{name} applies to --method {ms} only{hint}")
-    ranges = {"phi": (-1, 1, "in [-1, 1]"), "noise_ratio": (0, None, ">= 0"), "noise_steps": (0, None, ">= 0"),
-              "sensitive_dropout": (0, 0.999999, "in [0, 1)"), "noise_std": (1e-30, None, "> 0"),
-              "positive_prior": (0, 1 - 2**-53, "in [0, 1)"),
-              "label_smoothing": (0, 0.999999, "in [0, 1)"), "distill_weight": (0, 1, "in [0, 1]"),
-              "teacher_temperature": (1e-30, None, "> 0")}
-    for name, (low, high, text) in ranges.items():
-        v = options.get(name)
-        if v is not None and not (v >= low and (high is None or v <= high)):
-            raise ValueError(f"--{name} must be {text}, got {v}")
+            raise ValueError(f"--{name} applies to --method {', '.join(methods[:-1])}"
+                             f"{' or ' if len(methods) > 1 else ''}{methods[-1]} only{hint}")
+    if "augment" in options and method in SUPERVISED:
+        raise ValueError(f"--augment applies to the unsupervised methods (it augments the second "
+                         f"copy of each sentence); {method} takes its positives from the data")
+    spec = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in MODELS}
+    if method == "focal" and "m" in spec:
+        spec.update(focal_m=spec.pop("m"), focal_name="--m")
+    x = torch.eye(2)
+    try:
+        augment.parse(options.get("augment"))
+        build_spec(x, x, x if method in SUPERVISED else None,
+                   **{k: v for k, v in spec.items() if k in inspect.signature(build_spec).parameters})
+    except (ValueError, TypeError) as err:   # the message with the command line's names
+        message = str(err)
+        for name in options:
+            message = re.sub(rf"(?<![-\w]){LOSS_NAMES.get(name, name)}\b", f"--{name}", message)
+        raise ValueError(message) from None
 
 
 def _is_sentence_transformers_folder(name: str, hub: bool = True) -> bool:
@@ -121,49 +167,39 @@ def model_path(name: str) -> str:
     return name
 
 
-def _transformer(name: str, arg: str):
-    """sentence-transformers' Transformer module of the Hugging Face encoder ``name``; a
-    missing folder or a hub name that cannot be fetched is an error naming ``arg``."""
-    from .heads import Transformer
-
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        if path.exists() or _looks_like_path(name):
-            raise FileNotFoundError(f"{arg}: no such model folder: {name}")
-    elif not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{arg}: {path} has no config.json; is it a Hugging Face model folder?")
-    try:
-        return Transformer(str(path) if path.is_dir() else name)
-    except OSError as err:
-        if path.is_dir():
-            raise
-        raise _hub_error(name, arg, err) from err
-
-
 def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
                device: str | None = None, arg: str = "--model"):
     """A ``SentenceTransformer`` of ``name``: its own modules for a sentence-transformers model
-    when ``pooler`` is None; else its Transformer followed by the modules of ``pooler``."""
+    when ``pooler`` is None; else its Transformer followed by the modules of ``pooler``. A
+    missing folder or a hub name that cannot be fetched is an error naming ``arg``."""
     from fastcl.integrations.sentence_transformers._base import SentenceTransformer
 
-    from .heads import pooling_modules
+    from .heads import Transformer, pooling_modules
 
     name = model_path(name)
+    path = Path(name).expanduser()
+    if pooler is None and not _is_sentence_transformers_folder(name):
+        raise ValueError(f"{arg} {name} is not a sentence-transformers model: choose its pooler (--pooler)")
     if pooler is None:
-        if not _is_sentence_transformers_folder(name):
-            raise ValueError(f"{arg} {name} is not a sentence-transformers model: choose its "
-                             "pooler (--pooler)")
         return SentenceTransformer(name, device=device)
     if _is_sentence_transformers_folder(name, hub=False):
         transformer = SentenceTransformer(name, device="cpu")[0]
+    elif not path.is_dir() and (path.exists() or _looks_like_path(name)):
+        raise FileNotFoundError(f"{arg}: no such model folder: {name}")
+    elif path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{arg}: {path} has no config.json; is it a Hugging Face model folder?")
     else:
-        transformer = _transformer(name, arg)
+        try:
+            transformer = Transformer(str(path) if path.is_dir() else name)
+        except OSError as err:
+            if path.is_dir():
+                raise
+            raise _hub_error(name, arg, err) from err
     hf = transformer.auto_model
     if pooler in ("avg_first_last", "avg_top2"):
         hf.config.output_hidden_states = True  # saved with the model's config.json
     modules = pooling_modules(pooler, hf.config.hidden_size, hf.config.num_hidden_layers,
-                              mlp_only_train=mlp_only_train,
-                              init_std=getattr(hf.config, "initializer_range", 0.02))
+                              mlp_only_train=mlp_only_train, init_std=getattr(hf.config, "initializer_range", 0.02))
     return SentenceTransformer(modules=[transformer, *modules], device=device)
 
 
@@ -172,10 +208,9 @@ def build_model(args, device: str | None = None):
     method's). Sets ``args.pooler_used`` (None: the base model's own modules kept)."""
     keep = args.pooler is None and _is_sentence_transformers_folder(model_path(args.model))
     pooler = None if keep else (args.pooler or args.recipe_pooler)
-    model = load_model(args.model, pooler, mlp_only_train=args.mlp_only_train and pooler == "cls",
+    model = load_model(args.model, pooler, mlp_only_train=bool(args.mlp_only_train) and pooler == "cls",
                        device=device)
-    args.pooler_used = pooler
-    args.model_max_seq_length = model.max_seq_length
+    args.pooler_used, args.model_max_seq_length = pooler, model.max_seq_length
     model.max_seq_length = args.max_seq_len   # training inputs; the saved model keeps its own
     return model
 
@@ -206,63 +241,30 @@ def examples(dataset, method: str, hard_negative_weight: float = 0.0, premise_la
 
 
 def build_loss(method: str, model, options: dict, device: str | None = None):
-    """The fastcl loss of ``method`` for ``model`` with the objective ``options`` (defaults
-    filled; DCLR's phi and noise ratio by model family, written back into ``options``)."""
+    """The fastcl loss of ``method`` for ``model`` with the objective ``options`` (those that
+    have a value; DCLR's phi and noise ratio by model family, written back into ``options``)."""
     from fastcl.integrations import sentence_transformers as st
 
-    o = {**GENERAL, **{k: d for k, (_, d) in METHOD_OPTIONS.items()},
-         **{k: v for k, v in options.items() if v is not None}}
-    cached = o["mini_batch_size"] is not None
-    kw = dict(gather_across_devices=world_size() > 1, mask_duplicates=bool(o["mask_duplicates"]),
-              learnable_temperature=bool(o["learnable_temperature"]),
-              **({"mini_batch_size": o["mini_batch_size"]} if cached else {}))
+    kw = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in (*GENERAL, *GUIDE)}
+    guide = []
     if method in ("simcse", "simcse-sup"):
-        teacher = None
-        if o["teacher"]:   # frozen, its own modules (a plain encoder: mean pooling)
-            own = _is_sentence_transformers_folder(model_path(o["teacher"]))
-            teacher = load_model(o["teacher"], None if own else "avg", device=device, arg="--teacher")
-            teacher.requires_grad_(False)
-            kw.update(teacher=teacher, teacher_temperature=o["teacher_temperature"],
-                      distill_weight=o["distill_weight"])
-        cls = st.CachedFastInfoNCELoss if cached else st.FastInfoNCELoss
-        loss = cls(model, scale=1.0 / o["temperature"], hard_negative_weight=o["hard_negative_weight"],
-                   focal_m=o["focal_m"], false_negative_margin=o["false_negative_margin"],
-                   positive_prior=o["positive_prior"], label_smoothing=o["label_smoothing"],
-                   class_labels=bool(o["premise_labels"]), **kw)
-    elif method == "focal":
-        cls = st.CachedFastFocalInfoNCELoss if cached else st.FastFocalInfoNCELoss
-        loss = cls(model, temperature=o["temperature"], m=o["m"],
-                   false_negative_margin=o["false_negative_margin"],
-                   positive_prior=o["positive_prior"], label_smoothing=o["label_smoothing"], **kw)
-    elif method == "escl":
-        cls = st.CachedFastESCLLoss if cached else st.FastESCLLoss
-        loss = cls(model, temperature=o["temperature"], weight=o["rd_weight"], rd=o["rd"],
-                   sensitive_dropout=o["sensitive_dropout"], **kw)
-    else:  # dclr
+        kw["scale"] = 1.0 / kw.pop("temperature", common.TEMPERATURE)
+        if options.get("teacher"):   # frozen, its own modules (a plain encoder: mean pooling)
+            own = _is_sentence_transformers_folder(model_path(options["teacher"]))
+            kw["teacher"] = load_model(options["teacher"], None if own else "avg", device=device,
+                                       arg="--teacher").requires_grad_(False)
+    if method == "dclr":
         roberta = "roberta" in model[0].auto_model.config.model_type
         for name, values in FAMILY_DEFAULTS.items():
-            if o[name] is None:
-                o[name] = options[name] = values[roberta]
-        guide = None
-        if o["complementary"]:
-            pooler = o["complementary_pooler"] or (
-                None if _is_sentence_transformers_folder(o["complementary"]) else "cls_before_pooler")
-            guide = load_model(o["complementary"], pooler, device=device, arg="--complementary")
-            guide.requires_grad_(False)
-        cls = st.CachedFastDCLRLoss if cached else st.FastDCLRLoss
-        loss = cls(model, guide, phi=o["phi"], noise_ratio=o["noise_ratio"], noise_steps=o["noise_steps"],
-                   noise_lr=o["noise_lr"], noise_std=o["noise_std"], temperature=o["temperature"],
-                   formulation=o["dclr_formulation"], focal_m=o["focal_m"],
-                   guide_dropout=o["complementary_mode"] == "released",
-                   label_smoothing=o["label_smoothing"], **kw)
-    return st.AugmentedPositives(loss, o["augment"]) if o["augment"] else loss
-
-
-def _inner_loss(loss):
-    """fastcl's loss inside its wrappers (AugmentedPositives' ``loss``)."""
-    while not hasattr(loss, "_own_parameters") and hasattr(loss, "loss"):
-        loss = loss.loss
-    return loss
+            kw[name] = options[name] = kw.get(name, values[roberta])
+        path, pooler = options.get("complementary"), options.get("complementary_pooler")
+        if path:
+            pooler = pooler or (None if _is_sentence_transformers_folder(path) else "cls_before_pooler")
+        guide = [load_model(path, pooler, device=device, arg="--complementary").requires_grad_(False) if path else None]
+        kw["guide_dropout"] = options.get("complementary_mode") == "released"
+    cached = {"mini_batch_size": options["mini_batch_size"]} if "mini_batch_size" in options else {}
+    loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1, **kw, **cached)
+    return st.AugmentedPositives(loss, options["augment"]) if options.get("augment") else loss
 
 
 class Trainer(SentenceTransformerTrainer):
@@ -274,37 +276,34 @@ class Trainer(SentenceTransformerTrainer):
 
     guard = None
     export_max_seq_length = None
-    #: a checkpoint's parameters of the loss itself (a learnable temperature)
-    LOSS_PARAMETERS = "loss_parameters.pt"
+    LOSS_PARAMETERS = "loss_parameters.pt"   # a checkpoint's parameters of the loss itself (τ)
 
-    def _own(self) -> dict:
-        """The loss's own parameters by name (the wrappers' ``loss`` looked through)."""
-        return {f"own.{i}": p for i, p in enumerate(_inner_loss(self.loss)._own_parameters())}
+    def _own(self) -> tuple:
+        """fastcl's loss (inside AugmentedPositives) and its own parameters by name (τ learned)."""
+        loss = self.loss if hasattr(self.loss, "_own_parameters") else self.loss.loss
+        return loss, {f"own.{i}": p for i, p in enumerate(loss._own_parameters())}
 
     def log(self, logs, *args, **kwargs):
-        """A learnable temperature's value beside each step's loss."""
-        loss = _inner_loss(self.loss)
-        if loss.learnable_temperature and "loss" in logs:
+        loss, own = self._own()
+        if own and "loss" in logs:   # a learnable temperature's value beside each step's loss
             logs["temperature"] = loss.current_temperature
         super().log(logs, *args, **kwargs)
 
     def _load_from_checkpoint(self, checkpoint_path: str) -> None:
         super()._load_from_checkpoint(checkpoint_path)
-        path = Path(checkpoint_path) / self.LOSS_PARAMETERS
-        own = self._own()
+        own, path = self._own()[1], Path(checkpoint_path) / self.LOSS_PARAMETERS
         if own and path.is_file():
             with torch.no_grad():
-                for name, value in files.load_tensors(path).items():   # tensors only
+                for name, value in files.load_tensors(path).items():   # weights_only
                     own[name].copy_(value)
 
     def _save_checkpoint(self, model, trial):
         folder = Path(self._get_output_dir(trial=trial)) / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
         if self.args.should_save and self.guard is not None:
             self.guard()
-        limit, self.args.save_total_limit = self.args.save_total_limit, None
         own = getattr(self.model, "_orig_mod", self.model)
-        cut = own.max_seq_length
-        own.max_seq_length = self.export_max_seq_length or cut
+        limit, cut = self.args.save_total_limit, own.max_seq_length
+        self.args.save_total_limit, own.max_seq_length = None, self.export_max_seq_length or cut
         try:
             super()._save_checkpoint(model, trial)
         except (OSError, RuntimeError) as err:
@@ -315,9 +314,8 @@ class Trainer(SentenceTransformerTrainer):
                           "--resume") from err
         finally:
             self.args.save_total_limit, own.max_seq_length = limit, cut
-        if self.args.should_save and self._own():
-            torch.save({k: v.detach().cpu() for k, v in self._own().items()},
-                       folder / self.LOSS_PARAMETERS)
+        if self.args.should_save and (params := self._own()[1]):
+            torch.save({k: v.detach().cpu() for k, v in params.items()}, folder / self.LOSS_PARAMETERS)
         if self.args.should_save:
             files.crash_point("checkpoint-manifest")
             files.write_manifest(folder)
@@ -359,21 +357,23 @@ def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=Non
                   **objective_options):
     """A ``SentenceTransformerTrainer`` that trains ``model`` (a ``SentenceTransformer``) on
     ``train_dataset`` (a ``datasets.Dataset``: one text column, or anchor, positive[, negative]
-    for simcse-sup) with fastcl's loss of ``method`` and ``objective_options`` (``temperature``,
-    ``mini_batch_size``, ``augment``, :data:`METHOD_OPTIONS`). ``args``:
+    for simcse-sup) with fastcl's loss of ``method`` and ``objective_options`` (the fields of
+    :class:`ObjectiveArguments`, :data:`GENERAL`, DCLR's :data:`GUIDE`). ``args``:
     ``SentenceTransformerTrainingArguments`` (default: output in ``fastcl-output``). With an
     ``evaluator`` the last step is evaluated too, and with ``load_best_model_at_end`` step 0
     competes (``eval_on_start``): a run that never beats its base model ends with its weights."""
-    check_objective(method, objective_options)
-    if args is None:
-        args = Arguments(output_dir="fastcl-output")
-    dataset = examples(train_dataset, method, objective_options.get("hard_negative_weight") or 0.0,
-                       bool(objective_options.get("premise_labels")))
-    loss = build_loss(method, model, objective_options, device=str(model.device))
+    options = {k: v for k, v in objective_options.items() if v is not None}
+    check_objective(method, options)
+    args = args or Arguments(output_dir="fastcl-output")
+    dataset = examples(train_dataset, method, options.get("hard_negative_weight") or 0.0,
+                       bool(options.get("premise_labels")))
+    loss = build_loss(method, model, options, device=str(model.device))
     callbacks = list(callbacks or [])
     if evaluator is not None:
         callbacks.append(EvaluateLastStep())
         if args.load_best_model_at_end and not (args.deepspeed or args.fsdp):
             callbacks.append(KeepBase(model))
-    return Trainer(model=model, args=args, train_dataset=dataset, loss=loss, evaluator=evaluator,
-                   callbacks=callbacks)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, loss=loss, evaluator=evaluator,
+                      callbacks=callbacks)
+    trainer.objective_options = options   # as the loss took them (DCLR's family defaults filled)
+    return trainer

@@ -1,54 +1,38 @@
-"""The command line: sentence-transformers' training arguments (their Hugging Face names) and
-:class:`FastclArguments`, read by ``HfArgumentParser``. A YAML/JSON file of options
-(``fastcl-train run.yaml``, ``--config FILE``, ``--config recipe:NAME``) sets defaults that
-flags override; without one a method takes its BERT-base recipe's. :func:`resolve_args`
-checks every rule between options."""
+"""The command line: sentence-transformers' training arguments (their Hugging Face names),
+:class:`FastclArguments` and :class:`ObjectiveArguments`, read by ``HfArgumentParser``. A
+YAML/JSON file of options (``fastcl-train run.yaml``, ``--config FILE``, ``--config
+recipe:NAME``) sets defaults that flags override; without one a method takes its BERT-base
+recipe's. :func:`resolve_args` checks every rule between options."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 from pathlib import Path
 
 from transformers import HfArgumentParser
 
 from .. import augment, common
-from ..data import parse_columns
 from ..encoders import POOLERS
 from ..files import replace_text
-from .build import (DEV, METHOD_OPTIONS, METHODS, SELECT, SUPERVISED, Arguments, check_objective,
-                    on_cpu, world_size)
+from .build import (DEV, GENERAL, GUIDE, METHODS, OBJECTIVE, SELECT, SUPERVISED, Arguments, ObjectiveArguments,
+                    _opt, check_objective, on_cpu, world_size)
 
 CONFIG_FILE = "fastcl_config.yaml"   # the run's options, written into --output_dir
 RECIPE = "recipe:"                   # --config recipe:NAME: a recipe shipped with fastcl
 RECIPES = Path(__file__).resolve().parent / "recipes"
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"   # the shipped data (samples/README.md)
-# Options naming local files or folders: saved as absolute paths when they exist.
-PATH_OPTIONS = ("model", "data", "output_dir", "sts_dir", "complementary", "teacher")
-# What a method's BERT-base recipe sets when neither a config file nor a flag does.
+PATH_OPTIONS = ("model", "data", "output_dir", "sts_dir", "complementary", "teacher")   # saved absolute
 RECIPE_DEFAULTS = ("per_device_train_batch_size", "learning_rate", "num_train_epochs", "select")
-# Options whose value must be the same when resuming (they define the run's steps).
-RUN_DEFINING = ("method", "model", "data", "snli_splits", "text_column", "columns", "data_split",
-                "sts_dir", "per_device_train_batch_size", "learning_rate", "num_train_epochs",
-                "max_steps", "max_seq_len", "mini_batch_size", "pooler", "mlp_only_train", "seed",
-                "warmup_steps", "warmup_ratio", "lr_scheduler_type", "weight_decay", "max_grad_norm",
-                "bf16", "fp16", "select", "batch_sampler", "gradient_accumulation_steps",
-                "eval_steps", "save_steps", "keep_last", *METHOD_OPTIONS)
-_NEW_IN_HF5 = "overwrite_output_dir" not in Arguments.__dataclass_fields__
-
-
-def _opt(default=None, help="", **kw):
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class FastclArguments:
     """What fastcl adds to the training arguments: the method, model, data, dev evaluation,
-    the output folder's guards, and the objective's options (``None``: the loss's default)."""
+    the output folder's guards, and how the loss runs."""
 
     method: str = _opt(help="the training objective", choices=METHODS)
     model: str = _opt("all-MiniLM-L6-v2", "a sentence-transformers model or HF encoder: a folder, "
@@ -60,78 +44,50 @@ class FastclArguments:
     data_split: str = _opt("train", "with a dataset name: the split to train on")
     config: str | None = _opt(help="YAML/JSON file of options (flags override it); recipe:NAME: a recipe")
     sts_dir: str | None = _opt(help="SentEval STS folder: dev Spearman at step 0, every --eval_steps "
-                               "and the end (default: STS-B dev's part that ships; none: no evaluation)")
+                               "and the end (default: STS-B dev's CC BY-SA part, shipped; none: no evaluation)")
     select: str | None = _opt(help="the best by stsb, or avg (with SICK-R)", choices=("stsb", "avg"))
     keep_last: bool = _opt(False, "save the last step, not the best evaluation (step 0 included)")
-    early_stopping_patience: int | None = _opt(help="stop after N evaluations without a gain")
     max_seq_len: int = _opt(32, "training inputs' token limit (the saved model keeps its own)")
     mini_batch_size: int | None = _opt(help="GradCache: encode B inputs at a time, same gradients")
-    pooler: str | None = _opt(help="default: an ST model's own; a plain encoder: cls", choices=POOLERS)
-    mlp_only_train: bool | None = _opt(help="--pooler cls: the MLP in training only (true/false)")
-    resume: bool = _opt(False, "continue from the newest complete OUTPUT_DIR/checkpoint-N")
-    allow_changed_data: bool = _opt(False, "--resume although the training data changed")
-    allow_nonempty_output_dir: bool = _opt(False, "train into a non-empty folder (nothing is removed)")
-    if _NEW_IN_HF5:   # transformers 5 dropped the field; fastcl keeps its meaning
-        overwrite_output_dir: bool = _opt(False, "train again into a folder holding a fastcl run")
-    temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
-    learnable_temperature: bool = _opt(False, "learn the temperature with the model, from "
-                                       "--temperature (logged as temperature)")
-    hard_negative_weight: float | None = _opt(help="simcse-sup: log-weight of the hard negative")
-    focal_m: float | None = _opt(help="simcse, simcse-sup, dclr: Focal-InfoNCE's modulation")
-    mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive (true/false)")
-    phi: float | None = _opt(help=f"dclr: drop negatives whose guide cosine >= phi ({common.PHI})")
-    noise_ratio: float | None = _opt(help=f"dclr: noise negatives per anchor ({common.NOISE_RATIO:g})")
-    noise_steps: int | None = _opt(help=f"dclr: ascent steps on the noise ({common.NOISE_STEPS})")
-    noise_lr: float | None = _opt(help=f"dclr: noise step size ({common.NOISE_LR:g})")
-    noise_std: float | None = _opt(help=f"dclr: initial noise std ({common.NOISE_STD:g})")
-    dclr_formulation: str | None = _opt(help="dclr: the paper's loss or the released code's",
-                                        choices=("paper", "released"))
-    complementary: str | None = _opt(help="dclr: the frozen guide encoder (e.g. a SimCSE run)")
-    complementary_pooler: str | None = _opt(help="dclr: pooler of a plain guide", choices=POOLERS)
-    complementary_mode: str | None = _opt(help="dclr: the guide frozen, or as released (dropout on)",
-                                          choices=("frozen", "released"))
-    m: float | None = _opt(help=f"focal: margin of the negative logits ({common.FOCAL_M})")
-    false_negative_margin: float | None = _opt(help="simcse, simcse-sup, focal: drop candidates "
-                                               "whose cosine beats the positive's by more")
-    positive_prior: float | None = _opt(help="simcse, simcse-sup, focal: debiased loss's class "
-                                        "prior tau+ in [0, 1)")
-    rd_weight: float | None = _opt(help=f"escl: weight of the relative difference ({common.ESCL_WEIGHT:g})")
-    rd: str | None = _opt(help="escl: the relative difference's form", choices=("softplus", "margin"))
-    sensitive_dropout: float | None = _opt(help=f"escl: third view's dropout ({common.SENSITIVE_DROPOUT})")
     augment: str | None = _opt(help="unsupervised: augment the positive copy: NAME[:RATE], NAME one of "
                                + ", ".join(common.AUGMENT_RATES))
-    label_smoothing: float | None = _opt(help="simcse, simcse-sup, focal, dclr: the uniform share "
-                                         "of each row's target, in [0, 1) (0)")
-    premise_labels: bool | None = _opt(help="simcse-sup: every positive of the anchor's premise "
-                                       "is a target (with --batch_sampler group_by_label)")
-    teacher: str | None = _opt(help="simcse, simcse-sup: a frozen teacher encoder whose in-batch "
-                               "similarities the loss distils (a sentence-transformers model)")
-    teacher_temperature: float | None = _opt(help="simcse, simcse-sup: the teacher's softmax "
-                                             "temperature (default: --temperature)")
-    distill_weight: float | None = _opt(help="simcse, simcse-sup: the teacher's share of each "
-                                        "row's target, in [0, 1] (0.5)")
+    pooler: str | None = _opt(help="default: an ST model's own; a plain encoder: cls", choices=POOLERS)
+    mlp_only_train: bool | None = _opt(help="--pooler cls: the MLP in training only (true/false)")
+    complementary: str | None = _opt(help="dclr: the frozen guide encoder (e.g. a SimCSE run)")
+    complementary_pooler: str | None = _opt(help="dclr: pooler of a plain guide", choices=POOLERS)
+    complementary_mode: str | None = _opt(help="dclr: the guide frozen (default), or as released "
+                                          "(dropout on)", choices=("frozen", "released"))
+    resume: bool = _opt(False, "continue from the newest complete OUTPUT_DIR/checkpoint-N")
+    allow_changed_data: bool = _opt(False, "--resume although the training data changed")
+    if "overwrite_output_dir" not in Arguments.__dataclass_fields__:   # transformers 5 dropped it
+        overwrite_output_dir: bool = _opt(False, "train again into a folder holding a fastcl run")
 
 
 FASTCL = tuple(f.name for f in fields(FastclArguments))
+# Options that may differ on --resume (all others define the run's steps).
+FREE_ON_RESUME = ("output_dir", "config", "resume", "allow_changed_data", "overwrite_output_dir", "report_to",
+                  "logging_dir", "per_device_eval_batch_size", "dataloader_num_workers", "save_total_limit",
+                  "eval_on_start", "disable_tqdm", "logging_steps", "logging_first_step", "push_to_hub",
+                  "hub_model_id", "run_name")
+
+
+def objective_options(args) -> dict:
+    """The objective options of the resolved ``args`` that have a value."""
+    return {k: getattr(args, k) for k in (*OBJECTIVE, *GENERAL, *GUIDE) if getattr(args, k) is not None}
 
 
 def method_defaults(method: str) -> dict:
-    """The :data:`RECIPE_DEFAULTS` of ``method``'s BERT-base recipe (``recipes/<method>-bert.yaml``)."""
-    values = load_config(f"{RECIPE}{method}-bert")
-    return {k: values[k] for k in (*RECIPE_DEFAULTS, "pooler", "mlp_only_train") if k in values}
+    """``recipes/<method>-bert.yaml``: the defaults of ``method`` where no flag or file sets them."""
+    return load_config(f"{RECIPE}{method}-bert")
 
 
 def epilog() -> str:
-    rows = [f"  {m:<11}{d['per_device_train_batch_size']:>5}   {d['learning_rate']:<6g} "
-            f"{d['num_train_epochs']:>3}     {'cls_before_pooler' if d['mlp_only_train'] else 'cls + MLP':<19}"
-            f"{d['select']}" for m, d in ((m, method_defaults(m)) for m in METHODS)]
     return "\n".join([
-        "defaults per method (the papers' BERT-base recipes; a flag or config file overrides them):",
-        "  method      batch  lr     epochs  saved pooler       select", *rows,
+        "defaults per method: the papers' BERT-base recipes (recipe:<method>-bert); flags override.",
         "data (--data): .txt (a sentence a line), .csv/.tsv/.json/.jsonl/.parquet, a folder of one",
         "  format, SentEval's SNLI folder (simcse-sup) or a datasets name.",
-        "output (--output_dir): model/ (a plain sentence-transformers folder), checkpoint-N/,",
-        f"  train_log.jsonl, plots, {CONFIG_FILE} (the run's options: --config repeats it).",
+        "output (--output_dir): model/, checkpoint-N/, train_log.jsonl, train_results.json,",
+        f"  {CONFIG_FILE} (--config repeats the run); curves: --report_to tensorboard.",
         f"recipes (--config recipe:NAME): {', '.join(recipe_names()) or '(none installed)'}",
         "several processes: torchrun --nproc_per_node W -m fastcl.trainer ... (or accelerate launch);",
         "  --deepspeed ds.json, --fsdp 'full_shard auto_wrap': docs/training.md.",
@@ -139,18 +95,13 @@ def epilog() -> str:
 
 
 def build_parser(prog: str = "fastcl-train") -> HfArgumentParser:
-    parser = HfArgumentParser((FastclArguments, Arguments), prog=prog, epilog=epilog(), allow_abbrev=False,
+    parser = HfArgumentParser((FastclArguments, ObjectiveArguments, Arguments), prog=prog, epilog=epilog(),
+                              allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
                               description="Train a sentence encoder with one of fastcl's contrastive "
-                                          "objectives on sentence-transformers' trainer.",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                                          "objectives on sentence-transformers' trainer.")
     parser.set_defaults(logging_steps=1, logging_first_step=True, save_total_limit=2, eval_steps=125,
                         save_steps=None, dataloader_drop_last=True, report_to="none", method=None)
     return parser
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def resolve_args(parser, args) -> argparse.Namespace:
@@ -162,53 +113,42 @@ def resolve_args(parser, args) -> argparse.Namespace:
         parser.error(str(err))
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
 def _resolve(args) -> argparse.Namespace:
     _require(args.method is not None, "the following arguments are required: --method")
     supervised = args.method in SUPERVISED
-    check_objective(args.method, {k: getattr(args, k) for k in METHOD_OPTIONS})
-    for name, (_, default) in METHOD_OPTIONS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+    if args.mask_duplicates is None:
+        # a no_duplicates sampler keeps a text from appearing twice in a batch already
+        args.mask_duplicates = supervised and getattr(args.batch_sampler, "value", args.batch_sampler) == "batch_sampler"
+    check_objective(args.method, objective_options(args))
     if args.augment is not None:
-        _require(not supervised, f"--augment applies to the unsupervised methods (it augments the "
-                 f"second copy of each sentence); {args.method} takes its positives from the data")
-        try:
-            args.augment = augment.parse(args.augment).spec  # canonical: NAME:rate
-        except ValueError as err:
-            raise ValueError(f"--{err}") from None
+        args.augment = augment.parse(args.augment).spec   # canonical: NAME:rate
     if args.complementary and (Path(args.complementary) / CONFIG_FILE).is_file():
         args.complementary = str(Path(args.complementary) / "model")  # a fastcl-train output folder
-    if args.method == "dclr" and args.complementary is None:
-        _require(args.complementary_pooler is None, "--complementary_pooler needs --complementary (the model it pools)")
-        _require(args.complementary_mode != "released",
-                 "--complementary_mode released needs --complementary (the model it runs)")
-    _require(args.focal_m is None or args.dclr_formulation != "released",
-             "--focal_m combines with --dclr_formulation paper only")
-    _require(args.text_column is None or not supervised,
-             f"--text_column applies to unsupervised methods; {args.method} reads --columns")
-    _require(args.columns is None or supervised,
-             f"--columns applies to --method simcse-sup; {args.method} reads --text_column")
-    if args.columns is not None:
-        parse_columns(args.columns)
+    _require(args.complementary or (args.complementary_pooler is None and args.complementary_mode != "released"),
+             "--complementary_pooler and --complementary_mode released need --complementary (the model)")
     if args.data is None:
         _require(not supervised, f"--data: {args.method} needs data of pairs or triplets "
                  "(only a Wikipedia sample for the unsupervised methods ships with fastcl)")
         args.data = str(SAMPLES / "wiki-sample.txt")
-    if args.sts_dir is not None and args.sts_dir.lower() == "none":
+    if args.sts_dir is None:
+        args.sts_dir = str(SAMPLES)
+    elif args.sts_dir.lower() == "none":
         args.sts_dir = None
     recipe = method_defaults(args.method)
     args.recipe_pooler = recipe["pooler"]
     _require(args.mlp_only_train is None or args.pooler in (None, "cls"),
              "--mlp_only_train applies to --pooler cls only")
-    if args.mlp_only_train is None:
+    if args.mlp_only_train is None and args.pooler in (None, "cls"):
         args.mlp_only_train = recipe["mlp_only_train"]
     args.use_cpu = on_cpu(args)   # else accelerate leaves each CPU process to train alone
-    if args.mask_duplicates is None:
-        # a no_duplicates sampler keeps a text from appearing twice in a batch already
-        args.mask_duplicates = supervised and getattr(args.batch_sampler, "value", args.batch_sampler) == "batch_sampler"
-    if args.save_steps is None:
-        args.save_steps = args.eval_steps if args.sts_dir else 250
     evaluate = bool(args.sts_dir)
+    if args.save_steps is None:
+        args.save_steps = args.eval_steps if evaluate else 250
     args.eval_strategy = "steps" if evaluate else "no"
     args.eval_on_start = evaluate and not args.resume   # its record is in the log on resume
     args.load_best_model_at_end = evaluate and not args.keep_last
@@ -219,26 +159,19 @@ def _resolve(args) -> argparse.Namespace:
              f"--per_device_train_batch_size {args.per_device_train_batch_size} on {world_size()} "
              "process(es): a batch needs >= 2 examples (in-batch negatives)")
     _require(args.max_seq_len >= 2, f"--max_seq_len must be >= 2, got {args.max_seq_len}")
-    _require(args.mini_batch_size is None or args.mini_batch_size >= 1,
-             f"--mini_batch_size must be >= 1, got {args.mini_batch_size}")
     _require(not evaluate or args.save_steps % args.eval_steps == 0,
              f"--save_steps {args.save_steps:g} must be a multiple of --eval_steps {args.eval_steps:g} "
              "(the best evaluated step must have a checkpoint to be kept)")
-    _require(args.early_stopping_patience is None or evaluate,
-             "--early_stopping_patience needs a dev evaluation (--sts_dir)")
     _require(not args.resume_from_checkpoint, "--resume_from_checkpoint: fastcl-train resumes with "
              "--resume, from the newest complete checkpoint it verifies")
     _require(not args.allow_changed_data or args.resume, "--allow_changed_data applies to --resume only")
-    _require(args.temperature > 0 and math.isfinite(args.temperature),
-             f"--temperature must be > 0, got {args.temperature}")
     _require(args.sts_dir is None or Path(args.sts_dir).is_dir(), f"--sts_dir: no such folder: {args.sts_dir}")
     return args
 
 
 def training_arguments(args) -> Arguments:
     """The ``SentenceTransformerTrainingArguments`` of the resolved options."""
-    names = set(Arguments.__dataclass_fields__)
-    return Arguments(**{k: v for k, v in vars(args).items() if k in names})
+    return Arguments(**{k: v for k, v in vars(args).items() if k in Arguments.__dataclass_fields__})
 
 
 # ---------------------------------------------------------------------------------------
@@ -252,64 +185,48 @@ def recipe_names() -> list:
 def load_config(spec: str) -> dict:
     """The mapping of options in the config file ``spec`` (``.yaml``, ``.yml`` or ``.json``;
     ``recipe:NAME``: a shipped recipe). An empty file is an empty mapping."""
+    import yaml   # JSON is YAML
+
     name = spec[len(RECIPE):] if spec.startswith(RECIPE) else None
     if name is not None and name not in recipe_names():
-        raise ValueError(f"--config: no recipe {name!r}; the recipes are "
-                         f"{', '.join(recipe_names()) or '(none installed)'}")
+        raise ValueError(f"--config: no recipe {name!r}; the recipes are {', '.join(recipe_names())}")
     path = Path(spec) if name is None else RECIPES / f"{name}.yaml"
-    suffix = path.suffix.lower()
-    if suffix not in (".yaml", ".yml", ".json"):
+    if path.suffix.lower() not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--config: {spec}: a config file is YAML (.yaml, .yml) or JSON (.json)")
     try:
-        text = path.read_text(encoding="utf-8")
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"--config: no such file: {spec}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"--config: {spec} is not UTF-8 text") from None
-    import yaml   # JSON is YAML; its own parser gives the better message
-    try:
-        values = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise ValueError(f"--config: {spec} is not valid {suffix.lstrip('.').upper().replace('YML', 'YAML')} ({err})") from None
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ValueError(f"--config: {spec} is not valid YAML or JSON text ({err})") from None
+    if not isinstance(values, (dict, type(None))):
         raise ValueError(f"--config: {spec} must hold a mapping of option names to values, "
                          f"not a {type(values).__name__}")
-    return values
+    return values or {}
 
 
-def config_defaults(parser, values: dict, spec: str) -> dict:
-    """The options of the config ``values`` (from ``spec``) as the parser's defaults, each
-    converted and checked by its option's own type and choices (flags then override them); a
-    null value leaves the option's default. Errors name the file and the key."""
-    actions = {}
-    for a in parser._actions:   # the first of a dest: --x, not its --no_x
-        if a.option_strings and a.dest not in ("help", "config"):
-            actions.setdefault(a.dest, a)
-    defaults, seen, where = {}, {}, f"--config {spec}: "
+def config_argv(parser, values: dict, spec: str) -> list:
+    """The options of a config file as command-line arguments, so that each is converted and
+    checked by its option's own type and choices, and flags given after them override them; a
+    null value leaves the option's default, a mapping (deepspeed, fsdp_config) goes as JSON."""
+    known = {o for a in parser._actions for o in a.option_strings}
+    argv = []
     for key, value in values.items():
-        action = actions.get(str(key).replace("-", "_"))
-        if action is None:
-            raise ValueError(where + f"unknown key {key!r}: not an option of {parser.prog} (see --help)")
-        if action.dest in seen:
-            raise ValueError(where + f"{key!r} and {seen[action.dest]!r} set the same option")
-        seen[action.dest] = key
-        if value is None:
-            continue
-        boolean = getattr(action.type, "__name__", "") == "string_to_bool"
-        items = value if isinstance(value, list) and action.nargs in ("+", "*") else [value]
-        for item in items:
-            if boolean != isinstance(item, bool) or not isinstance(item, (str, int, float, dict)):
-                raise ValueError(where + f"{key}: expected {'true or false' if boolean else 'a number or a string'}, got {item!r}")
-        try:   # a mapping (deepspeed, fsdp_config) goes to the training arguments as it is
-            items = [v if isinstance(v, (bool, dict)) else parser._get_value(action, str(v)) for v in items]
-            for v in items:
-                parser._check_value(action, v)
-        except argparse.ArgumentError as err:
-            raise ValueError(where + str(err)) from None
-        defaults[action.dest] = items if action.nargs in ("+", "*") else items[0]
-    return defaults
+        flag = f"--{key}"
+        if flag not in known or key in ("config", "help"):
+            raise ValueError(f"--config {spec}: unknown key {key!r}: not an option of {parser.prog} (see --help)")
+        if value is not None:
+            items = value if isinstance(value, list) else [value]
+            argv += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in items)]
+
+    def refuse(message):
+        raise ValueError(f"--config {spec}: {message}")
+    error, parser.error = parser.error, refuse   # a value the option refuses: the file named
+    try:
+        parser.parse_known_args(argv)
+    finally:
+        parser.error = error
+    return argv
 
 
 def parse_args(parser, argv=None) -> argparse.Namespace:
@@ -319,15 +236,13 @@ def parse_args(parser, argv=None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and Path(argv[0]).suffix.lower() in (".yaml", ".yml", ".json"):
         argv = ["--config", argv[0]]
-    error, parser.error = parser.error, None   # a first look: the parse below reports errors
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first.add_argument("--config")
+    first.add_argument("--method")
+    known = first.parse_known_args(argv)[0]
     try:
-        known = parser.parse_known_args(argv)[0]
-    except Exception:
-        known = argparse.Namespace(config=None, method=None)
-    finally:
-        parser.error = error
-    try:
-        values = config_defaults(parser, load_config(known.config), known.config) if known.config else {}
+        values = load_config(known.config) if known.config else {}
+        prefix = config_argv(parser, values, known.config)
     except ValueError as err:
         parser.error(str(err))
     method = known.method or values.get("method")
@@ -335,26 +250,19 @@ def parse_args(parser, argv=None) -> argparse.Namespace:
         recipe = method_defaults(method)
         parser.set_defaults(**{k: recipe[k] for k in RECIPE_DEFAULTS}, output_dir=f"runs/{method}",
                             **({"batch_sampler": "no_duplicates"} if method in SUPERVISED else {}))
-    parser.set_defaults(**values)
-    return parser.parse_args(argv)
+    return parser.parse_args(prefix + argv)
 
 
 def effective_config(args) -> dict:
     """The options of a run as a config file holds them, so that ``--config`` of it repeats the
     run: every fastcl option that has a value and every training argument set away from its
-    default (local paths absolute), but ``--resume``, ``--allow_changed_data`` and other
-    methods' options."""
+    default (local paths absolute), but ``--resume`` and ``--allow_changed_data``."""
     defaults = {f.name: f.default_factory() if f.default is MISSING and f.default_factory is not MISSING
                 else f.default for f in fields(Arguments)}
     config = {}
     for key, value in vars(args).items():
-        if key in ("config", "resume", "allow_changed_data") or value is None:
-            continue
-        if key in FASTCL:
-            if key in METHOD_OPTIONS and args.method not in METHOD_OPTIONS[key][0] or \
-                    key == "mlp_only_train" and args.pooler not in (None, "cls"):
-                continue
-        elif key not in defaults or (value == defaults[key] and key not in RUN_DEFINING):
+        if key in ("config", "resume", "allow_changed_data") or value is None or \
+                key not in (*FASTCL, *OBJECTIVE) and value == defaults.get(key, value):
             continue
         if key in PATH_OPTIONS and Path(value).exists():
             value = str(Path(value).resolve())
@@ -371,8 +279,7 @@ def write_config(out, args) -> Path:
     import yaml
     out = Path(out)
     text = (f"# The options of this fastcl-train run. Repeat it with: fastcl-train --config "
-            f"{out.resolve() / CONFIG_FILE}\n# (flags given on the command line override these "
-            "values)\n"
+            f"{out.resolve() / CONFIG_FILE}\n# (flags on the command line override these values)\n"
             + yaml.safe_dump(effective_config(args), sort_keys=False, allow_unicode=True))
     replace_text(out / CONFIG_FILE, text)
     return out / CONFIG_FILE

@@ -15,27 +15,30 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from transformers import EarlyStoppingCallback, TrainerCallback, TrainerState
+from transformers import TrainerCallback, TrainerState
 
 from .. import files
 from ..files import MANIFEST, DamagedError, LockedError, OutputLock
 from . import build
 from .build import CHECKPOINT_PREFIX, FAMILY_DEFAULTS
-from .cli import (CONFIG_FILE, RUN_DEFINING, SAMPLES, build_parser, effective_config,
-                  parse_args, resolve_args, training_arguments, write_config)
-from .logs import LOG, append_log, json_safe, read_log, truncate_log, write_plots
+from .cli import (CONFIG_FILE, FREE_ON_RESUME, SAMPLES, build_parser, effective_config,
+                  objective_options, parse_args, resolve_args, training_arguments, write_config)
+from .logs import LOG, append_log, json_safe, read_log, truncate_log
 
 PROG = "fastcl-train"
 MODEL_DIR = "model"
 RESULTS = "train_results.json"   # written last: a finished run
 DATA_RECORD = "fastcl_data.json"  # the training data's fingerprint (files.data_fingerprint)
-# What a fastcl run writes at the top of its folder, besides checkpoint-N/.
-OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, DATA_RECORD, "loss_curve.png", "dev_curve.png",
-       "align_uniform.png", "runs", "eval")
+STATE = "trainer_state.json"
+# What transformers reads of a checkpoint's training state when it resumes (and STATE).
+TRAINING_STATE = {"optimizer.pt": ("state", "param_groups"), "rng_state*.pth": ("python", "numpy", "cpu")}
+# What a run writes at the top of its folder, besides checkpoint-N/ ("runs": TensorBoard's).
+OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, DATA_RECORD, "runs", "eval")
 
 
 class TrainLog(TrainerCallback):
-    """Each record transformers logs, as a line of ``train_log.jsonl`` (main process)."""
+    """Each record transformers logs, as a line of ``train_log.jsonl`` (main process); the
+    dev scores on the console too."""
 
     def __init__(self, out: Path):
         self.out = out
@@ -44,13 +47,11 @@ class TrainLog(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         kind = "eval" if any(k.startswith("eval_") for k in logs) else "step" if "loss" in logs else "summary"
-        record = {"type": kind, "step": state.global_step, "epoch": state.epoch,
-                  **{k.removeprefix(f"eval_{build.DEV}_"): v for k, v in logs.items()}}
-        append_log(self.out, record)
+        record = append_log(self.out, {"type": kind, "step": state.global_step, "epoch": state.epoch,
+                                       **{k.removeprefix(f"eval_{build.DEV}_"): v for k, v in logs.items()}})
         if kind == "eval":
-            scores = ", ".join(f"{k} {v:.2f}" for k, v in record.items()
-                               if k in ("stsb-dev", "sickr-dev", "avg") and isinstance(v, float))
-            print(f"dev at step {state.global_step}: {scores}", flush=True)
+            scores = [f"{k} {record[k]:.2f}" for k in ("stsb-dev", "sickr-dev", "avg") if record.get(k) is not None]
+            print(f"dev at step {state.global_step}: {', '.join(scores)}", flush=True)
 
 
 class GracefulStop(TrainerCallback):
@@ -88,7 +89,6 @@ class GracefulStop(TrainerCallback):
 # The output folder
 
 def step_of(checkpoint) -> int:
-    """N of a ``checkpoint-N`` folder."""
     return int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):])
 
 
@@ -101,9 +101,8 @@ def checkpoints(out: Path) -> list:
 def writes(name: str) -> bool:
     """Whether a run writes the entry ``name`` of its folder: its own entries, checkpoints,
     the lock, and the temporary and staged files of its atomic writes."""
-    return (name in OWN or name.startswith(CHECKPOINT_PREFIX) or name == files.LOCK
-            or name.startswith((files._STAGE, files._OLD))
-            or name.startswith(".") and name.endswith((".tmp", ".tmp.png")))
+    return (name in OWN or name.startswith((CHECKPOINT_PREFIX, files._STAGE, files._OLD))
+            or name == files.LOCK or name.startswith(".") and name.endswith(".tmp"))
 
 
 def guard_links(out: Path, remove: bool = False) -> None:
@@ -129,42 +128,32 @@ def prepare_output(args, out: Path) -> OutputLock:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output_dir {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
-    entries = [p.name for p in out.iterdir() if p.name != files.LOCK]
+    entries = sorted(p.name for p in out.iterdir() if p.name != files.LOCK)
     ours = (out / CONFIG_FILE).is_file()
     if args.resume and not ours:
         raise FileNotFoundError(f"--resume: {out} holds no fastcl run ({CONFIG_FILE} is missing)")
     if entries and not ours:
-        if not args.allow_nonempty_output_dir:
-            shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
-            raise ValueError(f"--output_dir {out} is not empty and holds no fastcl run ({shown}); "
-                             "choose an empty or new folder, or pass --allow_nonempty_output_dir "
-                             "to train there (nothing in it is removed)")
-        taken = sorted(n for n in entries if n in OWN or n.startswith(CHECKPOINT_PREFIX))
-        if taken:
-            raise ValueError(f"--output_dir {out} is not a fastcl run but holds {', '.join(taken)}, "
-                             "which a run would write over; choose another folder")
+        raise ValueError(f"--output_dir {out} is not empty and holds no fastcl run "
+                         f"({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}): "
+                         "choose an empty or new folder")
     lock = OutputLock(out).acquire()
     try:
         if lock.previous:
             _say(f"took over the lock of a run that is no longer running ({lock.previous})")
         for message in files.recover_swaps(out):
             _say(message)
-        finished = (out / RESULTS).is_file()
-        saved = checkpoints(out)
+        finished, saved = (out / RESULTS).is_file(), checkpoints(out)
+        if args.resume and finished:
+            raise ValueError(f"--resume: the run in {out} has finished ({RESULTS}); "
+                             "--overwrite_output_dir trains there again")
         if args.resume:
-            if finished:
-                raise ValueError(f"--resume: the run in {out} has finished ({RESULTS}); "
-                                 "--overwrite_output_dir trains there again")
             _check_same_run(args, out)
         elif ours and (finished or saved) and not args.overwrite_output_dir:
-            what = f"a finished run ({RESULTS})" if finished else \
-                f"an unfinished run ({saved[-1][1].name})"
+            what = f"a finished run ({RESULTS})" if finished else f"an unfinished run ({saved[-1][1].name})"
             raise ValueError(f"--output_dir {out} holds {what}: choose another folder, "
                              + ("" if finished else "pass --resume to continue it, ")
                              + "or pass --overwrite_output_dir to train there again")
-        if not args.resume and ours:
-            # a fresh run: no model, checkpoint or record of the earlier one stays; a link
-            # among them is unlinked, never followed
+        elif ours:   # a fresh run: nothing of the earlier one stays; a link is unlinked, never followed
             for entry in sorted(out.iterdir()):
                 if writes(entry.name) and entry.name != files.LOCK:
                     files.remove_inside(entry, out)
@@ -176,56 +165,45 @@ def prepare_output(args, out: Path) -> OutputLock:
 
 
 def _check_same_run(args, out: Path) -> None:
-    """A resume repeats the options that define the run's steps, compared as
+    """A resume repeats every option but :data:`.cli.FREE_ON_RESUME`, compared as
     :func:`.cli.effective_config` saves them."""
     import yaml
 
     try:
-        saved = yaml.safe_load((out / CONFIG_FILE).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as err:
+        saved = yaml.safe_load((out / CONFIG_FILE).read_text(encoding="utf-8"))
+        assert isinstance(saved, dict), "not a mapping of options"
+    except (OSError, yaml.YAMLError, AssertionError) as err:
         raise ValueError(f"--resume: {out / CONFIG_FILE} cannot be read ({err})") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"--resume: {out / CONFIG_FILE} is not a mapping of options")
-    parser = build_parser()
-    now = effective_config(args)  # as it is saved: paths absolute, no other method's options
-    diff = []
-    for name in RUN_DEFINING:
-        given, then = now.get(name), saved.get(name, parser.get_default(name))
-        # a family default (DCLR's phi, noise ratio) is resolved once the model is loaded
-        if given == then or given is None and (then is None or name in FAMILY_DEFAULTS):
-            continue
-        diff.append(f"--{name.replace('_', '-')} {given!r} (checkpoint: {then!r})")
+    parser, now = build_parser(), effective_config(args)
+    diff = [f"--{k.replace('_', '-')} {now.get(k)!r} (checkpoint: {saved.get(k, parser.get_default(k))!r})"
+            for k in sorted(set(now) | set(saved)) if k not in FREE_ON_RESUME
+            and now.get(k) != saved.get(k, parser.get_default(k))
+            # a family default (DCLR's phi, noise ratio) is resolved once the model is loaded
+            and not (k in FAMILY_DEFAULTS and now.get(k) is None)]
     if diff:
         raise ValueError("--resume needs the options of the interrupted run: " + "; ".join(diff))
 
 
 def resume_point(out: Path, main_process: bool) -> Path:
-    """The newest complete checkpoint of ``out``. The main process verifies it (a damaged one
-    is an error naming the file) and removes newer incomplete ones; the others take the newest
-    with a manifest."""
+    """The newest complete checkpoint of ``out``. The main process verifies it (a damaged or
+    crafted one is an error naming the file) and removes newer incomplete ones; the others
+    take the newest with a manifest."""
     for step, path in reversed(checkpoints(out)):
         if not main_process:
             if (path / MANIFEST).is_file():
                 return path
-            continue
-        if files.verify_manifest(path):
-            # a crafted file (its manifest rewritten to match) is refused too
-            files.check_loadable(path, TRAINING_STATE)
+        elif files.verify_manifest(path):
+            files.check_loadable(path, TRAINING_STATE)   # a manifest rewritten to match too
             trainer_state(path)
             return path
-        _say(f"removed {path}: a checkpoint whose writing was interrupted")
-        files.remove_inside(path, out)
+        else:
+            _say(f"removed {path}: a checkpoint whose writing was interrupted")
+            files.remove_inside(path, out)
     raise FileNotFoundError(f"--resume: no complete checkpoint in {out}")
 
 
-STATE = "trainer_state.json"
-# What transformers reads of a checkpoint's training state when it resumes (and STATE).
-TRAINING_STATE = {"optimizer.pt": ("state", "param_groups"), "rng_state*.pth": ("python", "numpy", "cpu")}
-
-
 def trainer_state(checkpoint: Path) -> dict:
-    """The trainer state saved in ``checkpoint``, checked to be the state of its step; an
-    error naming the file otherwise."""
+    """The trainer state saved in ``checkpoint``, checked to be the state of its step."""
     path, step = Path(checkpoint) / STATE, step_of(checkpoint)
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
@@ -241,21 +219,152 @@ def trainer_state(checkpoint: Path) -> dict:
     return state
 
 
-def training_finished(state: dict, args) -> bool:
-    """Whether the training a checkpoint's ``state`` saved had ended: its last step reached,
-    or early stopping run out of patience. Its resume then only exports the model (the
-    trainer, resumed there, would run a step past the end)."""
-    if state["global_step"] >= state["max_steps"]:
-        return True
-    early = (state.get("stateful_callbacks") or {}).get("EarlyStoppingCallback") or {}
-    early = (early[-1] if early else {}) if isinstance(early, list) else early
-    counter = (early.get("attributes") or {}).get("early_stopping_patience_counter")
-    patience = args.early_stopping_patience
-    return bool(patience) and isinstance(counter, int) and counter >= patience
+def check_data(args, out: Path, dataset, resumed: bool) -> None:
+    """Record the training data's fingerprint in ``out/DATA_RECORD``; on a resume, first
+    compare it with the recorded one: changed data is an error naming the file, unless
+    ``--allow_changed_data`` (a resume on other data trains on other batches)."""
+    if not Path(args.data).exists():   # a dataset name: the fingerprint of its rows
+        import datasets
+        dataset = datasets.Dataset.from_dict(dataset.to_dict())
+    now, record = files.data_fingerprint(args.data, dataset), out / DATA_RECORD
+    if resumed and not record.is_file():
+        _say(f"warning: {record} is missing (a run of an earlier fastcl): the training data "
+             "cannot be compared with the run's")
+    elif resumed:
+        try:
+            saved = json.loads(record.read_text(encoding="utf-8"))
+            assert isinstance(saved, dict), f"a {type(saved).__name__}, not a mapping"
+        except (OSError, ValueError, AssertionError) as err:
+            raise DamagedError(f"{record} is damaged: {err}") from None
+        changes = files.fingerprint_changes(args.data, saved, now)
+        if changes and not args.allow_changed_data:
+            raise ValueError("--resume: the training data changed since the run started: "
+                             + "; ".join(changes) + ". Resumed on other data, the run would not "
+                             "be the one it continues; restore the data, or pass "
+                             "--allow_changed_data to continue on it anyway")
+        if changes:
+            _say("warning: --allow_changed_data: continuing on changed data: " + "; ".join(changes))
+    files.replace_text(record, json.dumps({"data": str(args.data), **now}, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------------------
-# The end of a run
+# The run
+
+def main(argv=None, prog: str = PROG) -> int:
+    """The trainer's command line (``fastcl-train``, ``python -m fastcl.trainer``,
+    ``train.py``); returns the exit status."""
+    parser = build_parser(prog)
+    args = resolve_args(parser, parse_args(parser, argv))
+    out = Path(args.output_dir)
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    lock = None
+    try:
+        if main_process:
+            lock = prepare_output(args, out)
+        checkpoint = resume_point(out, main_process) if args.resume else None
+        # Older sentence-transformers (5.0) build default training arguments inside their
+        # trainer, which reset the processes' shared state and set it up again as one process
+        # on a CPU: each process then trained alone. Told the device, they keep the processes.
+        with mock.patch.dict(os.environ, {"ACCELERATE_USE_CPU": "true"} if args.use_cpu else {}):
+            return _train(args, out, checkpoint, main_process)
+    except (ValueError, OSError, LockedError) as err:
+        raise SystemExit(f"{prog}: error: {err}") from err
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _evaluator(args, main_process: bool):
+    """The dev evaluator of ``--sts_dir`` (STS-B dev and SICK-R dev, those it holds), its
+    files parsed now: a malformed one is an error before step 1."""
+    from ..evaluate import DEV, load_task, task_source
+    from ..integrations.sentence_transformers.evaluation import SentEvalSTSEvaluator
+
+    tasks = []
+    for task in DEV:
+        with contextlib.suppress(FileNotFoundError):
+            tasks.append(task_source(args.sts_dir, task) and task)
+    if not tasks:
+        raise FileNotFoundError(f"--sts_dir {args.sts_dir} holds neither stsb/sts-dev.csv nor "
+                                "sick/SICK_trial.txt (SentEval's data/downstream layout)")
+    if main_process and Path(args.sts_dir).resolve() == SAMPLES.resolve():
+        print(f"dev: the {len(load_task(args.sts_dir, 'stsb-dev'))} CC BY-SA pairs of STS-B dev that "
+              "ship with fastcl (a part: its scores are not STS-B dev scores); for the full STS-B "
+              "and SICK-R dev sets pass --sts_dir SentEval/data/downstream (SimCSE's "
+              "data/download_senteval.sh)", flush=True)
+    return SentEvalSTSEvaluator(args.sts_dir, tasks, name=build.DEV, metrics=True,
+                                batch_size=args.per_device_eval_batch_size,
+                                show_progress_bar=main_process, max_seq_length=args.model_max_seq_length)
+
+
+def _train(args, out: Path, checkpoint: Path | None, main_process: bool) -> int:
+    import transformers
+
+    from ..data import read_training_data
+
+    transformers.set_seed(args.seed)  # the head's initialization
+    data = read_training_data(args.data, args.method, args.snli_splits, text_column=args.text_column,
+                              columns=args.columns, split=args.data_split)
+    batch = args.per_device_train_batch_size * build.world_size() * args.gradient_accumulation_steps
+    if len(data.dataset) < batch:
+        raise ValueError(f"--data: {len(data.dataset)} examples, fewer than one batch ({batch})")
+    if main_process:
+        check_data(args, out, data.dataset, resumed=bool(checkpoint))
+    model = build.build_model(args, device="cpu" if args.use_cpu else None)
+    stop = GracefulStop()
+    trainer = build.build_trainer(args.method, model, data.dataset, training_arguments(args),
+                                  evaluator=_evaluator(args, main_process) if args.sts_dir else None,
+                                  callbacks=[TrainLog(out), stop], **objective_options(args))
+    for name in FAMILY_DEFAULTS:   # DCLR's, resolved by the model's family
+        setattr(args, name, trainer.objective_options.get(name))
+    step = step_of(checkpoint) if checkpoint else 0
+    if main_process:
+        if checkpoint:
+            truncate_log(out, step)
+        write_config(out, args)
+        append_log(out, {"type": "start", "step": step, "resumed": bool(checkpoint),
+                         "examples": len(data.dataset), "skipped": data.skipped,
+                         "processes": build.world_size(),
+                         "args": {k: getattr(v, "value", v) for k, v in vars(args).items() if k != "config"}})
+        print(f"{args.method}: {len(data.dataset)} examples from {data.source}"
+              + (f" ({data.skipped} skipped)" if data.skipped else "")
+              + f", {batch} a step, pooling: {args.pooler_used or 'the base model own modules'}"
+              + ("" if args.sts_dir else "; --sts_dir none: no dev evaluation, the last step is saved"),
+              flush=True)
+    trainer.guard = lambda: guard_links(out)
+    trainer.export_max_seq_length = args.model_max_seq_length
+    # a training that had ended (killed while exporting): resumed, the trainer would run a step more
+    if checkpoint and (state := trainer_state(checkpoint))["global_step"] >= state["max_steps"]:
+        _finish_without_training(trainer, args, out, checkpoint)
+    else:
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    if stop.signum:
+        if main_process:
+            _say(f"stopped by signal {stop.signum} after step {trainer.state.global_step}: "
+                 f"{out / (CHECKPOINT_PREFIX + str(trainer.state.global_step))} written, continue "
+                 "with --resume")
+        return 128 + stop.signum
+    return _finish(trainer, args, out) if main_process else 0
+
+
+def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None:
+    """A resume of a run whose training had ended: the trainer takes the checkpoint's state
+    and the model the uninterrupted run ended with (the best step's, step 0 included)."""
+    trainer.state = TrainerState.load_from_json(str(checkpoint / STATE))
+    best = trainer.state.best_model_checkpoint
+    source = out / Path(best).name if args.sts_dir and best else checkpoint   # in this folder
+    if source != checkpoint:
+        if not files.verify_manifest(source):
+            raise FileNotFoundError(f"--resume: {source}, the best step's checkpoint, is missing "
+                                    "or incomplete")
+        files.check_loadable(source)
+    trainer._load_from_checkpoint(str(source))
+    _say(f"the training had ended at step {trainer.state.global_step} ({checkpoint.name}): "
+         f"exporting the model of {source.name}, no step is run")
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, build.KeepBase):
+            callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
+
 
 def comparison(records: list, select: str, saved_step: int | None) -> dict | None:
     """Step 0 (the base model) against the saved step, by the selection metric; None when
@@ -271,213 +380,32 @@ def comparison(records: list, select: str, saved_step: int | None) -> dict | Non
             "best_trained": max(trained, default=None), "improved": saved > start}
 
 
-def _card_section(cmp: dict | None, select: str) -> str:
-    if cmp is None:
-        return ""
-    name = "STS-B dev" if select == "stsb" else "the mean of STS-B dev and SICK-R dev"
-    verdict = ("Training improved on the base model." if cmp["improved"] else
-               "**Training did not improve on the base model**: the base model scores at least as "
-               "high as every trained step" + (", and it is the model saved." if cmp["best_step"] == 0 else "."))
-    return ("\n## fastcl: the base model and the saved step\n\n"
-            f"Selection metric: {name}, Spearman ×100 (SentEval's protocol).\n\n"
-            "| model | step | score |\n| --- | --- | --- |\n"
-            f"| base model (before training) | 0 | {cmp['step0']:.2f} |\n"
-            f"| saved model (best step) | {cmp['best_step']} | {cmp['best']:.2f} |\n\n{verdict}\n")
-
-
-def save_model(model, args, out: Path, cmp: dict | None) -> Path:
-    """Write the trained model to ``out/MODEL_DIR`` (staged, swapped in whole)."""
+def _finish(trainer, args, out: Path) -> int:
+    """Save the best evaluated model (step 0 included), or the last step's, to ``OUT/model``
+    (staged and swapped in whole) and say how it compares with step 0."""
     from .heads import without_training_heads
 
-    final = without_training_heads(model)
-    final.max_seq_length = args.model_max_seq_length
-    target = out / MODEL_DIR
-    stage = files.stage_dir(target)
-    final.save_pretrained(str(stage))
-    files.crash_point("model-stage")
-    section = _card_section(cmp, args.select)
-    if section and (stage / "README.md").is_file():
-        with open(stage / "README.md", "a", encoding="utf-8") as f:
-            f.write(section)
-    files.swap_in(stage, target)
-    return target
-
-
-def main(argv=None, prog: str = PROG) -> int:
-    """The trainer's command line (``fastcl-train``, ``python -m fastcl.trainer``,
-    ``train.py``); returns the exit status."""
-    parser = build_parser(prog)
-    args = resolve_args(parser, parse_args(parser, argv))
-    out = Path(args.output_dir)
-    main_process = int(os.environ.get("RANK", "0")) == 0
-    lock = None
-    try:
-        if main_process:
-            lock = prepare_output(args, out)
-        checkpoint = str(resume_point(out, main_process)) if args.resume else None
-        # Older sentence-transformers (5.0) build default training arguments inside their
-        # trainer, which reset the processes' shared state and set it up again as one process
-        # on a CPU: each process then trained alone. Told the device, they keep the processes.
-        cpu = {"ACCELERATE_USE_CPU": "true"} if args.use_cpu else {}
-        with mock.patch.dict(os.environ, cpu):
-            return _train(args, out, checkpoint, main_process)
-    except (ValueError, OSError, LockedError) as err:
-        raise SystemExit(f"{prog}: error: {err}") from err
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _evaluator(args, main_process: bool):
-    """The dev evaluator of ``--sts_dir``: STS-B dev and SICK-R dev, those it holds (the
-    shipped sample: STS-B dev's CC BY-SA part); parsed now, so a malformed file is an error
-    before step 1."""
-    from ..evaluate import DEV, load_task, task_source
-    from ..integrations.sentence_transformers.evaluation import SentEvalSTSEvaluator
-
-    tasks = []
-    for task in DEV:
-        try:
-            tasks.append(task_source(args.sts_dir, task) and task)
-        except FileNotFoundError:
-            pass
-    if not tasks:
-        raise FileNotFoundError(f"--sts_dir {args.sts_dir} holds neither stsb/sts-dev.csv nor "
-                                "sick/SICK_trial.txt (SentEval's data/downstream layout)")
-    return SentEvalSTSEvaluator(args.sts_dir, tasks, name=build.DEV, metrics=True,
-                                batch_size=args.per_device_eval_batch_size,
-                                show_progress_bar=main_process, max_seq_length=args.model_max_seq_length)
-
-
-def check_data(args, out: Path, dataset, resumed: bool) -> None:
-    """Record the training data's fingerprint in ``out/DATA_RECORD``; on a resume, first
-    compare it with the recorded one: changed data is an error naming the file, unless
-    ``--allow_changed_data`` (a resume on other data trains on other batches)."""
-    if not Path(args.data).exists():   # a dataset name: the fingerprint of its rows
-        import datasets
-        dataset = datasets.Dataset.from_dict(dataset.to_dict())
-    now = files.data_fingerprint(args.data, dataset)
-    record = out / DATA_RECORD
-    if resumed and not record.is_file():
-        _say(f"warning: {record} is missing (a run of an earlier fastcl): the training data "
-             "cannot be compared with the run's")
-    elif resumed:
-        try:
-            saved = json.loads(record.read_text(encoding="utf-8"))
-            if not isinstance(saved, dict):
-                raise ValueError(f"a {type(saved).__name__}, not a mapping")
-        except (OSError, ValueError) as err:
-            raise DamagedError(f"{record} is damaged: {err}") from None
-        changes = files.fingerprint_changes(args.data, saved, now)
-        if changes and not args.allow_changed_data:
-            raise ValueError("--resume: the training data changed since the run started: "
-                             + "; ".join(changes) + ". Resumed on other data, the run would not "
-                             "be the one it continues; restore the data, or pass "
-                             "--allow_changed_data to continue on it anyway")
-        if changes:
-            _say("warning: --allow_changed_data: continuing on changed data: " + "; ".join(changes))
-    files.replace_text(record, json.dumps({"data": str(args.data), **now}, indent=1) + "\n")
-
-
-def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None:
-    """A resume of a run whose training had ended (killed while exporting): the trainer
-    takes the checkpoint's state and model, or with ``--sts_dir`` the best step's model, as
-    the uninterrupted run ended with, and no step is run."""
-    trainer.state = TrainerState.load_from_json(str(checkpoint / STATE))
-    best = trainer.state.best_model_checkpoint
-    # the state names the folder the run had then; the checkpoint is this folder's
-    source = out / Path(best).name if args.sts_dir and best else checkpoint
-    if source != checkpoint:
-        if not files.verify_manifest(source):
-            raise FileNotFoundError(f"--resume: {source}, the best step's checkpoint, is missing "
-                                    "or incomplete")
-        files.check_loadable(source)
-    trainer._load_from_checkpoint(str(source))
-    _say(f"the training had ended at step {trainer.state.global_step} ({checkpoint.name}): "
-         f"exporting the model of {source.name}, no step is run")
-    for callback in trainer.callback_handler.callbacks:   # step 0 competes here too
-        if isinstance(callback, build.KeepBase):
-            callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
-
-
-def _train(args, out: Path, checkpoint: str | None, main_process: bool) -> int:
-    import transformers
-
-    from ..data import read_training_data
-
-    transformers.set_seed(args.seed)  # the head's initialization
-    data = read_training_data(args.data, args.method, args.snli_splits, text_column=args.text_column,
-                              columns=args.columns, split=args.data_split)
-    batch = args.per_device_train_batch_size * build.world_size() * args.gradient_accumulation_steps
-    if len(data.dataset) < batch:
-        raise ValueError(f"--data: {len(data.dataset)} examples, fewer than one batch ({batch})")
-    if main_process:
-        check_data(args, out, data.dataset, resumed=bool(checkpoint))
-    model = build.build_model(args, device="cpu" if args.use_cpu else None)
-    evaluator = _evaluator(args, main_process) if args.sts_dir else None
-    stop = GracefulStop()
-    callbacks = [TrainLog(out), stop]
-    if args.early_stopping_patience:
-        callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping_patience))
-    options = {k: getattr(args, k) for k in (*build.METHOD_OPTIONS, *build.GENERAL)
-               if k in build.GENERAL or args.method in build.METHOD_OPTIONS[k][0]}
-    trainer = build.build_trainer(args.method, model, data.dataset, training_arguments(args),
-                                  evaluator=evaluator, callbacks=callbacks, **options)
-    for name in FAMILY_DEFAULTS:   # DCLR's, resolved by the model's family
-        setattr(args, name, options.get(name))
-    if main_process:
-        if checkpoint:
-            truncate_log(out, step_of(checkpoint))
-        write_config(out, args)
-        append_log(out, {"type": "start", "step": step_of(checkpoint) if checkpoint else 0,
-                         "resumed": bool(checkpoint), "examples": len(data.dataset),
-                         "skipped": data.skipped, "processes": build.world_size(),
-                         "args": json_safe({k: getattr(v, "value", v) for k, v in vars(args).items()
-                                            if k != "config"})})
-        print(f"{args.method}: {len(data.dataset)} examples from {data.source}"
-              + (f" ({data.skipped} skipped)" if data.skipped else "")
-              + f", {batch} a step, pooling: {args.pooler_used or 'the base model own modules'}"
-              + ("" if args.sts_dir else "; --sts_dir none: no dev evaluation, the last step is saved"),
-              flush=True)
-    trainer.guard = lambda: guard_links(out)
-    trainer.export_max_seq_length = args.model_max_seq_length
-    state = trainer_state(Path(checkpoint)) if checkpoint else None
-    if state is not None and training_finished(state, args):
-        _finish_without_training(trainer, args, out, Path(checkpoint))
-    else:
-        trainer.train(resume_from_checkpoint=checkpoint)
-    if stop.signum:
-        if main_process:
-            _say(f"stopped by signal {stop.signum} after step {trainer.state.global_step}: "
-                 f"{out / (CHECKPOINT_PREFIX + str(trainer.state.global_step))} written, continue "
-                 "with --resume")
-        return 128 + stop.signum
-    if not main_process:
-        return 0
-    records = read_log(out)
-    # with a dev evaluation the trainer holds the best evaluated step, step 0 included
     best = getattr(trainer.state, "best_global_step", None)
     if best is None and trainer.state.best_model_checkpoint:  # older transformers
         best = step_of(trainer.state.best_model_checkpoint)
     saved_step = best if args.load_best_model_at_end and best is not None else trainer.state.global_step
-    cmp = comparison(records, args.select, saved_step) if args.sts_dir else None
+    cmp = comparison(read_log(out), args.select, saved_step) if args.sts_dir else None
     guard_links(out)
-    target = save_model(trainer.model, args, out, cmp)
+    final, target = without_training_heads(trainer.model), out / MODEL_DIR
+    final.max_seq_length = args.model_max_seq_length
+    stage = files.stage_dir(target)
+    final.save_pretrained(str(stage))
+    files.crash_point("model-stage")
+    files.swap_in(stage, target)
     summary = {"method": args.method, "steps": trainer.state.global_step, "saved_step": saved_step,
-               "select": args.select if args.sts_dir else None, "comparison": cmp,
-               "model": str(target)}
+               "select": args.select if args.sts_dir else None, "comparison": cmp, "model": str(target)}
     files.replace_text(out / RESULTS, json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
-    try:
-        write_plots(out, records, build.SELECT[args.select])
-    except OSError as err:  # the model and results are saved: a missing plot is no failure
-        _say(f"warning: the plots were not written ({err})")
     print(f"model saved to {target} (step {saved_step})")
     if cmp is not None and not cmp["improved"]:
-        what = ("the base model is saved (--keep_last saves the last step)" if saved_step == 0
-                else "the model card says so")
         _say(f"warning: training did not improve on the base model: {cmp['metric']} "
-             f"{cmp['step0']:.2f} at step 0, at best {cmp['best_trained']:.2f}; {what}")
-    if args.push_to_hub:
-        from ..integrations.sentence_transformers._base import SentenceTransformer
-        SentenceTransformer(str(target)).push_to_hub(args.hub_model_id or out.resolve().name)
+             f"{cmp['step0']:.2f} at step 0, at best {cmp['best_trained']:.2f}; "
+             + ("the base model is saved (--keep_last saves the last step)" if saved_step == 0
+                else "the saved step is the best trained one"))
+    if args.push_to_hub:   # the saved model (transformers pushes the run's checkpoints)
+        final.push_to_hub(args.hub_model_id or out.resolve().name)
     return 0
