@@ -338,7 +338,7 @@ def test_fastcl_train_takes_both(tiny, tmp_path, capsys):
     assert train.main(base_args(tiny, out, "simcse", steps=2, false_negative_margin=0.1,
                                 positive_prior=0.1)) == 0
     assert [s for s, _ in losses(out)] == [1, 2] and all(math.isfinite(v) for _, v in losses(out))
-    for change, message in (({"positive_prior": 1.0}, "--positive_prior must be in [0, 1)"),
+    for change, message in (({"positive_prior": 1.0}, "--positive_prior (τ⁺, a class prior) must lie in [0, 1)"),
                             ({"false_negative_margin": 0.1, "method": "escl"},
                              "--false_negative_margin applies to --method")):
         change = dict(change)

@@ -325,3 +325,34 @@ def test_trainer_options():
     rows = datasets.Dataset.from_dict({"sent0": ["a b", "c", "a b"], "sent1": ["x", "y", "z"],
                                        "hard_neg": ["u", "v", "w"]})
     assert examples(rows, "simcse-sup", premise_labels=True)["label"] == [0, 1, 0]
+
+
+def test_soft_targets_beside_the_margin_and_not_the_prior():
+    """label_smoothing with false_negative_margin: the smoothing is uniform over the row's
+    kept candidates (the margin's drops left out), literal float64 formula within 1e-12 on
+    the reference, the tiled path within 1e-9; Triton refuses the pair by name (no flag
+    set), "auto" runs it tiled. positive_prior with soft targets is refused everywhere."""
+    n, eps, m = 7, 0.2, 0.05
+    a = make(n, 5, dtype=torch.float64)
+    p = make(n, 5, dtype=torch.float64, seed=1)
+    s = F.normalize(a, dim=1) @ F.normalize(p, dim=1).T
+    drop = (s > s.diagonal()[:, None] + m) & ~torch.eye(n, dtype=torch.bool)
+    assert drop.any()
+    log_p = torch.log_softmax((s / TAU).masked_fill(drop, float("-inf")), dim=1).masked_fill(drop, 0.0)
+    kept = (~drop).to(s.dtype)
+    y = (1 - eps) * torch.eye(n, dtype=s.dtype) + eps * kept / kept.sum(dim=1, keepdim=True)
+    want = -(y * log_p).sum(dim=1).mean()
+    kw = dict(temperature=TAU, label_smoothing=eps, false_negative_margin=m)
+    want_grads = _grads(want, (a, p))
+    for backend, tol in (("reference", 1e-12), ("tiled", 1e-9)):
+        got = fastcl.contrastive(a, p, backend=backend, chunk_size=3, **kw)
+        torch.testing.assert_close(got, want, atol=tol, rtol=0)
+        for x, w in zip(_grads(got, (a, p)), want_grads):
+            torch.testing.assert_close(x, w, atol=tol, rtol=0)
+    x = a.detach().float()
+    if fastcl.spec.triton_problem(x) is None:
+        with pytest.raises(ValueError, match="label_smoothing or labels beside false_negative_margin"):
+            fastcl.spec.build_spec(x, x, None, backend="triton", **kw)
+        assert fastcl.spec.build_spec(x, x, None, backend="auto", **kw)[0].backend == "tiled"
+    with pytest.raises(ValueError, match="positive_prior cannot be combined with label_smoothing"):
+        fastcl.contrastive(a, p, temperature=TAU, label_smoothing=eps, positive_prior=0.1)

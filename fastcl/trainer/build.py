@@ -129,10 +129,15 @@ def check_objective(method: str, options: dict) -> None:
     if "augment" in options and method in SUPERVISED:
         raise ValueError(f"--augment applies to the unsupervised methods (it augments the second "
                          f"copy of each sentence); {method} takes its positives from the data")
+    if "premise_labels" in options and method not in SUPERVISED:
+        raise ValueError(f"--premise_labels applies to --method {', '.join(SUPERVISED)} only (the "
+                         "premise ids of its pairs)")
     spec = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in MODELS}
     if method == "focal" and "m" in spec:
         spec.update(focal_m=spec.pop("m"), focal_name="--m")
     x = torch.eye(2)
+    if {"teacher", "teacher_temperature", "distill_weight"} & set(options):   # a stand-in teacher
+        spec["teacher"] = (x, torch.cat([x, x]) if method in SUPERVISED else x)
     try:
         augment.parse(options.get("augment"))
         build_spec(x, x, x if method in SUPERVISED else None,
