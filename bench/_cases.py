@@ -77,14 +77,14 @@ from fastcl.common import FOCAL_M, NOISE_STEPS, PHI, TEMPERATURE
 
 OBJECTIVES = ("infonce", "infonce-hard", "focal", "dclr", "escl", "noise", "gist", "matryoshka",
               "gist-matryoshka", "infonce-symmetric", "infonce-learnable", "infonce-margin",
-              "infonce-prior", "smoothing", "supcon")
+              "infonce-prior", "smoothing", "supcon", "teacher", "features")
 IMPLS = ("fastcl", "tiled", "reference", "compiled", "mnrl", "gistembed", "wrapped") + ALTERNATIVES
 MNRL_OBJECTIVES = ("infonce", "infonce-hard", "matryoshka")
 #: The implementations that compute only some objectives: the sentence-transformers losses.
 ONLY_FOR = {"mnrl": MNRL_OBJECTIVES, "gistembed": ("gist",), "wrapped": ("matryoshka", "gist-matryoshka")}
 #: The objectives with options the reference's plain functions (hence ``compiled``) lack.
 NOT_COMPILED = ("gist", "matryoshka", "gist-matryoshka", "infonce-margin", "infonce-prior",
-                "smoothing", "supcon")
+                "smoothing", "supcon", "teacher", "features")
 
 
 def matryoshka_dims(d: int) -> tuple[int, ...]:
@@ -98,7 +98,8 @@ _FUNCTIONS = {"infonce": "infonce", "infonce-hard": "infonce", "infonce-symmetri
               "focal": "focal_infonce",
               "dclr": "dclr_loss", "escl": "escl_loss", "noise": "dclr_noise", "gist": "contrastive",
               "matryoshka": "contrastive", "gist-matryoshka": "contrastive",
-              "smoothing": "infonce", "supcon": "infonce"}
+              "smoothing": "infonce", "supcon": "infonce", "teacher": "contrastive",
+              "features": "contrastive"}
 
 
 def num_candidates(objective: str, n: int) -> int:
@@ -116,6 +117,8 @@ def useful_flops(objective: str, n: int, d: int) -> float:
     flops = 6.0 * n * m * d
     if objective == "dclr":
         flops += 2.0 * n * n * COMPLEMENTARY_DIM + NOISE_STEPS * 4.0 * n * n * d
+    if objective in ("teacher", "features"):      # the teacher's cosines
+        flops += 2.0 * n * n * COMPLEMENTARY_DIM
     if objective in ("gist", "gist-matryoshka"):   # the positive's N scores, the guide's 4N cosines a row
         flops += 6.0 * n * n * d + 2.0 * n * 4 * n * COMPLEMENTARY_DIM
     return flops    # matryoshka: one loss at full width, the floor of a one-pass computation
@@ -259,6 +262,18 @@ def build(objective: str, impl: str, n: int, d: int, dtype: str = "float32", dev
         kwargs["label_smoothing"] = 0.1
     elif objective == "supcon":
         kwargs["labels"] = torch.randint(0, max(1, n // 4), (n,), generator=gen, device=device)
+    elif objective in ("teacher", "features"):
+        # a teacher of the complementary width; "features": every option that composes with
+        # it too (a learnable τ, the margin, smoothing, labels; positive_prior takes no
+        # soft target, so it is measured on its own)
+        t = randn(n, COMPLEMENTARY_DIM, grad=False)
+        kwargs.update(teacher=(t, (t.float() + 0.5 * randn(n, COMPLEMENTARY_DIM, grad=False).float()).to(tdtype)),
+                      distill_weight=0.5)
+        if objective == "features":
+            kwargs.update(false_negative_margin=0.1, label_smoothing=0.1,
+                          labels=torch.randint(0, max(1, n // 4), (n,), generator=gen, device=device),
+                          temperature=torch.tensor(TEMPERATURE, device=device, requires_grad=True))
+            leaves.append(kwargs["temperature"])
     if objective in ("gist", "gist-matryoshka"):
         negatives = randn(n, d)
         leaves.append(negatives)
