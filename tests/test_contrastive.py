@@ -165,7 +165,7 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
     # issue #46's row features (tests/test_feature_masks.py): the margin with each of the
     # above, the debiased loss with the flag sets its Triton path takes (spec.TRITON_PRIOR)
     for combo in COMBOS:
-        _call(batch, combo, "tiled", noise_steps=1, false_negative_margin=0.1)
+        batch(combo, "tiled", noise_steps=1, false_negative_margin=0.1)
     for focal in (None, 0.3):
         fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal,
                            directions=("query_to_doc", "doc_to_query"), false_negative_margin=0.1)
@@ -181,10 +181,10 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
                          ((), dict(directions=("query_to_doc", "query_to_query"),
                                    false_negative_margin=0.1)),
                          ((), dict(guide=guide, false_negative_margin=0.1))]:
-        _call(batch, combo, "tiled", positive_prior=0.1, **extra)
+        batch(combo, "tiled", positive_prior=0.1, **extra)
     # soft targets (tests/test_soft_targets.py): every combination and the anchor-side rules
     for combo in COMBOS:
-        _call(batch, combo, "tiled", noise_steps=1, label_smoothing=0.1)
+        batch(combo, "tiled", noise_steps=1, label_smoothing=0.1)
     for focal in (None, 0.3):
         fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal, label_smoothing=0.1,
                            directions=("query_to_doc", "query_to_query"))
