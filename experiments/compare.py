@@ -10,6 +10,11 @@ and scored with its mean pooling), on STS-B test, SICK-R test and STS12-16 where
 exist, with alignment and uniformity on STS-B test. The report says per method whether
 training improves on the start.
 
+Variants (``--variants``, :data:`VARIANTS`): a method with its own train.py flags (a feature
+switched on), trained from the same start with the same budget, scored and reported as a
+method, and set against plain SimCSE of the same seed (the same data order and dropout):
+the paired difference of the test average per seed and whether it holds beyond the seed spread.
+
 Resumable: a run whose model and result JSON exist is never redone; an interrupted training
 continues with ``train.py --resume`` from its newest complete checkpoint
 (``WORK/runs/NAME/checkpoint-N/`` holding ``fastcl_manifest.json``) and starts over when it has
@@ -39,8 +44,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 METHODS = ("simcse", "dclr", "focal", "escl")
+# A variant: name -> (method, its own train.py flags, label). A feature to try at compare.py's
+# scale is one more entry; its runs are named NAME-seedS and compared with simcse-seedS.
+VARIANTS = {
+    "simcse-learnable-tau": ("simcse", ("--learnable_temperature", "true"), "SimCSE + learnable τ"),
+}
 LABELS = {"start": "start (before training)", "simcse": "SimCSE", "dclr": "DCLR", "focal": "Focal-InfoNCE",
-          "escl": "ESCL"}
+          "escl": "ESCL", **{name: label for name, (_, _, label) in VARIANTS.items()}}
 DATA_FILES = ("wiki1m_for_simcse.head11915.txt", "wiki1m_for_simcse.random10k.txt")
 TASK_ORDER = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 TASK_NAMES = {"sts12": "STS12", "sts13": "STS13", "sts14": "STS14", "sts15": "STS15",
@@ -96,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "on the STS tasks (resumable).")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
                    help="objectives to train (dclr needs simcse: its complementary model)")
+    p.add_argument("--variants", nargs="+", default=[], choices=list(VARIANTS), metavar="VARIANT",
+                   help="methods with their own train.py flags, each compared with SimCSE of the "
+                        "same seed (needs simcse in --methods): "
+                        + "; ".join(f"{n} = {m} {' '.join(f)}" for n, (m, f, _) in VARIANTS.items()))
     add_shared_options(p, seeds=[0, 1, 2], results_dir=REPO / "experiments" / "results")
     return p
 
@@ -242,6 +256,17 @@ DEV_KEYS = {"step": "step", "stsb-dev": "stsb-dev", "sickr-dev": "sickr-dev", "a
             "alignment": "stsb-dev_alignment", "uniformity": "stsb-dev_uniformity"}
 
 
+def temperature_curve(out: Path) -> list:
+    """``[step, τ]`` at every logged training step of a run with a learnable temperature (train.py
+    logs it beside the loss); empty with a fixed one."""
+    path = out / "train_log.jsonl"
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [[r["step"], r["temperature"]] for r in records
+            if r.get("type") == "step" and isinstance(r.get("temperature"), (int, float))]
+
+
 def dev_curve(out: Path) -> list:
     """The dev evaluations train.py logged, step 0 (the start) included: step, STS-B dev,
     SICK-R dev, their mean, and alignment and uniformity on STS-B dev."""
@@ -363,7 +388,7 @@ def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict, 
     result.update(name=name, method=method, seed=seed, model_dir=str(model_dir), config=config,
                   train_command=shlex.join(train_command(args, method, seed, data, out, False, extra)),
                   train_s=train_s, eval_s=time.perf_counter() - tic, train_results=trained,
-                  dev_curve=dev_curve(out))
+                  dev_curve=dev_curve(out), temperature_curve=temperature_curve(out))
     write_json(result_path, result)
     print(f"[{name}] avg {fmt(result['avg'])}, alignment {fmt(result['alignment'], 4)}, "
           f"uniformity {fmt(result['uniformity'], 4)}", flush=True)
@@ -390,6 +415,10 @@ def do_start(args, config: dict, cache: dict) -> dict:
 
 def fmt(x, digits=2) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def signed(x, digits=2) -> str:
+    return "n/a" if x is None else f"{x:+.{digits}f}"
 
 
 def mean_std(values):
@@ -426,6 +455,55 @@ def verdict_vs_start(diffs: list) -> str:
         return "n/a"
     better = sum(d > 0 for d in known)
     return "yes" if better == len(known) else "no" if better == 0 else "mixed"
+
+
+def verdict(diffs: list, spread: float) -> str:
+    """"better" / "worse" than SimCSE beyond the seed spread: every seed's paired difference
+    has the same sign and their mean exceeds ``spread`` (the larger std over seeds of the two
+    runs' averages); "within" otherwise, or with fewer than two seeds."""
+    diffs = [d for d in diffs if d is not None]
+    if len(diffs) < 2:
+        return "within"
+    mean = mean_std(diffs)[0]
+    if all(d > 0 for d in diffs) and mean > spread:
+        return "better"
+    if all(d < 0 for d in diffs) and mean < -spread:
+        return "worse"
+    return "within"
+
+
+def versus_simcse(results: dict, order: list) -> dict:
+    """Per trained run but SimCSE: its test average minus SimCSE's of the same seed (the same
+    data order and dropout), their mean, the seed spread (the larger std over seeds of the two
+    averages) and the :func:`verdict`; the mean per test set of the same paired differences.
+    Empty without SimCSE runs."""
+    baseline = {r["seed"]: r for r in results.get("simcse", [])}
+    if not baseline:
+        return {}
+    base_std = mean_std([r["avg"] for r in baseline.values()])[1] or 0.0
+    out = {}
+    for name in order:
+        if name in ("start", "simcse"):
+            continue
+        runs = results[name]
+        diffs = {str(r["seed"]): r["avg"] - baseline[r["seed"]]["avg"]
+                 if r["seed"] in baseline and None not in (r["avg"], baseline[r["seed"]]["avg"]) else None
+                 for r in runs}
+        tasks = {t: mean_std([r["scores"][t] - baseline[r["seed"]]["scores"][t] for r in runs
+                              if r["seed"] in baseline and t in baseline[r["seed"]]["scores"]])[0]
+                 for t in TASK_ORDER if all(t in r["scores"] for r in runs)}
+        spread = max(mean_std([r["avg"] for r in runs])[1] or 0.0, base_std)
+        out[name] = {"avg_minus_simcse": diffs, "mean": mean_std(list(diffs.values()))[0],
+                     "tasks_mean": tasks, "spread": spread,
+                     "verdict": verdict(list(diffs.values()), spread)}
+    return out
+
+
+def learned_temperatures(results: dict, order: list) -> dict:
+    """Per run with a learnable temperature: τ at its last logged step, per seed."""
+    out = {name: {str(r["seed"]): r["temperature_curve"][-1][1] for r in results[name]
+                  if r.get("temperature_curve")} for name in order}
+    return {name: taus for name, taus in out.items() if taus}
 
 
 def versus_start(results: dict, order: list) -> dict:
@@ -508,6 +586,35 @@ def improvement_lines(summary: dict) -> list:
     return lines + ([""] if lines[-1] != "" else [])
 
 
+def simcse_lines(summary: dict) -> list:
+    """The report's section on each run against SimCSE of the same seed."""
+    vs = summary.get("vs_simcse") or {}
+    if not vs:
+        return []
+    tasks = [t for t in TASK_ORDER if all(t in v["tasks_mean"] for v in vs.values())]
+    lines = ["## Against SimCSE of the same seed", "",
+             "Test avg of each run minus SimCSE's of the same seed (same start, data order and "
+             "dropout). **better** / **worse**: every seed's difference has one sign and their "
+             "mean exceeds the seed spread (the larger std over seeds of the two runs' avg); "
+             "within otherwise (always, with one seed).", "",
+             "| run | train.py flags | avg − SimCSE, per seed | mean " +
+             "".join(f"| {TASK_NAMES[t]} − SimCSE " for t in tasks) + "| vs SimCSE | learned τ at the last step |",
+             "|" + "---|" * (6 + len(tasks))]
+    flags = {name: " ".join(f) for name, (_, f, _) in VARIANTS.items()}
+    for name in summary["order"]:
+        if name not in vs:
+            continue
+        v = vs[name]
+        diffs = ", ".join("n/a" if d is None else f"{d:+.2f}" for d in v["avg_minus_simcse"].values())
+        word = v["verdict"] if v["verdict"] == "within" else f"**{v['verdict']}**"
+        taus = summary.get("temperatures", {}).get(name) or {}
+        lines.append(f"| {LABELS.get(name, name)} | {'`' + flags[name] + '`' if name in flags else ''} | "
+                     f"{diffs} | {signed(v['mean'])} " + "".join(f"| {signed(v['tasks_mean'][t])} " for t in tasks)
+                     + f"| {word} (±{v['spread']:.2f}) | "
+                     + ", ".join(f"{t:.6f}" for t in taus.values()) + " |")
+    return lines + [""]
+
+
 def write_markdown(path: Path, summary: dict) -> None:
     rows, order = summary["methods"], summary["order"]
     tasks = [t for t in TASK_ORDER if all(t in rows[m]["tasks"] for m in order)]
@@ -521,7 +628,9 @@ def write_markdown(path: Path, summary: dict) -> None:
              f"dev evaluation every {cfg['eval_steps']} steps, model selected by "
              f"{'STS-B dev' if cfg['select'] == 'stsb' else 'the mean of STS-B and SICK-R dev'}. "
              f"Seeds: {' '.join(map(str, summary['seeds']))}. DCLR's complementary model: the "
-             f"SimCSE run of the same seed.", "",
+             f"SimCSE run of the same seed." + "".join(
+                 f" {LABELS.get(n, n)}: {v['method']} with `{' '.join(v['flags'])}`."
+                 for n, v in (summary.get("variants") or {}).items()), "",
              "Spearman x100 on the test sets (mean ± std over seeds); alignment and uniformity "
              "on STS-B test (lower is better).", ""]
     head = ["method", "seeds"] + [TASK_NAMES[t] for t in tasks] + ["avg", "alignment", "uniformity"]
@@ -538,7 +647,7 @@ def write_markdown(path: Path, summary: dict) -> None:
     missing = summary.get("missing_tasks") or {}
     if missing:
         lines += ["", "Not scored (files absent): " + ", ".join(TASK_NAMES[t] for t in missing) + "."]
-    lines += [""] + improvement_lines(summary)
+    lines += [""] + improvement_lines(summary) + simcse_lines(summary)
     lines += [f"Command: `{summary['command']}`", "",
               f"Wall time of this invocation: {summary['wall_s'] / 60:.1f} min; training and "
               f"evaluation time summed over all runs (including earlier, resumed invocations): "
@@ -624,21 +733,32 @@ def main(argv=None) -> int:
     tic = time.perf_counter()
     if "dclr" in args.methods and "simcse" not in args.methods:
         parser.error("dclr needs simcse in --methods: its complementary model is the SimCSE run of the same seed")
+    if args.variants and "simcse" not in args.methods:
+        parser.error("--variants needs simcse in --methods: each variant is compared with the SimCSE run of the same seed")
     methods = [m for m in METHODS if m in args.methods]  # simcse before dclr
+    variants = list(dict.fromkeys(args.variants))
     work, results_dir, data_info, config = prepare(parser, args)
     cache: dict = {}
     results = {"start": [do_start(args, config, cache)]}
+    data = work / "data" / "train.txt"
     for seed in args.seeds:  # per seed: simcse first (dclr's complementary model), then the others
         for method in methods:
-            results.setdefault(method, []).append(do_run(args, method, seed, work / "data" / "train.txt",
-                                                         config, cache))
-    order = ["start"] + methods
+            results.setdefault(method, []).append(do_run(args, method, seed, data, config, cache))
+        for name in variants:
+            method, flags, _ = VARIANTS[name]
+            # its flags are part of its settings: a run made with other flags is refused
+            results.setdefault(name, []).append(do_run(args, method, seed, data, dict(config, flags=list(flags)),
+                                                       cache, name=f"{name}-seed{seed}", extra=flags))
+    order = ["start"] + methods + variants
     summary = {"command": shlex.join(["python", "experiments/compare.py",
                                       *(argv if argv is not None else sys.argv[1:])]),
                "config": config, "seeds": args.seeds, "order": order, "data": data_info,
                "sts_dir": args.sts_dir, "work_dir": args.work_dir,
                "missing_tasks": results["start"][0]["missing"],
+               "variants": {n: {"method": VARIANTS[n][0], "flags": list(VARIANTS[n][1])} for n in variants},
                "methods": summarize(results, order), "vs_start": versus_start(results, order),
+               "vs_simcse": versus_simcse(results, order),
+               "temperatures": learned_temperatures(results, order),
                "runs": {m: [r["name"] for r in results[m]] for m in order}, **run_totals(results)}
     summary["plots"] = plot(summary, results, results_dir)
     return publish(summary, tic, results_dir / "summary.json", results_dir / "results.md",

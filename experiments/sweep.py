@@ -38,7 +38,7 @@ for folder in (HERE.parent, HERE):
         sys.path.insert(0, str(folder))
 
 import compare  # noqa: E402
-from compare import do_run, mean_std, publish, run_totals, write_json  # noqa: E402
+from compare import do_run, mean_std, publish, run_totals, verdict, write_json  # noqa: E402
 from fastcl.augment import parse as parse_augment  # noqa: E402
 from fastcl.common import FOCAL_M  # noqa: E402
 
@@ -176,21 +176,6 @@ def screen(args, data, config, cache) -> str:
     write_json(Path(args.results_dir) / "screening.json", {"steps": args.screen_steps, "seed": seed,
                                                            "stsb_dev": scores, "picked": best})
     return best
-
-
-def verdict(diffs: list, spread: float) -> str:
-    """"better" / "worse" than SimCSE beyond the seed spread: every seed's paired difference
-    has the same sign and their mean exceeds ``spread`` (the larger std over seeds of the two
-    runs' averages); "within" otherwise, or with fewer than two seeds."""
-    diffs = [d for d in diffs if d is not None]
-    if len(diffs) < 2:
-        return "within"
-    mean = mean_std(diffs)[0]
-    if all(d > 0 for d in diffs) and mean > spread:
-        return "better"
-    if all(d < 0 for d in diffs) and mean < -spread:
-        return "worse"
-    return "within"
 
 
 def row(label, group, runs, baseline, extra=None) -> dict:

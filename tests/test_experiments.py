@@ -287,6 +287,50 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_or_starts_over(setup, tm
     assert not (run_dir / "checkpoint-1").exists()
 
 
+def test_a_variant_is_trained_with_its_flags_and_set_against_simcse(setup, tmp_path, trainings):
+    """``--variants``: the method with the variant's train.py flags, its own run folder and
+    JSON, and its paired difference to SimCSE of the same seed; other flags are refused."""
+    root, args, _, _ = setup
+    results = tmp_path / "results"
+    args = with_option(with_option(args, "--methods", "simcse"), "--results-dir", results)
+    with pytest.raises(SystemExit):  # the baseline is needed
+        run(compare, *with_option(args, "--methods", "focal"), "--variants", "simcse-learnable-tau")
+    count = len(trainings)
+    out = run(compare, *args, "--variants", "simcse-learnable-tau")
+    assert "[simcse-seed0] evaluating" in out and "[simcse-seed0] training" not in out  # reused
+    assert len(trainings) == count + 1 and trainings[-1][trainings[-1].index("--method") + 1] == "simcse"
+    assert trainings[-1][-2:] == ["--learnable_temperature", "true"]
+    simcse = json.loads((results / "runs" / "simcse-seed0.json").read_text())
+    variant = json.loads((results / "runs" / "simcse-learnable-tau-seed0.json").read_text())
+    assert variant["train_command"].endswith("--learnable_temperature true")
+    assert variant["config"] == dict(simcse["config"], flags=["--learnable_temperature", "true"])
+    assert simcse["temperature_curve"] == []
+    steps, taus = zip(*variant["temperature_curve"])
+    assert steps[-1] == 2 and all(t > 0 for t in taus) and taus[-1] != 0.05  # learned from τ = 0.05
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["order"] == ["start", "simcse", "simcse-learnable-tau"]
+    assert summary["variants"] == {"simcse-learnable-tau": {"method": "simcse",
+                                                            "flags": ["--learnable_temperature", "true"]}}
+    vs = summary["vs_simcse"]["simcse-learnable-tau"]
+    assert vs["avg_minus_simcse"] == {"0": pytest.approx(variant["avg"] - simcse["avg"])}
+    assert vs["tasks_mean"]["stsb"] == pytest.approx(variant["scores"]["stsb"] - simcse["scores"]["stsb"])
+    assert vs["verdict"] == "within"  # one seed: no spread to beat
+    assert summary["temperatures"] == {"simcse-learnable-tau": {"0": taus[-1]}}
+    table = (results / "results.md").read_text()
+    assert f"| {taus[-1]:.6f} |" in table
+    assert "| SimCSE + learnable τ | 1 |" in table and "## Against SimCSE of the same seed" in table
+    assert f"| SimCSE + learnable τ | `--learnable_temperature true` | {vs['avg_minus_simcse']['0']:+.2f} |" in table
+    # the same name with other flags is another run: refused, not scored as this one
+    patch = pytest.MonkeyPatch()
+    patch.setitem(compare.VARIANTS, "simcse-learnable-tau", ("simcse", ("--temperature", "0.1"), "other"))
+    try:
+        with pytest.raises(SystemExit, match="other settings"):
+            run(compare, *args, "--variants", "simcse-learnable-tau")
+    finally:
+        patch.undo()
+    assert len(trainings) == count + 1
+
+
 def test_compare_runs_as_a_script(setup):
     """``python experiments/compare.py`` itself: the finished runs are found and skipped."""
     root, args, _, _ = setup
