@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -119,6 +120,26 @@ try:
     _hypothesis.load_profile(os.environ.get("FASTCL_HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # hypothesis is a dev extra: the property tests skip without it
     pass
+
+
+#: Triton's device: a GPU where there is one, else its interpreter on CPU tensors
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+#: Triton against the reference in float32 (values and gradients)
+TRITON_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def backends(*names):
+    """``names`` as a parametrize list, "triton" marked to skip without Triton."""
+    return [pytest.param(b, marks=needs_triton) if b == "triton" else b for b in names]
+
+
+def device_of(backend):
+    """Where ``backend``'s inputs live: Triton's device, else the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
 
 
 # Tolerances for the tiled path against the reference (values and gradients).
