@@ -1,5 +1,6 @@
-"""The tiled engine's own behaviour: gradient scaling, no-grad, chunk sizing, fp16 chunk buffers
-and the noise update's norms (its grid against the reference: tests/test_matches_reference.py)."""
+"""The fused engines' own behaviour: gradient scaling, no-grad, chunk sizing, fp16 chunk
+buffers, the noise update's norms, and on both engines non-contiguous, tiny and zero rows (the
+grid against the reference: tests/test_matches_reference.py)."""
 
 import dataclasses
 
@@ -9,7 +10,8 @@ import torch
 import fastcl
 from fastcl import tiled
 
-from conftest import correlated, inputs, loss_and_grads, make
+from conftest import (TRITON_TOL, backends, correlated, device_of, inputs, loss_and_grads, make,
+                      needs_triton)
 
 def test_grad_output_scales():
     a, p, _ = inputs(9, 0, 16, torch.float64)
@@ -45,24 +47,43 @@ def test_gradient_only_where_required():
     assert a.grad is not None and p.grad is None
 
 
-def test_non_contiguousinputs():
-    base = make(12, 40, dtype=torch.float64)
+@pytest.mark.parametrize("backend", backends("tiled", "triton"))
+def test_non_contiguous_inputs(backend):
+    n, d, dtype, chunk, tol = ((12, 40, torch.float64, 5, {}) if backend == "tiled"
+                               else (17, 60, torch.float32, None, TRITON_TOL))
+    base = make(n, d, dtype=dtype).to(device_of(backend))
     a, p = base[:, ::2], base.flip(0)[:, 1::2]
     assert not a.is_contiguous()
-    torch.testing.assert_close(fastcl.infonce(a, p, chunk_size=5),
-                               fastcl.infonce(a, p, backend="reference"))
+    torch.testing.assert_close(fastcl.infonce(a, p, backend=backend, chunk_size=chunk),
+                               fastcl.infonce(a, p, backend="reference"), **tol)
 
 
-def test_zero_row_is_finite():
-    a = make(4, 8, dtype=torch.float64)
-    with torch.no_grad():
-        a[2] = 0.0
-    p = correlated(a)
-    ref, rg = loss_and_grads(lambda: fastcl.infonce(a, p, backend="reference"), [a, p])
-    got, g = loss_and_grads(lambda: fastcl.infonce(a, p, backend="tiled"), [a, p])
-    torch.testing.assert_close(got, ref)
+@pytest.mark.parametrize("backend,tiny", [("tiled", False), ("tiled", True),
+                                         pytest.param("triton", True, marks=needs_triton)])
+def test_tiny_and_zero_norm_rows_match_the_reference(backend, tiny):
+    """x̂ = x / max(‖x‖, EPS): the chain rule projects every row whose norm is above EPS, however
+    small (1e-10, 1e-6 here), and none of the zero rows. Gradients scale as 1/‖x‖. ``tiny``:
+    τ = 1 keeps the softmax far from saturation, whose p − 1 would cost fp32 digits on every
+    backend; else one zero anchor at the default τ. The tiled engine in float64."""
+    dtype, tol = (torch.float64, {}) if backend == "tiled" else (torch.float32, TRITON_TOL)
+    if tiny:
+        a, p, kw = make(9, 24, dtype=dtype), correlated(make(9, 24, dtype=dtype)), dict(temperature=1.0)
+        with torch.no_grad():
+            for x in (a, p):
+                x[1] *= 1e-10 / x[1].norm()
+                x[4] *= 1e-6 / x[4].norm()
+            a[6], p[2] = 0.0, 0.0
+    else:
+        a, kw = make(4, 8, dtype=dtype), {}
+        with torch.no_grad():
+            a[2] = 0.0
+        p = correlated(a)
+    a, p = (x.detach().to(device_of(backend)).requires_grad_() for x in (a, p))
+    ref, rg = loss_and_grads(lambda: fastcl.infonce(a, p, backend="reference", **kw), [a, p])
+    got, g = loss_and_grads(lambda: fastcl.infonce(a, p, backend=backend, **kw), [a, p])
+    torch.testing.assert_close(got, ref, **tol)
     for x, y in zip(g, rg):
-        torch.testing.assert_close(x, y)
+        torch.testing.assert_close(x, y, **tol)
 
 
 class TestChunkChoice:
