@@ -19,7 +19,6 @@ rounded inputs): the loss within 2e-2 relative, gradients within 3e-2 of their l
 takes all of them.
 """
 
-import importlib.util
 import itertools
 
 import pytest
@@ -28,15 +27,12 @@ import torch
 import fastcl
 from fastcl import layout
 
-from conftest import TOL, correlated, inputs, loss_and_grads, make, objectives
+from conftest import (TOL, backends, correlated, device_of, inputs, loss_and_grads, make, needs_gpu,
+                      needs_triton, objectives)
+from conftest import TRITON_TOL as FP32_TRITON
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"          # Triton's device (its interpreter on a CPU)
-FP32_TRITON = dict(atol=1e-4, rtol=1e-4)
 BF16 = dict(atol=0, rtol=2e-2, grad_frac=3e-2)
 DTYPES_16 = [torch.bfloat16, torch.float16]
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed")
 
 
 def tolerance(backend, dtype):
@@ -297,8 +293,6 @@ F32, F64, BF, FP16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 SLOW = pytest.mark.slow
 
 
-needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-
 
 def param(backend, case, dtype=F32, chunks=(None,), buffers=False, slow=False, gpu=False):
     dname = str(dtype)[6:]
@@ -404,7 +398,7 @@ def grid_16bit():
 @pytest.mark.parametrize("backend,case,dtype,chunks,buffers", grid())
 def test_matches_reference(backend, case, dtype, chunks, buffers, request):
     seen = request.getfixturevalue("gpu_buffers") if buffers else None
-    leaves, call = case.build(dtype, DEVICE if backend == "triton" else "cpu")
+    leaves, call = case.build(dtype, device_of(backend))
     for chunk in chunks:
         check(call, leaves, backend, chunk)
     if buffers:
@@ -430,13 +424,13 @@ def _slice_loss(case, batch, lo, hi, backend, **kw):
                                                        backend=backend, **kw)
 
 
-@pytest.mark.parametrize("backend", ["reference", "tiled", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", backends("reference", "tiled", "triton"))
 @pytest.mark.parametrize("case", SLICE_CASES, ids=["+".join(c) or "plain" for c in SLICE_CASES])
 def test_anchor_offset_slices_add_up(case, backend):
     """Each slice's loss and gradients equal the reference's (fused engines in chunks of
     2), and weighted by their sizes the slices add up to the whole batch: the offset moves
     the positive, the hard negative and the mask's rows consistently."""
-    device = DEVICE if backend == "triton" else "cpu"
+    device = device_of(backend)
     leaves, _ = Features(case, N_ALL, 24).build(F32, device)
     a, p, neg = leaves
     z = make(5, 24, seed=9, grad=False).to(device)
@@ -476,7 +470,7 @@ def test_noise_update_matches_reference(backend, shape, dtype):
     autograd (tolerances: 2e-6 / 1e-5 in float32, 1e-12 / 1e-10 in float64), in the inputs'
     dtype and without a graph; a single step moves every row by lr."""
     n, k, d, chunk = shape
-    device = DEVICE if backend == "triton" else "cpu"
+    device = device_of(backend)
     a = make(n, d, dtype=dtype).to(device)
     p = correlated(a)
     z0 = make(k, d, dtype=dtype, seed=9, grad=False).to(device)
