@@ -12,21 +12,18 @@ import torch
 import fastcl
 from fastcl import common, reference
 
-from conftest import TOL, correlated, loss_and_grads, make
+from conftest import TOL, TRITON_TOL, backends, correlated, device_of, loss_and_grads, make, needs_triton
 from conftest import objectives as conftest_objectives
-from test_matches_reference import COMBOS, FEATURES, PHI, Batch, needs_triton
-
-TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_TOL = dict(atol=1e-4, rtol=1e-4)
+from test_matches_reference import COMBOS, FEATURES, PHI, Batch
 RELEASED = [(), ("mask",), ("noise",), ("mask", "noise")]
 
 
-@pytest.mark.parametrize("backend", ["tiled", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", backends("tiled", "triton"))
 def test_released_formulation_with_a_saturated_negative(backend):
     """A negative 20 logits above its positive: its softmax entry is 1.0 in float32, where
     1/(1 − p) is infinite. torch's BCE clamps log(1 − p) at −100 and its backward's
     denominator p(1 − p) at 1e-12; the fused paths do the same (finite, equal gradients)."""
-    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    device = device_of(backend)
     a = torch.tensor([[1.0, 0, 0], [0, 1, 0]], device=device, requires_grad=True)
     p = torch.tensor([[0.0, 0, 1], [1, 0, 0]], device=device, requires_grad=True)
     ref, ref_g = loss_and_grads(lambda: fastcl.contrastive(a, p, formulation="released",
@@ -61,11 +58,11 @@ def test_reference_float16_zero_row_is_finite():
     torch.testing.assert_close(loss, fastcl.infonce(a.half(), p.half(), backend="tiled"),
                                atol=2e-2, rtol=2e-2)
 
-@pytest.mark.parametrize("backend", ["tiled", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", backends("tiled", "triton"))
 def test_noise_steps_every_feature(backend):
     """Noise drawn from a generator and moved by the noise update, every feature on: the
     backends update it on their own (the reference with autograd) and still agree."""
-    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    device = device_of(backend)
     batch = Batch(12, 24, device=device)
     combo = ("focal", "hard", "mask", "symmetric")
     gen = lambda: torch.Generator(device).manual_seed(5)
@@ -151,45 +148,29 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
             return _original(ep, *args, **kw)
         monkeypatch.setattr(module, name, spy)
     batch = Batch(5, 8)
-    for combo in COMBOS:
-        batch(combo, "tiled", noise_steps=1)
+    c = lambda **kw: fastcl.contrastive(batch.a, batch.p, backend="tiled", **kw)  # noqa: E731
+    guide = (batch.comp[0], batch.comp[0], None, None)
+    q2d_d2q, q2d_q2q = ("query_to_doc", "doc_to_query"), ("query_to_doc", "query_to_query")
+    # every combination: plain, with issue #46's margin (tests/test_feature_masks.py), with
+    # soft targets (tests/test_soft_targets.py); the released formulation
+    margin, smooth = dict(false_negative_margin=0.1), dict(label_smoothing=0.1)
+    for combo, extra in itertools.product(COMBOS, ({}, margin, smooth)):
+        batch(combo, "tiled", noise_steps=1, **extra)
     for combo in RELEASED:
         batch(combo, "tiled", formulation="released", noise_steps=1)
-    # fastcl.layout's rules, with and without focal and GIST's guide
-    guide = (batch.comp[0], batch.comp[0], None, None)
+    # fastcl.layout's rules with and without focal, GIST's guide and the margin; the
+    # anchor-side rules with soft targets
+    for focal, extra in itertools.product((None, 0.3), ({}, margin)):
+        c(focal_m=focal, directions=q2d_d2q, **extra)
+        c(focal_m=focal, directions=fastcl.layout.gist(), guide=guide, **extra)
     for focal in (None, 0.3):
-        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal,
-                           directions=("query_to_doc", "doc_to_query"))
-        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal,
-                           directions=fastcl.layout.gist(), guide=guide)
-    # issue #46's row features (tests/test_feature_masks.py): the margin with each of the
-    # above, the debiased loss with the flag sets its Triton path takes (spec.TRITON_PRIOR)
-    for combo in COMBOS:
-        batch(combo, "tiled", noise_steps=1, false_negative_margin=0.1)
-    for focal in (None, 0.3):
-        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal,
-                           directions=("query_to_doc", "doc_to_query"), false_negative_margin=0.1)
-        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal,
-                           directions=fastcl.layout.gist(), guide=guide, false_negative_margin=0.1)
-    for combo, extra in [((), {}), (("hard",), {}), (("focal",), {}), (("mask",), {}),
-                         ((), dict(false_negative_margin=0.1)),
-                         (("focal",), dict(false_negative_margin=0.1)),
-                         (("hard",), dict(false_negative_margin=0.1)),
-                         (("mask",), dict(false_negative_margin=0.1)),
-                         ((), dict(directions=("query_to_doc", "query_to_query"))),
-                         ((), dict(guide=guide)),
-                         ((), dict(directions=("query_to_doc", "query_to_query"),
-                                   false_negative_margin=0.1)),
-                         ((), dict(guide=guide, false_negative_margin=0.1))]:
+        c(focal_m=focal, directions=q2d_q2q, **smooth)
+        c(focal_m=focal, directions=fastcl.layout.gist(True, False), guide=guide, **smooth)
+    # the debiased loss with the flag sets its Triton path takes (spec.TRITON_PRIOR)
+    for combo, extra in itertools.product([(), ("hard",), ("focal",), ("mask",)], ({}, margin)):
         batch(combo, "tiled", positive_prior=0.1, **extra)
-    # soft targets (tests/test_soft_targets.py): every combination and the anchor-side rules
-    for combo in COMBOS:
-        batch(combo, "tiled", noise_steps=1, label_smoothing=0.1)
-    for focal in (None, 0.3):
-        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal, label_smoothing=0.1,
-                           directions=("query_to_doc", "query_to_query"))
-        fastcl.contrastive(batch.a, batch.p, backend="tiled", focal_m=focal, label_smoothing=0.1,
-                           directions=fastcl.layout.gist(True, False), guide=guide)
+    for rule, extra in itertools.product([dict(directions=q2d_q2q), dict(guide=guide)], ({}, margin)):
+        batch((), "tiled", positive_prior=0.1, **rule, **extra)
     launched = {tuple(sorted(flags(ep).items())) for ep in seen}
     known = {tuple(sorted(v.items())) for v in VARIANTS.values()}
     assert launched <= known, launched - known
@@ -211,7 +192,7 @@ def _objectives_with_rules(n, k):
 REQUIRES_GRAD = list(itertools.product([False, True], repeat=3))
 
 
-@pytest.mark.parametrize("backend", ["reference", "tiled", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", backends("reference", "tiled", "triton"))
 @pytest.mark.parametrize("name", list(_objectives_with_rules(1, 0)))
 def test_every_requires_grad_combination(name, backend):
     """Each of anchors, positives and the extra rows (negatives, hard negatives or noise) may
@@ -227,7 +208,7 @@ def test_every_requires_grad_combination(name, backend):
     _, want = loss_and_grads(lambda: fn(*leaves, backend="reference"), leaves)
     tol = TRITON_TOL if backend == "triton" else TOL[torch.float32]
     for flags in REQUIRES_GRAD:
-        xs = [t.detach().to(TRITON_DEVICE if backend == "triton" else "cpu").requires_grad_(f)
+        xs = [t.detach().to(device_of(backend)).requires_grad_(f)
               for t, f in zip(base, flags)]
         loss = fn(*xs, backend=backend)
         if not loss.requires_grad:
@@ -280,7 +261,7 @@ NEAR_ZERO = [(tau, m, target) for tau in (0.01, 0.05, 0.2, 1.0) for m in (None, 
 
 
 @pytest.mark.parametrize("widths", [None, (8,)], ids=["one-width", "matryoshka"])
-@pytest.mark.parametrize("backend", ["reference", "tiled", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", backends("reference", "tiled", "triton"))
 def test_near_zero_losses_keep_their_digits(backend, widths):
     """Where the positive dominates (a trained model on an easy batch) the loss is
     ``log(1 + Σ_{j≠i} e^(l_ij − l_ii))``, not ``lse − l_ii``, and the positive's gradient is
@@ -292,7 +273,7 @@ def test_near_zero_losses_keep_their_digits(backend, widths):
     ``e^(l_ij − l_ii)`` by as much (τ = 0.01, whose logits reach 130 with focal, and margins
     near −70 at τ = 1; measured: at most 2.5e-5 there, 8e-6 elsewhere). ``matryoshka``: the
     same loss through the Matryoshka epilogue (one width, the whole d)."""
-    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    device = device_of(backend)
     eps = torch.finfo(torch.float32).eps
     for tau, m, target in NEAR_ZERO:
         a, p, h, weight = _near_zero_case(tau, m, target)
@@ -312,7 +293,7 @@ def test_near_zero_losses_keep_their_digits(backend, widths):
 RELEASED_NEAR_ZERO = [(tau, target) for tau in (0.02, 0.05) for target in (1e-3, 1e-7, 1e-11)]
 
 
-@pytest.mark.parametrize("backend", ["reference", "tiled", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", backends("reference", "tiled", "triton"))
 def test_released_near_zero_losses_keep_their_digits(backend):
     """The released DCLR formulation (BCE on the row softmax) where the positive dominates:
     ``−log p_ii`` is the softplus of the others' log-sum-exp over the positive, and
@@ -320,7 +301,7 @@ def test_released_near_zero_losses_keep_their_digits(backend):
     1e-5 of the authors' code in float64 (itself exact to that for losses ≥ 1e-11; issue #42:
     3e-4 off before). One anchor, its positive at cosine 0.95 and a noise row placed for
     each target loss."""
-    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    device = device_of(backend)
     g = torch.Generator().manual_seed(3)
     u, v, w = torch.linalg.qr(torch.randn(8, 3, generator=g, dtype=torch.float64))[0].T
     for tau, target in RELEASED_NEAR_ZERO:
