@@ -248,46 +248,6 @@ def test_symmetric_is_each_direction_against_its_own_positive():
     assert abs(loss.item() - want.item()) < 1e-12
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "margin", True])
-def test_bad_margin_is_named(value):
-    a, p, _ = _inputs(4, 3)
-    with pytest.raises((TypeError, ValueError), match="false_negative_margin"):
-        fastcl.contrastive(a, p, false_negative_margin=value)
-
-
-@pytest.mark.parametrize("option", ["false_negative_margin", "positive_prior"])
-def test_released_formulation_is_refused(option):
-    a, p, _ = _inputs(4, 3)
-    with pytest.raises(ValueError, match=option):
-        fastcl.contrastive(a, p, formulation="released", **{option: 0.1})
-
-
-BAD_PRIORS = [1.0, -0.1, math.nan, "x", True, torch.full((3,), 0.1), torch.zeros(4, dtype=torch.long),
-              torch.tensor([0.1, 0.2, 1.0, 0.3]), torch.zeros(4, 1)]
-
-
-@pytest.mark.parametrize("value", BAD_PRIORS, ids=range(len(BAD_PRIORS)))
-def test_bad_prior_is_named(value):
-    a, p, _ = _inputs(4, 3)
-    with pytest.raises((TypeError, ValueError), match="positive_prior"):
-        fastcl.contrastive(a, p, positive_prior=value)
-
-
-@pytest.mark.parametrize("kw", [dict(symmetric=True), dict(directions=("query_to_doc", "doc_to_query"),
-                                                         partition_mode="per_direction")])
-def test_prior_needs_one_softmax_a_row(kw):
-    a, p, _ = _inputs(4, 3)
-    with pytest.raises(ValueError, match="positive_prior"):
-        fastcl.contrastive(a, p, positive_prior=0.1, **kw)
-
-
-def test_triton_refuses_the_prior_beside_a_positive_side():
-    a, p, _ = _inputs(4, 3, dtype=torch.float32)
-    with pytest.raises(ValueError, match="positive_prior"):
-        fastcl.contrastive(a, p, positive_prior=0.1, backend="triton",
-                           directions=("query_to_doc", "doc_to_query"))
-
-
 @pytest.mark.parametrize("loss_name,options", [
     ("FastInfoNCELoss", dict(false_negative_margin=0.1)),
     ("CachedFastFocalInfoNCELoss", dict(positive_prior=0.1, mini_batch_size=4))])

@@ -8,7 +8,6 @@ reference ``conftest.TOL[float64]``, Triton's interpreter on float32 inputs agai
 float64 reference on the same rounded inputs ``atol = rtol = 1e-4`` (tests/test_contrastive.py's).
 """
 
-import importlib.util
 import logging
 
 import pytest
@@ -16,11 +15,8 @@ import torch
 
 import fastcl
 
-from conftest import TOL, correlated, make
+from conftest import TOL, TRITON_TOL, correlated, make, needs_triton
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed")
-TRITON_TOL = dict(atol=1e-4, rtol=1e-4)
 TAU = 0.2
 
 
@@ -158,28 +154,6 @@ def test_infonce_dclr_and_escl_take_it_too():
         got, want = ((tau := torch.tensor(TAU, dtype=torch.float64, requires_grad=True),
                       torch.autograd.grad(fn(tau, be), (tau, a, p)))[1] for be in ("tiled", "reference"))
         torch.testing.assert_close(got, want, **TOL[torch.float64])
-
-
-BAD = {"two-elements": (torch.tensor([0.1, 0.2]), r"^temperature must be a number or a tensor of one"),
-       "negative": (torch.tensor(-0.1), r"^temperature must be > 0"),
-       "zero": (torch.tensor(0.0), r"^temperature must be > 0"),
-       "nan": (torch.tensor(float("nan")), r"^temperature must be finite"),
-       "inf": (torch.tensor(float("inf")), r"^temperature must be finite"),
-       "focal-triton": (torch.tensor(TAU), r"^a learnable temperature .* with focal_m has its "
-                        r"gradient on backend='reference' or 'tiled' only"),
-       "focal-matryoshka": (torch.tensor(TAU), r"^a learnable temperature .* with focal_m and "
-                            r"matryoshka_dims has its gradient on backend='reference' only")}
-
-
-@pytest.mark.parametrize("backend,case", [(be, case) for be in ("reference", "tiled") for case in BAD
-                                          if not (be == "reference" and case.startswith("focal"))])
-def test_a_bad_temperature_tensor_is_refused_by_name(backend, case):
-    a, (value, match) = make(4, 3), BAD[case]
-    focal = dict(focal_m=0.3, matryoshka_dims=(2, 3)) if case == "focal-matryoshka" else dict(
-        focal_m=0.3, backend="triton") if case == "focal-triton" else {}
-    with pytest.raises(ValueError, match=match):
-        fastcl.contrastive(a, correlated(a), temperature=value.clone().requires_grad_(),
-                           **{"backend": backend, **focal})
 
 
 def test_compiled_learnable_temperature_equals_eager_without_a_graph_break():

@@ -181,6 +181,27 @@ CASES = [pytest.param(c, e, re.escape(w), id=w) for c, e, w in LITERAL] + [pytes
                                 duplicate_ids=(torch.arange(4),)), ValueError, "anchor candidates"),
     (lambda: fastcl.contrastive(A, P, formulation="released", duplicate_ids=(torch.arange(4),)), ValueError,
      "released"),
+    # issue #46's row features: false_negative_margin, positive_prior
+    *[(lambda v=v: fastcl.contrastive(A, P, false_negative_margin=v), (TypeError, ValueError),
+       "false_negative_margin") for v in (math.nan, math.inf, -math.inf, "margin", True)],
+    *[(lambda v=v: fastcl.contrastive(A, P, positive_prior=v), (TypeError, ValueError), "positive_prior")
+      for v in (1.0, -0.1, math.nan, "x", True, torch.full((3,), 0.1), torch.zeros(4, dtype=torch.long),
+                torch.tensor([0.1, 0.2, 1.0, 0.3]), torch.zeros(4, 1))],
+    *[(lambda o=o: fastcl.contrastive(A, P, formulation="released", **{o: 0.1}), ValueError, o)
+      for o in ("false_negative_margin", "positive_prior")],
+    *[(lambda kw=kw: fastcl.contrastive(A, P, positive_prior=0.1, **kw), ValueError, "positive_prior")
+      for kw in (dict(symmetric=True), dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"),
+                 dict(directions=("query_to_doc", "doc_to_query"), backend="triton"))],
+    # a learnable temperature (a 0-dim tensor that requires grad)
+    *[(lambda v=v, kw=kw: fastcl.contrastive(A, P, temperature=torch.tensor(v).requires_grad_(), **kw),
+       ValueError, m) for v, kw, m in [
+          ([0.1, 0.2], {}, "^temperature must be a number or a tensor of one"),
+          (-0.1, {}, "^temperature must be > 0"), (0.0, {}, "^temperature must be > 0"),
+          (math.nan, {}, "^temperature must be finite"), (math.inf, {}, "^temperature must be finite"),
+          (0.2, dict(focal_m=0.3, backend="triton"), r"^a learnable temperature .* with focal_m has its "
+           r"gradient on backend='reference' or 'tiled' only"),
+          (0.2, dict(focal_m=0.3, matryoshka_dims=(2, 3)), r"^a learnable temperature .* with focal_m and "
+           r"matryoshka_dims has its gradient on backend='reference' only")]],
 ]]
 
 
