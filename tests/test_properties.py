@@ -42,7 +42,6 @@ Profiles (registered in ``conftest.py``): ``ci`` (the default: bounded, derandom
 ``FASTCL_HYPOTHESIS_PROFILE=long``).
 """
 
-import importlib.util
 import math
 
 import pytest
@@ -55,6 +54,8 @@ import fastcl
 from fastcl import reference
 from fastcl.common import EPS
 
+from conftest import needs_triton
+
 # ------------------------------------------------------------------ profiles (conftest.py)
 
 def _examples(share: float) -> settings:
@@ -62,8 +63,6 @@ def _examples(share: float) -> settings:
     return settings(max_examples=max(4, int(settings.default.max_examples * share)))
 
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed")
 
 TOL = {("tiled", torch.float64): 1e-9, ("tiled", torch.float32): 5e-5,
        ("tiled", torch.bfloat16): 2e-2, ("triton", torch.float32): 2e-4,
