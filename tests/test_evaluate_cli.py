@@ -388,3 +388,43 @@ def test_evaluator_inside_sentence_transformer_trainer(tiny_st_export, sts, tmp_
     assert rows[0] == ["epoch", "steps", "stsb-dev", "sickr-dev", "avg"]
     assert [r[1] for r in rows[1:]] == ["1", "2"]
     assert float(rows[2][4]) == pytest.approx(evals[-1]["eval_senteval_avg"])
+
+
+# ---------------------------------------------------------------------------------------
+# Damaged files and output paths (issue 28)
+
+@pytest.mark.parametrize("text, why", [
+    ("{not json", "cannot read the pooler"),
+    ("", "cannot read the pooler"),
+    ('["avg"]', "not a fastcl pooler record"),
+    ('{"pool": "avg"}', "not a fastcl pooler record"),
+    ('{"pooler": "max"}', "must be one of"),
+    ('{"pooler": ["avg"]}', "must be one of"),
+])
+def test_a_damaged_pooler_record_names_the_file(tiny, sts, tmp_path, text, why):
+    import shutil
+
+    model = tmp_path / "export"
+    shutil.copytree(tiny, model)
+    (model / "fastcl_pooler.json").write_text(text)
+    with pytest.raises(SystemExit) as err:
+        ev.main([str(model), "--sts-dir", str(sts), "--tasks", "stsb-dev", "--quiet"])
+    message = err.value.code
+    assert isinstance(message, str) and str(model / "fastcl_pooler.json") in message
+    assert why in message and "--pooler" in message
+    # --pooler still overrides the record
+    assert ev.main([str(model), "--pooler", "avg", "--sts-dir", str(sts), "--tasks", "stsb-dev",
+                    "--quiet"])["scores"]
+
+
+def test_json_output_path_is_checked_before_scoring(tiny, sts, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = [str(tiny), "--pooler", "avg", "--sts-dir", str(sts), "--tasks", "stsb-dev", "--quiet"]
+    for target, why in [("nodir/x.json", "--json: no such folder: nodir"),
+                        (str(tmp_path), "is a folder")]:
+        with pytest.raises(SystemExit) as err:
+            ev.main(args + ["--json", target])
+        assert isinstance(err.value.code, str) and why in err.value.code
+        assert capsys.readouterr().out == ""            # nothing was scored
+    ev.main(args + ["--json", "x.json"])
+    assert json.loads((tmp_path / "x.json").read_text())["scores"]

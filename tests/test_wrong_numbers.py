@@ -11,12 +11,11 @@ float64 reference where there is a number to compare:
 4. A temperature below ~3e-39 was accepted and gave NaN.
 5. formulation="released" with noise steps at d = 1: three backends, three losses.
 
-then the clear errors (inference mode, double backward through uniformity, meta tensors, the
-evaluate command's files); the table of bad arguments is tests/test_validation.py.
+then the clear errors (inference mode, double backward through uniformity, meta tensors); the
+table of bad arguments is tests/test_validation.py, the evaluate command's files
+tests/test_evaluate_cli.py.
 """
 
-import importlib.util
-import json
 import math
 
 import pytest
@@ -25,10 +24,9 @@ import torch
 import fastcl
 from fastcl import common, reference
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed")
-BACKENDS = ["reference", "tiled", pytest.param("triton", marks=needs_triton)]
-FUSED = ["tiled", pytest.param("triton", marks=needs_triton)]
+from conftest import backends, needs_triton
+
+BACKENDS = backends("reference", "tiled", "triton")
 
 
 def _grads(fn, *inputs):
@@ -336,56 +334,3 @@ def test_meta_tensors_on_the_triton_backend_are_a_clear_error():
     with pytest.raises(ValueError, match="backend='triton' cannot run here: the embeddings are meta"):
         fastcl.infonce(a, a, backend="triton")
     assert fastcl.infonce(a, a).device.type == "meta"        # "auto": the tiled path, shapes only
-
-
-# ------------------------------------------------------------------ evaluate's files
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from test_evaluate import make_tiny_model
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def sts(tmp_path_factory):
-    from test_evaluate import write_sts_dir
-    return write_sts_dir(tmp_path_factory.mktemp("sts"))
-
-
-@pytest.mark.parametrize("text, why", [
-    ("{not json", "cannot read the pooler"),
-    ("", "cannot read the pooler"),
-    ('["avg"]', "not a fastcl pooler record"),
-    ('{"pool": "avg"}', "not a fastcl pooler record"),
-    ('{"pooler": "max"}', "must be one of"),
-    ('{"pooler": ["avg"]}', "must be one of"),
-])
-def test_a_damaged_pooler_record_names_the_file(tiny, sts, tmp_path, text, why):
-    import shutil
-
-    from fastcl import evaluate as ev
-    model = tmp_path / "export"
-    shutil.copytree(tiny, model)
-    (model / "fastcl_pooler.json").write_text(text)
-    with pytest.raises(SystemExit) as err:
-        ev.main([str(model), "--sts-dir", str(sts), "--tasks", "stsb-dev", "--quiet"])
-    message = err.value.code
-    assert isinstance(message, str) and str(model / "fastcl_pooler.json") in message
-    assert why in message and "--pooler" in message
-    # --pooler still overrides the record
-    assert ev.main([str(model), "--pooler", "avg", "--sts-dir", str(sts), "--tasks", "stsb-dev",
-                    "--quiet"])["scores"]
-
-
-def test_json_output_path_is_checked_before_scoring(tiny, sts, tmp_path, capsys, monkeypatch):
-    from fastcl import evaluate as ev
-    monkeypatch.chdir(tmp_path)
-    args = [str(tiny), "--pooler", "avg", "--sts-dir", str(sts), "--tasks", "stsb-dev", "--quiet"]
-    for target, why in [("nodir/x.json", "--json: no such folder: nodir"),
-                        (str(tmp_path), "is a folder")]:
-        with pytest.raises(SystemExit) as err:
-            ev.main(args + ["--json", target])
-        assert isinstance(err.value.code, str) and why in err.value.code
-        assert capsys.readouterr().out == ""            # nothing was scored
-    ev.main(args + ["--json", "x.json"])
-    assert json.loads((tmp_path / "x.json").read_text())["scores"]
