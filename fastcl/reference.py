@@ -46,42 +46,18 @@ def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
     return out
 
 
-def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negative_weight,
-               keep, formulation, anchor_offset, false_negative_margin=None, positive_prior=None,
-               soft=None):
-    """One direction of :func:`contrastive`: the logits of ``anchors`` against ``candidates``
-    (positive of anchor i in column ``anchor_offset + i``), then the loss."""
-    n = anchors.shape[0]
-    sim = cosine_matrix(anchors, candidates)
-    is_positive = _at(n, sim.shape[1], anchor_offset, sim.device)
-    if false_negative_margin is not None:
-        close = _false_negatives(sim, _positive_logit(sim, is_positive), false_negative_margin,
-                                 is_positive)
-        keep = ~close if keep is None else keep & ~close
-    logits = _modulated(sim, is_positive, temperature, focal_m)
-    if hard_negative_weight:
-        # the mask in the logits' dtype: a bool tensor times a float is float32, which would
-        # round w (by ~1e-8) in a float64 loss
-        own_negative = _at(n, sim.shape[1], n_pos + anchor_offset, sim.device).to(logits.dtype)
-        logits = logits + hard_negative_weight * own_negative
-    if formulation == "released":
-        logits = logits if keep is None else logits * keep
-        probs = torch.softmax(logits, dim=1)
-        # where the positive dominates, p_ii rounds to 1: BCE(p_ii, 1) is then written as
-        # BCE(1 − p_ii, 0), the same value and gradient (torch's clamps are symmetric in
-        # p ↔ 1 − p), with 1 − p_ii = σ(gap) the others' share, formed apart
-        gap = _others_lse(logits, is_positive) - _positive_logit(logits, is_positive)
-        flip = (gap < 0)[:, None] & is_positive
-        entries = torch.where(is_positive, torch.sigmoid(torch.where(gap < 0, gap, -gap))[:, None],
-                              probs)
-        return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
-    if keep is not None:
-        logits = logits.masked_fill(~keep, float("-inf"))
-    if soft is not None:
-        return _soft_cross_entropy(logits, is_positive, soft, anchor_offset).mean()
-    if positive_prior is not None:
-        return _debiased(logits, is_positive, positive_prior, temperature).mean()
-    return _cross_entropy(logits, is_positive).mean()
+def _released(logits, is_positive):
+    """DCLR's released loss of a direction's logits (α already multiplied in): binary
+    cross-entropy on the row softmax, the mean over all N·M entries."""
+    probs = torch.softmax(logits, dim=1)
+    # where the positive dominates, p_ii rounds to 1: BCE(p_ii, 1) is then written as
+    # BCE(1 − p_ii, 0), the same value and gradient (torch's clamps are symmetric in
+    # p ↔ 1 − p), with 1 − p_ii = σ(gap) the others' share, formed apart
+    gap = _others_lse(logits, is_positive) - _positive_logit(logits, is_positive)
+    flip = (gap < 0)[:, None] & is_positive
+    entries = torch.where(is_positive, torch.sigmoid(torch.where(gap < 0, gap, -gap))[:, None],
+                          probs)
+    return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
 
 
 def _false_negatives(sim, positive_cosine, margin, protect):
@@ -178,8 +154,8 @@ def contrastive(spec: LossSpec, anchors, positives, negatives=None):
     Candidates ``k = [h⁺ (N_pos rows); negatives (K rows); Z (K_z rows)]``, logits
     ``l_ij = s_ij/τ`` or, with ``focal_m``, ``s_ii²/τ`` on the positive and ``s_ij(s_ij+m)/τ``
     elsewhere; ``+ w`` at column ``N_pos + i``; α from the mask on the in-batch block;
-    cross-entropy over the kept columns (``"released"``: the authors' BCE). Any rule of
-    :mod:`fastcl.layout` (``symmetric`` among them), a guide or ids take :func:`_sides`.
+    cross-entropy over the kept columns (``"released"``: the authors' BCE), block by block
+    (:func:`_sides`).
     Matryoshka: the literal sum ``Σ_k w_k·L(x[:, :d_k])``.
     """
     cands = None if spec.rules is None else spec.rules.anchor_candidates
@@ -206,27 +182,22 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
         keep = dclr_weights(*mask.complementary, candidates.shape[0] - n_pos, phi=mask.phi,
                             temperature=logits.tau, formulation=spec.formulation,
                             anchor_offset=offset)
-    if spec.ruled:
-        return _sides(spec, anchors, positives, candidates, negatives, keep,
-                      anchors if anchor_candidates is None else anchor_candidates)
-    return _direction(anchors, candidates, n_pos, temperature=logits.tau,
-                      focal_m=logits.focal_m, hard_negative_weight=logits.hard_negative_weight,
-                      keep=keep, formulation=spec.formulation, anchor_offset=offset,
-                      false_negative_margin=spec.false_negative_margin,
-                      positive_prior=spec.positive_prior, soft=spec.soft)
+    return _sides(spec, anchors, positives, candidates, negatives, keep,
+                  anchors if anchor_candidates is None else anchor_candidates)
 
 
 def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anchor_candidates):
-    """The loss with a positive side and the drops of :mod:`fastcl.layout`, written out block
-    by block as sentence-transformers' MNRL and GISTEmbedLoss do: a score matrix per block
-    with ``-inf`` where an entry is dropped, the blocks side by side, one log-sum-exp per row
-    (or one per side, averaged). ``symmetric`` is such a layout, its mask transposed on the
-    positive side (``spec.mask.reverse``)."""
+    """One width's loss, written out block by block as sentence-transformers' MNRL and
+    GISTEmbedLoss do: a score matrix per block with ``-inf`` where an entry is dropped (the
+    layout's rules of :mod:`fastcl.layout`, DCLR's mask, the guide, the ids, the margin), the
+    blocks side by side, one log-sum-exp per row (or one per side, averaged). InfoNCE's plain
+    layout is the anchor side's documents and noise alone; ``symmetric`` is a layout, its mask
+    transposed on the positive side (``spec.mask.reverse``); ``"released"`` (the plain layout
+    only) is the authors' BCE (:func:`_released`)."""
     temperature, focal_m = spec.logits.tau, spec.logits.focal_m
     hard_negative_weight, anchor_offset = spec.logits.hard_negative_weight, spec.anchor_offset
     layout = spec.layout
-    hardness_mode, hardness_strength = (None, 0.0) if spec.rules is None or spec.rules.hardness is None \
-        else spec.rules.hardness
+    hardness = None if spec.rules is None else spec.rules.hardness
     guide = None if spec.guide is None else spec.guide.embeddings
     duplicate_ids = spec.ids
     n, n_pos = anchors.shape[0], positives.shape[0]
@@ -288,7 +259,8 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     if hard_negative_weight:
         logits = logits + hard_negative_weight * _at(n, sim.shape[1], n_pos + anchor_offset,
                                                      dev).to(logits.dtype)
-    if hardness_mode is not None and hardness_strength:
+    if hardness is not None:
+        hardness_mode, hardness_strength = hardness
         own = doc_group[None, :] == g[:, None]
         is_negative_block = torch.arange(n_pos + n_neg, device=dev)[None, :] >= n_pos
         where = {"in_batch_negatives": ~own,
@@ -297,6 +269,8 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
         penalty = torch.zeros_like(logits)
         penalty[:, :n_pos + n_neg] = torch.where(where, hardness_strength * sim[:, :n_pos + n_neg].detach(), 0.0)
         logits = logits + penalty
+    if spec.formulation == "released":       # the plain layout only (build_spec's rule)
+        return _released(logits if keep is None else logits * keep, is_positive)
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
     logits = fill(logits, close(sim, is_positive))
