@@ -43,9 +43,10 @@ def set_input_checks(enabled: bool) -> bool:
 
 def embeddings(name: str, x, *, rows: int | None = None, width: int | None = None,
                like: torch.Tensor | None = None, like_name: str = "anchors",
-               allow_empty: bool = False, scale_free: bool = False) -> torch.Tensor:
+               allow_empty: bool = False, scale_free: bool = False, device=None) -> torch.Tensor:
     """Check a 2-D floating embedding matrix and return it (``like``: the tensor, named
-    ``like_name``, whose dtype and device it must share).
+    ``like_name``, whose dtype and device it must share; ``device``: the anchors' device, for
+    a matrix of its own dtype).
 
     ``scale_free=True`` (the caller uses x only through cosines of its rows): rows whose
     max-abs is too large to square in the accumulate dtype are returned multiplied by a power
@@ -77,6 +78,8 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
         if x.device != like.device:
             raise ValueError(f"{name} is on {x.device} but {like_name} "
                              f"{'are' if plural else 'is'} on {like.device}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
     # (under torch.compile the values cannot be read while tracing: the fused op tests them;
     # tested first, as torch.compile before torch 2.6 specializes on the size x.numel() reads)
     if _CHECK_FINITE and not torch.compiler.is_compiling() and x.numel() and not x.is_meta:
@@ -287,6 +290,29 @@ def finite(name: str, value) -> float:
     return value
 
 
+def within(name: str, value, low: float, high: float = math.inf, closed: bool = False) -> float:
+    """A finite number in ``[low, high)`` (``[low, high]`` if ``closed``; ``>= low`` without
+    ``high``)."""
+    value = finite(name, value)
+    if not (low <= value and (value <= high if closed else value < high)):
+        span = f"be >= {low:g}" if high == math.inf else f"lie in [{low:g}, {high:g}{']' if closed else ')'}"
+        raise ValueError(f"{name} must {span}, got {value}")
+    return value
+
+
+def ids(name: str, x, rows: int, device) -> torch.Tensor:
+    """One integer per row (text ids, class labels): a 1-D integer tensor of ``rows`` entries
+    on the anchors' ``device``, returned as int64."""
+    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() != 1 or x.shape[0] != rows:
+        raise ValueError(f"{name} must have shape ({rows},), got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
+    return x.to(torch.long)
+
+
 def phi(value) -> float:
     value = finite("phi", value)
     if not -1.0 <= value <= 1.0:
@@ -327,12 +353,9 @@ def complementary(value, n: int, n_positives: int, device) -> tuple[torch.Tensor
         return None
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError("complementary must be a pair (c_anchors, c_positives) or None")
-    c_anchors = embeddings("complementary[0]", value[0], rows=n, scale_free=True)
+    c_anchors = embeddings("complementary[0]", value[0], rows=n, scale_free=True, device=device)
     c_positives = embeddings("complementary[1]", value[1], rows=n_positives,
-                             width=c_anchors.shape[1], scale_free=True)
-    for i, c in enumerate((c_anchors, c_positives)):
-        if c.device != device:
-            raise ValueError(f"complementary[{i}] is on {c.device} but anchors are on {device}")
+                             width=c_anchors.shape[1], scale_free=True, device=device)
     if c_positives.dtype != c_anchors.dtype:
         raise TypeError(f"complementary[1] is {c_positives.dtype} but complementary[0] is "
                         f"{c_anchors.dtype}: the complementary model's two views share one dtype")

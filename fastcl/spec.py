@@ -321,9 +321,7 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                          f"({n_pos} negatives), got {got}")
     complementary = check.complementary(complementary, n, n_pos, anchors.device)
     phi = check.phi(phi)
-    noise_ratio = check.finite("noise_ratio", noise_ratio)
-    if noise_ratio < 0:
-        raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
+    noise_ratio = check.within("noise_ratio", noise_ratio, 0.0)
     formulation = check.choice("formulation", formulation, ("paper", "released"))
     if false_negative_margin is not None:
         false_negative_margin = check.finite("false_negative_margin", false_negative_margin)
@@ -419,9 +417,8 @@ def _positive_prior(value, n: int, anchors) -> torch.Tensor | None:
         return None
     acc = common.accumulate_dtype(anchors.dtype)
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        tau = check.finite("positive_prior", value.item() if isinstance(value, torch.Tensor) else value)
-        if not 0.0 <= tau < 1.0:
-            raise ValueError(f"positive_prior (τ⁺, a class prior) must lie in [0, 1), got {tau}")
+        tau = check.within("positive_prior (τ⁺, a class prior)",
+                           value.item() if isinstance(value, torch.Tensor) else value, 0.0, 1.0)
         return torch.full((n,), tau, dtype=acc, device=anchors.device)
     if not value.is_floating_point():
         raise TypeError(f"positive_prior must be a float or a floating tensor, got {value.dtype}")
@@ -442,20 +439,9 @@ def _positive_prior(value, n: int, anchors) -> torch.Tensor | None:
 def _soft(label_smoothing, labels, n_pos, device, formulation) -> Soft | None:
     """``label_smoothing`` (ε ∈ [0, 1)) and ``labels`` (one integer per batch row) checked:
     a :class:`Soft`, or None when both are off."""
-    eps = check.finite("label_smoothing", label_smoothing)
-    if not 0.0 <= eps < 1.0:
-        raise ValueError(f"label_smoothing must lie in [0, 1), got {eps}")
+    eps = check.within("label_smoothing", label_smoothing, 0.0, 1.0)
     if labels is not None:
-        if (not isinstance(labels, torch.Tensor) or labels.is_floating_point()
-                or labels.is_complex() or labels.dtype == torch.bool):
-            raise TypeError(f"labels must be an integer tensor, got "
-                            f"{labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__}")
-        if labels.dim() != 1 or labels.shape[0] != n_pos:
-            raise ValueError(f"labels must have shape ({n_pos},) (one per batch row: the "
-                             f"positives' rows), got {tuple(labels.shape)}")
-        if labels.device != device:
-            raise ValueError(f"labels is on {labels.device} but anchors are on {device}")
-        labels = labels.to(torch.long)
+        labels = check.ids("labels", labels, n_pos, device)     # one per batch row
     if not eps and labels is None:
         return None
     names = " and ".join(n for n, on in (("label_smoothing", eps), ("labels", labels is not None)) if on)
@@ -472,16 +458,12 @@ def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_wei
     ``distill_weight`` (λ ∈ [0, 1]) checked, joined to ``soft``."""
     if not isinstance(teacher, (tuple, list)) or len(teacher) != 2:
         raise TypeError("teacher must be a tuple (t_anchors, t_candidates)")
-    t_anchors = check.embeddings("teacher[0] (anchors)", teacher[0], rows=n, scale_free=True)
+    t_anchors = check.embeddings("teacher[0] (anchors)", teacher[0], rows=n, scale_free=True,
+                                 device=anchors.device)
     t_docs = check.embeddings("teacher[1] (candidates)", teacher[1], rows=n_docs,
-                              width=t_anchors.shape[1], scale_free=True)
-    for name, x in (("teacher[0] (anchors)", t_anchors), ("teacher[1] (candidates)", t_docs)):
-        if x.device != anchors.device:
-            raise ValueError(f"{name} is on {x.device} but anchors are on {anchors.device}")
+                              width=t_anchors.shape[1], scale_free=True, device=anchors.device)
     tau = check.temperature(teacher_temperature, anchors.dtype, name="teacher_temperature")
-    weight = check.finite("distill_weight", distill_weight)
-    if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"distill_weight must lie in [0, 1], got {weight}")
+    weight = check.within("distill_weight", distill_weight, 0.0, 1.0, closed=True)
     if formulation == "released":
         raise ValueError("teacher cannot be combined with formulation='released' (the authors' "
                          "BCE has no target distribution); use formulation='paper'")
@@ -522,9 +504,8 @@ def noise_settings(anchors, num, steps, lr, std, temperature, noise, generator=N
     std = check.positive(names[2], std)
     temperature = check.temperature(temperature, anchors.dtype, name=names[3])
     if noise is not None:
-        noise = check.embeddings("noise", noise, width=anchors.shape[1], allow_empty=True)
-        if noise.device != anchors.device:
-            raise ValueError(f"noise is on {noise.device} but anchors are on {anchors.device}")
+        noise = check.embeddings("noise", noise, width=anchors.shape[1], allow_empty=True,
+                                 device=anchors.device)
         if num is not None and noise.shape[0] != num:
             raise ValueError(f"noise has {noise.shape[0]} rows but num={num}")
         num = noise.shape[0]
@@ -580,16 +561,10 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
         lay = layout.from_directions(directions, partition_mode)
     if hardness_mode is not None:
         check.choice("hardness_mode", hardness_mode, layout.HARDNESS_MODES)
-    hardness_strength = check.finite("hardness_strength", hardness_strength)
-    if hardness_strength < 0:
-        raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+    hardness_strength = check.within("hardness_strength", hardness_strength, 0.0)
     guide_margin = check.finite("guide_margin", guide_margin)
     unread = ValueError("anchor_candidates is read only with directions that score the "
                         "anchors ('query_to_query', 'doc_to_query')")
-    if lay.plain and hardness_mode is None and guide is None and duplicate_ids is None:
-        if anchor_candidates is not None:
-            raise unread
-        return None, None, None
     grouped = (hardness_mode is not None and hardness_strength) or (
         lay.positive_to_negatives and lay.exclude_own)
     if grouped and n_neg % n_pos:
@@ -648,9 +623,7 @@ def _guide(guide, n, n_pos, n_neg, n_a, device):
             out.append(None)
             continue
         x = check.embeddings(name, x, rows=want, width=out[0].shape[1] if out else None,
-                             scale_free=True)
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
+                             scale_free=True, device=device)
         if out and x.dtype != out[0].dtype:
             raise TypeError(f"{name} is {x.dtype} but guide[0] is {out[0].dtype}")
         out.append(x.detach() if want > 0 else None)
@@ -671,14 +644,8 @@ def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
                 raise ValueError(f"{name} is missing: {want} candidates need an id each")
             out.append(None)
             continue
-        if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor, got "
-                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.dim() != 1 or x.shape[0] != want:
-            raise ValueError(f"{name} must have shape ({want},), got {tuple(x.shape)}")
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
-        out.append(x.to(torch.long) if want > 0 else None)
+        x = check.ids(name, x, want, device)
+        out.append(x if want > 0 else None)
     return tuple(out)
 
 
