@@ -158,12 +158,10 @@ def contrastive(spec: LossSpec, anchors, positives, negatives=None):
     (:func:`_sides`).
     Matryoshka: the literal sum ``Σ_k w_k·L(x[:, :d_k])``.
     """
-    cands = None if spec.rules is None else spec.rules.anchor_candidates
+    xs = (anchors, positives, negatives, spec.anchor_candidates)
     if spec.matryoshka is not None:
-        cut = lambda x, d: None if x is None else x[:, :d]  # noqa: E731
-        return sum(w * _one(spec, *(cut(x, d) for x in (anchors, positives, negatives, cands)))
-                   for d, w in zip(*spec.matryoshka))
-    return _one(spec, anchors, positives, negatives, cands)
+        return sum(w * _one(spec, *cut) for w, cut in spec.matryoshka.prefixes(*xs))
+    return _one(spec, *xs)
 
 
 def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):

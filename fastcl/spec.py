@@ -104,6 +104,10 @@ class Matryoshka(NamedTuple):
     dims: tuple[int, ...]                 # d_1 < … < d_K
     weights: tuple[float, ...]
 
+    def prefixes(self, *xs) -> list:
+        """``(w_k, [x[:, :d_k] for x in xs])`` for every width (None stays None)."""
+        return [(w, [None if x is None else x[:, :d] for x in xs]) for d, w in zip(*self)]
+
 
 @dataclass(frozen=True)
 class LossSpec:
@@ -133,6 +137,10 @@ class LossSpec:
         return dict(temperature=self.logits.temperature, focal_m=self.logits.focal_m,
                     chunk_size=self.chunk_size, false_negative_margin=self.false_negative_margin,
                     positive_prior=self.positive_prior, **soft)
+
+    @property
+    def anchor_candidates(self) -> torch.Tensor | None:
+        return None if self.rules is None else self.rules.anchor_candidates
 
     @property
     def layout(self) -> Layout:

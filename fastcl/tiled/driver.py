@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from .. import common
 from ..common import EPS, accumulate_dtype
 from ..spec import Epilogue
 from .engine import (TORCH, Chunk, Engine, _acc_and_cast_bytes, _accumulate_mm, _mm, _mm_into,
@@ -152,8 +153,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
     keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype).contiguous()
     comp = None
     if ep.complementary is not None:
-        comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
-                for x in ep.complementary]
+        comp = [common.unit(x, dtype) for x in ep.complementary]
     rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device)
     denom = n * m if released else n
     # Matryoshka's widths add their terms to the row losses; a single width writes them
