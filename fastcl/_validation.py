@@ -295,7 +295,8 @@ def within(name: str, value, low: float, high: float = math.inf, closed: bool = 
     ``high``)."""
     value = finite(name, value)
     if not (low <= value and (value <= high if closed else value < high)):
-        span = f"be >= {low:g}" if high == math.inf else f"lie in [{low:g}, {high:g}{']' if closed else ')'}"
+        end = "]" if closed else ")"
+        span = f"be >= {low:g}" if high == math.inf else f"lie in [{low:g}, {high:g}{end}"
         raise ValueError(f"{name} must {span}, got {value}")
     return value
 

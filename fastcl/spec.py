@@ -221,57 +221,28 @@ class Epilogue:
         return not ((self.layout or PLAIN).plain and self.hardness is None and self.guide is None
                     and self.ids is None)
 
-    # --- the custom op's arguments (its schema has no records, optionals of lists or
-    # nested types: the layout travels as bits, the blocks as sizes, hardness and widths as
-    # text, the tensors as lists, an empty list for "none")
-
-    #: The op schema's part for these arguments (``fastcl::tiled_contrastive``: anchors and
-    #: candidates before, the engine and the call's flags after), beside the two methods
-    #: that write and read them: a new field is one place.
-    OP_SCHEMA = ("Tensor[] complementary, float temperature, float? focal_m, "
-                 "float hard_negative_weight, float phi, str formulation, SymInt anchor_offset, "
-                 "SymInt? chunk_size, str matryoshka, SymInt layout, SymInt[] blocks, str hardness, "
-                 "Tensor[] guide, Tensor[] ids, float? false_negative_margin, "
-                 "Tensor? positive_prior, float label_smoothing, Tensor[] labels, "
-                 "Tensor[] teacher, float teacher_temperature, float distill_weight")
+    #: The custom op's arguments (``fastcl::tiled_contrastive``: anchors and candidates
+    #: before, the engine and the call's flags after), a schema type a field: its schema has
+    #: no records, optionals of lists or nested types, so a tuple of tensors travels as a
+    #: list (empty: None) and the layout, blocks, widths and hardness as :data:`_CODECS`
+    #: write them. A new field is one entry here.
+    _OP = (("complementary", "Tensor[]"), ("temperature", "float?"), ("focal_m", "float?"),
+           ("hard_negative_weight", "float"), ("phi", "float?"), ("formulation", "str"),
+           ("anchor_offset", "SymInt"), ("chunk_size", "SymInt?"), ("matryoshka", "str"),
+           ("layout", "SymInt"), ("blocks", "SymInt[]"), ("hardness", "str"), ("guide", "Tensor[]"),
+           ("ids", "Tensor[]"), ("false_negative_margin", "float?"), ("positive_prior", "Tensor?"),
+           ("label_smoothing", "float"), ("labels", "Tensor?"), ("teacher", "Tensor[]"),
+           ("teacher_temperature", "float"), ("distill_weight", "float"))
+    OP_SCHEMA = ", ".join(f"{kind} {name}" for name, kind in _OP)
 
     def op_args(self) -> tuple:
-        widths = ("" if self.matryoshka is None else
-                  ",".join(f"{d}:{float(w)!r}" for d, w in zip(*self.matryoshka)))
-        return (list(self.complementary or ()),
-                0.0 if self.temperature is None else float(self.temperature),   # 0: the op's tau
-                None if self.focal_m is None else float(self.focal_m),
-                float(self.hard_negative_weight), float(self.phi or 0.0), self.formulation,
-                int(self.anchor_offset), self.chunk_size, widths, _layout_bits(self.layout),
-                list(self.blocks or (0, 0, 0, 0)),
-                "" if self.hardness is None else f"{self.hardness[0]}:{float(self.hardness[1])!r}",
-                list(self.guide or ()), list(self.ids or ()), self.false_negative_margin,
-                self.positive_prior, float(self.label_smoothing),
-                [] if self.labels is None else [self.labels], list(self.teacher or ()),
-                float(self.teacher_temperature), float(self.distill_weight))
+        """The fields as the op's arguments (:data:`_OP`)."""
+        return tuple(_codec(name, kind)[0](getattr(self, name)) for name, kind in self._OP)
 
     @classmethod
-    def from_op_args(cls, complementary, temperature, focal_m, hard_negative_weight, phi,
-                     formulation, anchor_offset, chunk_size, matryoshka, layout_bits, blocks,
-                     hardness, guide, ids, false_negative_margin, positive_prior, label_smoothing,
-                     labels, teacher, teacher_temperature, distill_weight) -> "Epilogue":
-        mode, _, beta = hardness.partition(":")
-        widths = None
-        if matryoshka:
-            pairs = [item.split(":") for item in matryoshka.split(",")]
-            widths = Matryoshka(tuple(int(d) for d, _ in pairs), tuple(float(w) for _, w in pairs))
-        return cls(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
-                   phi=phi if complementary else None,
-                   complementary=tuple(complementary) if complementary else None,
-                   formulation=formulation, anchor_offset=anchor_offset, chunk_size=chunk_size,
-                   matryoshka=widths, layout=_layout_of(layout_bits),
-                   blocks=tuple(blocks) if any(blocks) else None,
-                   hardness=(mode, float(beta)) if mode else None,
-                   guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None,
-                   false_negative_margin=false_negative_margin, positive_prior=positive_prior,
-                   label_smoothing=label_smoothing, labels=labels[0] if labels else None,
-                   teacher=tuple(teacher) if teacher else None,
-                   teacher_temperature=teacher_temperature, distill_weight=distill_weight)
+    def from_op_args(cls, *args) -> "Epilogue":
+        """The epilogue :meth:`op_args` wrote."""
+        return cls(**{name: _codec(name, kind)[1](x) for (name, kind), x in zip(cls._OP, args)})
 
 
 #: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
@@ -283,16 +254,33 @@ def bits(mask: int, count: int) -> list[bool]:
     return [bool(mask >> i & 1) for i in range(count)]
 
 
-def _layout_bits(lay: Layout | None) -> int:
-    if lay is None:
-        return -1
-    return sum(1 << i for i, name in enumerate(_LAYOUT_FIELDS) if getattr(lay, name))
+def _pairs(text: str, first=str) -> list[tuple]:
+    """``"a:x,b:y"`` as ``[(first(a), float(x)), …]``."""
+    return [(first(a), float(b)) for a, _, b in (item.partition(":") for item in text.split(","))]
 
 
-def _layout_of(value: int) -> Layout | None:
-    if value < 0:
-        return None
-    return Layout(**dict(zip(_LAYOUT_FIELDS, bits(value, len(_LAYOUT_FIELDS)))))
+def _same(x):
+    return x
+
+
+#: How the fields that are not schema types travel: ``(to the op, from the op)``.
+_CODECS = {
+    "matryoshka": (lambda m: "" if m is None else ",".join(f"{d}:{float(w)!r}" for d, w in zip(*m)),
+                   lambda t: Matryoshka(*map(tuple, zip(*_pairs(t, int)))) if t else None),
+    "layout": (lambda lay: -1 if lay is None else sum(1 << i for i, name in enumerate(_LAYOUT_FIELDS)
+                                                      if getattr(lay, name)),
+               lambda v: None if v < 0 else Layout(**dict(zip(_LAYOUT_FIELDS, bits(v, 6))))),
+    "blocks": (lambda b: list(b or (0, 0, 0, 0)), lambda b: tuple(b) if any(b) else None),
+    "hardness": (lambda h: "" if h is None else f"{h[0]}:{float(h[1])!r}",
+                 lambda t: _pairs(t)[0] if t else None),
+}
+
+
+_TENSORS = (lambda x: list(x or ()), lambda x: tuple(x) if x else None)
+
+
+def _codec(name: str, kind: str) -> tuple:
+    return _CODECS.get(name) or (_TENSORS if kind == "Tensor[]" else (_same, _same))
 
 
 # --------------------------------------------------------------------------- build_spec
@@ -614,45 +602,39 @@ def _guide(guide, n, n_pos, n_neg, n_a, device):
     """``guide=(g_anchors, g_positives, g_negatives, g_anchor_candidates)`` checked: the last
     two may be left out or None where there are no negatives or no anchors block (the anchors
     block's default: g_anchors, when those are its rows)."""
-    if not isinstance(guide, (tuple, list)) or not 2 <= len(guide) <= 4:
-        raise TypeError("guide must be a tuple (g_anchors, g_positives[, g_negatives"
-                        "[, g_anchor_candidates]])")
-    parts = list(guide) + [None] * (4 - len(guide))
-    names = ("guide[0] (anchors)", "guide[1] (positives)", "guide[2] (negatives)",
-             "guide[3] (anchor candidates)")
-    if parts[3] is None and n_a == n:
-        parts[3] = parts[0]
-    out = []
-    for name, x, want in zip(names, parts, (n, n_pos, n_neg, n_a)):
-        if x is None:
-            if want > 0:
-                raise ValueError(f"{name} is missing: the guide embeds every candidate block "
-                                 f"({want} rows here)")
-            out.append(None)
-            continue
-        x = check.embeddings(name, x, rows=want, width=out[0].shape[1] if out else None,
+
+    def part(name, x, rows, done):
+        x = check.embeddings(name, x, rows=rows, width=done[0].shape[1] if done else None,
                              scale_free=True, device=device)
-        if out and x.dtype != out[0].dtype:
-            raise TypeError(f"{name} is {x.dtype} but guide[0] is {out[0].dtype}")
-        out.append(x.detach() if want > 0 else None)
-    return tuple(out)
+        if done and x.dtype != done[0].dtype:
+            raise TypeError(f"{name} is {x.dtype} but guide[0] is {done[0].dtype}")
+        return x.detach()
+    return _per_block("guide", guide, ("anchors", "positives", "negatives", "anchor candidates"),
+                      (n, n_pos, n_neg, n_a), part, least=2, fill={3: 0} if n_a == n else {})
 
 
 def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
     """``duplicate_ids=(positive_ids, negative_ids, anchor_ids)`` checked: 1-D integer tensors
     with one id per candidate row (None where the block is absent)."""
-    if not isinstance(ids, (tuple, list)) or not 1 <= len(ids) <= 3:
-        raise TypeError("duplicate_ids must be a tuple (positive_ids[, negative_ids[, anchor_ids]])")
-    parts = list(ids) + [None] * (3 - len(ids))
+    return _per_block("duplicate_ids", ids, ("positives", "negatives", "anchor candidates"),
+                      (n_pos, n_neg, n_a), lambda name, x, rows, _: check.ids(name, x, rows, device))
+
+
+def _per_block(arg, value, blocks, rows, part, least=1, fill=None):
+    """``arg``: a tuple of one tensor a block (``blocks``, of ``rows`` rows each), the last
+    ones optional (None or left out) where a block has no rows or ``fill`` names the part
+    that stands in; each checked by ``part(name, x, rows, the parts before)``, None where its
+    block has no rows."""
+    if not isinstance(value, (tuple, list)) or not least <= len(value) <= len(blocks):
+        names = ", ".join(blocks[:least]) + "".join(f"[, {b}" for b in blocks[least:])
+        raise TypeError(f"{arg} must be a tuple ({names}{']' * (len(blocks) - least)}) of tensors")
     out = []
-    for name, x, want in zip(("duplicate_ids[0] (positives)", "duplicate_ids[1] (negatives)",
-                              "duplicate_ids[2] (anchor candidates)"), parts, (n_pos, n_neg, n_a)):
-        if x is None:
-            if want > 0:
-                raise ValueError(f"{name} is missing: {want} candidates need an id each")
-            out.append(None)
-            continue
-        x = check.ids(name, x, want, device)
+    for i, (block, x, want) in enumerate(zip(blocks, (*value, None, None, None), rows)):
+        name = f"{arg}[{i}] ({block})"
+        x = value[fill[i]] if x is None and i in (fill or {}) else x
+        if x is None and want > 0:
+            raise ValueError(f"{name} is missing: {arg} holds every candidate block ({want} rows here)")
+        x = None if x is None else part(name, x, want, out)
         out.append(x if want > 0 else None)
     return tuple(out)
 
