@@ -325,26 +325,29 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     if symmetric and n_pos != n:
         raise ValueError("symmetric=True needs every anchor of the batch in this call "
                          "(no anchor_offset slice)")
-    if formulation == "released":
-        _exclusive("formulation='released' is DCLR as the authors' code computes it and "
-                   "combines with complementary, phi and the noise options only; got {} as well: "
-                   "use formulation='paper' to combine them",
-                   focal_m=focal_m is not None, negatives=negatives is not None,
-                   hard_negative_weight=bool(hard_negative_weight), symmetric=symmetric,
-                   false_negative_margin=false_negative_margin is not None,
-                   positive_prior=positive_prior is not None)
     rules, guide_spec, ids = _rules(anchors, positives, negatives, anchor_offset, directions,
                                     partition_mode, hardness_mode, hardness_strength,
                                     anchor_candidates, guide, guide_margin, margin_strategy,
                                     duplicate_ids)
-    if rules is not None or guide_spec is not None or ids is not None:
-        names = [name for name, on in (("symmetric", symmetric),
-                                       ("formulation='released'", formulation == "released")) if on]
-        if names:
-            raise ValueError(f"{' and '.join(names)} cannot be combined with directions, "
-                             f"hardness_mode, guide or duplicate_ids (symmetric=True is "
-                             f"directions=('query_to_doc', 'doc_to_query'), "
-                             f"partition_mode='per_direction')")
+    ruled = rules is not None or guide_spec is not None or ids is not None
+    soft = _soft(label_smoothing, labels, n_pos, anchors.device)
+    extra = [name for name, on in (
+        ("focal_m", focal_m is not None), ("negatives", negatives is not None),
+        ("hard_negative_weight", bool(hard_negative_weight)), ("symmetric", symmetric),
+        ("false_negative_margin", false_negative_margin is not None),
+        ("positive_prior", positive_prior is not None),
+        ("directions, hardness_mode, guide or duplicate_ids", ruled),
+        ("matryoshka_dims", matryoshka_dims is not None),
+        ("label_smoothing", soft is not None and soft.label_smoothing != 0),
+        ("labels", labels is not None), ("teacher", teacher is not None)) if on]
+    if formulation == "released" and extra:
+        raise ValueError(f"formulation='released' is DCLR as the authors' code computes it and "
+                         f"combines with complementary, phi and the noise options only; got "
+                         f"{', '.join(extra)} as well: use formulation='paper' to combine them")
+    if symmetric and ruled:
+        raise ValueError("symmetric cannot be combined with directions, hardness_mode, guide or "
+                         "duplicate_ids (symmetric=True is directions=('query_to_doc', "
+                         "'doc_to_query'), partition_mode='per_direction')")
     if symmetric:
         rules = Rules(SYMMETRIC, anchors)
     prior = _positive_prior(positive_prior, n, anchors)
@@ -353,11 +356,9 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                          "partition_mode='per_direction' (two softmaxes a row)")
     widths = matryoshka(matryoshka_dims, matryoshka_weights, anchors.shape[1])
     count = noise.shape[0] if noise is not None else common.noise_count(noise_ratio, n_pos, formulation)
-    if widths is not None:
-        _exclusive("matryoshka_dims does not combine with {}", joiner=" or ",
-                   **{"formulation='released'": formulation == "released",
-                      "noise": noise is not None or count > 0})
     noisy = noise is not None or count > 0
+    if widths is not None and noisy:
+        raise ValueError("matryoshka_dims does not combine with noise")
     if noise_temperature is None:
         # τ's value; a traced learnable τ is read here only where the noise needs it (a graph
         # break), else the default stands in, checked and unused
@@ -365,12 +366,11 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
             float(learnable.detach()) if noisy else common.TEMPERATURE)
     noise_spec = noise_settings(anchors, None if noise is not None else count, noise_steps,
                                 noise_lr, noise_std, noise_temperature, noise, generator)
-    soft = _soft(label_smoothing, labels, n_pos, anchors.device, formulation)
     if teacher is not None:
         if teacher_temperature is None:     # τ's value, as the noise's default
             teacher_temperature = temperature if temperature is not None else float(learnable.detach())
         soft = _teacher(soft, teacher, n, n_pos + (0 if negatives is None else negatives.shape[0]),
-                        anchors, teacher_temperature, distill_weight, formulation)
+                        anchors, teacher_temperature, distill_weight)
     if soft is not None and prior is not None:
         raise ValueError("positive_prior cannot be combined with label_smoothing, labels or "
                          "teacher: the debiased loss has no target distribution")
@@ -432,23 +432,16 @@ def _positive_prior(value, n: int, anchors) -> torch.Tensor | None:
     return value.detach().to(acc)
 
 
-def _soft(label_smoothing, labels, n_pos, device, formulation) -> Soft | None:
+def _soft(label_smoothing, labels, n_pos, device) -> Soft | None:
     """``label_smoothing`` (ε ∈ [0, 1)) and ``labels`` (one integer per batch row) checked:
     a :class:`Soft`, or None when both are off."""
     eps = check.within("label_smoothing", label_smoothing, 0.0, 1.0)
     if labels is not None:
         labels = check.ids("labels", labels, n_pos, device)     # one per batch row
-    if not eps and labels is None:
-        return None
-    names = " and ".join(n for n, on in (("label_smoothing", eps), ("labels", labels is not None)) if on)
-    if formulation == "released":
-        raise ValueError(f"{names} cannot be combined with formulation='released' (the "
-                         "authors' BCE has no target distribution); use formulation='paper'")
-    return Soft(eps, labels)
+    return None if not eps and labels is None else Soft(eps, labels)
 
 
-def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_weight,
-             formulation) -> Soft:
+def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_weight) -> Soft:
     """``teacher=(t_anchors, t_candidates)`` (N and N_b + K rows of one width: the
     positives' and negatives' teacher embeddings), ``teacher_temperature`` and
     ``distill_weight`` (λ ∈ [0, 1]) checked, joined to ``soft``."""
@@ -460,17 +453,8 @@ def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_wei
                               width=t_anchors.shape[1], scale_free=True, device=anchors.device)
     tau = check.temperature(teacher_temperature, anchors.dtype, name="teacher_temperature")
     weight = check.within("distill_weight", distill_weight, 0.0, 1.0, closed=True)
-    if formulation == "released":
-        raise ValueError("teacher cannot be combined with formulation='released' (the authors' "
-                         "BCE has no target distribution); use formulation='paper'")
     soft = soft or Soft()
     return Soft(soft.label_smoothing, soft.labels, (t_anchors.detach(), t_docs.detach()), tau, weight)
-
-
-def _exclusive(message: str, joiner: str = ", ", **on) -> None:
-    names = [name for name, value in on.items() if value]
-    if names:
-        raise ValueError(message.format(joiner.join(names)))
 
 
 def inputs(anchors, positives, anchor_offset=None):
