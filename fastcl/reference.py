@@ -60,11 +60,6 @@ def _released(logits, is_positive):
     return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
 
 
-def _false_negatives(sim, positive_cosine, margin, protect):
-    """``s_ij > s_{i,p(i)} + m`` (the row's own positive's cosine), never at ``protect``."""
-    return (sim > (positive_cosine + margin)[:, None]) & ~protect
-
-
 def _soft_cross_entropy(logits, is_positive, soft, anchor_offset):
     """Each row's ``ℓ_i = −Σ_j y_ij log p_ij`` against the soft target of ``soft``
     (:class:`fastcl.spec.Soft`), written out: ``K_i`` the row's kept entries (finite
@@ -209,14 +204,16 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     documents = candidates[:n_pos + n_neg]                 # positives and negatives
     doc_group = torch.arange(n_pos + n_neg, device=dev) % n_pos
 
-    theta = None
+    # each side's guide rows, each block's guide rows and ids (None: off)
+    g_anchors = g_own = g_documents = g_anchor_cands = doc_ids = anchor_ids = None
     if guide is not None:
         g_anchors, g_positives, g_negatives, g_anchor_cands = guide
+        g_own = g_positives[g]
         g_documents = g_positives if g_negatives is None else torch.cat([g_positives, g_negatives])
         gamma = torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset)
         theta = guide_threshold(gamma, spec.guide.margin, spec.guide.strategy)
         scored = [g_documents] + ([g_anchor_cands] if layout.scores_anchors else [])
-        partners = [g_positives[g]] + ([g_anchors] if layout.positive_side else [])
+        partners = [g_own] + ([g_anchors] if layout.positive_side else [])
         theta = keep_twin_ties(theta, gamma, [unit_rows(wide(x)) for x in partners],
                                torch.cat([unit_rows(wide(x)) for x in scored]),
                                (1, int(layout.scores_anchors)))[:, None]
@@ -226,13 +223,13 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
         key = pos_ids[g][:, None]                          # the text of the row's positive
 
     def drop(scores, guide_rows, guide_cols, ids, protect):
-        """``scores`` with the guide's false negatives and the duplicates set to -inf, the
-        entries in ``protect`` kept."""
+        """``scores`` with the guide's false negatives and the duplicates set to -inf (the
+        block's first columns of ``guide_cols`` and ``ids``), the entries in ``protect`` kept."""
         out = torch.zeros_like(scores, dtype=torch.bool)
         if guide is not None:
-            out |= cosine_matrix(guide_rows, guide_cols) > theta
+            out |= cosine_matrix(guide_rows, guide_cols[:scores.shape[1]]) > theta
         if duplicate_ids is not None:
-            out |= ids[None, :] == key
+            out |= ids[None, :scores.shape[1]] == key
         if protect is not None:
             out &= ~protect
         return scores.masked_fill(out, float("-inf"))
@@ -244,16 +241,13 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     margin = spec.false_negative_margin
     positive_cosine = sim[rows, g]
 
-    def close(cos, protect):
-        """The false-negative margin's drops on a block of scores (None: off): against row
-        i's positive's cosine, on either side."""
+    def near(scores, cos, protect=None):
+        """``scores`` less the false-negative margin's drops, ``s_ij > s_{i,p(i)} + m`` against
+        row i's positive's cosine on either side, never at ``protect``."""
         if margin is None:
-            return None
-        return _false_negatives(cos, positive_cosine, margin,
-                                torch.zeros_like(cos, dtype=torch.bool) if protect is None else protect)
-
-    def fill(scores, out):
-        return scores if out is None else scores.masked_fill(out, float("-inf"))
+            return scores
+        close = cos > (positive_cosine + margin)[:, None]
+        return scores.masked_fill(close if protect is None else close & ~protect, float("-inf"))
     if hard_negative_weight:
         logits = logits + hard_negative_weight * _at(n, sim.shape[1], n_pos + anchor_offset,
                                                      dev).to(logits.dtype)
@@ -271,20 +265,16 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
         return _released(logits if keep is None else logits * keep, is_positive)
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
-    logits = fill(logits, close(sim, is_positive))
-    docs_part = drop(logits[:, :n_pos + n_neg], g_anchors if guide is not None else None,
-                     g_documents if guide is not None else None,
-                     doc_ids if duplicate_ids is not None else None, is_positive[:, :n_pos + n_neg])
+    logits = near(logits, sim, is_positive)
+    docs_part = drop(logits[:, :n_pos + n_neg], g_anchors, g_documents, doc_ids,
+                     is_positive[:, :n_pos + n_neg])
     anchor_side = [docs_part, logits[:, n_pos + n_neg:]]   # the noise is never dropped
     if layout.anchor_to_anchors:
         aa_cos = cosine_matrix(anchors, anchor_candidates)
-        aa = fill(_modulated(aa_cos, _none(n, anchor_candidates), temperature, focal_m),
-                  close(aa_cos, None))
+        aa = near(_modulated(aa_cos, _none(n, anchor_candidates), temperature, focal_m), aa_cos)
         if layout.exclude_own:
             aa = aa.masked_fill(_at_cols(own_anchor, aa.shape[1]), float("-inf"))
-        anchor_side.append(drop(aa, g_anchors if guide is not None else None,
-                                g_anchor_cands if guide is not None else None,
-                                anchor_ids if duplicate_ids is not None else None, None))
+        anchor_side.append(drop(aa, g_anchors, g_anchor_cands, anchor_ids, None))
     positive_logit = logits[rows, g]
 
     # positive side: the anchors block, then the documents
@@ -293,25 +283,19 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
         # the anchor's own column is the positive pair seen from the positive: s²/τ with focal
         pa_cos = cosine_matrix(own_positive, anchor_candidates)
         mine = _at_cols(own_anchor, anchor_candidates.shape[0])
-        pa = fill(_modulated(pa_cos, mine, temperature, focal_m), close(pa_cos, mine))
+        pa = near(_modulated(pa_cos, mine, temperature, focal_m), pa_cos, mine)
         if spec.mask is not None and spec.mask.reverse:    # symmetric: α'_ij = 1[cos(c⁺_i, c_j) < φ]
             c_anchors, c_positives = spec.mask.complementary
             pa = pa.masked_fill(~dclr_weights(c_positives, c_anchors, 0, phi=spec.mask.phi,
                                               temperature=temperature), float("-inf"))
-        positive_side.append(drop(pa, g_positives[g] if guide is not None else None,
-                                  g_anchor_cands if guide is not None else None,
-                                  anchor_ids if duplicate_ids is not None else None,
-                                  _at_cols(own_anchor, pa.shape[1])))
+        positive_side.append(drop(pa, g_own, g_anchor_cands, anchor_ids, mine))
     if layout.positive_to_positives or layout.positive_to_negatives:
         width = n_pos + (n_neg if layout.positive_to_negatives else 0)
         pd_cos = cosine_matrix(own_positive, documents[:width])
-        pd = fill(_modulated(pd_cos, _none(n, documents[:width]), temperature, focal_m),
-                  close(pd_cos, None))
+        pd = near(_modulated(pd_cos, _none(n, documents[:width]), temperature, focal_m), pd_cos)
         if layout.exclude_own:
             pd = pd.masked_fill(doc_group[None, :width] == g[:, None], float("-inf"))
-        positive_side.append(drop(pd, g_positives[g] if guide is not None else None,
-                                  g_documents[:width] if guide is not None else None,
-                                  doc_ids[:width] if duplicate_ids is not None else None, None))
+        positive_side.append(drop(pd, g_own, g_documents, doc_ids, None))
 
     # the positive sits in the first block: its share of the softmax is formed apart
     # (_cross_entropy), the other blocks join its log-sum-exp
