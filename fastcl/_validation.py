@@ -86,7 +86,7 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
         top, limit = _largest(x)
         scan = _SCAN.get()
         if scan is not None and scan is not _EAGER:
-            scan.queue(name, top, limit)    # read with the call's other inputs (one_host_read)
+            scan.queued.append((name, top, limit))    # read with the call's other inputs (one_host_read)
             return x
         bad, huge = _verdict(top.item(), limit)
         if bad:
@@ -114,29 +114,21 @@ def _verdict(top: float, limit: float) -> tuple[bool, bool]:
 
 
 class _Scan:
-    """The NaN/Inf and huge-row tests of one call's inputs, queued by :func:`embeddings`
-    (each input's largest |entry| on its device, :func:`_largest`) and read back together by
-    :meth:`read`."""
+    """The NaN/Inf and huge-row tests of one call's inputs, queued by :func:`embeddings` as
+    ``(name, largest |entry| on its device, limit)`` (:func:`_largest`) and read back
+    together by :meth:`read`."""
 
     def __init__(self):
-        self.names: list[str] = []
-        self.tops: list[torch.Tensor] = []
-        self.limits: list[float] = []
+        self.queued: list[tuple[str, torch.Tensor, float]] = []
         self.huge = False                   # a read found rows too large to square
-
-    def queue(self, name: str, top: torch.Tensor, limit: float) -> None:
-        self.names.append(name)
-        self.tops.append(top)
-        self.limits.append(limit)
 
     def read(self) -> None:
         """One host read of every queued test (the checks have put the inputs on one
         device): raises the NaN/Inf error of the first input, in the order checked, that has
         one."""
-        tops = torch.stack(self.tops).tolist()
-        names, limits = self.names, self.limits
-        self.names, self.tops, self.limits = [], [], []
-        for name, top, limit in zip(names, tops, limits):
+        queued, self.queued = self.queued, []
+        tops = torch.stack([top for _, top, _ in queued]).tolist()
+        for (name, _, limit), top in zip(queued, tops):
             bad, huge = _verdict(top, limit)
             if bad:
                 raise ValueError(f"{name} contains NaN or Inf values")
@@ -190,7 +182,7 @@ def read_inputs() -> None:
     if torch.compiler.is_compiling():       # (no scan while tracing; nor can it read a ContextVar)
         return
     scan = _SCAN.get()
-    if scan is None or scan is _EAGER or not scan.tops:
+    if scan is None or scan is _EAGER or not scan.queued:
         return
     scan.read()
     if scan.huge:
@@ -203,7 +195,7 @@ def inputs_read() -> bool:
     if torch.compiler.is_compiling():
         return False
     scan = _SCAN.get()
-    return scan is not None and scan is not _EAGER and not scan.tops
+    return scan is not None and scan is not _EAGER and not scan.queued
 
 
 def generator(value, device) -> torch.Generator | None:
