@@ -104,6 +104,11 @@ def _ruled_inputs(spec: LossSpec, fields, anchors, positives, negatives, blocks,
     rows = torch.cat([anchors, own]) if lay.positive_side else anchors
     blocks = list(blocks) + ([cands] if n_a > 0 else [])
     guide = ids = None
+
+    def columns(pos, neg, noise, anchor_block):
+        """One entry a candidate column: the blocks ``[positives; negatives; noise; anchors]``
+        there are (the noise's entries never read)."""
+        return torch.cat([pos, *([neg] if n_neg > 0 else []), noise, *([anchor_block] if n_a > 0 else [])])
     if spec.guide is not None:
         acc = accumulate_dtype(anchors.dtype)
         unit = lambda x: common.unit(x, acc)  # noqa: E731
@@ -113,21 +118,14 @@ def _ruled_inputs(spec: LossSpec, fields, anchors, positives, negatives, blocks,
         gamma = (u_anchors * u_own).sum(dim=1)
         theta = layout.guide_threshold(gamma, spec.guide.margin, spec.guide.strategy)
         g_rows = torch.cat([u_anchors, u_own]) if lay.positive_side else u_anchors
-        parts = [u_positives] + ([unit(g_negatives)] if n_neg > 0 else [])
-        parts.append(u_anchors.new_zeros(n_noise, u_anchors.shape[1]))   # never filtered
-        parts += [unit(g_cands)] if n_a > 0 else []
-        g_cols = torch.cat(parts)
-        theta = layout.keep_twin_ties(
-            theta, gamma, [u_own] + ([u_anchors] if lay.positive_side else []), g_cols[:n_pos + n_neg]
-            if n_a == 0 else torch.cat([g_cols[:n_pos + n_neg], g_cols[-n_a:]]),
-            (1, int(n_a > 0)))
+        u_neg, u_cands = (unit(x) if x is not None else None for x in (g_negatives, g_cands))
+        g_cols = columns(u_positives, u_neg, u_anchors.new_zeros(n_noise, u_anchors.shape[1]), u_cands)
+        theta = layout.keep_twin_ties(theta, gamma, [u_own] + ([u_anchors] if lay.positive_side else []),
+                                      columns(u_positives, u_neg, u_anchors[:0], u_cands), (1, int(n_a > 0)))
         guide = (g_rows.to(guide_dtype), g_cols.to(guide_dtype), theta)
     if spec.ids is not None:
         pos_ids, neg_ids, anchor_ids = spec.ids
-        parts = [pos_ids] + ([neg_ids] if n_neg > 0 else [])
-        parts.append(pos_ids.new_zeros(n_noise))                          # never compared
-        parts += [anchor_ids] if n_a > 0 else []
-        ids = (torch.cat(parts), pos_ids[offset:offset + n])
+        ids = (columns(pos_ids, neg_ids, pos_ids.new_zeros(n_noise), anchor_ids), pos_ids[offset:offset + n])
     ep = Epilogue(**fields, layout=lay, blocks=(n_pos, n_neg, n_noise, n_a), hardness=hardness,
                   guide=guide, ids=ids)
     return rows, blocks, ep
