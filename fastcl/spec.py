@@ -359,18 +359,17 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     noisy = noise is not None or count > 0
     if widths is not None and noisy:
         raise ValueError("matryoshka_dims does not combine with noise")
-    if noise_temperature is None:
-        # τ's value; a traced learnable τ is read here only where the noise needs it (a graph
-        # break), else the default stands in, checked and unused
-        noise_temperature = temperature if temperature is not None else (
-            float(learnable.detach()) if noisy else common.TEMPERATURE)
+    # τ's value, the noise's and the teacher's default: a traced learnable τ is read here
+    # only where one of them needs it (a graph break), else the default stands in, unused
+    tau = temperature if temperature is not None else (
+        float(learnable.detach()) if noisy or teacher is not None else common.TEMPERATURE)
+    noise_temperature = tau if noise_temperature is None else noise_temperature
     noise_spec = noise_settings(anchors, None if noise is not None else count, noise_steps,
                                 noise_lr, noise_std, noise_temperature, noise, generator)
     if teacher is not None:
-        if teacher_temperature is None:     # τ's value, as the noise's default
-            teacher_temperature = temperature if temperature is not None else float(learnable.detach())
         soft = _teacher(soft, teacher, n, n_pos + (0 if negatives is None else negatives.shape[0]),
-                        anchors, teacher_temperature, distill_weight)
+                        anchors, tau if teacher_temperature is None else teacher_temperature,
+                        distill_weight)
     if soft is not None and prior is not None:
         raise ValueError("positive_prior cannot be combined with label_smoothing, labels or "
                          "teacher: the debiased loss has no target distribution")
