@@ -43,9 +43,10 @@ def set_input_checks(enabled: bool) -> bool:
 
 def embeddings(name: str, x, *, rows: int | None = None, width: int | None = None,
                like: torch.Tensor | None = None, like_name: str = "anchors",
-               allow_empty: bool = False, scale_free: bool = False) -> torch.Tensor:
+               allow_empty: bool = False, scale_free: bool = False, device=None) -> torch.Tensor:
     """Check a 2-D floating embedding matrix and return it (``like``: the tensor, named
-    ``like_name``, whose dtype and device it must share).
+    ``like_name``, whose dtype and device it must share; ``device``: the anchors' device, for
+    a matrix of its own dtype).
 
     ``scale_free=True`` (the caller uses x only through cosines of its rows): rows whose
     max-abs is too large to square in the accumulate dtype are returned multiplied by a power
@@ -77,13 +78,15 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
         if x.device != like.device:
             raise ValueError(f"{name} is on {x.device} but {like_name} "
                              f"{'are' if plural else 'is'} on {like.device}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
     # (under torch.compile the values cannot be read while tracing: the fused op tests them;
     # tested first, as torch.compile before torch 2.6 specializes on the size x.numel() reads)
     if _CHECK_FINITE and not torch.compiler.is_compiling() and x.numel() and not x.is_meta:
         top, limit = _largest(x)
         scan = _SCAN.get()
         if scan is not None and scan is not _EAGER:
-            scan.queue(name, top, limit)    # read with the call's other inputs (one_host_read)
+            scan.queued.append((name, top, limit))    # read with the call's other inputs (one_host_read)
             return x
         bad, huge = _verdict(top.item(), limit)
         if bad:
@@ -111,29 +114,21 @@ def _verdict(top: float, limit: float) -> tuple[bool, bool]:
 
 
 class _Scan:
-    """The NaN/Inf and huge-row tests of one call's inputs, queued by :func:`embeddings`
-    (each input's largest |entry| on its device, :func:`_largest`) and read back together by
-    :meth:`read`."""
+    """The NaN/Inf and huge-row tests of one call's inputs, queued by :func:`embeddings` as
+    ``(name, largest |entry| on its device, limit)`` (:func:`_largest`) and read back
+    together by :meth:`read`."""
 
     def __init__(self):
-        self.names: list[str] = []
-        self.tops: list[torch.Tensor] = []
-        self.limits: list[float] = []
+        self.queued: list[tuple[str, torch.Tensor, float]] = []
         self.huge = False                   # a read found rows too large to square
-
-    def queue(self, name: str, top: torch.Tensor, limit: float) -> None:
-        self.names.append(name)
-        self.tops.append(top)
-        self.limits.append(limit)
 
     def read(self) -> None:
         """One host read of every queued test (the checks have put the inputs on one
         device): raises the NaN/Inf error of the first input, in the order checked, that has
         one."""
-        tops = torch.stack(self.tops).tolist()
-        names, limits = self.names, self.limits
-        self.names, self.tops, self.limits = [], [], []
-        for name, top, limit in zip(names, tops, limits):
+        queued, self.queued = self.queued, []
+        tops = torch.stack([top for _, top, _ in queued]).tolist()
+        for (name, _, limit), top in zip(queued, tops):
             bad, huge = _verdict(top, limit)
             if bad:
                 raise ValueError(f"{name} contains NaN or Inf values")
@@ -187,7 +182,7 @@ def read_inputs() -> None:
     if torch.compiler.is_compiling():       # (no scan while tracing; nor can it read a ContextVar)
         return
     scan = _SCAN.get()
-    if scan is None or scan is _EAGER or not scan.tops:
+    if scan is None or scan is _EAGER or not scan.queued:
         return
     scan.read()
     if scan.huge:
@@ -200,7 +195,7 @@ def inputs_read() -> bool:
     if torch.compiler.is_compiling():
         return False
     scan = _SCAN.get()
-    return scan is not None and scan is not _EAGER and not scan.tops
+    return scan is not None and scan is not _EAGER and not scan.queued
 
 
 def generator(value, device) -> torch.Generator | None:
@@ -287,6 +282,30 @@ def finite(name: str, value) -> float:
     return value
 
 
+def within(name: str, value, low: float, high: float = math.inf, closed: bool = False) -> float:
+    """A finite number in ``[low, high)`` (``[low, high]`` if ``closed``; ``>= low`` without
+    ``high``)."""
+    value = finite(name, value)
+    if not (low <= value and (value <= high if closed else value < high)):
+        end = "]" if closed else ")"
+        span = f"be >= {low:g}" if high == math.inf else f"lie in [{low:g}, {high:g}{end}"
+        raise ValueError(f"{name} must {span}, got {value}")
+    return value
+
+
+def ids(name: str, x, rows: int, device) -> torch.Tensor:
+    """One integer per row (text ids, class labels): a 1-D integer tensor of ``rows`` entries
+    on the anchors' ``device``, returned as int64."""
+    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() != 1 or x.shape[0] != rows:
+        raise ValueError(f"{name} must have shape ({rows},), got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
+    return x.to(torch.long)
+
+
 def phi(value) -> float:
     value = finite("phi", value)
     if not -1.0 <= value <= 1.0:
@@ -327,12 +346,9 @@ def complementary(value, n: int, n_positives: int, device) -> tuple[torch.Tensor
         return None
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError("complementary must be a pair (c_anchors, c_positives) or None")
-    c_anchors = embeddings("complementary[0]", value[0], rows=n, scale_free=True)
+    c_anchors = embeddings("complementary[0]", value[0], rows=n, scale_free=True, device=device)
     c_positives = embeddings("complementary[1]", value[1], rows=n_positives,
-                             width=c_anchors.shape[1], scale_free=True)
-    for i, c in enumerate((c_anchors, c_positives)):
-        if c.device != device:
-            raise ValueError(f"complementary[{i}] is on {c.device} but anchors are on {device}")
+                             width=c_anchors.shape[1], scale_free=True, device=device)
     if c_positives.dtype != c_anchors.dtype:
         raise TypeError(f"complementary[1] is {c_positives.dtype} but complementary[0] is "
                         f"{c_anchors.dtype}: the complementary model's two views share one dtype")

@@ -90,6 +90,11 @@ def project_out_radial(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g - x_hat * radial
 
 
+def unit(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x̂ = x / max(‖x‖, EPS)`` formed in x's accumulate dtype, returned in ``dtype``."""
+    return F.normalize(wide(x), dim=1, eps=EPS).to(dtype)
+
+
 def autocast_off(device) -> contextlib.AbstractContextManager:
     """A context without autocast for ``device``'s type (a no-op where autocast is off or the
     type has none, e.g. meta): the losses form their own GEMMs and reductions in the inputs'

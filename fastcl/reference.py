@@ -46,47 +46,18 @@ def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
     return out
 
 
-def _direction(anchors, candidates, n_pos, *, temperature, focal_m, hard_negative_weight,
-               keep, formulation, anchor_offset, false_negative_margin=None, positive_prior=None,
-               soft=None):
-    """One direction of :func:`contrastive`: the logits of ``anchors`` against ``candidates``
-    (positive of anchor i in column ``anchor_offset + i``), then the loss."""
-    n = anchors.shape[0]
-    sim = cosine_matrix(anchors, candidates)
-    is_positive = _at(n, sim.shape[1], anchor_offset, sim.device)
-    if false_negative_margin is not None:
-        close = _false_negatives(sim, _positive_logit(sim, is_positive), false_negative_margin,
-                                 is_positive)
-        keep = ~close if keep is None else keep & ~close
-    logits = _modulated(sim, is_positive, temperature, focal_m)
-    if hard_negative_weight:
-        # the mask in the logits' dtype: a bool tensor times a float is float32, which would
-        # round w (by ~1e-8) in a float64 loss
-        own_negative = _at(n, sim.shape[1], n_pos + anchor_offset, sim.device).to(logits.dtype)
-        logits = logits + hard_negative_weight * own_negative
-    if formulation == "released":
-        logits = logits if keep is None else logits * keep
-        probs = torch.softmax(logits, dim=1)
-        # where the positive dominates, p_ii rounds to 1: BCE(p_ii, 1) is then written as
-        # BCE(1 − p_ii, 0), the same value and gradient (torch's clamps are symmetric in
-        # p ↔ 1 − p), with 1 − p_ii = σ(gap) the others' share, formed apart
-        gap = _others_lse(logits, is_positive) - _positive_logit(logits, is_positive)
-        flip = (gap < 0)[:, None] & is_positive
-        entries = torch.where(is_positive, torch.sigmoid(torch.where(gap < 0, gap, -gap))[:, None],
-                              probs)
-        return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
-    if keep is not None:
-        logits = logits.masked_fill(~keep, float("-inf"))
-    if soft is not None:
-        return _soft_cross_entropy(logits, is_positive, soft, anchor_offset).mean()
-    if positive_prior is not None:
-        return _debiased(logits, is_positive, positive_prior, temperature).mean()
-    return _cross_entropy(logits, is_positive).mean()
-
-
-def _false_negatives(sim, positive_cosine, margin, protect):
-    """``s_ij > s_{i,p(i)} + m`` (the row's own positive's cosine), never at ``protect``."""
-    return (sim > (positive_cosine + margin)[:, None]) & ~protect
+def _released(logits, is_positive):
+    """DCLR's released loss of a direction's logits (α already multiplied in): binary
+    cross-entropy on the row softmax, the mean over all N·M entries."""
+    probs = torch.softmax(logits, dim=1)
+    # where the positive dominates, p_ii rounds to 1: BCE(p_ii, 1) is then written as
+    # BCE(1 − p_ii, 0), the same value and gradient (torch's clamps are symmetric in
+    # p ↔ 1 − p), with 1 − p_ii = σ(gap) the others' share, formed apart
+    gap = _others_lse(logits, is_positive) - _positive_logit(logits, is_positive)
+    flip = (gap < 0)[:, None] & is_positive
+    entries = torch.where(is_positive, torch.sigmoid(torch.where(gap < 0, gap, -gap))[:, None],
+                          probs)
+    return F.binary_cross_entropy(entries, (is_positive & ~flip).to(entries.dtype))
 
 
 def _soft_cross_entropy(logits, is_positive, soft, anchor_offset):
@@ -178,16 +149,14 @@ def contrastive(spec: LossSpec, anchors, positives, negatives=None):
     Candidates ``k = [h⁺ (N_pos rows); negatives (K rows); Z (K_z rows)]``, logits
     ``l_ij = s_ij/τ`` or, with ``focal_m``, ``s_ii²/τ`` on the positive and ``s_ij(s_ij+m)/τ``
     elsewhere; ``+ w`` at column ``N_pos + i``; α from the mask on the in-batch block;
-    cross-entropy over the kept columns (``"released"``: the authors' BCE). Any rule of
-    :mod:`fastcl.layout` (``symmetric`` among them), a guide or ids take :func:`_sides`.
+    cross-entropy over the kept columns (``"released"``: the authors' BCE), block by block
+    (:func:`_sides`).
     Matryoshka: the literal sum ``Σ_k w_k·L(x[:, :d_k])``.
     """
-    cands = None if spec.rules is None else spec.rules.anchor_candidates
+    xs = (anchors, positives, negatives, spec.anchor_candidates)
     if spec.matryoshka is not None:
-        cut = lambda x, d: None if x is None else x[:, :d]  # noqa: E731
-        return sum(w * _one(spec, *(cut(x, d) for x in (anchors, positives, negatives, cands)))
-                   for d, w in zip(*spec.matryoshka))
-    return _one(spec, anchors, positives, negatives, cands)
+        return sum(w * _one(spec, *cut) for w, cut in spec.matryoshka.prefixes(*xs))
+    return _one(spec, *xs)
 
 
 def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
@@ -206,27 +175,22 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
         keep = dclr_weights(*mask.complementary, candidates.shape[0] - n_pos, phi=mask.phi,
                             temperature=logits.tau, formulation=spec.formulation,
                             anchor_offset=offset)
-    if spec.ruled:
-        return _sides(spec, anchors, positives, candidates, negatives, keep,
-                      anchors if anchor_candidates is None else anchor_candidates)
-    return _direction(anchors, candidates, n_pos, temperature=logits.tau,
-                      focal_m=logits.focal_m, hard_negative_weight=logits.hard_negative_weight,
-                      keep=keep, formulation=spec.formulation, anchor_offset=offset,
-                      false_negative_margin=spec.false_negative_margin,
-                      positive_prior=spec.positive_prior, soft=spec.soft)
+    return _sides(spec, anchors, positives, candidates, negatives, keep,
+                  anchors if anchor_candidates is None else anchor_candidates)
 
 
 def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anchor_candidates):
-    """The loss with a positive side and the drops of :mod:`fastcl.layout`, written out block
-    by block as sentence-transformers' MNRL and GISTEmbedLoss do: a score matrix per block
-    with ``-inf`` where an entry is dropped, the blocks side by side, one log-sum-exp per row
-    (or one per side, averaged). ``symmetric`` is such a layout, its mask transposed on the
-    positive side (``spec.mask.reverse``)."""
+    """One width's loss, written out block by block as sentence-transformers' MNRL and
+    GISTEmbedLoss do: a score matrix per block with ``-inf`` where an entry is dropped (the
+    layout's rules of :mod:`fastcl.layout`, DCLR's mask, the guide, the ids, the margin), the
+    blocks side by side, one log-sum-exp per row (or one per side, averaged). InfoNCE's plain
+    layout is the anchor side's documents and noise alone; ``symmetric`` is a layout, its mask
+    transposed on the positive side (``spec.mask.reverse``); ``"released"`` (the plain layout
+    only) is the authors' BCE (:func:`_released`)."""
     temperature, focal_m = spec.logits.tau, spec.logits.focal_m
     hard_negative_weight, anchor_offset = spec.logits.hard_negative_weight, spec.anchor_offset
     layout = spec.layout
-    hardness_mode, hardness_strength = (None, 0.0) if spec.rules is None or spec.rules.hardness is None \
-        else spec.rules.hardness
+    hardness = None if spec.rules is None else spec.rules.hardness
     guide = None if spec.guide is None else spec.guide.embeddings
     duplicate_ids = spec.ids
     n, n_pos = anchors.shape[0], positives.shape[0]
@@ -240,14 +204,16 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     documents = candidates[:n_pos + n_neg]                 # positives and negatives
     doc_group = torch.arange(n_pos + n_neg, device=dev) % n_pos
 
-    theta = None
+    # each side's guide rows, each block's guide rows and ids (None: off)
+    g_anchors = g_own = g_documents = g_anchor_cands = doc_ids = anchor_ids = None
     if guide is not None:
         g_anchors, g_positives, g_negatives, g_anchor_cands = guide
+        g_own = g_positives[g]
         g_documents = g_positives if g_negatives is None else torch.cat([g_positives, g_negatives])
         gamma = torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset)
         theta = guide_threshold(gamma, spec.guide.margin, spec.guide.strategy)
         scored = [g_documents] + ([g_anchor_cands] if layout.scores_anchors else [])
-        partners = [g_positives[g]] + ([g_anchors] if layout.positive_side else [])
+        partners = [g_own] + ([g_anchors] if layout.positive_side else [])
         theta = keep_twin_ties(theta, gamma, [unit_rows(wide(x)) for x in partners],
                                torch.cat([unit_rows(wide(x)) for x in scored]),
                                (1, int(layout.scores_anchors)))[:, None]
@@ -257,13 +223,13 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
         key = pos_ids[g][:, None]                          # the text of the row's positive
 
     def drop(scores, guide_rows, guide_cols, ids, protect):
-        """``scores`` with the guide's false negatives and the duplicates set to -inf, the
-        entries in ``protect`` kept."""
+        """``scores`` with the guide's false negatives and the duplicates set to -inf (the
+        block's first columns of ``guide_cols`` and ``ids``), the entries in ``protect`` kept."""
         out = torch.zeros_like(scores, dtype=torch.bool)
         if guide is not None:
-            out |= cosine_matrix(guide_rows, guide_cols) > theta
+            out |= cosine_matrix(guide_rows, guide_cols[:scores.shape[1]]) > theta
         if duplicate_ids is not None:
-            out |= ids[None, :] == key
+            out |= ids[None, :scores.shape[1]] == key
         if protect is not None:
             out &= ~protect
         return scores.masked_fill(out, float("-inf"))
@@ -275,20 +241,18 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     margin = spec.false_negative_margin
     positive_cosine = sim[rows, g]
 
-    def close(cos, protect):
-        """The false-negative margin's drops on a block of scores (None: off): against row
-        i's positive's cosine, on either side."""
+    def near(scores, cos, protect=None):
+        """``scores`` less the false-negative margin's drops, ``s_ij > s_{i,p(i)} + m`` against
+        row i's positive's cosine on either side, never at ``protect``."""
         if margin is None:
-            return None
-        return _false_negatives(cos, positive_cosine, margin,
-                                torch.zeros_like(cos, dtype=torch.bool) if protect is None else protect)
-
-    def fill(scores, out):
-        return scores if out is None else scores.masked_fill(out, float("-inf"))
+            return scores
+        close = cos > (positive_cosine + margin)[:, None]
+        return scores.masked_fill(close if protect is None else close & ~protect, float("-inf"))
     if hard_negative_weight:
         logits = logits + hard_negative_weight * _at(n, sim.shape[1], n_pos + anchor_offset,
                                                      dev).to(logits.dtype)
-    if hardness_mode is not None and hardness_strength:
+    if hardness is not None:
+        hardness_mode, hardness_strength = hardness
         own = doc_group[None, :] == g[:, None]
         is_negative_block = torch.arange(n_pos + n_neg, device=dev)[None, :] >= n_pos
         where = {"in_batch_negatives": ~own,
@@ -297,22 +261,20 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
         penalty = torch.zeros_like(logits)
         penalty[:, :n_pos + n_neg] = torch.where(where, hardness_strength * sim[:, :n_pos + n_neg].detach(), 0.0)
         logits = logits + penalty
+    if spec.formulation == "released":       # the plain layout only (build_spec's rule)
+        return _released(logits if keep is None else logits * keep, is_positive)
     if keep is not None:
         logits = logits.masked_fill(~keep, float("-inf"))
-    logits = fill(logits, close(sim, is_positive))
-    docs_part = drop(logits[:, :n_pos + n_neg], g_anchors if guide is not None else None,
-                     g_documents if guide is not None else None,
-                     doc_ids if duplicate_ids is not None else None, is_positive[:, :n_pos + n_neg])
+    logits = near(logits, sim, is_positive)
+    docs_part = drop(logits[:, :n_pos + n_neg], g_anchors, g_documents, doc_ids,
+                     is_positive[:, :n_pos + n_neg])
     anchor_side = [docs_part, logits[:, n_pos + n_neg:]]   # the noise is never dropped
     if layout.anchor_to_anchors:
         aa_cos = cosine_matrix(anchors, anchor_candidates)
-        aa = fill(_modulated(aa_cos, _none(n, anchor_candidates), temperature, focal_m),
-                  close(aa_cos, None))
+        aa = near(_modulated(aa_cos, _none(n, anchor_candidates), temperature, focal_m), aa_cos)
         if layout.exclude_own:
             aa = aa.masked_fill(_at_cols(own_anchor, aa.shape[1]), float("-inf"))
-        anchor_side.append(drop(aa, g_anchors if guide is not None else None,
-                                g_anchor_cands if guide is not None else None,
-                                anchor_ids if duplicate_ids is not None else None, None))
+        anchor_side.append(drop(aa, g_anchors, g_anchor_cands, anchor_ids, None))
     positive_logit = logits[rows, g]
 
     # positive side: the anchors block, then the documents
@@ -321,25 +283,19 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
         # the anchor's own column is the positive pair seen from the positive: s²/τ with focal
         pa_cos = cosine_matrix(own_positive, anchor_candidates)
         mine = _at_cols(own_anchor, anchor_candidates.shape[0])
-        pa = fill(_modulated(pa_cos, mine, temperature, focal_m), close(pa_cos, mine))
+        pa = near(_modulated(pa_cos, mine, temperature, focal_m), pa_cos, mine)
         if spec.mask is not None and spec.mask.reverse:    # symmetric: α'_ij = 1[cos(c⁺_i, c_j) < φ]
             c_anchors, c_positives = spec.mask.complementary
             pa = pa.masked_fill(~dclr_weights(c_positives, c_anchors, 0, phi=spec.mask.phi,
                                               temperature=temperature), float("-inf"))
-        positive_side.append(drop(pa, g_positives[g] if guide is not None else None,
-                                  g_anchor_cands if guide is not None else None,
-                                  anchor_ids if duplicate_ids is not None else None,
-                                  _at_cols(own_anchor, pa.shape[1])))
+        positive_side.append(drop(pa, g_own, g_anchor_cands, anchor_ids, mine))
     if layout.positive_to_positives or layout.positive_to_negatives:
         width = n_pos + (n_neg if layout.positive_to_negatives else 0)
         pd_cos = cosine_matrix(own_positive, documents[:width])
-        pd = fill(_modulated(pd_cos, _none(n, documents[:width]), temperature, focal_m),
-                  close(pd_cos, None))
+        pd = near(_modulated(pd_cos, _none(n, documents[:width]), temperature, focal_m), pd_cos)
         if layout.exclude_own:
             pd = pd.masked_fill(doc_group[None, :width] == g[:, None], float("-inf"))
-        positive_side.append(drop(pd, g_positives[g] if guide is not None else None,
-                                  g_documents[:width] if guide is not None else None,
-                                  doc_ids[:width] if duplicate_ids is not None else None, None))
+        positive_side.append(drop(pd, g_own, g_documents, doc_ids, None))
 
     # the positive sits in the first block: its share of the softmax is formed apart
     # (_cross_entropy), the other blocks join its log-sum-exp

@@ -104,6 +104,10 @@ class Matryoshka(NamedTuple):
     dims: tuple[int, ...]                 # d_1 < … < d_K
     weights: tuple[float, ...]
 
+    def prefixes(self, *xs) -> list:
+        """``(w_k, [x[:, :d_k] for x in xs])`` for every width (None stays None)."""
+        return [(w, [None if x is None else x[:, :d] for x in xs]) for d, w in zip(*self)]
+
 
 @dataclass(frozen=True)
 class LossSpec:
@@ -133,6 +137,10 @@ class LossSpec:
         return dict(temperature=self.logits.temperature, focal_m=self.logits.focal_m,
                     chunk_size=self.chunk_size, false_negative_margin=self.false_negative_margin,
                     positive_prior=self.positive_prior, **soft)
+
+    @property
+    def anchor_candidates(self) -> torch.Tensor | None:
+        return None if self.rules is None else self.rules.anchor_candidates
 
     @property
     def layout(self) -> Layout:
@@ -213,57 +221,28 @@ class Epilogue:
         return not ((self.layout or PLAIN).plain and self.hardness is None and self.guide is None
                     and self.ids is None)
 
-    # --- the custom op's arguments (its schema has no records, optionals of lists or
-    # nested types: the layout travels as bits, the blocks as sizes, hardness and widths as
-    # text, the tensors as lists, an empty list for "none")
-
-    #: The op schema's part for these arguments (``fastcl::tiled_contrastive``: anchors and
-    #: candidates before, the engine and the call's flags after), beside the two methods
-    #: that write and read them: a new field is one place.
-    OP_SCHEMA = ("Tensor[] complementary, float temperature, float? focal_m, "
-                 "float hard_negative_weight, float phi, str formulation, SymInt anchor_offset, "
-                 "SymInt? chunk_size, str matryoshka, SymInt layout, SymInt[] blocks, str hardness, "
-                 "Tensor[] guide, Tensor[] ids, float? false_negative_margin, "
-                 "Tensor? positive_prior, float label_smoothing, Tensor[] labels, "
-                 "Tensor[] teacher, float teacher_temperature, float distill_weight")
+    #: The custom op's arguments (``fastcl::tiled_contrastive``: anchors and candidates
+    #: before, the engine and the call's flags after), a schema type a field: its schema has
+    #: no records, optionals of lists or nested types, so a tuple of tensors travels as a
+    #: list (empty: None) and the layout, blocks, widths and hardness as :data:`_CODECS`
+    #: write them. A new field is one entry here.
+    _OP = (("complementary", "Tensor[]"), ("temperature", "float?"), ("focal_m", "float?"),
+           ("hard_negative_weight", "float"), ("phi", "float?"), ("formulation", "str"),
+           ("anchor_offset", "SymInt"), ("chunk_size", "SymInt?"), ("matryoshka", "str"),
+           ("layout", "SymInt"), ("blocks", "SymInt[]"), ("hardness", "str"), ("guide", "Tensor[]"),
+           ("ids", "Tensor[]"), ("false_negative_margin", "float?"), ("positive_prior", "Tensor?"),
+           ("label_smoothing", "float"), ("labels", "Tensor?"), ("teacher", "Tensor[]"),
+           ("teacher_temperature", "float"), ("distill_weight", "float"))
+    OP_SCHEMA = ", ".join(f"{kind} {name}" for name, kind in _OP)
 
     def op_args(self) -> tuple:
-        widths = ("" if self.matryoshka is None else
-                  ",".join(f"{d}:{float(w)!r}" for d, w in zip(*self.matryoshka)))
-        return (list(self.complementary or ()),
-                0.0 if self.temperature is None else float(self.temperature),   # 0: the op's tau
-                None if self.focal_m is None else float(self.focal_m),
-                float(self.hard_negative_weight), float(self.phi or 0.0), self.formulation,
-                int(self.anchor_offset), self.chunk_size, widths, _layout_bits(self.layout),
-                list(self.blocks or (0, 0, 0, 0)),
-                "" if self.hardness is None else f"{self.hardness[0]}:{float(self.hardness[1])!r}",
-                list(self.guide or ()), list(self.ids or ()), self.false_negative_margin,
-                self.positive_prior, float(self.label_smoothing),
-                [] if self.labels is None else [self.labels], list(self.teacher or ()),
-                float(self.teacher_temperature), float(self.distill_weight))
+        """The fields as the op's arguments (:data:`_OP`)."""
+        return tuple(_codec(name, kind)[0](getattr(self, name)) for name, kind in self._OP)
 
     @classmethod
-    def from_op_args(cls, complementary, temperature, focal_m, hard_negative_weight, phi,
-                     formulation, anchor_offset, chunk_size, matryoshka, layout_bits, blocks,
-                     hardness, guide, ids, false_negative_margin, positive_prior, label_smoothing,
-                     labels, teacher, teacher_temperature, distill_weight) -> "Epilogue":
-        mode, _, beta = hardness.partition(":")
-        widths = None
-        if matryoshka:
-            pairs = [item.split(":") for item in matryoshka.split(",")]
-            widths = Matryoshka(tuple(int(d) for d, _ in pairs), tuple(float(w) for _, w in pairs))
-        return cls(temperature, focal_m=focal_m, hard_negative_weight=hard_negative_weight,
-                   phi=phi if complementary else None,
-                   complementary=tuple(complementary) if complementary else None,
-                   formulation=formulation, anchor_offset=anchor_offset, chunk_size=chunk_size,
-                   matryoshka=widths, layout=_layout_of(layout_bits),
-                   blocks=tuple(blocks) if any(blocks) else None,
-                   hardness=(mode, float(beta)) if mode else None,
-                   guide=tuple(guide) if guide else None, ids=tuple(ids) if ids else None,
-                   false_negative_margin=false_negative_margin, positive_prior=positive_prior,
-                   label_smoothing=label_smoothing, labels=labels[0] if labels else None,
-                   teacher=tuple(teacher) if teacher else None,
-                   teacher_temperature=teacher_temperature, distill_weight=distill_weight)
+    def from_op_args(cls, *args) -> "Epilogue":
+        """The epilogue :meth:`op_args` wrote."""
+        return cls(**{name: _codec(name, kind)[1](x) for (name, kind), x in zip(cls._OP, args)})
 
 
 #: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
@@ -275,16 +254,33 @@ def bits(mask: int, count: int) -> list[bool]:
     return [bool(mask >> i & 1) for i in range(count)]
 
 
-def _layout_bits(lay: Layout | None) -> int:
-    if lay is None:
-        return -1
-    return sum(1 << i for i, name in enumerate(_LAYOUT_FIELDS) if getattr(lay, name))
+def _pairs(text: str, first=str) -> list[tuple]:
+    """``"a:x,b:y"`` as ``[(first(a), float(x)), …]``."""
+    return [(first(a), float(b)) for a, _, b in (item.partition(":") for item in text.split(","))]
 
 
-def _layout_of(value: int) -> Layout | None:
-    if value < 0:
-        return None
-    return Layout(**dict(zip(_LAYOUT_FIELDS, bits(value, len(_LAYOUT_FIELDS)))))
+def _same(x):
+    return x
+
+
+#: How the fields that are not schema types travel: ``(to the op, from the op)``.
+_CODECS = {
+    "matryoshka": (lambda m: "" if m is None else ",".join(f"{d}:{float(w)!r}" for d, w in zip(*m)),
+                   lambda t: Matryoshka(*map(tuple, zip(*_pairs(t, int)))) if t else None),
+    "layout": (lambda lay: -1 if lay is None else sum(1 << i for i, name in enumerate(_LAYOUT_FIELDS)
+                                                      if getattr(lay, name)),
+               lambda v: None if v < 0 else Layout(**dict(zip(_LAYOUT_FIELDS, bits(v, 6))))),
+    "blocks": (lambda b: list(b or (0, 0, 0, 0)), lambda b: tuple(b) if any(b) else None),
+    "hardness": (lambda h: "" if h is None else f"{h[0]}:{float(h[1])!r}",
+                 lambda t: _pairs(t)[0] if t else None),
+}
+
+
+_TENSORS = (lambda x: list(x or ()), lambda x: tuple(x) if x else None)
+
+
+def _codec(name: str, kind: str) -> tuple:
+    return _CODECS.get(name) or (_TENSORS if kind == "Tensor[]" else (_same, _same))
 
 
 # --------------------------------------------------------------------------- build_spec
@@ -321,9 +317,7 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                          f"({n_pos} negatives), got {got}")
     complementary = check.complementary(complementary, n, n_pos, anchors.device)
     phi = check.phi(phi)
-    noise_ratio = check.finite("noise_ratio", noise_ratio)
-    if noise_ratio < 0:
-        raise ValueError(f"noise_ratio must be >= 0, got {noise_ratio}")
+    noise_ratio = check.within("noise_ratio", noise_ratio, 0.0)
     formulation = check.choice("formulation", formulation, ("paper", "released"))
     if false_negative_margin is not None:
         false_negative_margin = check.finite("false_negative_margin", false_negative_margin)
@@ -331,26 +325,29 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     if symmetric and n_pos != n:
         raise ValueError("symmetric=True needs every anchor of the batch in this call "
                          "(no anchor_offset slice)")
-    if formulation == "released":
-        _exclusive("formulation='released' is DCLR as the authors' code computes it and "
-                   "combines with complementary, phi and the noise options only; got {} as well: "
-                   "use formulation='paper' to combine them",
-                   focal_m=focal_m is not None, negatives=negatives is not None,
-                   hard_negative_weight=bool(hard_negative_weight), symmetric=symmetric,
-                   false_negative_margin=false_negative_margin is not None,
-                   positive_prior=positive_prior is not None)
     rules, guide_spec, ids = _rules(anchors, positives, negatives, anchor_offset, directions,
                                     partition_mode, hardness_mode, hardness_strength,
                                     anchor_candidates, guide, guide_margin, margin_strategy,
                                     duplicate_ids)
-    if rules is not None or guide_spec is not None or ids is not None:
-        names = [name for name, on in (("symmetric", symmetric),
-                                       ("formulation='released'", formulation == "released")) if on]
-        if names:
-            raise ValueError(f"{' and '.join(names)} cannot be combined with directions, "
-                             f"hardness_mode, guide or duplicate_ids (symmetric=True is "
-                             f"directions=('query_to_doc', 'doc_to_query'), "
-                             f"partition_mode='per_direction')")
+    ruled = rules is not None or guide_spec is not None or ids is not None
+    soft = _soft(label_smoothing, labels, n_pos, anchors.device)
+    extra = [name for name, on in (
+        ("focal_m", focal_m is not None), ("negatives", negatives is not None),
+        ("hard_negative_weight", bool(hard_negative_weight)), ("symmetric", symmetric),
+        ("false_negative_margin", false_negative_margin is not None),
+        ("positive_prior", positive_prior is not None),
+        ("directions, hardness_mode, guide or duplicate_ids", ruled),
+        ("matryoshka_dims", matryoshka_dims is not None),
+        ("label_smoothing", soft is not None and soft.label_smoothing != 0),
+        ("labels", labels is not None), ("teacher", teacher is not None)) if on]
+    if formulation == "released" and extra:
+        raise ValueError(f"formulation='released' is DCLR as the authors' code computes it and "
+                         f"combines with complementary, phi and the noise options only; got "
+                         f"{', '.join(extra)} as well: use formulation='paper' to combine them")
+    if symmetric and ruled:
+        raise ValueError("symmetric cannot be combined with directions, hardness_mode, guide or "
+                         "duplicate_ids (symmetric=True is directions=('query_to_doc', "
+                         "'doc_to_query'), partition_mode='per_direction')")
     if symmetric:
         rules = Rules(SYMMETRIC, anchors)
     prior = _positive_prior(positive_prior, n, anchors)
@@ -359,24 +356,20 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                          "partition_mode='per_direction' (two softmaxes a row)")
     widths = matryoshka(matryoshka_dims, matryoshka_weights, anchors.shape[1])
     count = noise.shape[0] if noise is not None else common.noise_count(noise_ratio, n_pos, formulation)
-    if widths is not None:
-        _exclusive("matryoshka_dims does not combine with {}", joiner=" or ",
-                   **{"formulation='released'": formulation == "released",
-                      "noise": noise is not None or count > 0})
     noisy = noise is not None or count > 0
-    if noise_temperature is None:
-        # τ's value; a traced learnable τ is read here only where the noise needs it (a graph
-        # break), else the default stands in, checked and unused
-        noise_temperature = temperature if temperature is not None else (
-            float(learnable.detach()) if noisy else common.TEMPERATURE)
+    if widths is not None and noisy:
+        raise ValueError("matryoshka_dims does not combine with noise")
+    # τ's value, the noise's and the teacher's default: a traced learnable τ is read here
+    # only where one of them needs it (a graph break), else the default stands in, unused
+    tau = temperature if temperature is not None else (
+        float(learnable.detach()) if noisy or teacher is not None else common.TEMPERATURE)
+    noise_temperature = tau if noise_temperature is None else noise_temperature
     noise_spec = noise_settings(anchors, None if noise is not None else count, noise_steps,
                                 noise_lr, noise_std, noise_temperature, noise, generator)
-    soft = _soft(label_smoothing, labels, n_pos, anchors.device, formulation)
     if teacher is not None:
-        if teacher_temperature is None:     # τ's value, as the noise's default
-            teacher_temperature = temperature if temperature is not None else float(learnable.detach())
         soft = _teacher(soft, teacher, n, n_pos + (0 if negatives is None else negatives.shape[0]),
-                        anchors, teacher_temperature, distill_weight, formulation)
+                        anchors, tau if teacher_temperature is None else teacher_temperature,
+                        distill_weight)
     if soft is not None and prior is not None:
         raise ValueError("positive_prior cannot be combined with label_smoothing, labels or "
                          "teacher: the debiased loss has no target distribution")
@@ -419,9 +412,8 @@ def _positive_prior(value, n: int, anchors) -> torch.Tensor | None:
         return None
     acc = common.accumulate_dtype(anchors.dtype)
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        tau = check.finite("positive_prior", value.item() if isinstance(value, torch.Tensor) else value)
-        if not 0.0 <= tau < 1.0:
-            raise ValueError(f"positive_prior (τ⁺, a class prior) must lie in [0, 1), got {tau}")
+        tau = check.within("positive_prior (τ⁺, a class prior)",
+                           value.item() if isinstance(value, torch.Tensor) else value, 0.0, 1.0)
         return torch.full((n,), tau, dtype=acc, device=anchors.device)
     if not value.is_floating_point():
         raise TypeError(f"positive_prior must be a float or a floating tensor, got {value.dtype}")
@@ -439,60 +431,29 @@ def _positive_prior(value, n: int, anchors) -> torch.Tensor | None:
     return value.detach().to(acc)
 
 
-def _soft(label_smoothing, labels, n_pos, device, formulation) -> Soft | None:
+def _soft(label_smoothing, labels, n_pos, device) -> Soft | None:
     """``label_smoothing`` (ε ∈ [0, 1)) and ``labels`` (one integer per batch row) checked:
     a :class:`Soft`, or None when both are off."""
-    eps = check.finite("label_smoothing", label_smoothing)
-    if not 0.0 <= eps < 1.0:
-        raise ValueError(f"label_smoothing must lie in [0, 1), got {eps}")
+    eps = check.within("label_smoothing", label_smoothing, 0.0, 1.0)
     if labels is not None:
-        if (not isinstance(labels, torch.Tensor) or labels.is_floating_point()
-                or labels.is_complex() or labels.dtype == torch.bool):
-            raise TypeError(f"labels must be an integer tensor, got "
-                            f"{labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__}")
-        if labels.dim() != 1 or labels.shape[0] != n_pos:
-            raise ValueError(f"labels must have shape ({n_pos},) (one per batch row: the "
-                             f"positives' rows), got {tuple(labels.shape)}")
-        if labels.device != device:
-            raise ValueError(f"labels is on {labels.device} but anchors are on {device}")
-        labels = labels.to(torch.long)
-    if not eps and labels is None:
-        return None
-    names = " and ".join(n for n, on in (("label_smoothing", eps), ("labels", labels is not None)) if on)
-    if formulation == "released":
-        raise ValueError(f"{names} cannot be combined with formulation='released' (the "
-                         "authors' BCE has no target distribution); use formulation='paper'")
-    return Soft(eps, labels)
+        labels = check.ids("labels", labels, n_pos, device)     # one per batch row
+    return None if not eps and labels is None else Soft(eps, labels)
 
 
-def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_weight,
-             formulation) -> Soft:
+def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_weight) -> Soft:
     """``teacher=(t_anchors, t_candidates)`` (N and N_b + K rows of one width: the
     positives' and negatives' teacher embeddings), ``teacher_temperature`` and
     ``distill_weight`` (λ ∈ [0, 1]) checked, joined to ``soft``."""
     if not isinstance(teacher, (tuple, list)) or len(teacher) != 2:
         raise TypeError("teacher must be a tuple (t_anchors, t_candidates)")
-    t_anchors = check.embeddings("teacher[0] (anchors)", teacher[0], rows=n, scale_free=True)
+    t_anchors = check.embeddings("teacher[0] (anchors)", teacher[0], rows=n, scale_free=True,
+                                 device=anchors.device)
     t_docs = check.embeddings("teacher[1] (candidates)", teacher[1], rows=n_docs,
-                              width=t_anchors.shape[1], scale_free=True)
-    for name, x in (("teacher[0] (anchors)", t_anchors), ("teacher[1] (candidates)", t_docs)):
-        if x.device != anchors.device:
-            raise ValueError(f"{name} is on {x.device} but anchors are on {anchors.device}")
+                              width=t_anchors.shape[1], scale_free=True, device=anchors.device)
     tau = check.temperature(teacher_temperature, anchors.dtype, name="teacher_temperature")
-    weight = check.finite("distill_weight", distill_weight)
-    if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"distill_weight must lie in [0, 1], got {weight}")
-    if formulation == "released":
-        raise ValueError("teacher cannot be combined with formulation='released' (the authors' "
-                         "BCE has no target distribution); use formulation='paper'")
+    weight = check.within("distill_weight", distill_weight, 0.0, 1.0, closed=True)
     soft = soft or Soft()
     return Soft(soft.label_smoothing, soft.labels, (t_anchors.detach(), t_docs.detach()), tau, weight)
-
-
-def _exclusive(message: str, joiner: str = ", ", **on) -> None:
-    names = [name for name, value in on.items() if value]
-    if names:
-        raise ValueError(message.format(joiner.join(names)))
 
 
 def inputs(anchors, positives, anchor_offset=None):
@@ -522,9 +483,8 @@ def noise_settings(anchors, num, steps, lr, std, temperature, noise, generator=N
     std = check.positive(names[2], std)
     temperature = check.temperature(temperature, anchors.dtype, name=names[3])
     if noise is not None:
-        noise = check.embeddings("noise", noise, width=anchors.shape[1], allow_empty=True)
-        if noise.device != anchors.device:
-            raise ValueError(f"noise is on {noise.device} but anchors are on {anchors.device}")
+        noise = check.embeddings("noise", noise, width=anchors.shape[1], allow_empty=True,
+                                 device=anchors.device)
         if num is not None and noise.shape[0] != num:
             raise ValueError(f"noise has {noise.shape[0]} rows but num={num}")
         num = noise.shape[0]
@@ -580,16 +540,10 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
         lay = layout.from_directions(directions, partition_mode)
     if hardness_mode is not None:
         check.choice("hardness_mode", hardness_mode, layout.HARDNESS_MODES)
-    hardness_strength = check.finite("hardness_strength", hardness_strength)
-    if hardness_strength < 0:
-        raise ValueError(f"hardness_strength must be >= 0, got {hardness_strength}")
+    hardness_strength = check.within("hardness_strength", hardness_strength, 0.0)
     guide_margin = check.finite("guide_margin", guide_margin)
     unread = ValueError("anchor_candidates is read only with directions that score the "
                         "anchors ('query_to_query', 'doc_to_query')")
-    if lay.plain and hardness_mode is None and guide is None and duplicate_ids is None:
-        if anchor_candidates is not None:
-            raise unread
-        return None, None, None
     grouped = (hardness_mode is not None and hardness_strength) or (
         lay.positive_to_negatives and lay.exclude_own)
     if grouped and n_neg % n_pos:
@@ -631,54 +585,40 @@ def _guide(guide, n, n_pos, n_neg, n_a, device):
     """``guide=(g_anchors, g_positives, g_negatives, g_anchor_candidates)`` checked: the last
     two may be left out or None where there are no negatives or no anchors block (the anchors
     block's default: g_anchors, when those are its rows)."""
-    if not isinstance(guide, (tuple, list)) or not 2 <= len(guide) <= 4:
-        raise TypeError("guide must be a tuple (g_anchors, g_positives[, g_negatives"
-                        "[, g_anchor_candidates]])")
-    parts = list(guide) + [None] * (4 - len(guide))
-    names = ("guide[0] (anchors)", "guide[1] (positives)", "guide[2] (negatives)",
-             "guide[3] (anchor candidates)")
-    if parts[3] is None and n_a == n:
-        parts[3] = parts[0]
-    out = []
-    for name, x, want in zip(names, parts, (n, n_pos, n_neg, n_a)):
-        if x is None:
-            if want > 0:
-                raise ValueError(f"{name} is missing: the guide embeds every candidate block "
-                                 f"({want} rows here)")
-            out.append(None)
-            continue
-        x = check.embeddings(name, x, rows=want, width=out[0].shape[1] if out else None,
-                             scale_free=True)
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
-        if out and x.dtype != out[0].dtype:
-            raise TypeError(f"{name} is {x.dtype} but guide[0] is {out[0].dtype}")
-        out.append(x.detach() if want > 0 else None)
-    return tuple(out)
+
+    def part(name, x, rows, done):
+        x = check.embeddings(name, x, rows=rows, width=done[0].shape[1] if done else None,
+                             scale_free=True, device=device)
+        if done and x.dtype != done[0].dtype:
+            raise TypeError(f"{name} is {x.dtype} but guide[0] is {done[0].dtype}")
+        return x.detach()
+    return _per_block("guide", guide, ("anchors", "positives", "negatives", "anchor candidates"),
+                      (n, n_pos, n_neg, n_a), part, least=2, fill={3: 0} if n_a == n else {})
 
 
 def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
     """``duplicate_ids=(positive_ids, negative_ids, anchor_ids)`` checked: 1-D integer tensors
     with one id per candidate row (None where the block is absent)."""
-    if not isinstance(ids, (tuple, list)) or not 1 <= len(ids) <= 3:
-        raise TypeError("duplicate_ids must be a tuple (positive_ids[, negative_ids[, anchor_ids]])")
-    parts = list(ids) + [None] * (3 - len(ids))
+    return _per_block("duplicate_ids", ids, ("positives", "negatives", "anchor candidates"),
+                      (n_pos, n_neg, n_a), lambda name, x, rows, _: check.ids(name, x, rows, device))
+
+
+def _per_block(arg, value, blocks, rows, part, least=1, fill=None):
+    """``arg``: a tuple of one tensor a block (``blocks``, of ``rows`` rows each), the last
+    ones optional (None or left out) where a block has no rows or ``fill`` names the part
+    that stands in; each checked by ``part(name, x, rows, the parts before)``, None where its
+    block has no rows."""
+    if not isinstance(value, (tuple, list)) or not least <= len(value) <= len(blocks):
+        names = ", ".join(blocks[:least]) + "".join(f"[, {b}" for b in blocks[least:])
+        raise TypeError(f"{arg} must be a tuple ({names}{']' * (len(blocks) - least)}) of tensors")
     out = []
-    for name, x, want in zip(("duplicate_ids[0] (positives)", "duplicate_ids[1] (negatives)",
-                              "duplicate_ids[2] (anchor candidates)"), parts, (n_pos, n_neg, n_a)):
-        if x is None:
-            if want > 0:
-                raise ValueError(f"{name} is missing: {want} candidates need an id each")
-            out.append(None)
-            continue
-        if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor, got "
-                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.dim() != 1 or x.shape[0] != want:
-            raise ValueError(f"{name} must have shape ({want},), got {tuple(x.shape)}")
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but anchors are on {device}")
-        out.append(x.to(torch.long) if want > 0 else None)
+    for i, (block, x, want) in enumerate(zip(blocks, (*value, None, None, None), rows)):
+        name = f"{arg}[{i}] ({block})"
+        x = value[fill[i]] if x is None and i in (fill or {}) else x
+        if x is None and want > 0:
+            raise ValueError(f"{name} is missing: {arg} holds every candidate block ({want} rows here)")
+        x = None if x is None else part(name, x, want, out)
+        out.append(x if want > 0 else None)
     return tuple(out)
 
 

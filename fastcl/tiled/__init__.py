@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import common, layout
-from ..common import EPS, accumulate_dtype
+from ..common import accumulate_dtype
 from ..spec import Epilogue, LossSpec
 from . import driver
 from .autograd import TiledContrastive, contrastive_loss, tiled_contrastive_op  # noqa: F401
@@ -39,18 +39,19 @@ def spec_loss(spec: LossSpec, anchors, positives, negatives=None):
     on the spec's engine. Matryoshka is one pass over every width where the engine takes
     them (the torch engine), else a call per width (the Triton kernels take one width)."""
     engine = engine_for(spec.backend)
-    cands = None if spec.rules is None else spec.rules.anchor_candidates
+    xs = (anchors, positives, negatives, spec.anchor_candidates)
     # (the torch engine's one pass over the widths has no debiased row loss: a call a width)
     if spec.matryoshka is not None and (engine.name != "torch" or spec.positive_prior is not None):
-        cut = lambda x, d: None if x is None else x[:, :d]  # noqa: E731
-        return sum(w * _terms(spec, engine, *(cut(x, d) for x in (anchors, positives, negatives, cands)))
-                   for d, w in zip(*spec.matryoshka))
-    return _terms(spec, engine, anchors, positives, negatives, cands, spec.matryoshka)
+        return sum(w * _terms(spec, engine, *cut) for w, cut in spec.matryoshka.prefixes(*xs))
+    return _terms(spec, engine, *xs, spec.matryoshka)
 
 
 def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands, widths=None):
     logits, mask, offset = spec.logits, spec.mask, spec.anchor_offset
     tau = logits.learnable
+    # the side inputs' unit rows (teacher, guide): in the GEMM dtype on the Triton engine
+    side_dtype = (accumulate_dtype(anchors.dtype) if engine.name == "torch"
+                  else driver.matmul_dtype(anchors.dtype, anchors.device))
     blocks = [positives] + ([] if negatives is None else [negatives])
     if spec.noise is not None:
         z = dclr_noise(spec.noise, anchors, positives, formulation=spec.formulation,
@@ -63,21 +64,16 @@ def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands,
                   complementary=None if mask is None else mask.complementary,
                   formulation=spec.formulation, anchor_offset=offset, matryoshka=widths)
     if spec.soft is not None and spec.soft.teacher is not None:
-        # unit rows (in the GEMM dtype on the Triton engine, as the guide's)
-        acc = accumulate_dtype(anchors.dtype)
-        gemm = driver.matmul_dtype(anchors.dtype, anchors.device) if engine.name != "torch" else acc
-        unit = lambda x: torch.nn.functional.normalize(common.wide(x), dim=1, eps=EPS).to(gemm)  # noqa: E731
-        fields.update(teacher=tuple(unit(x) for x in spec.soft.teacher),
+        fields.update(teacher=tuple(common.unit(x, side_dtype) for x in spec.soft.teacher),
                       teacher_temperature=spec.soft.teacher_temperature,
                       distill_weight=spec.soft.distill_weight)
     if spec.two_directions:
         # ½(L→ + L←): the positives against the anchor candidates, focal and (symmetric) the
         # transposed mask there; negatives, w and Z belong to the forward direction only
         n, n_pos = anchors.shape[0], positives.shape[0]
-        reverse = Epilogue(**spec.row_fields(),
-                           phi=mask.phi if mask is not None and mask.reverse else None,
-                           complementary=(mask.complementary[1], mask.complementary[0])
-                           if mask is not None and mask.reverse else None,
+        flip = mask is not None and mask.reverse
+        reverse = Epilogue(**spec.row_fields(), phi=mask.phi if flip else None,
+                           complementary=mask.complementary[::-1] if flip else None,
                            matryoshka=widths,
                            anchor_offset=offset if cands.shape[0] == n_pos else 0)
         forward = contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine, tau=tau)
@@ -85,18 +81,17 @@ def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands,
                                                  engine=engine, tau=tau))
     if spec.ruled:
         rows, blocks, ep = _ruled_inputs(spec, fields, anchors, positives, negatives, blocks, cands,
-                                         driver.matmul_dtype(anchors.dtype, anchors.device)
-                                         if engine.name != "torch" else None)
+                                         side_dtype)
         return contrastive_loss(ep, rows, *blocks, engine=engine, tau=tau)
     return contrastive_loss(Epilogue(**fields), anchors, *blocks, engine=engine, tau=tau)
 
 
 def _ruled_inputs(spec: LossSpec, fields, anchors, positives, negatives, blocks, cands,
-                  guide_dtype=None):
+                  guide_dtype):
     """The driver's inputs for a spec with :mod:`fastcl.layout`'s rules: the rows
     (``[anchors; own positives]`` with a positive side), the candidate blocks with the
     anchors block last, and the epilogue of ``fields`` with the column blocks, the guide's
-    unit rows (in ``guide_dtype``, default the accumulate dtype) and thresholds (always in
+    unit rows (in ``guide_dtype``) and thresholds (always in
     the accumulate dtype), the ids. (Epilogues are built whole, never
     ``dataclasses.replace``d: torch.compile before torch 2.6 breaks the graph there.)"""
     lay, hardness = spec.layout, None if spec.rules is None else spec.rules.hardness
@@ -109,32 +104,28 @@ def _ruled_inputs(spec: LossSpec, fields, anchors, positives, negatives, blocks,
     rows = torch.cat([anchors, own]) if lay.positive_side else anchors
     blocks = list(blocks) + ([cands] if n_a > 0 else [])
     guide = ids = None
+
+    def columns(pos, neg, noise, anchor_block):
+        """One entry a candidate column: the blocks ``[positives; negatives; noise; anchors]``
+        there are (the noise's entries never read)."""
+        return torch.cat([pos, *([neg] if n_neg > 0 else []), noise, *([anchor_block] if n_a > 0 else [])])
     if spec.guide is not None:
         acc = accumulate_dtype(anchors.dtype)
-        unit = lambda x: torch.nn.functional.normalize(common.wide(x), dim=1, eps=EPS).to(acc)  # noqa: E731
+        unit = lambda x: common.unit(x, acc)  # noqa: E731
         g_anchors, g_positives, g_negatives, g_cands = spec.guide.embeddings
         u_anchors, u_positives = unit(g_anchors), unit(g_positives)
         u_own = u_positives[offset:offset + n]
         gamma = (u_anchors * u_own).sum(dim=1)
         theta = layout.guide_threshold(gamma, spec.guide.margin, spec.guide.strategy)
         g_rows = torch.cat([u_anchors, u_own]) if lay.positive_side else u_anchors
-        parts = [u_positives] + ([unit(g_negatives)] if n_neg > 0 else [])
-        parts.append(u_anchors.new_zeros(n_noise, u_anchors.shape[1]))   # never filtered
-        parts += [unit(g_cands)] if n_a > 0 else []
-        g_cols = torch.cat(parts)
-        theta = layout.keep_twin_ties(
-            theta, gamma, [u_own] + ([u_anchors] if lay.positive_side else []), g_cols[:n_pos + n_neg]
-            if n_a == 0 else torch.cat([g_cols[:n_pos + n_neg], g_cols[-n_a:]]),
-            (1, int(n_a > 0)))
-        if guide_dtype is not None:
-            g_rows, g_cols = g_rows.to(guide_dtype), g_cols.to(guide_dtype)
-        guide = (g_rows, g_cols, theta)
+        u_neg, u_cands = (unit(x) if x is not None else None for x in (g_negatives, g_cands))
+        g_cols = columns(u_positives, u_neg, u_anchors.new_zeros(n_noise, u_anchors.shape[1]), u_cands)
+        theta = layout.keep_twin_ties(theta, gamma, [u_own] + ([u_anchors] if lay.positive_side else []),
+                                      columns(u_positives, u_neg, u_anchors[:0], u_cands), (1, int(n_a > 0)))
+        guide = (g_rows.to(guide_dtype), g_cols.to(guide_dtype), theta)
     if spec.ids is not None:
         pos_ids, neg_ids, anchor_ids = spec.ids
-        parts = [pos_ids] + ([neg_ids] if n_neg > 0 else [])
-        parts.append(pos_ids.new_zeros(n_noise))                          # never compared
-        parts += [anchor_ids] if n_a > 0 else []
-        ids = (torch.cat(parts), pos_ids[offset:offset + n])
+        ids = (columns(pos_ids, neg_ids, pos_ids.new_zeros(n_noise), anchor_ids), pos_ids[offset:offset + n])
     ep = Epilogue(**fields, layout=lay, blocks=(n_pos, n_neg, n_noise, n_a), hardness=hardness,
                   guide=guide, ids=ids)
     return rows, blocks, ep

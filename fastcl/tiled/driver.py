@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from .. import common
 from ..common import EPS, accumulate_dtype
 from ..spec import Epilogue
 from .engine import (TORCH, Chunk, Engine, _acc_and_cast_bytes, _accumulate_mm, _mm, _mm_into,
@@ -113,18 +114,10 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
     included (:class:`_Widths`). Returns ``(loss, [∂L/∂anchors, ∂L/∂candidates...])`` with
     ``None`` where ``need`` says no gradient is wanted.
 
-    ``temperature_grad``: one more entry, ∂L/∂τ (0-dim), from sums the backward forms
-    anyway. Every logit is ``s/τ`` plus terms free of τ with no slope in s (the hard
-    negative's w, MNRL's ``β·sg(s)``, a drop's −inf, the released code's 0), so
-    ``∂L/∂τ = −(1/τ) Σ_ij (∂L/∂s_ij)·s_ij = −(1/τ) Σ_i w_i q_i·u_i``: each anchor row's dot
-    product with its ``u_i = (H K)_i`` before the chain rule through q̂ (``G' = w ⊙ H``,
-    :func:`_chunk_gradients`), an R×d pass a chunk, no second pass over the N×M products;
-    Matryoshka's widths: ``−(1/τ) Σ_k Σ_i c^k_i``, their radial sums. Focal logits (``s²``
-    on the positives, ``s² + m·s`` elsewhere) add ``m/(2τ)·Σ_{j off the positives} g_ij s_ij``
-    (g = ∂L/∂l) to half the sum, which the torch engine's epilogue forms (``Chunk.tau_out``);
-    :func:`fastcl.spec.build_spec` keeps focal with a learnable τ off the Triton engine and
-    Matryoshka's widths. ``gemm_dtype`` overrides the dtype
-    the chunk GEMMs read (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's
+    ``temperature_grad``: one more entry, ``∂L/∂τ = −(1/τ) Σ_i w_i q_i·u_i`` (0-dim) from the
+    backward's ``u = H K`` (Matryoshka's widths: ``−(1/τ) Σ_k Σ_i c^k_i``; focal adds the
+    epilogue's ``Chunk.tau_out``), as docs/engine.md derives it. ``gemm_dtype`` overrides the
+    dtype the chunk GEMMs read (:func:`matmul_dtype`): a CPU run can then reproduce a GPU's
     16-bit buffers. ``anchor_norms``: the anchors' row norms (:func:`_norms`), where a
     caller that passes the same anchors again (DCLR's noise steps) has them.
     ``raw_candidates``: in place of the candidates' gradients, ``(u, keys, ‖k‖, 1/‖k‖)``
@@ -152,8 +145,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
     keys = (candidates[0] if len(candidates) == 1 else torch.cat(candidates)).to(dtype).contiguous()
     comp = None
     if ep.complementary is not None:
-        comp = [torch.nn.functional.normalize(x.to(acc), dim=1, eps=EPS).to(dtype)
-                for x in ep.complementary]
+        comp = [common.unit(x, dtype) for x in ep.complementary]
     rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device)
     denom = n * m if released else n
     # Matryoshka's widths add their terms to the row losses; a single width writes them

@@ -18,24 +18,17 @@ from ..spec import Epilogue
 
 
 @functools.lru_cache(maxsize=None)
-def _mixed_addmm_supported(device_type: str) -> bool:
-    """Whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates 16-bit
-    products into a float32 buffer in place on this device type (cuBLAS with beta = 1)."""
+def _mixed(device_type: str, op: str) -> bool:
+    """Whether torch's ``op`` writes float32 from 16-bit inputs on this device type: ``"mm"``
+    with ``out_dtype``, ``"addmm"`` accumulating into a float32 buffer in place (cuBLAS with
+    beta = 1)."""
     try:
         x = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        if op == "mm":
+            return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
         acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
         torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
         return bool((acc == 3).all())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-
-
-@functools.lru_cache(maxsize=None)
-def _mixed_mm_supported(device_type: str) -> bool:
-    """Whether ``torch.mm(..., out_dtype=float32)`` takes 16-bit inputs on this device type."""
-    try:
-        x = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
-        return torch.mm(x, x, out_dtype=torch.float32).dtype == torch.float32
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
@@ -47,7 +40,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     GEMMs, too coarse for cosines at τ = 0.05 — the Triton kernels form those)."""
     if a.dtype == acc:
         return a @ b
-    if _mixed_mm_supported(a.device.type):
+    if _mixed(a.device.type, "mm"):
         return torch.mm(a, b, out_dtype=acc)
     if a.device.type == "cpu":
         return a.to(acc) @ b.to(acc)
@@ -59,7 +52,7 @@ def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     torch can; else through a product the size of ``out``."""
     if a.dtype == out.dtype:
         out.addmm_(a, b)
-    elif _mixed_addmm_supported(a.device.type):
+    elif _mixed(a.device.type, "addmm"):
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
         out += _mm(a, b, out.dtype)
