@@ -756,12 +756,15 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
                     "guide), each with or without false_negative_margin; use backend='tiled' "
                     "(the same numbers, without the N×M matrix)")
             be = "tiled"
-    if be == "triton" and spec.soft is not None and (spec.soft.teacher is not None
-                                                     or spec.false_negative_margin is not None):
-        # the teacher's tile is not in the kernels, nor a flag set of soft targets and margin
+    if be == "triton" and spec.soft is not None and (
+            spec.false_negative_margin is not None
+            or (spec.soft.teacher is not None and (spec.guide is not None or spec.mask is not None))):
+        # no flag set of soft targets and the margin; the teacher's cosines take the guide's
+        # and the mask's slots in the similarity kernel
         if backend == "triton":
-            what = ("teacher" if spec.soft.teacher is not None else
-                    "label_smoothing or labels beside false_negative_margin")
+            what = ("teacher beside guide or complementary (DCLR's mask)"
+                    if spec.false_negative_margin is None else
+                    "label_smoothing, labels or teacher beside false_negative_margin")
             raise ValueError(f"backend='triton' does not compute {what} yet; use "
                              "backend='tiled' (the same numbers, without the N×M matrix)")
         be = "tiled"

@@ -17,7 +17,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: Every flag set an objective launches, by name (the compile check builds each one).
 _OFF = dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True, RULES=False,
-            GUIDE=False, MARGIN=False, PRIOR=False, SOFT=False)
+            GUIDE=False, MARGIN=False, PRIOR=False, SOFT=False, TEACHER=False)
 VARIANTS = {
     "infonce": dict(_OFF),
     "infonce-hard": dict(_OFF, HARD=True),
@@ -76,6 +76,12 @@ VARIANTS = {
         ("rules", dict(_OFF, RULES=True)), ("rules-guide", dict(_OFF, RULES=True, GUIDE=True)),
         ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)),
         ("focal-rules-guide", dict(_OFF, FOCAL=True, RULES=True, GUIDE=True)))},
+    # a teacher in the soft target (its cosines a second product in the guide's slots: not
+    # beside DCLR's mask or the guide) on the one-softmax objectives and the anchor-side rules
+    **{f"{name}-teacher": dict(f, SOFT=True, TEACHER=True) for name, f in (
+        ("infonce", dict(_OFF)), ("infonce-hard", dict(_OFF, HARD=True)),
+        ("focal", dict(_OFF, FOCAL=True)), ("focal-hard", dict(_OFF, FOCAL=True, HARD=True)),
+        ("rules", dict(_OFF, RULES=True)), ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)))},
 }
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
@@ -202,11 +208,11 @@ def sim_configs(f: dict, dtype, arch: int = 90, version: tuple | None = None) ->
     """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
     its name), compute capability (90 for sm_90; an sm_80-class GPU uses 80) and Triton
     version (``(major, minor)``; the installed one by default)."""
-    # the guide's cosines take the tile the complementary model's take
+    # the guide's and the teacher's cosines take the tile the complementary model's take
     kind = "fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit"
     arch = 80 if arch < 90 else 90
     name = variant_name(f)
-    second = bool(f["MASK"] or f.get("GUIDE"))
+    second = bool(f["MASK"] or f.get("GUIDE") or f.get("TEACHER"))
     older = (version or triton_version()) < OLDER_TRITON
     return ((older and SIM_CONFIGS_OLDER_TRITON.get((arch, kind, name)))
             or SIM_CONFIGS_BY_VARIANT.get((arch, kind, name))
