@@ -140,6 +140,10 @@ SIM_CONFIGS_BY_VARIANT = {
     # 64-row one spilled 16-24 bytes on sm_80 and sm_90 with Triton 3.9)
     **{(arch, "fp32", v): [(32, 16, 8, 3)] for arch in (80, 90)
        for v in ("rules-guide-margin", "rules-guide-prior", "rules-guide-margin-prior")},
+    # the teacher's product beside the layout's masks: the 128-row sm_90 tile spilled
+    # 192-200 bytes (Triton 3.9)
+    **{(90, "16bit", v): _MID for v in ("rules-teacher", "focal-rules-teacher")},
+    (80, "fp32", "focal-rules-teacher"): [(32, 16, 8, 3)],     # (64, 16): 8 bytes
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
 #: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads
@@ -188,10 +192,11 @@ ROW_BLOCK = {"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET else GPU_ROW_BLOCK
 
 def row_block(f: dict) -> dict:
     """The row kernel's launch sizes for a flag set: soft targets beside the layout's rules
-    hold the most per column (the label ids, the rules' masks), a quarter of the columns a
-    step there (at 2048 Triton 3.6 spilled 8-16 bytes on sm_90, at 1024 Triton 3.1 4 bytes;
-    512 is clean on 3.1, 3.6 and 3.9)."""
-    if INTERPRET or not (f.get("SOFT") and f.get("RULES")):
+    or a teacher hold the most per column (the label ids, the rules' masks, the teacher's
+    logits), a quarter of the columns a step there (rules: at 2048 Triton 3.6 spilled 8-16
+    bytes on sm_90, at 1024 Triton 3.1 4 bytes; 512 is clean on 3.1, 3.6 and 3.9; the
+    teacher: 8 bytes on sm_80 at 2048 with Triton 3.9)."""
+    if INTERPRET or not (f.get("SOFT") and (f.get("RULES") or f.get("TEACHER"))):
         return ROW_BLOCK
     return dict(ROW_BLOCK, BLOCK_N=ROW_BLOCK["BLOCK_N"] // 4)
 FINISH_BLOCK = {"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET else GPU_FINISH_BLOCK

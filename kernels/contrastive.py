@@ -401,7 +401,8 @@ def _similarity_kernel(
         # last: the student's tile is stored, its registers free for the second product
         tacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_ck, DC, stride_cq, stride_ck,
                          BLOCK_R, BLOCK_M, BLOCK_D)
-        t_ptrs = _tile_ptrs(t_ptr + R.to(tl.int64) * M, n_ck, BLOCK_R, BLOCK_M)
+        # (tl.cast: R may be a launch's constant, 1)
+        t_ptrs = _tile_ptrs(t_ptr + tl.cast(R, tl.int64) * M, n_ck, BLOCK_R, BLOCK_M)
         tl.store(t_ptrs, tacc, mask=row_ok[:, None] & (cols < n_ck)[None, :])
 
 
