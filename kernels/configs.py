@@ -193,12 +193,13 @@ ROW_BLOCK = {"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET else GPU_ROW_BLOCK
 def row_block(f: dict) -> dict:
     """The row kernel's launch sizes for a flag set: soft targets beside the layout's rules
     or a teacher hold the most per column (the label ids, the rules' masks, the teacher's
-    logits), a quarter of the columns a step there (rules: at 2048 Triton 3.6 spilled 8-16
-    bytes on sm_90, at 1024 Triton 3.1 4 bytes; 512 is clean on 3.1, 3.6 and 3.9; the
-    teacher: 8 bytes on sm_80 at 2048 with Triton 3.9)."""
+    logits): a quarter of the columns a step beside the rules (at 2048 Triton 3.6 spilled
+    8-16 bytes on sm_90, at 1024 Triton 3.1 4 bytes; 512 is clean on 3.1, 3.6 and 3.9); with a
+    teacher, whose cosines the gradient pass reads again: an eighth (256 columns; 2048
+    spilled 8 bytes on sm_80 with Triton 3.9, 512 8-16 bytes with 3.1 and 3.6)."""
     if INTERPRET or not (f.get("SOFT") and (f.get("RULES") or f.get("TEACHER"))):
         return ROW_BLOCK
-    return dict(ROW_BLOCK, BLOCK_N=ROW_BLOCK["BLOCK_N"] // 4)
+    return dict(ROW_BLOCK, BLOCK_N=ROW_BLOCK["BLOCK_N"] // (8 if f.get("TEACHER") else 4))
 FINISH_BLOCK = {"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET else GPU_FINISH_BLOCK
 
 
