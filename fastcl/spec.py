@@ -736,8 +736,9 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
     """``spec`` on its resolved backend. The Triton kernels apply the layout's rules, the
     guide and the ids on InfoNCE and focal (with DCLR's noise too), and Matryoshka's widths a
     call each, but not the layout's rules beside a hard-negative weight or DCLR's mask (two
-    plain directions take both); for those ``"auto"`` takes the tiled path and ``"triton"``
-    is refused with the reason."""
+    plain directions take both), nor soft targets beside the false-negative margin, nor a
+    teacher beside the guide or DCLR's mask; for those ``"auto"`` takes the tiled path and
+    ``"triton"`` is refused with the reason."""
     be = resolve_backend(backend, anchors)
     if be == "triton" and spec.positive_prior is not None:
         # the kernels' debiased loss: one row a softmax, and the flag sets the compile check
