@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHS = (80, 90)
 FLOAT_ARGS = {"inv_t", "focal_m", "hard_w", "phi", "scale", "inv_eps", "bound", "hard_beta",
-              "lr", "eps", "smoothing"}
+              "lr", "eps", "smoothing", "teacher_inv_t", "distill_weight"}
 
 #: The integer arguments of the launches compiled, by name (the kernels share their names),
 #: and whether their buffers start on a 16-byte boundary. ``aligned``: the second chunk of
@@ -53,9 +53,10 @@ _NO_RULES = dict(anchor_base=0, n_neg=0, n_noise=0, rules=0)
 RULES_ARGS = dict(vis0=9, vis1=9, exclude_own=True, hard_mode=1, paired=True, joint=True)
 LAUNCHES = {
     "aligned": dict(aligned=True, R=4096, M=32768, D=768, DC=768, first_pos=4096, n_pos=32768,
-                    T=256, n_ck=32768, R_half=4096, n_labels=32768, **_NO_RULES),
+                    T=256, n_ck=32768, R_half=4096, n_labels=32768, n_teacher=32768, **_NO_RULES),
     "unaligned": dict(aligned=False, R=1000, M=1000, D=130, DC=130, first_pos=1000,
-                      n_pos=1000, T=8, n_ck=1000, R_half=1000, n_labels=1000, **_NO_RULES),
+                      n_pos=1000, T=8, n_ck=1000, R_half=1000, n_labels=1000, n_teacher=1000,
+                      **_NO_RULES),
 }
 
 
@@ -118,7 +119,8 @@ class Result:
 
 
 #: The flags a variant's name says (left out of a specialization's name).
-FLAG_NAMES = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES", "GUIDE", "SOFT")
+FLAG_NAMES = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES", "GUIDE", "SOFT",
+              "TEACHER")
 
 #: The representative subset: every kernel and flag set, on these (arch, dtype) pairs (bf16
 #: on both targets: the dtype of large-batch training; fp32's tiles on one).
@@ -367,7 +369,8 @@ def _int_args(spec: Spec) -> dict:
     if spec.constexprs.get("RULES"):
         values.update(rules=kc.pack_rules(**RULES_ARGS), R_half=values["R"] // 2,
                       anchor_base=values["first_pos"])
-    second = spec.constexprs.get("MASK") or spec.constexprs.get("GUIDE")
+    second = (spec.constexprs.get("MASK") or spec.constexprs.get("GUIDE")
+              or spec.constexprs.get("TEACHER"))
     if spec.kernel == "_similarity_kernel" and not second:
         values["DC"] = values["n_ck"] = 0  # the launcher passes no complementary width
     values.update(spec.args)

@@ -17,7 +17,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: Every flag set an objective launches, by name (the compile check builds each one).
 _OFF = dict(FOCAL=False, HARD=False, MASK=False, RELEASED=False, POSITIVES=True, RULES=False,
-            GUIDE=False, MARGIN=False, PRIOR=False, SOFT=False)
+            GUIDE=False, MARGIN=False, PRIOR=False, SOFT=False, TEACHER=False)
 VARIANTS = {
     "infonce": dict(_OFF),
     "infonce-hard": dict(_OFF, HARD=True),
@@ -76,6 +76,12 @@ VARIANTS = {
         ("rules", dict(_OFF, RULES=True)), ("rules-guide", dict(_OFF, RULES=True, GUIDE=True)),
         ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)),
         ("focal-rules-guide", dict(_OFF, FOCAL=True, RULES=True, GUIDE=True)))},
+    # a teacher in the soft target (its cosines a second product in the guide's slots: not
+    # beside DCLR's mask or the guide) on the one-softmax objectives and the anchor-side rules
+    **{f"{name}-teacher": dict(f, SOFT=True, TEACHER=True) for name, f in (
+        ("infonce", dict(_OFF)), ("infonce-hard", dict(_OFF, HARD=True)),
+        ("focal", dict(_OFF, FOCAL=True)), ("focal-hard", dict(_OFF, FOCAL=True, HARD=True)),
+        ("rules", dict(_OFF, RULES=True)), ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)))},
 }
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
@@ -134,6 +140,10 @@ SIM_CONFIGS_BY_VARIANT = {
     # 64-row one spilled 16-24 bytes on sm_80 and sm_90 with Triton 3.9)
     **{(arch, "fp32", v): [(32, 16, 8, 3)] for arch in (80, 90)
        for v in ("rules-guide-margin", "rules-guide-prior", "rules-guide-margin-prior")},
+    # the teacher's product beside the layout's masks: the 128-row sm_90 tile spilled
+    # 192-200 bytes (Triton 3.9)
+    **{(90, "16bit", v): _MID for v in ("rules-teacher", "focal-rules-teacher")},
+    (80, "fp32", "focal-rules-teacher"): [(32, 16, 8, 3)],     # (64, 16): 8 bytes
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
 #: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads
@@ -182,12 +192,14 @@ ROW_BLOCK = {"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET else GPU_ROW_BLOCK
 
 def row_block(f: dict) -> dict:
     """The row kernel's launch sizes for a flag set: soft targets beside the layout's rules
-    hold the most per column (the label ids, the rules' masks), a quarter of the columns a
-    step there (at 2048 Triton 3.6 spilled 8-16 bytes on sm_90, at 1024 Triton 3.1 4 bytes;
-    512 is clean on 3.1, 3.6 and 3.9)."""
-    if INTERPRET or not (f.get("SOFT") and f.get("RULES")):
+    or a teacher hold the most per column (the label ids, the rules' masks, the teacher's
+    logits): a quarter of the columns a step beside the rules (at 2048 Triton 3.6 spilled
+    8-16 bytes on sm_90, at 1024 Triton 3.1 4 bytes; 512 is clean on 3.1, 3.6 and 3.9); with a
+    teacher, whose cosines the gradient pass reads again: an eighth (256 columns; 2048
+    spilled 8 bytes on sm_80 with Triton 3.9, 512 8-16 bytes with 3.1 and 3.6)."""
+    if INTERPRET or not (f.get("SOFT") and (f.get("RULES") or f.get("TEACHER"))):
         return ROW_BLOCK
-    return dict(ROW_BLOCK, BLOCK_N=ROW_BLOCK["BLOCK_N"] // 4)
+    return dict(ROW_BLOCK, BLOCK_N=ROW_BLOCK["BLOCK_N"] // (8 if f.get("TEACHER") else 4))
 FINISH_BLOCK = {"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET else GPU_FINISH_BLOCK
 
 
@@ -202,11 +214,11 @@ def sim_configs(f: dict, dtype, arch: int = 90, version: tuple | None = None) ->
     """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
     its name), compute capability (90 for sm_90; an sm_80-class GPU uses 80) and Triton
     version (``(major, minor)``; the installed one by default)."""
-    # the guide's cosines take the tile the complementary model's take
+    # the guide's and the teacher's cosines take the tile the complementary model's take
     kind = "fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit"
     arch = 80 if arch < 90 else 90
     name = variant_name(f)
-    second = bool(f["MASK"] or f.get("GUIDE"))
+    second = bool(f["MASK"] or f.get("GUIDE") or f.get("TEACHER"))
     older = (version or triton_version()) < OLDER_TRITON
     return ((older and SIM_CONFIGS_OLDER_TRITON.get((arch, kind, name)))
             or SIM_CONFIGS_BY_VARIANT.get((arch, kind, name))

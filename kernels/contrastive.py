@@ -10,8 +10,10 @@ module replaces the PyTorch epilogue with two kernels:
                         complementary embeddings, :mod:`fastcl.layout`'s rules (RULES: the
                         blocks each side of a row scores and its drops from the column
                         index, MNRL's hardness term, the text ids; GUIDE: GIST's guide
-                        cosines, a second tile product, against each row's threshold), and
-                        each tile's (max, Σexp) of its rows.
+                        cosines, a second tile product, against each row's threshold; TEACHER:
+                        the distillation teacher's cosines, a second product in the guide's
+                        slots, stored after the chunk's R×M), and each tile's (max, Σexp) of
+                        its rows.
                         It stores either ``e = exp(l − tile max)`` in the GEMM dtype (where
                         the gradient needs nothing but the softmax: InfoNCE, hard negatives,
                         the paper's DCLR, the noise update) or the fp32 cosines (focal needs
@@ -83,9 +85,10 @@ WANT_GRAD = tl.constexpr(512)
 MARGIN = tl.constexpr(1024)            # the false-negative margin (a flag of the set)
 PRIOR = tl.constexpr(2048)             # the debiased row loss (a flag of the set)
 SOFT = tl.constexpr(4096)              # soft targets (a flag of the set; the row kernel's)
+TEACHER = tl.constexpr(8192)           # the teacher's softmax in the soft target (with SOFT)
 _BITS = dict(FOCAL=FOCAL, HARD=HARD, MASK=MASK, RELEASED=RELEASED, POSITIVES=POSITIVES,
              RULES=RULES, GUIDE=GUIDE, STORE_EXP=STORE_EXP, BOUNDED=BOUNDED, WANT_GRAD=WANT_GRAD,
-             MARGIN=MARGIN, PRIOR=PRIOR, SOFT=SOFT)
+             MARGIN=MARGIN, PRIOR=PRIOR, SOFT=SOFT, TEACHER=TEACHER)
 
 #: The kernels' ``rules`` (:mod:`fastcl.layout`'s rules of a chunk, one integer): the blocks
 #: each side scores (4 bits a side: positives, negatives, noise, anchors), then these bits,
@@ -276,7 +279,9 @@ def _similarity_kernel(
     logit and ``∂l_ii/∂s_ii · ginv_k_i`` (``pos_ptr``, then ``pos_ptr + R``). Nothing else
     reads the tile before the gradient GEMMs: ``H = E/Z − δ·(1 − p_ii)·slope·ginv``, with Z
     and p_ii per row (``_row_finish_kernel``). Else the (max, Σexp) partials of each tile,
-    for the row kernel."""
+    for the row kernel. TEACHER (never beside MASK or GUIDE: it takes their slots ``cq``,
+    ``ck``, ``DC``, ``n_ck``): the teacher's cosines ``cos(t_i, t_j)`` of its unit rows, for
+    the columns ``j < n_ck`` (its N_b + K documents), stored R × n_ck after the R×M tile."""
     pid_m = tl.program_id(1)
     T = tl.cdiv(M, BLOCK_M)
     rows, cols, row_ok, col_ok = _tile_at(tl.program_id(0), pid_m, R, M, BLOCK_R, BLOCK_M)
@@ -392,6 +397,13 @@ def _similarity_kernel(
     if not (BOUNDED & FLAGS):
         tl.store(part_max_ptr + rows * T + pid_m, tile_max, mask=row_ok)
     tl.store(part_sum_ptr + rows * T + pid_m, tile_sum, mask=row_ok)
+    if TEACHER & FLAGS:
+        # last: the student's tile is stored, its registers free for the second product
+        tacc = _tile_dot(cq_ptr, ck_ptr, row0, col0, R, n_ck, DC, stride_cq, stride_ck,
+                         BLOCK_R, BLOCK_M, BLOCK_D)
+        # (tl.cast: R may be a launch's constant, 1)
+        t_ptrs = _tile_ptrs(t_ptr + tl.cast(R, tl.int64) * M, n_ck, BLOCK_R, BLOCK_M)
+        tl.store(t_ptrs, tacc, mask=row_ok[:, None] & (cols < n_ck)[None, :])
 
 
 @triton.jit
@@ -572,16 +584,28 @@ def _same_label(label_ids_ptr, cols, row_label, n_labels, is_pos):
 
 
 @triton.jit
+def _teacher_logits(c_row, cols, kept, n_teacher, teacher_inv_t):
+    """The teacher's logits ``c_ij/τ_t`` of a block of one row's columns (−inf off its
+    documents or where the row drops the column), and where they count."""
+    taught = kept & (cols < n_teacher)[None, :]
+    c = tl.load(c_row + cols, mask=cols < n_teacher, other=0.0)[None, :]
+    return tl.where(taught, c * teacher_inv_t, float("-inf")), taught
+
+
+@triton.jit
 def _row_kernel(
     t_ptr, g_ptr, part_max_ptr, part_sum_ptr, pos_ptr, ginv_k_ptr, loss_ptr, prior_ptr,
     label_ids_ptr, M, first_pos, n_pos, R_half, anchor_base, n_neg, n_noise, rules, n_labels,
-    inv_t, focal_m, hard_w, hard_beta, smoothing,
+    n_teacher, inv_t, focal_m, hard_w, hard_beta, smoothing, teacher_inv_t, distill_weight,
     FLAGS: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """One row of the chunk (``t`` and ``g`` R×M, the partials R × ⌈M/TILE_M⌉): its loss,
     and with WANT_GRAD its gradient row ``g``. SOFT: the soft target
     ``y = a·1[P] + b·1[K]`` (``fastcl.spec.Soft``; ``smoothing`` ε, the labels of the
-    positives block where ``n_labels`` > 0), from a first pass over the row."""
+    positives block where ``n_labels`` > 0), from a first pass over the row. TEACHER:
+    ``y ← (1−λ)·y + λ·q``, ``q_ij = exp(c_ij/τ_t − lse_t)`` over the kept columns
+    ``j < n_teacher`` (``c``: the teacher's cosines, R × n_teacher after ``t``'s R×M;
+    ``teacher_inv_t`` 1/τ_t, ``distill_weight`` λ), ``lse_t`` formed in the first pass."""
     row = tl.program_id(0)
     T = tl.cdiv(M, TILE_M)
     t_row = t_ptr + row.to(tl.int64) * M
@@ -674,6 +698,11 @@ def _row_kernel(
         kl_sum = tl.zeros((1,), dtype=tl.float32)
         size = tl.zeros((1,), dtype=tl.float32)
         pl_sum = tl.zeros((1,), dtype=tl.float32)
+        # the teacher's running (max, Σ e^(u − max), Σ e^(u − max)·l) over its kept columns
+        t_max = tl.full((1,), float("-inf"), tl.float32)
+        t_sum = tl.zeros((1,), dtype=tl.float32)
+        tl_sum = tl.zeros((1,), dtype=tl.float32)
+        c_row = t_ptr + tl.num_programs(0).to(tl.int64) * M + row.to(tl.int64) * n_teacher
         for c0 in range(0, M, BLOCK_N):
             cols, ok, p, s, l, is_pos, squared, dropped = _row_probs(
                 t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, n_pos, n_neg,
@@ -684,12 +713,28 @@ def _row_kernel(
             kl_sum += tl.sum(tl.where(kept, l, 0.0), axis=1)
             size += tl.sum(tl.where(same, 1.0, 0.0), axis=1)
             pl_sum += tl.sum(tl.where(same, l, 0.0), axis=1)
+            if TEACHER & FLAGS:
+                u, taught = _teacher_logits(c_row, cols, kept, n_teacher, teacher_inv_t)
+                new_max = tl.maximum(t_max, tl.max(u, axis=1))
+                base = tl.where(new_max == float("-inf"), 0.0, new_max)
+                e = tl.where(taught, tl.exp(u - base[:, None]), 0.0)
+                t_sum = t_sum * tl.exp(t_max - base) + tl.sum(e, axis=1)
+                tl_sum = tl_sum * tl.exp(t_max - base) + tl.sum(e * tl.where(taught, l, 0.0), axis=1)
+                t_max = new_max
         count = tl.sum(count, axis=0)
         size = tl.sum(size, axis=0)
         a = (1.0 - smoothing) / size
         b = smoothing / count
         spread = tl.where(n_labels > 0, pos - tl.sum(pl_sum, axis=0) / size, 0.0)
-        row_loss += (1.0 - smoothing) * spread + smoothing * (pos - tl.sum(kl_sum, axis=0) / count)
+        extra = (1.0 - smoothing) * spread + smoothing * (pos - tl.sum(kl_sum, axis=0) / count)
+        if TEACHER & FLAGS:
+            # the positive is kept and a document: the teacher's row is never empty
+            t_lse = tl.sum(t_max + tl.log(t_sum), axis=0)
+            extra = ((1.0 - distill_weight) * extra
+                     + distill_weight * (pos - tl.sum(tl_sum / t_sum, axis=0)))
+            a = (1.0 - distill_weight) * a
+            b = (1.0 - distill_weight) * b
+        row_loss += extra
         pos_g = pos_g + (1.0 - a - b)
     # the positive side has no loss row (a branch: the interpreter of Triton 3.1 takes a
     # scalar mask that is False for no mask at all)
@@ -706,11 +751,18 @@ def _row_kernel(
                 grad = tl.where(is_pos, pos_g, _bce_v(p, is_pos) - p * vsum) * inv_t
                 grad = tl.where(dropped, 0.0, grad)      # a × 0 logit has no slope in s
             else:
+                pos_grad = pos_g
                 if SOFT & FLAGS:
                     y = (tl.where(_same_label(label_ids_ptr, cols, row_label, n_labels, is_pos),
                                   a, 0.0) + b)
+                    if TEACHER & FLAGS:
+                        u, taught = _teacher_logits(c_row, cols, _not(dropped) & ok[None, :],
+                                                    n_teacher, teacher_inv_t)
+                        q = distill_weight * tl.where(taught, tl.exp(u - t_lse), 0.0)
+                        y = y + q
+                        pos_grad = pos_g - q           # its y_ii's teacher share
                     p = tl.where(_not(dropped) & ok[None, :], p - y, 0.0)
-                grad = tl.where(is_pos, pos_g, p)
+                grad = tl.where(is_pos, pos_grad, p)
                 if FOCAL & FLAGS:
                     grad = grad * tl.where(squared, 2.0 * s, 2.0 * s + focal_m) * inv_t
                 else:
@@ -858,7 +910,7 @@ def flags(ep) -> dict:
                 MASK=ep.complementary is not None, RELEASED=ep.formulation == "released",
                 POSITIVES=ep.positives, RULES=ep.sided, GUIDE=ep.guide is not None,
                 MARGIN=ep.false_negative_margin is not None, PRIOR=ep.positive_prior is not None,
-                SOFT=ep.soft)
+                SOFT=ep.soft, TEACHER=ep.teacher is not None)
 
 
 def row_flags(f: dict) -> dict:
@@ -1012,11 +1064,17 @@ def _launch_similarity(ep, c, f, rules, store_exp, bound=None):
     elif f["GUIDE"]:
         cq, ck, theta = guide
         dc = cq.shape[1]
+    elif f["TEACHER"]:                     # (build_spec: never beside the mask or the guide)
+        cq, ck = ep.teacher[0][c.r0:c.r1].contiguous(), ep.teacher[1]
+        dc = cq.shape[1]
     else:
         cq, ck, dc = c.q, c.keys, 0        # never read
     if f["MARGIN"]:
         theta = torch.cat([theta[:ints["R_half"]], _margin_thresholds(ep, c, ints["R_half"])])
-    t = torch.empty(R, M, dtype=c.q.dtype if store_exp else torch.float32, device=dev)
+    # TEACHER: the teacher's R × N_t cosines after the R×M tile, in one buffer
+    extra = R * ck.shape[0] if f["TEACHER"] else 0
+    t = torch.empty(R * M + extra, dtype=c.q.dtype if store_exp else torch.float32,
+                    device=dev)[:R * M].view(R, M)
     tiles = triton.cdiv(M, configs.SIM_BLOCK_M)
     part_sum = torch.empty(R, tiles, dtype=torch.float32, device=dev)
     # the bounded design needs no maxima (the pointer stands in, never written)
@@ -1082,9 +1140,11 @@ def triton_chunk(ep, c, want_grad):
     _row_kernel[(R,)](
         t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out, prior, labels, M, c.first_pos,
         c.n_pos, **ints, n_labels=c.n_pos if ep.labels is not None else 0,
+        n_teacher=0 if ep.teacher is None else ep.teacher[1].shape[0],
         inv_t=1.0 / ep.temperature, focal_m=float(ep.focal_m or 0.0),
         hard_w=float(ep.hard_negative_weight), hard_beta=beta,
-        smoothing=float(ep.label_smoothing),
+        smoothing=float(ep.label_smoothing), teacher_inv_t=1.0 / ep.teacher_temperature,
+        distill_weight=float(ep.distill_weight),
         FLAGS=pack_flags(**row_flags(f), STORE_EXP=store_exp, WANT_GRAD=want_grad),
         TILE_M=configs.SIM_BLOCK_M, **configs.row_block(f))
     return g if want_grad else None
@@ -1103,7 +1163,8 @@ def _row_bytes(ep, dtype: torch.dtype, m: int, n_pos: int) -> int:
     bounded design). The DCLR mask is formed inside the tiles and costs nothing here."""
     gemm = torch.finfo(dtype).bits // 8
     if logit_bound(ep, dtype) is None and not stores_exp(flags(ep)):
-        return m * (4 + gemm)
+        # (and the teacher's fp32 cosines of its documents)
+        return m * (4 + gemm) + (0 if ep.teacher is None else 4 * ep.teacher[1].shape[0])
     return m * gemm
 
 

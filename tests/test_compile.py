@@ -353,6 +353,9 @@ def test_engine_flags_are_known_variants():
         dict(guide=(c[0], c[0], c[0][0]), false_negative_margin=0.1))]
     # soft targets on each but the released DCLR and the noise loss
     eps += [dataclasses.replace(ep, label_smoothing=0.1) for ep in base]
+    # a teacher on each without the mask or the guide (its cosines take their slots)
+    eps += [dataclasses.replace(ep, teacher=c) for ep in base
+            if ep.complementary is None and ep.guide is None]
     assert sorted(map(str, (flags(ep) for ep in eps))) == sorted(map(str, VARIANTS.values()))
 
 

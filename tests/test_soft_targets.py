@@ -1,5 +1,7 @@
-"""Soft targets (``label_smoothing``, ``labels``): ``ℓ_i = −Σ_j y_ij log p_ij`` over the row's
-kept candidates K_i, ``y = (1−ε)·1[P_i]/|P_i| + ε·1[K_i]/|K_i|`` (fastcl.contrastive's docstring).
+"""Soft targets (``label_smoothing``, ``labels``, ``teacher``): ``ℓ_i = −Σ_j y_ij log p_ij`` over
+the row's kept candidates K_i, ``y = (1−ε)·1[P_i]/|P_i| + ε·1[K_i]/|K_i|``, with a teacher
+``y ← (1−λ)·y + λ·softmax(cos(t_i, t_j)/τ_t)`` over the kept documents (fastcl.contrastive's
+docstring).
 
 The reference against literal float64 formulas (``F.cross_entropy(label_smoothing=ε)``, a
 per-row loop for SupCon's L_out, gradcheck) within 1e-12; every fused backend against the
@@ -130,6 +132,18 @@ def _case(name, n, d):
                                                                             dtype=torch.float64)
         return dict(labels=labels, label_smoothing=0.2, symmetric=True, focal_m=0.2,
                     complementary=(c, c.flip(1)), phi=0.2)
+    if name.startswith("teacher"):
+        t = (torch.randn(n, 6, generator=g, dtype=torch.float64),
+             torch.randn(2 * n, 6, generator=g, dtype=torch.float64))
+        kw = dict(teacher=t, teacher_temperature=0.2, distill_weight=0.4)
+        if name == "teacher":
+            return kw
+        if name == "teacher+smooth+hard+matryoshka":
+            return dict(kw, label_smoothing=0.1, hard_negative_weight=0.5,
+                        matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.0))
+        if name == "teacher+labels+hardness+q2q":
+            return dict(kw, labels=labels, focal_m=0.3, hardness_mode="in_batch_negatives",
+                        hardness_strength=2.0, directions=("query_to_doc", "query_to_query"))
     if name == "teacher+both+ids+noise":
         ids = torch.arange(n) % 5
         t = (torch.randn(n, 6, generator=g, dtype=torch.float64),
@@ -144,11 +158,14 @@ def _case(name, n, d):
 
 
 CASES = ["smooth", "labels", "both+focal+hard", "both+mask", "both+ids+guide+q2q",
-         "both+hardness+matryoshka", "both+symmetric+mask", "teacher+both+ids+noise", "smooth+noise"]
+         "both+hardness+matryoshka", "both+symmetric+mask", "teacher", "teacher+smooth+hard+matryoshka",
+         "teacher+labels+hardness+q2q", "teacher+both+ids+noise", "smooth+noise"]
 SHAPES = [(1, 3), (19, 5)]          # N = 1; 19 rows and 38 columns cross the 16-wide tiles
 FAST_TRITON = {("smooth", (19, 5)), ("labels", (1, 3)), ("both+focal+hard", (19, 5)),
                ("both+ids+guide+q2q", (19, 5)), ("both+hardness+matryoshka", (1, 3)),
-               ("both+symmetric+mask", (19, 5)), ("teacher+both+ids+noise", (1, 3))}
+               ("both+symmetric+mask", (19, 5)), ("teacher", (19, 5)),
+               ("teacher+smooth+hard+matryoshka", (1, 3)), ("teacher+labels+hardness+q2q", (1, 3)),
+               ("teacher+both+ids+noise", (1, 3))}
 
 
 def _grid():
@@ -182,10 +199,6 @@ def test_matches_reference(backend, name, shape):
     dtype = torch.float64 if backend == "tiled" else torch.float32
     tol = dict(atol=1e-9, rtol=1e-9) if backend == "tiled" else dict(atol=1e-4, rtol=1e-4)
     x = [t.detach().to(dtype).requires_grad_() for t in (a, p, neg)]
-    if backend == "triton" and "teacher" in options:      # not in the kernels yet: refused
-        with pytest.raises(ValueError, match="does not compute teacher"):
-            fastcl.contrastive(*x, backend=backend, **_cast(options, dtype))
-        return
     got = fastcl.contrastive(*x, temperature=TAU, backend=backend, chunk_size=7,
                              **_cast(options, dtype))
     torch.testing.assert_close(got.double(), want.detach(), **tol)
@@ -351,8 +364,25 @@ def test_soft_targets_beside_the_margin_and_not_the_prior():
             torch.testing.assert_close(x, w, atol=tol, rtol=0)
     x = a.detach().float()
     if fastcl.spec.triton_problem(x) is None:
-        with pytest.raises(ValueError, match="label_smoothing or labels beside false_negative_margin"):
+        with pytest.raises(ValueError, match="label_smoothing, labels or teacher beside false_negative_margin"):
             fastcl.spec.build_spec(x, x, None, backend="triton", **kw)
         assert fastcl.spec.build_spec(x, x, None, backend="auto", **kw)[0].backend == "tiled"
     with pytest.raises(ValueError, match="positive_prior cannot be combined with label_smoothing"):
         fastcl.contrastive(a, p, temperature=TAU, label_smoothing=eps, positive_prior=0.1)
+
+
+def test_triton_teacher_beside_the_guide_or_the_mask_runs_tiled():
+    """The teacher's cosines take the similarity kernel's slots of the guide's and DCLR's
+    mask's: Triton refuses the teacher beside either by name, "auto" runs it tiled; beside
+    the other options it is Triton's (the grid above)."""
+    x = make(6, 4)
+    if fastcl.spec.triton_problem(x) is not None:
+        pytest.skip(fastcl.spec.triton_problem(x))
+    teacher = (make(6, 3, seed=1, grad=False), make(6, 3, seed=2, grad=False))
+    for extra in (dict(guide=(x, x)), dict(complementary=(x, x), phi=0.5)):
+        with pytest.raises(ValueError, match="teacher beside guide or complementary"):
+            fastcl.spec.build_spec(x, x, None, backend="triton", teacher=teacher, **extra)
+        assert fastcl.spec.build_spec(x, x, None, backend="auto", teacher=teacher,
+                                      **extra)[0].backend == "tiled"
+    assert fastcl.spec.build_spec(x, x, None, backend="triton", teacher=teacher,
+                                  focal_m=0.3)[0].backend == "triton"
