@@ -171,6 +171,16 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
         batch(combo, "tiled", positive_prior=0.1, **extra)
     for rule, extra in itertools.product([dict(directions=q2d_q2q), dict(guide=guide)], ({}, margin)):
         batch((), "tiled", positive_prior=0.1, **rule, **extra)
+    # a teacher (tests/test_soft_targets.py): the combinations without DCLR's mask or a
+    # positive side, and the anchor-side rules
+    def teacher(negatives):
+        k = 5 + (0 if negatives is None else negatives.shape[0])
+        return (make(5, 3, seed=20, grad=False), make(k, 3, seed=21, grad=False))
+    for combo in COMBOS:
+        if not {"mask", "symmetric"} & set(combo):
+            batch(combo, "tiled", noise_steps=1, teacher=teacher(batch.kwargs(combo)[0]))
+    for focal in (None, 0.3):
+        c(focal_m=focal, teacher=teacher(None), directions=q2d_q2q)
     launched = {tuple(sorted(flags(ep).items())) for ep in seen}
     known = {tuple(sorted(v.items())) for v in VARIANTS.values()}
     assert launched <= known, launched - known
