@@ -280,7 +280,7 @@ def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monk
     each checkpoint holds it and a resumed trainer takes it back."""
     from fastcl.trainer import run as train
     from fastcl.trainer.build import Trainer
-    from fastcl.trainer.logs import read_log
+    from fastcl.trainer.run import read_log
     from test_train import base_args, make_tiny
     tiny = make_tiny(tmp_path / "tiny")
     out = tmp_path / "run"

@@ -23,7 +23,7 @@ from fastcl import data as data_io
 from fastcl import files
 from fastcl.evaluate import sentence_transformers_pooler
 from fastcl.trainer import run as train  # main, the output folder, the saved model
-from fastcl.trainer.logs import read_log
+from fastcl.trainer.run import read_log
 from test_evaluate import DATA, make_tiny_model, minilm_path, needs_data, random_sentence, write_sts_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def make_tiny(root):
     make_tiny_model(root / "bert")
     make_tiny_model(root / "roberta", model_type="roberta")
     from sentence_transformers import SentenceTransformer
-    from fastcl.trainer.heads import Normalize, Pooling, Transformer
+    from fastcl.integrations.sentence_transformers.models import Normalize, Pooling, Transformer
     t = Transformer(str(root / "bert"))
     SentenceTransformer(modules=[t, Pooling(t.auto_model.config.hidden_size, "mean"), Normalize()]).save(
         str(root / "st"))
