@@ -1,8 +1,6 @@
-"""One ``fastcl-train`` run: the run folder (one run each, written through no link), resume
-from the newest verified checkpoint on the same data (a finished training only re-exports), a
-first SIGINT/SIGTERM that checkpoints its step, the log ``train_log.jsonl`` (one JSON record
-per logged step and evaluation, scores under their task names) and the saved model
-``OUT/model`` (the best evaluation, step 0 included, swapped in whole) compared with step 0."""
+"""One ``fastcl-train`` run: the run folder (one run each, written through no link), resume from the
+newest verified checkpoint on the same data, a first SIGINT/SIGTERM that checkpoints its step, the
+log (a JSON record per step and evaluation) and ``OUT/model``, the best evaluation (step 0 included)."""
 
 from __future__ import annotations
 
@@ -62,17 +60,8 @@ def append_log(out: Path, record: dict) -> dict:
 
 
 def read_log(out: Path) -> list:
-    """The records of the log; a last line cut short by a crash is ignored."""
-    path = Path(out) / LOG
-    lines = [x for x in path.read_text(encoding="utf-8").split("\n") if x.strip()] if path.is_file() else []
-    records = []
-    for i, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                raise ValueError(f"{path}: line {i + 1} is not JSON") from None
-    return records
+    """The records of the log (:func:`fastcl.files.read_jsonl`)."""
+    return files.read_jsonl(Path(out) / LOG)
 
 
 class TrainLog(TrainerCallback):
@@ -84,7 +73,8 @@ class TrainLog(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        kind = "eval" if any(k.startswith("eval_") for k in logs) else "step" if "loss" in logs else "summary"
+        kind = "eval" if any(k.startswith("eval_") for k in logs) else \
+            "step" if "loss" in logs else "summary"
         record = append_log(self.out, {"type": kind, "step": state.global_step, "epoch": state.epoch,
                                        **{k.removeprefix(f"eval_{build.DEV}_"): v for k, v in logs.items()}})
         if kind == "eval":
@@ -147,27 +137,9 @@ def guard_links(out: Path, remove: bool = False) -> None:
     """The run writes only inside ``out``, never through a link: a link among the entries it
     writes (or under them) is an error naming it, or with ``remove`` (the user agreed:
     ``--overwrite_output_dir``) is unlinked, its target untouched."""
-    for link in files.find_links(out, writes):
-        if not remove:
-            raise OSError(f"{link} is a link (to {os.readlink(link)}); fastcl-train writes only "
-                          f"inside {out}, never through a link: remove it, or pass "
-                          "--overwrite_output_dir to have it removed (its target is kept)")
-        target = os.readlink(link)
-        link.unlink()
-        _say(f"removed the link {link} (its target {target} is kept)")
-
-
-def _mapping(path: Path) -> dict:
-    """The mapping the JSON or YAML file ``path`` holds; else a DamagedError naming it."""
-    import yaml   # JSON is YAML
-
-    try:
-        value = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise DamagedError(f"{path} is damaged: {err}") from None
-    if not isinstance(value, dict):
-        raise DamagedError(f"{path} is damaged: a {type(value).__name__}, not a mapping")
-    return value
+    hint = "remove it, or pass --overwrite_output_dir to have it removed (its target is kept)"
+    for message in files.refuse_links(out, writes, remove, hint):
+        _say(message)
 
 
 def prepare_output(args, out: Path) -> OutputLock:
@@ -214,7 +186,8 @@ def prepare_output(args, out: Path) -> OutputLock:
 def _check_same_run(args, out: Path) -> None:
     """A resume repeats every option but :data:`.cli.FREE_ON_RESUME`, compared as
     :func:`.cli.effective_config` saves them."""
-    saved, now, default = _mapping(out / CONFIG_FILE), effective_config(args), build_parser().get_default
+    saved, now, default = files.read_mapping(out / CONFIG_FILE), effective_config(args), \
+        build_parser().get_default
     diff = [f"--{k.replace('_', '-')} {now.get(k)!r} (checkpoint: {saved.get(k, default(k))!r})"
             for k in sorted(set(now) | set(saved)) if k not in FREE_ON_RESUME
             and now.get(k) != saved.get(k, default(k))
@@ -248,8 +221,6 @@ def trainer_state(checkpoint: Path) -> TrainerState:
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
         state = TrainerState(**(state if isinstance(state, dict) else {}))   # as transformers reads it
-    except FileNotFoundError:
-        raise DamagedError(f"{path} is missing") from None
     except (OSError, ValueError, TypeError) as err:
         raise DamagedError(f"{path} is damaged: {type(err).__name__}: {err}") from None
     if state.global_step != step or type(state.max_steps) is not int:
@@ -269,7 +240,7 @@ def check_data(args, out: Path, dataset, resumed: bool) -> None:
     if resumed and not record.is_file():
         _say(f"warning: {record} is missing (a run of an earlier fastcl): the training data "
              "cannot be compared with the run's")
-    elif resumed and (changes := files.fingerprint_changes(args.data, _mapping(record), now)):
+    elif resumed and (changes := files.fingerprint_changes(args.data, files.read_mapping(record), now)):
         if not args.allow_changed_data:
             raise ValueError("--resume: the training data changed since the run started: "
                              + "; ".join(changes) + ". Resumed on other data, the run would not "
@@ -294,9 +265,8 @@ def main(argv=None, prog: str = PROG) -> int:
         if main_process:
             lock = prepare_output(args, out)
         checkpoint = resume_point(out, main_process) if args.resume else None
-        # Older sentence-transformers (5.0) build default training arguments inside their
-        # trainer, which reset the processes' shared state and set it up again as one process
-        # on a CPU: each process then trained alone. Told the device, they keep the processes.
+        # sentence-transformers 5.0's trainer builds default training arguments, which set the
+        # processes up again as one on a CPU (each then trains alone); told the device, they don't
         with mock.patch.dict(os.environ, {"ACCELERATE_USE_CPU": "true"} if args.use_cpu else {}):
             return _train(args, out, checkpoint, main_process)
     except (ValueError, OSError, LockedError) as err:
@@ -320,10 +290,9 @@ def _evaluator(args, main_process: bool):
         raise FileNotFoundError(f"--sts_dir {args.sts_dir} holds neither stsb/sts-dev.csv nor "
                                 "sick/SICK_trial.txt (SentEval's data/downstream layout)")
     if main_process and Path(args.sts_dir).resolve() == SAMPLES.resolve():
-        print(f"dev: the {len(load_task(args.sts_dir, 'stsb-dev'))} CC BY-SA pairs of STS-B dev that "
-              "ship with fastcl (a part: its scores are not STS-B dev scores); for the full STS-B "
-              "and SICK-R dev sets pass --sts_dir SentEval/data/downstream (SimCSE's "
-              "data/download_senteval.sh)", flush=True)
+        print(f"dev: the {len(load_task(args.sts_dir, 'stsb-dev'))} CC BY-SA pairs of STS-B dev shipped "
+              "(a part: not STS-B dev scores); the full sets: --sts_dir SentEval/data/downstream "
+              "(SimCSE's data/download_senteval.sh)", flush=True)
     return SentEvalSTSEvaluator(args.sts_dir, tasks, name=build.DEV, metrics=True,
                                 batch_size=args.per_device_eval_batch_size,
                                 show_progress_bar=main_process, max_seq_length=args.model_max_seq_length)
