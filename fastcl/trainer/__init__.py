@@ -7,5 +7,5 @@ from .build import build_trainer, load_model
 from .cli import SAMPLES, FastclArguments, ObjectiveArguments, build_parser, resolve_args
 from .run import LOG, MODEL_DIR, RESULTS, main, read_log
 
-__all__ = ["build_trainer", "load_model", "main", "FastclArguments", "ObjectiveArguments", "SAMPLES", "build_parser",
-           "resolve_args", "read_log", "LOG", "MODEL_DIR", "RESULTS"]
+__all__ = ["build_trainer", "load_model", "main", "FastclArguments", "ObjectiveArguments", "SAMPLES",
+           "build_parser", "resolve_args", "read_log", "LOG", "MODEL_DIR", "RESULTS"]

@@ -21,7 +21,8 @@ try:
     from sentence_transformers.sentence_transformer.training_args import (
         SentenceTransformerTrainingArguments as Arguments)
 except ImportError:  # pragma: no cover - older releases
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments as Arguments
+    from sentence_transformers import SentenceTransformerTrainer
+    from sentence_transformers import SentenceTransformerTrainingArguments as Arguments
 try:  # transformers ≥ 5: a function; before, the trainer's method
     from transformers.trainer_utils import rotate_checkpoints
 except ImportError:  # pragma: no cover - older releases
@@ -69,7 +70,7 @@ class ObjectiveArguments:
     rd_weight: float | None = _opt(help=f"escl: weight of the relative difference ({common.ESCL_WEIGHT:g})")
     rd: str | None = _opt(help="escl: the relative difference's form", choices=("softplus", "margin"))
     sensitive_dropout: float | None = _opt(help=f"escl: third view's dropout ({common.SENSITIVE_DROPOUT})")
-    false_negative_margin: float | None = _opt(help="drop candidates whose cosine beats the positive's by more")
+    false_negative_margin: float | None = _opt(help="drop candidates beating the positive's cosine by more")
     positive_prior: float | None = _opt(help="the debiased loss's class prior tau+ in [0, 1)")
     label_smoothing: float | None = _opt(help="the uniform share of each row's target, in [0, 1) (0)")
     premise_labels: bool | None = _opt(help="simcse-sup: every positive of the anchor's premise is a "
@@ -106,11 +107,13 @@ def check_objective(method: str, options: dict) -> None:
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    known = (*OBJECTIVE, *GENERAL, *GUIDE)
     for name in options:
-        if name not in (*OBJECTIVE, *GENERAL, *GUIDE):
-            raise ValueError(f"{name!r} is no objective option; they are {', '.join([*OBJECTIVE, *GENERAL, *GUIDE])}")
-        methods = [m for m in METHODS if {LOSS_NAMES.get(name, name), "scale" if name == "temperature" else ""}
-                   & set(inspect.signature(loss_class(m)).parameters) or name in GUIDE and m == "dclr"]
+        if name not in known:
+            raise ValueError(f"{name!r} is no objective option; they are {', '.join(known)}")
+        keywords = {LOSS_NAMES.get(name, name), "scale" if name == "temperature" else ""}
+        methods = [m for m in METHODS if keywords & set(inspect.signature(loss_class(m)).parameters)
+                   or name in GUIDE and m == "dclr"]
         if name not in GENERAL and method not in methods:
             hint = "; --method focal takes its margin as --m" if name == "focal_m" else ""
             raise ValueError(f"--{name} applies to --method {', '.join(methods[:-1])}"
@@ -159,7 +162,7 @@ def examples(dataset, method: str, hard_negative_weight: float = 0.0, premise_la
     if method not in SUPERVISED:
         if names == ["anchor", "positive"]:
             return dataset
-        text = "anchor" if "anchor" in names else "text" if "text" in names else names[0] if len(names) == 1 else None
+        text = next((c for c in ("anchor", "text") if c in names), names[0] if len(names) == 1 else None)
         if text is None:
             raise ValueError(f"{method} trains on one text column, got columns {', '.join(names)}")
         dataset = dataset.select_columns([text]).rename_column(text, "anchor")
@@ -195,10 +198,12 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
         path, pooler = options.get("complementary"), options.get("complementary_pooler")
         if path:
             pooler = pooler or (None if is_sentence_transformers_model(path) else "cls_before_pooler")
-        guide = [load_model(path, pooler, device=device, arg="--complementary").requires_grad_(False) if path else None]
+        guide = [load_model(path, pooler, device=device, arg="--complementary").requires_grad_(False)
+                 if path else None]
         kw["guide_dropout"] = options.get("complementary_mode") == "released"
     cached = {"mini_batch_size": options["mini_batch_size"]} if "mini_batch_size" in options else {}
-    loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1, **kw, **cached)
+    loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1,
+                                            **kw, **cached)
     return st.AugmentedPositives(loss, options["augment"]) if options.get("augment") else loss
 
 

@@ -17,8 +17,8 @@ from transformers import HfArgumentParser
 from .. import augment, common
 from ..encoders import POOLERS
 from ..files import replace_text
-from .build import (DEV, GENERAL, GUIDE, METHODS, OBJECTIVE, SELECT, SUPERVISED, Arguments, ObjectiveArguments,
-                    _opt, check_objective, on_cpu, world_size)
+from .build import (DEV, GENERAL, GUIDE, METHODS, OBJECTIVE, SELECT, SUPERVISED, Arguments,
+                    ObjectiveArguments, _opt, check_objective, on_cpu, world_size)
 
 CONFIG_FILE = "fastcl_config.yaml"   # the run's options, written into --output_dir
 RECIPE = "recipe:"                   # --config recipe:NAME: a recipe shipped with fastcl
@@ -106,13 +106,15 @@ def _resolve(args) -> argparse.Namespace:
     supervised = args.method in SUPERVISED
     if args.mask_duplicates is None:
         # a no_duplicates sampler keeps a text from appearing twice in a batch already
-        args.mask_duplicates = supervised and getattr(args.batch_sampler, "value", args.batch_sampler) == "batch_sampler"
+        sampler = getattr(args.batch_sampler, "value", args.batch_sampler)
+        args.mask_duplicates = supervised and sampler == "batch_sampler"
     check_objective(args.method, objective_options(args))
     if args.augment is not None:
         args.augment = augment.parse(args.augment).spec   # canonical: NAME:rate
     if args.complementary and (Path(args.complementary) / CONFIG_FILE).is_file():
         args.complementary = str(Path(args.complementary) / "model")  # a fastcl-train output folder
-    _require(args.complementary or (args.complementary_pooler is None and args.complementary_mode != "released"),
+    guide_options = args.complementary_pooler is not None or args.complementary_mode == "released"
+    _require(args.complementary or not guide_options,
              "--complementary_pooler and --complementary_mode released need --complementary (the model)")
     if args.data is None:
         _require(not supervised, f"--data: {args.method} needs data of pairs or triplets "
@@ -148,7 +150,7 @@ def _resolve(args) -> argparse.Namespace:
     _require(not args.resume_from_checkpoint, "--resume_from_checkpoint: fastcl-train resumes with "
              "--resume, from the newest complete checkpoint it verifies")
     _require(not args.allow_changed_data or args.resume, "--allow_changed_data applies to --resume only")
-    _require(args.sts_dir is None or Path(args.sts_dir).is_dir(), f"--sts_dir: no such folder: {args.sts_dir}")
+    _require(not args.sts_dir or Path(args.sts_dir).is_dir(), f"--sts_dir: no such folder: {args.sts_dir}")
     return args
 
 
@@ -196,7 +198,8 @@ def config_argv(parser, values: dict, spec: str) -> list:
     for key, value in values.items():
         flag = f"--{key}"
         if flag not in known or key in ("config", "help"):
-            raise ValueError(f"--config {spec}: unknown key {key!r}: not an option of {parser.prog} (see --help)")
+            raise ValueError(f"--config {spec}: unknown key {key!r}: not an option of {parser.prog} "
+                             "(see --help)")
         if value is not None:
             items = value if isinstance(value, list) else [value]
             argv += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in items)]
@@ -257,6 +260,6 @@ def write_config(out, args) -> Path:
     """Write :func:`effective_config` as YAML to ``out/CONFIG_FILE``, atomically."""
     import yaml
     path = Path(out) / CONFIG_FILE
-    replace_text(path, f"# Repeat this run (flags override these values): fastcl-train --config {path.resolve()}\n"
+    replace_text(path, f"# Repeat this run (flags override): fastcl-train --config {path.resolve()}\n"
                  + yaml.safe_dump(effective_config(args), sort_keys=False, allow_unicode=True))
     return path

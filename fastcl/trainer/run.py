@@ -78,7 +78,8 @@ class TrainLog(TrainerCallback):
         record = append_log(self.out, {"type": kind, "step": state.global_step, "epoch": state.epoch,
                                        **{k.removeprefix(f"eval_{build.DEV}_"): v for k, v in logs.items()}})
         if kind == "eval":
-            scores = [f"{k} {record[k]:.2f}" for k in ("stsb-dev", "sickr-dev", "avg") if record.get(k) is not None]
+            scores = [f"{k} {record[k]:.2f}" for k in ("stsb-dev", "sickr-dev", "avg")
+                      if record.get(k) is not None]
             print(f"dev at step {state.global_step}: {', '.join(scores)}", flush=True)
 
 

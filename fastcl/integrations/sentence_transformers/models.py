@@ -49,8 +49,9 @@ def pooling_modules(pooler: str, dim: int, num_layers: int, *, mlp_only_train: b
     modules = []
     if check_pooler(pooler) in ("avg_first_last", "avg_top2"):
         start, weights = layer_weights(pooler, num_layers)
+        fixed = nn.Parameter(torch.tensor(weights), requires_grad=False)
         modules.append(WeightedLayerPooling(dim, num_hidden_layers=num_layers, layer_start=start,
-                                            layer_weights=nn.Parameter(torch.tensor(weights), requires_grad=False)))
+                                            layer_weights=fixed))
     modules.append(Pooling(dim, pooling_mode="cls" if pooler in ("cls", "cls_before_pooler") else "mean"))
     if pooler == "cls":
         head = (TrainingHead if mlp_only_train else Dense)(dim, dim, activation_function=nn.Tanh())
@@ -122,5 +123,6 @@ def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
     if pooler in ("avg_first_last", "avg_top2"):
         hf.config.output_hidden_states = True  # saved with the model's config.json
     modules = pooling_modules(pooler, hf.config.hidden_size, hf.config.num_hidden_layers,
-                              mlp_only_train=mlp_only_train, init_std=getattr(hf.config, "initializer_range", 0.02))
+                              mlp_only_train=mlp_only_train,
+                              init_std=getattr(hf.config, "initializer_range", 0.02))
     return SentenceTransformer(modules=[transformer, *modules], device=device)
