@@ -291,9 +291,10 @@ def _evaluator(args, main_process: bool):
         raise FileNotFoundError(f"--sts_dir {args.sts_dir} holds neither stsb/sts-dev.csv nor "
                                 "sick/SICK_trial.txt (SentEval's data/downstream layout)")
     if main_process and Path(args.sts_dir).resolve() == SAMPLES.resolve():
-        print(f"dev: the {len(load_task(args.sts_dir, 'stsb-dev'))} CC BY-SA pairs of STS-B dev shipped "
-              "(a part: not STS-B dev scores); the full sets: --sts_dir SentEval/data/downstream "
-              "(SimCSE's data/download_senteval.sh)", flush=True)
+        print(f"dev: the {len(load_task(args.sts_dir, 'stsb-dev'))} CC BY-SA pairs of STS-B dev that "
+              "ship with fastcl (a part: its scores are not STS-B dev scores); for the full STS-B "
+              "and SICK-R dev sets pass --sts_dir SentEval/data/downstream (SimCSE's "
+              "data/download_senteval.sh)", flush=True)
     return SentEvalSTSEvaluator(args.sts_dir, tasks, name=build.DEV, metrics=True,
                                 batch_size=args.per_device_eval_batch_size,
                                 show_progress_bar=main_process, max_seq_length=args.model_max_seq_length)
