@@ -128,10 +128,10 @@ def checkpoints(out: Path) -> list:
 
 
 def writes(name: str) -> bool:
-    """Whether a run writes the entry ``name`` of its folder: its own entries, checkpoints and
-    the temporary and staged files of its atomic writes (the lock aside)."""
+    """Whether a run writes the entry ``name`` of its folder: its own entries, checkpoints, the
+    lock, and the temporary and staged files of its atomic writes."""
     return name in OWN or name.startswith((CHECKPOINT_PREFIX, files._STAGE, files._OLD)) \
-        or name.startswith(".") and name.endswith(".tmp")
+        or name == files.LOCK or name.startswith(".") and name.endswith(".tmp")
 
 
 def guard_links(out: Path, remove: bool = False) -> None:
@@ -139,7 +139,7 @@ def guard_links(out: Path, remove: bool = False) -> None:
     writes (or under them) is an error naming it, or with ``remove`` (the user agreed:
     ``--overwrite_output_dir``) is unlinked, its target untouched."""
     hint = "remove it, or pass --overwrite_output_dir to have it removed (its target is kept)"
-    for message in files.refuse_links(out, writes, remove, hint):
+    for message in files.refuse_links(out, lambda name: writes(name) and name != files.LOCK, remove, hint):
         _say(message)
 
 
@@ -175,7 +175,7 @@ def prepare_output(args, out: Path) -> OutputLock:
                              + "or pass --overwrite_output_dir to train there again")
         elif ours:   # a fresh run: nothing of the earlier one stays; a link is unlinked, never followed
             for entry in sorted(out.iterdir()):
-                if writes(entry.name):
+                if writes(entry.name) and entry.name != files.LOCK:
                     files.remove_inside(entry, out)
         guard_links(out, remove=args.overwrite_output_dir)
     except BaseException:
