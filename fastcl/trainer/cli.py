@@ -75,7 +75,7 @@ def objective_options(args) -> dict:
 
 
 def build_parser(prog: str = "fastcl-train") -> HfArgumentParser:
-    epilog = (f"recipes (--config recipe:NAME; a method's defaults: its BERT-base one): "
+    epilog = (f"defaults per method: its BERT-base recipe; recipes (--config recipe:NAME): "
               f"{', '.join(recipe_names())}\noutput: OUTPUT_DIR/model, checkpoint-N, train_log.jsonl, "
               f"{CONFIG_FILE} (--config repeats the run); data, DDP, DeepSpeed, FSDP: docs/training.md")
     parser = HfArgumentParser((FastclArguments, ObjectiveArguments, Arguments), prog=prog, epilog=epilog,
