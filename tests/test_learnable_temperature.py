@@ -306,3 +306,36 @@ def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monk
     monkeypatch.setattr(SentenceTransformerTrainer, "_load_from_checkpoint", lambda self, path: None)
     trainer._load_from_checkpoint(str(out / "checkpoint-4"))
     assert trainer.loss.current_temperature == pytest.approx(values[-1], rel=1e-4)
+
+
+def test_fastcl_train_temperature_learning_rate_is_its_own_undecayed_group(tmp_path):
+    """--temperature_learning_rate: the loss's log_scale in an optimizer group of its own at that
+    rate and no weight decay (the model's groups keep theirs); τ moves further than at the
+    model's rate. Without it, log_scale stays with the model's rate, undecayed too."""
+    import datasets
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
+
+    from fastcl.trainer import build_trainer
+    from test_train import make_tiny
+    tiny = make_tiny(tmp_path / "tiny")
+    data = datasets.Dataset.from_dict({"text": (tiny / "train.txt").read_text().split("\n")[:24]})
+    moved = {}
+    for rate in (None, 0.05):
+        args = SentenceTransformerTrainingArguments(
+            str(tmp_path / f"out-{rate}"), max_steps=3, per_device_train_batch_size=8, learning_rate=3e-5,
+            weight_decay=0.01, use_cpu=True, report_to="none", save_strategy="no", seed=0)
+        trainer = build_trainer("simcse", SentenceTransformer(str(tiny / "bert"), device="cpu"), data,
+                                args=args, temperature=0.05, learnable_temperature=True,
+                                temperature_learning_rate=rate)
+        trainer.train()
+        group, = [g for g in trainer.optimizer.param_groups
+                  if any(p is trainer.loss.log_scale for p in g["params"])]
+        assert group["initial_lr"] == (rate or 3e-5) and group["weight_decay"] == 0.0
+        assert len(group["params"]) == 1 or rate is None   # its own group with a rate
+        assert any(g["weight_decay"] == 0.01 for g in trainer.optimizer.param_groups)
+        assert args.learning_rate_mapping == {}   # the caller's arguments untouched
+        moved[rate] = abs(trainer.loss.current_temperature - 0.05)
+    assert moved[0.05] > 100 * moved[None] > 0
+    with pytest.raises(ValueError, match="--temperature_learning_rate 0.1: a learning rate > 0 of "
+                                         "--learnable_temperature"):
+        build_trainer("simcse", None, data, temperature_learning_rate=0.1)

@@ -783,6 +783,8 @@ def test_an_interrupted_swap_is_finished_at_the_next_start(tmp_path):
     ({"m": "nan", "method": "focal"}, "--m must be"),
     ({"focal_m": 0.2, "method": "focal"}, "--method focal takes its margin as --m"),
     ({"rd": "margin"}, "--rd applies to --method escl only"),
+    ({"temperature_learning_rate": 0.1}, "--temperature_learning_rate 0.1: a learning rate > 0 of --learnable"),
+    ({"temperature_learning_rate": 0, "learnable_temperature": True}, "--temperature_learning_rate 0: a"),
     ({"sensitive_dropout": 1.5, "method": "escl"}, "sensitive_dropout must lie in [0, 1), got 1.5"),  # by the loss
     ({"hard_negative_weight": 1}, "--hard_negative_weight needs one hard negative per anchor"),
     ({"augment": "crop"}, "--augment: unknown augmentation 'crop'"),

@@ -4,7 +4,9 @@ the losses' columns (:func:`examples`), the method's loss (:func:`build_loss`) w
 
 from __future__ import annotations
 
+import copy
 import inspect
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -34,7 +36,7 @@ LOSSES = {"simcse": "FastInfoNCELoss", "simcse-sup": "FastInfoNCELoss", "dclr": 
           "focal": "FastFocalInfoNCELoss", "escl": "FastESCLLoss"}   # Cached<name>: --mini_batch_size
 LOSS_NAMES = {"rd_weight": "weight", "dclr_formulation": "formulation",
               "premise_labels": "class_labels"}   # where a loss says otherwise
-GENERAL = ("mini_batch_size", "augment")   # options of every method, not of its loss class
+GENERAL = ("mini_batch_size", "augment", "temperature_learning_rate")   # not options of the loss class
 GUIDE = ("complementary", "complementary_pooler", "complementary_mode")   # DCLR's guide model
 MODELS = GUIDE + ("teacher",)   # options naming a model: loaded, not values of the spec
 FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),   # DCLR's, by the model's family
@@ -56,6 +58,8 @@ class ObjectiveArguments:
 
     temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
     learnable_temperature: bool = _opt(False, "learn the temperature from --temperature (logged)")
+    temperature_learning_rate: float | None = _opt(help="--learnable_temperature: its learning rate "
+                                                   "(default: --learning_rate)")
     hard_negative_weight: float | None = _opt(help="simcse-sup: log-weight of the hard negative")
     focal_m: float | None = _opt(help="simcse, simcse-sup, dclr: Focal-InfoNCE's modulation")
     mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive (true/false)")
@@ -124,6 +128,10 @@ def check_objective(method: str, options: dict) -> None:
     if "premise_labels" in options and method not in SUPERVISED:
         raise ValueError(f"--premise_labels applies to --method {', '.join(SUPERVISED)} only (the "
                          "premise ids of its pairs)")
+    rate = options.get("temperature_learning_rate")
+    if rate is not None and not (options.get("learnable_temperature") and 0 < rate < math.inf):
+        raise ValueError(f"--temperature_learning_rate {rate:g}: a learning rate > 0 of "
+                         "--learnable_temperature's temperature")
     spec = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in MODELS}
     if method == "focal" and "m" in spec:
         spec.update(focal_m=spec.pop("m"), focal_name="--m")
@@ -223,7 +231,26 @@ class Trainer(SentenceTransformerTrainer):
 
     guard = None
     export_max_seq_length = None
+    temperature_learning_rate = None
     LOSS_PARAMETERS = "loss_parameters.pt"
+
+    def _own_names(self, module) -> set:
+        own = own_parameters(self.loss)[1].values()
+        return {n for n, p in module.named_parameters() if any(p is q for q in own)}
+
+    def get_decay_parameter_names(self, model) -> list:
+        """Those of transformers but the loss's own (a decayed log-scale would pull τ to 1)."""
+        own = self._own_names(model)
+        return [n for n in super().get_decay_parameter_names(model) if n not in own]
+
+    def get_optimizer_cls_and_kwargs(self, args, model=None):
+        """``temperature_learning_rate``: the loss's own parameters in a group at that rate
+        (sentence-transformers' ``learning_rate_mapping``; the run's arguments left as given)."""
+        if self.temperature_learning_rate is not None:
+            pattern = "^(" + "|".join(map(re.escape, sorted(self._own_names(self.loss)))) + ")$"
+            args = copy.copy(args)
+            args.learning_rate_mapping = {**args.learning_rate_mapping, pattern: self.temperature_learning_rate}
+        return super().get_optimizer_cls_and_kwargs(args, model)
 
     def log(self, logs, *args, **kwargs):
         loss, own = own_parameters(self.loss)
@@ -317,4 +344,5 @@ def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=Non
     trainer = Trainer(model=model, args=args, train_dataset=dataset, loss=loss, evaluator=evaluator,
                       callbacks=callbacks)
     trainer.objective_options = options   # as the loss took them (DCLR's family defaults filled)
+    trainer.temperature_learning_rate = options.get("temperature_learning_rate")
     return trainer
