@@ -1,7 +1,6 @@
-"""fastcl's objectives on sentence-transformers' trainer: ``fastcl-train --method simcse``
-(every training argument under its Hugging Face name) or :func:`build_trainer` from Python.
-:mod:`.cli` options and config files, :mod:`.build` model, loss and trainer, :mod:`.run` the
-run folder, resume and records; docs/training.md."""
+"""fastcl's objectives on sentence-transformers' trainer: ``fastcl-train`` or :func:`build_trainer`.
+:mod:`.cli` options and config files, :mod:`.build` model, loss and trainer, :mod:`.run` the run
+folder, resume and records; docs/training.md."""
 
 from .build import build_trainer, load_model
 from .cli import SAMPLES, FastclArguments, ObjectiveArguments, build_parser, resolve_args

@@ -18,13 +18,8 @@ from transformers import TrainerCallback
 from .. import common, files
 from ..integrations.sentence_transformers.models import is_sentence_transformers_model, load_model, model_path
 
-try:
-    from sentence_transformers.sentence_transformer.trainer import SentenceTransformerTrainer
-    from sentence_transformers.sentence_transformer.training_args import (
-        SentenceTransformerTrainingArguments as Arguments)
-except ImportError:  # pragma: no cover - older releases
-    from sentence_transformers import SentenceTransformerTrainer
-    from sentence_transformers import SentenceTransformerTrainingArguments as Arguments
+from sentence_transformers import SentenceTransformerTrainer
+from sentence_transformers import SentenceTransformerTrainingArguments as Arguments
 try:  # transformers ≥ 5: a function; before, the trainer's method
     from transformers.trainer_utils import rotate_checkpoints
 except ImportError:  # pragma: no cover - older releases
@@ -58,8 +53,7 @@ class ObjectiveArguments:
 
     temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
     learnable_temperature: bool = _opt(False, "learn the temperature from --temperature (logged)")
-    temperature_learning_rate: float | None = _opt(help="--learnable_temperature: its learning rate "
-                                                   "(default: --learning_rate)")
+    temperature_learning_rate: float | None = _opt(help="the learned τ's (default: --learning_rate)")
     hard_negative_weight: float | None = _opt(help="simcse-sup: log-weight of the hard negative")
     focal_m: float | None = _opt(help="simcse, simcse-sup, dclr: Focal-InfoNCE's modulation")
     mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive (true/false)")
@@ -68,8 +62,7 @@ class ObjectiveArguments:
     noise_steps: int | None = _opt(help=f"dclr: ascent steps on the noise ({common.NOISE_STEPS})")
     noise_lr: float | None = _opt(help=f"dclr: noise step size ({common.NOISE_LR:g})")
     noise_std: float | None = _opt(help=f"dclr: initial noise std ({common.NOISE_STD:g})")
-    dclr_formulation: str | None = _opt(help="dclr: the paper's loss or the released code's",
-                                        choices=("paper", "released"))
+    dclr_formulation: str | None = _opt(help="dclr: the paper's or the code's", choices=("paper", "released"))
     m: float | None = _opt(help=f"focal: margin of the negative logits ({common.FOCAL_M})")
     rd_weight: float | None = _opt(help=f"escl: weight of the relative difference ({common.ESCL_WEIGHT:g})")
     rd: str | None = _opt(help="escl: the relative difference's form", choices=("softplus", "margin"))
@@ -77,8 +70,7 @@ class ObjectiveArguments:
     false_negative_margin: float | None = _opt(help="drop candidates beating the positive's cosine by more")
     positive_prior: float | None = _opt(help="the debiased loss's class prior tau+ in [0, 1)")
     label_smoothing: float | None = _opt(help="the uniform share of each row's target, in [0, 1) (0)")
-    premise_labels: bool | None = _opt(help="simcse-sup: every positive of the anchor's premise is a "
-                                       "target (with --batch_sampler group_by_label)")
+    premise_labels: bool | None = _opt(help="simcse-sup, --batch_sampler group_by_label: premise targets")
     teacher: str | None = _opt(help="a frozen teacher (sentence-transformers model) the loss distils")
     teacher_temperature: float | None = _opt(help="the teacher's temperature (default: --temperature)")
     distill_weight: float | None = _opt(help="the teacher's share of each row's target, in [0, 1] (0.5)")
@@ -103,9 +95,8 @@ def loss_class(method: str, cached: bool = False):
 
 
 def check_objective(method: str, options: dict) -> None:
-    """``options`` (objective options that have a value) apply to ``method`` (its loss class
-    takes each), and their values pass :func:`fastcl.spec.build_spec` on a stand-in batch.
-    Errors name the options as the command line spells them."""
+    """``options`` (those that have a value) apply to ``method`` (its loss class takes each) and pass
+    :func:`fastcl.spec.build_spec` on a stand-in batch; errors name them as the command line does."""
     from fastcl import augment
     from fastcl.spec import build_spec
 
@@ -123,11 +114,9 @@ def check_objective(method: str, options: dict) -> None:
             raise ValueError(f"--{name} applies to --method {', '.join(methods[:-1])}"
                              f"{' or ' if len(methods) > 1 else ''}{methods[-1]} only{hint}")
     if "augment" in options and method in SUPERVISED:
-        raise ValueError(f"--augment applies to the unsupervised methods (it augments the second "
-                         f"copy of each sentence); {method} takes its positives from the data")
+        raise ValueError(f"--augment applies to the unsupervised methods; {method} has its positives")
     if "premise_labels" in options and method not in SUPERVISED:
-        raise ValueError(f"--premise_labels applies to --method {', '.join(SUPERVISED)} only (the "
-                         "premise ids of its pairs)")
+        raise ValueError(f"--premise_labels applies to --method {', '.join(SUPERVISED)} only")
     rate = options.get("temperature_learning_rate")
     if rate is not None and not (options.get("learnable_temperature") and 0 < rate < math.inf):
         raise ValueError(f"--temperature_learning_rate {rate:g}: a learning rate > 0 of "
@@ -162,10 +151,9 @@ def build_model(args, device: str | None = None):
 
 
 def examples(dataset, method: str, hard_negative_weight: float = 0.0, premise_labels: bool = False):
-    """``dataset`` with the losses' columns: an unsupervised method's one text column (or an
-    ``anchor`` column) made ``anchor`` and ``positive``; pairs and triplets renamed from
-    ``sent0, sent1, hard_neg`` where they carry those names; ``premise_labels``: a ``label``
-    column, the id of each row's anchor text (the rows of one premise share it)."""
+    """``dataset`` with the losses' columns: one text column (or ``anchor``) made ``anchor`` and
+    ``positive``; pairs and triplets' ``sent0, sent1, hard_neg`` renamed; ``premise_labels``: a
+    ``label`` column, the id of each row's anchor text (the rows of one premise share it)."""
     names = dataset.column_names
     if method not in SUPERVISED:
         if names == ["anchor", "positive"]:
@@ -223,11 +211,9 @@ def own_parameters(loss) -> dict:
 
 
 class Trainer(SentenceTransformerTrainer):
-    """sentence-transformers' trainer whose checkpoints carry a manifest, written once one is
-    complete and before the rotation removes older ones (a crash leaves one complete checkpoint)
-    and the loss's own parameters (``LOSS_PARAMETERS``). Before each, ``guard()`` checks that
-    the run writes through no link; the model is saved with its own input limit
-    ``export_max_seq_length``, not the training cut; a failed write is one error naming it."""
+    """sentence-transformers' trainer whose checkpoints carry the loss's own parameters and a
+    manifest, written before the rotation removes older ones; ``guard()`` refuses links first; the
+    model is saved with its own input limit ``export_max_seq_length``; a failed write names it."""
 
     guard = None
     export_max_seq_length = None
@@ -247,9 +233,9 @@ class Trainer(SentenceTransformerTrainer):
         """``temperature_learning_rate``: the loss's own parameters in a group at that rate
         (sentence-transformers' ``learning_rate_mapping``; the run's arguments left as given)."""
         if self.temperature_learning_rate is not None:
-            pattern = "^(" + "|".join(map(re.escape, sorted(self._own_names(self.loss)))) + ")$"
+            rate, names = self.temperature_learning_rate, map(re.escape, sorted(self._own_names(self.loss)))
             args = copy.copy(args)
-            args.learning_rate_mapping = {**args.learning_rate_mapping, pattern: self.temperature_learning_rate}
+            args.learning_rate_mapping = {**args.learning_rate_mapping, f"^({'|'.join(names)})$": rate}
         return super().get_optimizer_cls_and_kwargs(args, model)
 
     def log(self, logs, *args, **kwargs):
@@ -306,9 +292,8 @@ class EvaluateLastStep(TrainerCallback):
 
 
 class KeepBase(TrainerCallback):
-    """The best model over every evaluation, step 0 (the base model) included: where step 0
-    scored at least as high as the best trained step, the base weights (a CPU copy taken when
-    the trainer is built) come back, and ``state.best_global_step`` says 0."""
+    """Step 0 (the base model) competes for the best: where it scored at least as high as the best
+    trained step, its weights (a CPU copy) come back and ``state.best_global_step`` says 0."""
 
     def __init__(self, model):
         self.base = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -324,11 +309,9 @@ class KeepBase(TrainerCallback):
 
 def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=None, callbacks=None,
                   **objective_options):
-    """A trainer of ``model`` (a ``SentenceTransformer``) on ``train_dataset`` (a ``Dataset``:
-    one text column, or anchor, positive[, negative] for simcse-sup) with the fastcl loss of
-    ``method`` and ``objective_options`` (:class:`ObjectiveArguments`, :data:`GENERAL`,
-    :data:`GUIDE`); ``args``: training arguments (default: output in ``fastcl-output``). With an
-    ``evaluator`` the last step is evaluated too and, with ``load_best_model_at_end``, step 0
+    """A trainer of ``model`` on ``train_dataset`` (:func:`examples`) with the fastcl loss of
+    ``method`` and ``objective_options`` (:class:`ObjectiveArguments`, :data:`GENERAL`, :data:`GUIDE`).
+    With an ``evaluator`` the last step is evaluated too and, with ``load_best_model_at_end``, step 0
     competes (``eval_on_start``): a run that never beats its base model ends with its weights."""
     options = {k: v for k, v in objective_options.items() if v is not None}
     check_objective(method, options)

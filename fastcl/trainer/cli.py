@@ -159,7 +159,6 @@ def training_arguments(args) -> Arguments:
     return Arguments(**{k: v for k, v in vars(args).items() if k in Arguments.__dataclass_fields__})
 
 
-# ---------------------------------------------------------------------------------------
 # Configuration files: --config FILE (YAML or JSON), the shipped recipes, the saved config
 
 def recipe_names() -> list:

@@ -39,7 +39,6 @@ def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
-# ---------------------------------------------------------------------------------------
 # The log: {"type": "start" | "step" | "eval" | "summary", "step", "epoch", ...}
 
 def json_safe(value):
@@ -84,9 +83,8 @@ class TrainLog(TrainerCallback):
 
 
 class GracefulStop(TrainerCallback):
-    """The first SIGINT/SIGTERM ends training after the step in progress with a checkpoint of
-    that step (``--resume`` continues it); a second one acts as usual. Several processes agree
-    on it every step, so all stop at the same step."""
+    """The first SIGINT/SIGTERM ends training after the step in progress with its checkpoint (all
+    processes at the same step); a second one acts as usual."""
 
     signum = None
 
@@ -114,7 +112,6 @@ class GracefulStop(TrainerCallback):
             signal.signal(sig, handler)
 
 
-# ---------------------------------------------------------------------------------------
 # The output folder
 
 def step_of(checkpoint) -> int:
@@ -135,9 +132,8 @@ def writes(name: str) -> bool:
 
 
 def guard_links(out: Path, remove: bool = False) -> None:
-    """The run writes only inside ``out``, never through a link: a link among the entries it
-    writes (or under them) is an error naming it, or with ``remove`` (the user agreed:
-    ``--overwrite_output_dir``) is unlinked, its target untouched."""
+    """A link among the entries the run writes in ``out`` (or under them) is an error naming it,
+    or with ``remove`` (``--overwrite_output_dir``) is unlinked, its target untouched."""
     hint = "remove it, or pass --overwrite_output_dir to have it removed (its target is kept)"
     for message in files.refuse_links(out, lambda name: writes(name) and name != files.LOCK, remove, hint):
         _say(message)
@@ -199,9 +195,8 @@ def _check_same_run(args, out: Path) -> None:
 
 
 def resume_point(out: Path, main_process: bool) -> Path:
-    """The newest complete checkpoint of ``out``. The main process verifies it (a damaged or
-    crafted one is an error naming the file) and removes newer incomplete ones; the others
-    take the newest with a manifest."""
+    """The newest complete checkpoint of ``out``: verified by the main process (which removes newer
+    incomplete ones; a damaged file is an error naming it), the newest with a manifest for others."""
     for _, path in reversed(checkpoints(out)):
         if not main_process:
             if (path / MANIFEST).is_file():
@@ -231,9 +226,8 @@ def trainer_state(checkpoint: Path) -> TrainerState:
 
 
 def check_data(args, out: Path, dataset, resumed: bool) -> None:
-    """Record the training data's fingerprint in ``out/DATA_RECORD``; on a resume, first
-    compare it with the recorded one: changed data is an error naming the file, unless
-    ``--allow_changed_data`` (a resume on other data trains on other batches)."""
+    """Record the training data's fingerprint in ``out/DATA_RECORD``; on a resume, changed data
+    (against the record) is an error naming the file, unless ``--allow_changed_data``."""
     if not Path(args.data).exists():   # a dataset name: the fingerprint of its rows
         import datasets
         dataset = datasets.Dataset.from_dict(dataset.to_dict())
@@ -251,7 +245,6 @@ def check_data(args, out: Path, dataset, resumed: bool) -> None:
     files.replace_text(record, json.dumps({"data": str(args.data), **now}, indent=1) + "\n")
 
 
-# ---------------------------------------------------------------------------------------
 # The run
 
 def main(argv=None, prog: str = PROG) -> int:
