@@ -276,8 +276,8 @@ def test_st_losses_refuse_a_bad_option_where_they_are_built(tmp_path):
 
 
 def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monkeypatch):
-    """fastcl-train --learnable_temperature: the value in each step's log record, moving;
-    each checkpoint holds it and a resumed trainer takes it back."""
+    """fastcl-train --learnable_temperature (at --temperature_learning_rate): the value in each
+    step's log record, moving; each checkpoint holds it and a resumed trainer takes it back."""
     from fastcl.trainer import run as train
     from fastcl.trainer.build import Trainer
     from fastcl.trainer.run import read_log
@@ -285,7 +285,8 @@ def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monk
     tiny = make_tiny(tmp_path / "tiny")
     out = tmp_path / "run"
     assert train.main(base_args(tiny, out, steps=4, learnable_temperature=True, save_steps=2,
-                                temperature=0.1, learning_rate=0.05)) == 0
+                                temperature=0.1, temperature_learning_rate=0.05)) == 0
+    assert "temperature_learning_rate: 0.05" in (out / "fastcl_config.yaml").read_text()
     values = [r["temperature"] for r in read_log(out) if r["type"] == "step"]
     assert len(values) == 4 and values[-1] != pytest.approx(0.1, rel=1e-3)
     saved = torch.load(out / "checkpoint-4" / Trainer.LOSS_PARAMETERS)
