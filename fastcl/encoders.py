@@ -215,14 +215,10 @@ def _hub_error(name: str, arg: str, err: Exception) -> OSError:
                    f"files (as written by save_pretrained). ({type(err).__name__}: {err})")
 
 
-def load_backbone(name_or_path: str, *, arg: str = "model"):
-    """``(AutoModel, AutoTokenizer)`` from a local folder or a hub name.
-
-    A sentence-transformers folder whose model lives in a subfolder (``0_Transformer/``) works.
-    A hub name that cannot be fetched raises an OSError asking for a local path.
-    """
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-
+def model_source(name_or_path, arg: str = "model") -> str:
+    """The Hugging Face model folder of ``name_or_path`` (inside a sentence-transformers folder
+    too), or the hub name it is; a missing folder, or one without ``config.json``, is an error
+    naming ``arg``."""
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
         raise ValueError(f"{arg} must be a model name or a folder, got {name_or_path!r}")
     name = str(name_or_path)
@@ -232,11 +228,22 @@ def load_backbone(name_or_path: str, *, arg: str = "model"):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{arg}: {path} has no config.json; is it a Hugging Face "
                                     "model folder?")
-        source = str(path)
-    elif path.exists() or _looks_like_path(name):
+        return str(path)
+    if path.exists() or _looks_like_path(name):
         raise FileNotFoundError(f"{arg}: no such model folder: {name}")
-    else:
-        source = name
+    return name
+
+
+def load_backbone(name_or_path: str, *, arg: str = "model"):
+    """``(AutoModel, AutoTokenizer)`` from a local folder or a hub name.
+
+    A sentence-transformers folder whose model lives in a subfolder (``0_Transformer/``) works.
+    A hub name that cannot be fetched raises an OSError asking for a local path.
+    """
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    name, source = str(name_or_path), model_source(name_or_path, arg)
+    path = Path(name).expanduser()
     try:
         config = AutoConfig.from_pretrained(source)
     except OSError as err:

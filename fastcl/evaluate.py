@@ -510,8 +510,8 @@ def sentence_transformers_pooler(folder) -> tuple | None:
       MLP head): ``cls``;
     - Transformer → WeightedLayerPooling → Pooling (mean): ``avg_first_last`` or
       ``avg_top2`` when the layers and weights are those of
-      :func:`fastcl.trainer.heads.pooling_modules` (the weights up to a common factor: they
-      are divided by their sum) and the model returns every layer's states
+      :func:`fastcl.integrations.sentence_transformers.models.pooling_modules` (the weights
+      up to a common factor: they are divided by their sum) and the model returns every layer's states
       (``output_hidden_states``); on a 2-layer model the two are the same, ``avg_first_last``;
 
     each optionally followed by Normalize (it does not change a cosine). The config path is

@@ -14,6 +14,8 @@ checkpoint's digest, one run per output folder, and removal that never leaves th
   links among (and under) the entries a run writes, which it refuses to write through.
 - :func:`check_loadable`: every file of a checkpoint parses as the data it names (JSON,
   safetensors, tensors only: ``torch.load(weights_only=True)``), or an error naming it.
+- :func:`refuse_links`: no write through a link; :func:`read_mapping`, :func:`read_jsonl`: a
+  record read back, a damaged one named, a log's last line torn by a crash ignored.
 - :func:`data_fingerprint`: what identifies the training data (sizes, times, the SHA-256 of
   each file's first and last blocks), so a resume can tell the data has changed.
 - :func:`write_failure`: a failed write (a full disk) as one error naming the folder.
@@ -126,6 +128,49 @@ def find_links(folder, names=lambda name: True) -> list:
             for root, dirs, leaves in os.walk(entry):  # does not descend into linked folders
                 found += sorted(Path(root, n) for n in dirs + leaves if os.path.islink(os.path.join(root, n)))
     return found
+
+
+def refuse_links(folder, names, remove: bool = False, hint: str = "") -> list:
+    """The writer of ``folder`` writes inside it only, never through a link: each link
+    :func:`find_links` finds is an OSError naming it (and ``hint``), or with ``remove`` is
+    unlinked, its target untouched; returns what was done, as messages."""
+    done = []
+    for link in find_links(folder, names):
+        target = os.readlink(link)
+        if not remove:
+            raise OSError(f"{link} is a link (to {target}); nothing is written through a link "
+                          f"out of {folder}: {hint or 'remove it'}")
+        link.unlink()
+        done.append(f"removed the link {link} (its target {target} is kept)")
+    return done
+
+
+def read_mapping(path) -> dict:
+    """The mapping the JSON or YAML file ``path`` holds; else a :class:`DamagedError` naming it."""
+    import yaml   # JSON is YAML
+
+    try:
+        value = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise DamagedError(f"{path} is damaged: {err}") from None
+    if not isinstance(value, dict):
+        raise DamagedError(f"{path} is damaged: a {type(value).__name__}, not a mapping")
+    return value
+
+
+def read_jsonl(path) -> list:
+    """The records of the JSON-lines file ``path`` (none when it is missing); a last line a
+    crash cut short is ignored, any other line that is not JSON an error naming it."""
+    path = Path(path)
+    lines = [x for x in path.read_text(encoding="utf-8").split("\n") if x.strip()] if path.is_file() else []
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+    return records
 
 
 def stage_dir(target) -> Path:

@@ -64,7 +64,7 @@ def export(src, out, pooler, *, mlp_only_train=False):
     sentence-transformers folder) ``src``: its model with the pooler's modules, without the
     training-only head, written by sentence-transformers' ``save_pretrained``."""
     from fastcl.trainer.build import load_model
-    from fastcl.trainer.heads import without_training_heads
+    from fastcl.integrations.sentence_transformers.models import without_training_heads
 
     model = load_model(str(src), pooler, mlp_only_train=mlp_only_train, device="cpu")
     without_training_heads(model).save_pretrained(str(out))

@@ -40,7 +40,7 @@ def make_start_model(root: Path) -> Path:
     """A tiny encoder as a sentence-transformers folder: Transformer -> Pooling (mean) -> Normalize."""
     from fastcl.integrations.sentence_transformers._base import SentenceTransformer
     from fastcl.trainer.build import load_model
-    from fastcl.trainer.heads import Normalize
+    from fastcl.integrations.sentence_transformers.models import Normalize
 
     plain = make_tiny_model(root / "plain")
     model = load_model(str(plain), "avg", device="cpu")

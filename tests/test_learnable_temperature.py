@@ -250,16 +250,17 @@ def test_st_losses_refuse_a_bad_option_where_they_are_built(tmp_path):
 
 
 def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monkeypatch):
-    """fastcl-train --learnable_temperature: the value in each step's log record, moving;
-    each checkpoint holds it and a resumed trainer takes it back."""
+    """fastcl-train --learnable_temperature (at --temperature_learning_rate): the value in each
+    step's log record, moving; each checkpoint holds it and a resumed trainer takes it back."""
     from fastcl.trainer import run as train
     from fastcl.trainer.build import Trainer
-    from fastcl.trainer.logs import read_log
+    from fastcl.trainer.run import read_log
     from test_train import base_args, make_tiny
     tiny = make_tiny(tmp_path / "tiny")
     out = tmp_path / "run"
     assert train.main(base_args(tiny, out, steps=4, learnable_temperature=True, save_steps=2,
-                                temperature=0.1, learning_rate=0.05)) == 0
+                                temperature=0.1, temperature_learning_rate=0.05)) == 0
+    assert "temperature_learning_rate: 0.05" in (out / "fastcl_config.yaml").read_text()
     values = [r["temperature"] for r in read_log(out) if r["type"] == "step"]
     assert len(values) == 4 and values[-1] != pytest.approx(0.1, rel=1e-3)
     saved = torch.load(out / "checkpoint-4" / Trainer.LOSS_PARAMETERS)
@@ -280,3 +281,36 @@ def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monk
     monkeypatch.setattr(SentenceTransformerTrainer, "_load_from_checkpoint", lambda self, path: None)
     trainer._load_from_checkpoint(str(out / "checkpoint-4"))
     assert trainer.loss.current_temperature == pytest.approx(values[-1], rel=1e-4)
+
+
+def test_fastcl_train_temperature_learning_rate_is_its_own_undecayed_group(tmp_path):
+    """--temperature_learning_rate: the loss's log_scale in an optimizer group of its own at that
+    rate and no weight decay (the model's groups keep theirs); τ moves further than at the
+    model's rate. Without it, log_scale stays with the model's rate, undecayed too."""
+    import datasets
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
+
+    from fastcl.trainer import build_trainer
+    from test_train import make_tiny
+    tiny = make_tiny(tmp_path / "tiny")
+    data = datasets.Dataset.from_dict({"text": (tiny / "train.txt").read_text().split("\n")[:24]})
+    moved = {}
+    for rate in (None, 0.05):
+        args = SentenceTransformerTrainingArguments(
+            str(tmp_path / f"out-{rate}"), max_steps=3, per_device_train_batch_size=8, learning_rate=3e-5,
+            weight_decay=0.01, use_cpu=True, report_to="none", save_strategy="no", seed=0)
+        trainer = build_trainer("simcse", SentenceTransformer(str(tiny / "bert"), device="cpu"), data,
+                                args=args, temperature=0.05, learnable_temperature=True,
+                                temperature_learning_rate=rate)
+        trainer.train()
+        group, = [g for g in trainer.optimizer.param_groups
+                  if any(p is trainer.loss.log_scale for p in g["params"])]
+        assert group["initial_lr"] == (rate or 3e-5) and group["weight_decay"] == 0.0
+        assert len(group["params"]) == 1 or rate is None   # its own group with a rate
+        assert any(g["weight_decay"] == 0.01 for g in trainer.optimizer.param_groups)
+        assert args.learning_rate_mapping == {}   # the caller's arguments untouched
+        moved[rate] = abs(trainer.loss.current_temperature - 0.05)
+    assert moved[0.05] > 100 * moved[None] > 0
+    with pytest.raises(ValueError, match="--temperature_learning_rate 0.1: a learning rate > 0 of "
+                                         "--learnable_temperature"):
+        build_trainer("simcse", None, data, temperature_learning_rate=0.1)

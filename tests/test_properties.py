@@ -665,7 +665,7 @@ def test_a_run_killed_after_its_last_step_ends_where_the_uninterrupted_one_did(
 
     from fastcl import files
     from fastcl.trainer import run
-    from fastcl.trainer.logs import read_log
+    from fastcl.trainer.run import read_log
     from test_train import base_args
 
     def crash(name):

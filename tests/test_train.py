@@ -23,7 +23,7 @@ from fastcl import data as data_io
 from fastcl import files
 from fastcl.evaluate import sentence_transformers_pooler
 from fastcl.trainer import run as train  # main, the output folder, the saved model
-from fastcl.trainer.logs import read_log
+from fastcl.trainer.run import read_log
 from test_evaluate import DATA, make_tiny_model, minilm_path, needs_data, random_sentence, write_sts_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def make_tiny(root):
     make_tiny_model(root / "bert")
     make_tiny_model(root / "roberta", model_type="roberta")
     from sentence_transformers import SentenceTransformer
-    from fastcl.trainer.heads import Normalize, Pooling, Transformer
+    from fastcl.integrations.sentence_transformers.models import Normalize, Pooling, Transformer
     t = Transformer(str(root / "bert"))
     SentenceTransformer(modules=[t, Pooling(t.auto_model.config.hidden_size, "mean"), Normalize()]).save(
         str(root / "st"))
@@ -783,6 +783,8 @@ def test_an_interrupted_swap_is_finished_at_the_next_start(tmp_path):
     ({"m": "nan", "method": "focal"}, "--m must be"),
     ({"focal_m": 0.2, "method": "focal"}, "--method focal takes its margin as --m"),
     ({"rd": "margin"}, "--rd applies to --method escl only"),
+    ({"temperature_learning_rate": 0.1}, "--temperature_learning_rate 0.1: a learning rate > 0 of --learnable"),
+    ({"temperature_learning_rate": 0, "learnable_temperature": True}, "--temperature_learning_rate 0: a"),
     ({"sensitive_dropout": 1.5, "method": "escl"}, "sensitive_dropout must lie in [0, 1), got 1.5"),  # by the loss
     ({"hard_negative_weight": 1}, "--hard_negative_weight needs one hard negative per anchor"),
     ({"augment": "crop"}, "--augment: unknown augmentation 'crop'"),

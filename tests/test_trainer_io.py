@@ -15,7 +15,7 @@ import yaml
 
 from fastcl import data as data_io
 from fastcl.trainer import cli
-from fastcl.trainer.logs import read_log
+from fastcl.trainer.run import read_log
 from test_evaluate import random_sentence
 from test_train import base_args, step_records, tiny, train  # noqa: F401 (tiny: fixture)
 

