@@ -48,6 +48,8 @@ METHODS = ("simcse", "dclr", "focal", "escl")
 # scale is one more entry; its runs are named NAME-seedS and compared with simcse-seedS.
 VARIANTS = {
     "simcse-learnable-tau": ("simcse", ("--learnable_temperature", "true"), "SimCSE + learnable τ"),
+    "simcse-smoothing": ("simcse", ("--label_smoothing", "0.1"), "SimCSE + label smoothing 0.1"),
+    "simcse-margin": ("simcse", ("--false_negative_margin", "0.1"), "SimCSE + false-negative margin 0.1"),
 }
 LABELS = {"start": "start (before training)", "simcse": "SimCSE", "dclr": "DCLR", "focal": "Focal-InfoNCE",
           "escl": "ESCL", **{name: label for name, (_, _, label) in VARIANTS.items()}}

@@ -407,3 +407,23 @@ def test_sweep_end_to_end_and_resumable(setup, trainings):
     assert "] training" not in log and "] evaluating" not in log and "[masked-seed0]" not in log, log
     assert log.count("done, skipped") == 7, log  # the start and six runs
     assert len(trainings) == count
+
+
+@pytest.mark.parametrize("name, flags", [("simcse-smoothing", ["--label_smoothing", "0.1"]),
+                                         ("simcse-margin", ["--false_negative_margin", "0.1"])])
+def test_the_feature_variants_train_with_their_flags(setup, tmp_path, trainings, name, flags):
+    """Issue 46's variants: label smoothing and the false-negative margin, each SimCSE with its
+    train.py flag, trained, scored and set against SimCSE of the same seed."""
+    root, args, _, _ = setup
+    assert compare.VARIANTS[name][:2] == ("simcse", tuple(flags))
+    results = tmp_path / "results"
+    args = with_option(with_option(args, "--methods", "simcse"), "--results-dir", results)
+    count = len(trainings)
+    run(compare, *args, "--variants", name)
+    assert len(trainings) == count + 1 and trainings[-1][-2:] == flags
+    variant = json.loads((results / "runs" / f"{name}-seed0.json").read_text())
+    assert variant["train_command"].endswith(" ".join(flags))
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["order"] == ["start", "simcse", name]
+    assert summary["variants"] == {name: {"method": "simcse", "flags": flags}}
+    assert f"| {compare.LABELS[name]} | 1 |" in (results / "results.md").read_text()
