@@ -17,7 +17,11 @@ default run and each option compile: docs/testing.md.
     python -m fastcl.kernels.compile_check --sim-candidates   # what the lists are chosen from
 
 Each run compiles into a fresh, private ``TRITON_CACHE_DIR`` (Triton's cache key does not
-see every module global a kernel reads), without ``TRITON_INTERPRET=1``.
+see every module global a kernel reads), without ``TRITON_INTERPRET=1``. What follows the TTIR
+(the GPU's IR, LLVM, PTX, ptxas) is a function of the TTIR, the target and the options alone:
+specializations whose TTIR is the same (a flag a kernel does not read, the row kernel's
+GUIDE, the similarity kernel's SOFT) are compiled once in a run and share that result
+(``Result.same_code_as``; ``_claim_ttir``).
 """
 
 from __future__ import annotations
@@ -101,6 +105,8 @@ class Result:
     wide_pointers: list = field(default_factory=list)  # pointer args offset in int64
     seconds: float = 0.0
     log: list = field(default_factory=list)
+    same_code_as: str | None = None   # a specialization of the run with the same TTIR: its result
+    code: str | None = None           # the hash of the TTIR, the target and the options
 
     @property
     def spills(self) -> int:
@@ -170,23 +176,32 @@ def candidates(archs=ARCHS, dtypes=None) -> list[Spec]:
 
 
 def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = False,
-                    launches=("aligned", "unaligned"), exhaustive: bool = False) -> list[Spec]:
+                    launches=("aligned", "unaligned"), exhaustive: bool = False,
+                    given: list[Spec] = ()) -> list[Spec]:
     """What fastcl can launch: every kernel and flag set with the configs in use (the lists
     of the installed Triton), each in every mode its objective is launched in (``modes``),
     on the (arch, dtype) pairs of ``SUBSET`` (``full``: all of them; ``rest``: all but
     ``SUBSET``; ``dtypes``: these on ``archs``), for ``launches``. Unless ``exhaustive`` (or
     ``full``/``rest``), the aligned launches are ``first_configs`` plus each config of each
     list once on each target, and the unaligned ones a covering subset (``pairwise``) given
-    the aligned ones (docs/testing.md)."""
+    the aligned ones and ``given`` (docs/testing.md). ``SUBSET`` is built a dtype at a time,
+    each given the ones before: its bf16 part is the bf16 check's
+    (``--arch 80 90 --dtype bfloat16``) spec for spec."""
     from . import configs as cfg
     from . import contrastive as kc
 
+    if dtypes is None and not (full or rest):
+        specs = []
+        for dtype in dict.fromkeys(d for _, d in SUBSET):
+            on = tuple(a for a in archs if (a, dtype) in SUBSET)
+            if on:
+                specs += specializations(archs=on, dtypes=[dtype], launches=launches,
+                                         exhaustive=exhaustive, given=list(given) + specs)
+        return specs
     if dtypes is not None:
         pairs = [(a, d) for a in archs for d in dtypes]
-    elif full or rest:
-        pairs = [(a, d) for a in archs for d in DTYPES if not (rest and (a, d) in SUBSET)]
     else:
-        pairs = [(a, d) for a, d in SUBSET if a in archs]
+        pairs = [(a, d) for a in archs for d in DTYPES if not (rest and (a, d) in SUBSET)]
     specs = []
     for arch, dtype in pairs:
         for variant, f in cfg.VARIANTS.items():
@@ -240,7 +255,8 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
         # chain rule at the unaligned launch's own width)
         mirror = [replace(s, launch="unaligned", args={k: v for k, v in s.args.items() if k != "D"})
                   for s in specs if s.args.get("D", 768) == 768]
-        aligned = aligned + (mirror if exhaustive else pairwise(first_configs(mirror), given=aligned))
+        aligned = aligned + (mirror if exhaustive else
+                             pairwise(first_configs(mirror), given=list(given) + aligned))
     return aligned
 
 
@@ -476,8 +492,63 @@ def _named_ttir(ttir: str, names: list) -> str:
                   else m.group(0), ttir)
 
 
+class SameCode(Exception):
+    """Raised at the TTIR stage of a specialization whose TTIR (with the target and the
+    options) another compile of the run has claimed: what follows would be the same."""
+
+    def __init__(self, code: str):
+        super().__init__(code)
+        self.code = code
+
+
+#: The folder in which a run's compiles claim their TTIR's hash (``_prepare_environment``),
+#: and the hash the compile in progress claimed.
+_CLAIMS: dict = {"folder": None, "code": None}
+
+
+def _claim_ttir(module, target, options) -> None:
+    """Claim this TTIR for the compile in progress, or raise ``SameCode``: one file a hash,
+    created exclusively, so that the processes of a run compile each TTIR once."""
+    import hashlib
+
+    folder = _CLAIMS["folder"]
+    if folder is None:
+        return
+    code = hashlib.sha256(f"{target!r}\n{options!r}\n{module}".encode()).hexdigest()[:32]
+    try:
+        os.close(os.open(os.path.join(folder, code), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        raise SameCode(code) from None
+    _CLAIMS["code"] = code
+
+
+def _share_same_code() -> None:
+    """Put ``_claim_ttir`` after the CUDA backend's TTIR stage (once a process)."""
+    from triton.backends import backends
+
+    # the class triton.compile builds (Triton 3.1 loads it under another module's name)
+    CUDABackend = backends["nvidia"].compiler
+    add_stages = CUDABackend.add_stages
+    if getattr(add_stages, "claims_ttir", False):
+        return
+
+    def with_claim(self, stages, options, *rest):
+        add_stages(self, stages, options, *rest)
+        make_ttir = stages.get("ttir")
+        if make_ttir is not None:
+            def ttir(src, metadata):
+                module = make_ttir(src, metadata)
+                _claim_ttir(module, self.target, options)
+                return module
+            stages["ttir"] = ttir
+
+    with_claim.claims_ttir = True
+    CUDABackend.add_stages = with_claim
+
+
 def compile_one(spec: Spec) -> Result:
-    """Compile one specialization and read ptxas's resource report."""
+    """Compile one specialization and read ptxas's resource report (in a run of
+    several: ``same_code_as`` set later where its TTIR was another's)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -486,6 +557,7 @@ def compile_one(spec: Spec) -> Result:
     fn = getattr(kc, spec.kernel)
     start = time.perf_counter()
     out = io.StringIO()
+    _CLAIMS["code"] = None
     try:
         sig, constexprs, attrs = _specialize(fn, spec)
         src = _ast_source(fn, sig, constexprs, attrs)
@@ -494,13 +566,16 @@ def compile_one(spec: Spec) -> Result:
                                     options={"num_warps": spec.num_warps,
                                              "num_stages": spec.num_stages})
         log = _ptxas_log(kernel, spec.arch, out.getvalue())
+    except SameCode as same:       # resolved by ``run`` from the result of the claim
+        return Result(spec, True, code=same.code, same_code_as="?",
+                      seconds=time.perf_counter() - start)
     except Exception as exc:       # a compile error is the result, not a crash of the check
         lines = [line for line in str(exc).splitlines() if line.strip()]
         cause = exc.__cause__
         while cause is not None:   # Triton wraps the real message (e.g. a NameError)
             lines.append(f"{type(cause).__name__}: {cause}".splitlines()[0])
             cause = cause.__cause__
-        return Result(spec, False, error="\n".join(lines[-6:])[:1500],
+        return Result(spec, False, error="\n".join(lines[-6:])[:1500], code=_CLAIMS["code"],
                       seconds=time.perf_counter() - start)
     values = {k: int(m.group(1)) if (m := rx.search(log)) else None for k, rx in _PTXAS.items()}
     shared = getattr(kernel.metadata, "shared", None)
@@ -515,7 +590,7 @@ def compile_one(spec: Spec) -> Result:
         wide.update(splats[v] for v in _WIDE_TENSOR.findall(line) if v in splats)
     wide = sorted(wide)
     return Result(spec, True, shared_bytes=shared, wide_pointers=wide, async_copies=copies,
-                  seconds=time.perf_counter() - start,
+                  seconds=time.perf_counter() - start, code=_CLAIMS["code"],
                   log=[line.strip() for line in log.splitlines() if "bytes" in line or "Used" in line],
                   **values)
 
@@ -573,12 +648,10 @@ def pairwise(specs: list[Spec], configs: bool = False, given: list[Spec] = ()) -
     return [s for i, s in enumerate(specs) if i in chosen]
 
 
-def _compile_many(specs: list[Spec]) -> list[Result]:
-    return [compile_one(s) for s in specs]
-
-
 def _prepare_environment(cache_dir: str) -> None:
     os.environ["TRITON_CACHE_DIR"] = cache_dir
+    # every compile runs its stages (a cached kernel skips the TTIR stage, where the claims are)
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     # ptxas's -v report on stdout (Triton 3.5+; before it, _ptxas_log runs ptxas again)
     os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
     # the runtime default, said aloud (_ptxas_log's own ptxas run keeps it: no --fmad=false)
@@ -586,22 +659,47 @@ def _prepare_environment(cache_dir: str) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
 
 
+def _same_code(results: list[Result]) -> list[Result]:
+    """Each result of a TTIR claimed by another compile: that compile's result (ok, error,
+    registers, spills …) under its own spec, ``same_code_as`` naming the other."""
+    owners = {r.code: r for r in results if r.code is not None and r.same_code_as is None}
+    out = []
+    for r in results:
+        if r.same_code_as is not None:
+            owner = owners[r.code]
+            r = replace(owner, spec=r.spec, seconds=r.seconds, same_code_as=owner.spec.name)
+        out.append(r)
+    return out
+
+
+def _compile_part(cache_dir: str, specs: list[Spec]) -> list[Result]:
+    """Compile ``specs`` in this process, claiming each TTIR in ``cache_dir``'s claims."""
+    _prepare_environment(cache_dir)
+    _CLAIMS["folder"] = os.path.join(cache_dir, "fastcl-ttir-claims")
+    os.makedirs(_CLAIMS["folder"], exist_ok=True)
+    _share_same_code()
+    try:
+        return [compile_one(s) for s in specs]
+    finally:
+        _CLAIMS["folder"] = None
+
+
 def run(specs: list[Spec], jobs: int = 1) -> list[Result]:
-    """Compile ``specs`` in ``jobs`` processes, in a fresh private Triton cache."""
+    """Compile ``specs`` in ``jobs`` processes, in a fresh private Triton cache, each TTIR
+    once."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1" and "fastcl.kernels.contrastive" in sys.modules:
         raise RuntimeError("compile_check needs the jitted kernels: run it in a process "
                            "without TRITON_INTERPRET=1")
     with tempfile.TemporaryDirectory(prefix="fastcl-triton-cache-") as cache:
-        _prepare_environment(cache)
         if jobs <= 1:
-            return _compile_many(specs)
+            return _same_code(_compile_part(cache, specs))
         parts = [specs[i::jobs] for i in range(jobs)]
         with ProcessPoolExecutor(jobs) as pool:
-            done = list(pool.map(_compile_many, parts))
+            done = list(pool.map(_compile_part, [cache] * jobs, parts))
     results = [None] * len(specs)
     for i, part in enumerate(done):        # back in the order of ``specs``
         results[i::jobs] = part
-    return results
+    return _same_code(results)
 
 
 def report(results: list[Result], allow_spills: bool = False) -> str:
@@ -617,13 +715,17 @@ def report(results: list[Result], allow_spills: bool = False) -> str:
                      f"{r.spills:>6} {r.stack_frame if r.stack_frame is not None else '-':>6} "
                      f"{r.shared_bytes if r.shared_bytes is not None else '-':>7} "
                      f"{r.async_copies:>5}  {status}")
+        if r.same_code_as:
+            lines.append(f"    (the TTIR of {r.same_code_as}: its result)")
         if r.error:
             lines += ["    " + line for line in r.error.splitlines()]
     errors = sum(not r.ok for r in results)
     spilling = sum(r.ok and r.failed for r in results)
     outcome = (f"{errors} errors, {spilling} spilling (allowed here: --allow-spills)" if allow_spills
                else f"{errors + spilling} failed")
-    lines.append(f"{len(results)} specializations, {outcome}, "
+    shared = sum(r.same_code_as is not None for r in results)
+    lines.append(f"{len(results)} specializations ({len(results) - shared} compiled, {shared} "
+                 f"the same TTIR as one of them), {outcome}, "
                  f"{sum(r.seconds for r in results):.0f} s of compiling")
     return "\n".join(lines)
 
