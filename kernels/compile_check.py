@@ -443,15 +443,12 @@ _PTXAS = {
 }
 
 
-def _ptxas_log(kernel, arch: int, printed: str) -> str:
-    """ptxas's ``-v`` report of ``kernel``: what the compile printed where the installed Triton
-    prints it (``TRITON_DUMP_PTXAS_LOG``, 3.5+), else the wheel's own ptxas run again with
-    ``-v`` on the kernel's PTX, with the flags Triton gives it (line info, the target's
-    ``sm_90a`` name; fused multiply-adds on, the default)."""
+def _run_ptxas(ptx_text: str, arch: int, fmad: bool = True) -> tuple[bytes, str]:
+    """The wheel's own ptxas with ``-v`` on ``ptx_text``, with the flags Triton gives it (line
+    info unless ``TRITON_DISABLE_LINE_INFO``, the target's ``sm_90a`` name, fused
+    multiply-adds as ``fmad``): ``(cubin, its report)``."""
     import subprocess
 
-    if _PTXAS["registers"].search(printed):
-        return printed
     import triton
     from triton.backends.nvidia import compiler as nv
 
@@ -465,14 +462,27 @@ def _ptxas_log(kernel, arch: int, printed: str) -> str:
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     name = (nv.sm_arch_from_capability(arch) if hasattr(nv, "sm_arch_from_capability")
             else f"sm_{arch}{'a' if arch == 90 else ''}")
+    flags = ([] if os.environ.get("TRITON_DISABLE_LINE_INFO") else ["-lineinfo"]) + (
+        [] if fmad else ["--fmad=false"])
     with tempfile.TemporaryDirectory(prefix="fastcl-ptxas-") as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
+        ptx, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        proc = subprocess.run([ptxas, "-lineinfo", "-v", f"--gpu-name={name}", ptx,
-                               "-o", os.path.join(tmp, "kernel.cubin")],
-                              capture_output=True, text=True, check=True)
-    return printed + proc.stdout + proc.stderr
+            f.write(ptx_text)
+        proc = subprocess.run([ptxas, *flags, "-v", f"--gpu-name={name}", ptx, "-o", cubin],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"`ptxas` failed with error code {proc.returncode}: \n{proc.stderr}")
+        with open(cubin, "rb") as f:
+            return f.read(), proc.stdout + proc.stderr
+
+
+def _ptxas_log(kernel, arch: int, printed: str) -> str:
+    """ptxas's ``-v`` report of ``kernel``: what the compile printed where the installed Triton
+    prints it (``TRITON_DUMP_PTXAS_LOG``, 3.5+; on 3.1, ``_hook_stages``'s cubin stage), else
+    the wheel's own ptxas run again with ``-v`` on the kernel's PTX (``_run_ptxas``)."""
+    if _PTXAS["registers"].search(printed):
+        return printed
+    return printed + _run_ptxas(kernel.asm["ptx"], arch)[1]
 
 
 _WIDE_ADDPTR = re.compile(r"tt\.addptr %(\w+_ptr), %[\w.#]+ : !tt\.ptr<\w+>, i64")
@@ -501,9 +511,9 @@ class SameCode(Exception):
         self.code = code
 
 
-#: The folder in which a run's compiles claim their TTIR's hash (``_prepare_environment``),
-#: and the hash the compile in progress claimed.
-_CLAIMS: dict = {"folder": None, "code": None}
+#: The folder in which a run's compiles claim their TTIR's hash (``_compile_part``), the hash
+#: the compile in progress claimed, and its ptxas report where ``_hook_stages`` ran ptxas.
+_CLAIMS: dict = {"folder": None, "code": None, "ptxas": None}
 
 
 def _claim_ttir(module, target, options) -> None:
@@ -522,17 +532,22 @@ def _claim_ttir(module, target, options) -> None:
     _CLAIMS["code"] = code
 
 
-def _share_same_code() -> None:
-    """Put ``_claim_ttir`` after the CUDA backend's TTIR stage (once a process)."""
+def _hook_stages() -> None:
+    """Put ``_claim_ttir`` after the CUDA backend's TTIR stage; on Triton 3.1, which keeps
+    ptxas's ``-v`` report to itself, make its cubin stage the same ptxas command with the
+    report kept (``_run_ptxas``: 3.1's own flags), so that ptxas runs once (once a process)."""
     from triton.backends import backends
+
+    from . import configs as cfg
 
     # the class triton.compile builds (Triton 3.1 loads it under another module's name)
     CUDABackend = backends["nvidia"].compiler
     add_stages = CUDABackend.add_stages
-    if getattr(add_stages, "claims_ttir", False):
+    if getattr(add_stages, "fastcl_hooks", False):
         return
+    keeps_report = cfg.triton_version() < (3, 2)
 
-    def with_claim(self, stages, options, *rest):
+    def with_hooks(self, stages, options, *rest):
         add_stages(self, stages, options, *rest)
         make_ttir = stages.get("ttir")
         if make_ttir is not None:
@@ -541,9 +556,15 @@ def _share_same_code() -> None:
                 _claim_ttir(module, self.target, options)
                 return module
             stages["ttir"] = ttir
+        if keeps_report and "cubin" in stages:
+            def cubin(ptx, metadata):
+                data, _CLAIMS["ptxas"] = _run_ptxas(ptx, self.target.arch,
+                                                    options.enable_fp_fusion)
+                return data
+            stages["cubin"] = cubin
 
-    with_claim.claims_ttir = True
-    CUDABackend.add_stages = with_claim
+    with_hooks.fastcl_hooks = True
+    CUDABackend.add_stages = with_hooks
 
 
 def compile_one(spec: Spec) -> Result:
@@ -557,7 +578,7 @@ def compile_one(spec: Spec) -> Result:
     fn = getattr(kc, spec.kernel)
     start = time.perf_counter()
     out = io.StringIO()
-    _CLAIMS["code"] = None
+    _CLAIMS["code"] = _CLAIMS["ptxas"] = None
     try:
         sig, constexprs, attrs = _specialize(fn, spec)
         src = _ast_source(fn, sig, constexprs, attrs)
@@ -565,7 +586,7 @@ def compile_one(spec: Spec) -> Result:
             kernel = triton.compile(src, target=GPUTarget("cuda", spec.arch, 32),
                                     options={"num_warps": spec.num_warps,
                                              "num_stages": spec.num_stages})
-        log = _ptxas_log(kernel, spec.arch, out.getvalue())
+        log = _ptxas_log(kernel, spec.arch, out.getvalue() + (_CLAIMS["ptxas"] or ""))
     except SameCode as same:       # resolved by ``run`` from the result of the claim
         return Result(spec, True, code=same.code, same_code_as="?",
                       seconds=time.perf_counter() - start)
@@ -677,7 +698,7 @@ def _compile_part(cache_dir: str, specs: list[Spec]) -> list[Result]:
     _prepare_environment(cache_dir)
     _CLAIMS["folder"] = os.path.join(cache_dir, "fastcl-ttir-claims")
     os.makedirs(_CLAIMS["folder"], exist_ok=True)
-    _share_same_code()
+    _hook_stages()
     try:
         return [compile_one(s) for s in specs]
     finally:
