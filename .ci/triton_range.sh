@@ -18,7 +18,10 @@
 #     under numpy 2's type promotion, and those of 3.1 and 3.6 stop under numpy 2.4 (a size-1
 #     array is no scalar there); the compiled kernels depend on neither. (The newest Triton
 #     runs them in the suite.)
-# Fails on any failure. FASTCL_TRITON_FLOOR / FASTCL_TRITON_MID override the versions.
+# `bash .ci/triton_range.sh [VERSION ...]`: those Tritons (`floor` and `mid` name the two above;
+# both by default: CI runs each as a job of its own, .ci/tests). Fails on any failure.
+# FASTCL_TRITON_FLOOR / FASTCL_TRITON_MID override the versions; FASTCL_CI_JOBS the compile
+# check's processes (the machine's cores by default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,7 +56,12 @@ spec() { if [[ "$1" =~ ^[0-9]+\.[0-9]+$ ]]; then echo "triton==$1.*"; else echo 
 step() { echo "== $1 ($(( SECONDS - t0 )) s so far)"; }
 t0=$SECONDS
 
-for version in "$floor" "$mid"; do
+(( $# )) || set -- floor mid
+versions=()
+for arg in "$@"; do
+    case "$arg" in floor) versions+=("$floor") ;; mid) versions+=("$mid") ;; *) versions+=("$arg") ;; esac
+done
+for version in "${versions[@]}"; do
     dir="$tmp/triton-$version"
     step "Triton $(spec "$version"): install into $dir"
     python -m pip install --quiet --no-deps --target "$dir" "$(spec "$version")"

@@ -17,7 +17,11 @@ default run and each option compile: docs/testing.md.
     python -m fastcl.kernels.compile_check --sim-candidates   # what the lists are chosen from
 
 Each run compiles into a fresh, private ``TRITON_CACHE_DIR`` (Triton's cache key does not
-see every module global a kernel reads), without ``TRITON_INTERPRET=1``.
+see every module global a kernel reads), without ``TRITON_INTERPRET=1``. What follows the TTIR
+(the GPU's IR, LLVM, PTX, ptxas) is a function of the TTIR, the target and the options alone:
+specializations whose TTIR is the same (a flag a kernel does not read, the row kernel's
+GUIDE, the similarity kernel's SOFT) are compiled once in a run and share that result
+(``Result.same_code_as``; ``_claim_ttir``).
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ class Result:
     wide_pointers: list = field(default_factory=list)  # pointer args offset in int64
     seconds: float = 0.0
     log: list = field(default_factory=list)
+    same_code_as: str | None = None   # a specialization of the run with the same TTIR: its result
+    code: str | None = None           # the hash of the TTIR, the target and the options
 
     @property
     def spills(self) -> int:
@@ -172,23 +178,32 @@ def candidates(archs=ARCHS, dtypes=None) -> list[Spec]:
 
 
 def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = False,
-                    launches=("aligned", "unaligned"), exhaustive: bool = False) -> list[Spec]:
+                    launches=("aligned", "unaligned"), exhaustive: bool = False,
+                    given: list[Spec] = ()) -> list[Spec]:
     """What fastcl can launch: every kernel and flag set with the configs in use (the lists
     of the installed Triton), each in every mode its objective is launched in (``modes``),
     on the (arch, dtype) pairs of ``SUBSET`` (``full``: all of them; ``rest``: all but
     ``SUBSET``; ``dtypes``: these on ``archs``), for ``launches``. Unless ``exhaustive`` (or
     ``full``/``rest``), the aligned launches are ``first_configs`` plus each config of each
     list once on each target, and the unaligned ones a covering subset (``pairwise``) given
-    the aligned ones (docs/testing.md)."""
+    the aligned ones and ``given`` (docs/testing.md). ``SUBSET`` is built a dtype at a time,
+    each given the ones before: its bf16 part is the bf16 check's
+    (``--arch 80 90 --dtype bfloat16``) spec for spec."""
     from . import configs as cfg
     from . import contrastive as kc
 
+    if dtypes is None and not (full or rest):
+        specs = []
+        for dtype in dict.fromkeys(d for _, d in SUBSET):
+            on = tuple(a for a in archs if (a, dtype) in SUBSET)
+            if on:
+                specs += specializations(archs=on, dtypes=[dtype], launches=launches,
+                                         exhaustive=exhaustive, given=list(given) + specs)
+        return specs
     if dtypes is not None:
         pairs = [(a, d) for a in archs for d in dtypes]
-    elif full or rest:
-        pairs = [(a, d) for a in archs for d in DTYPES if not (rest and (a, d) in SUBSET)]
     else:
-        pairs = [(a, d) for a, d in SUBSET if a in archs]
+        pairs = [(a, d) for a in archs for d in DTYPES if not (rest and (a, d) in SUBSET)]
     specs = []
     for arch, dtype in pairs:
         for variant, f in cfg.VARIANTS.items():
@@ -242,7 +257,8 @@ def specializations(full: bool = False, archs=ARCHS, dtypes=None, rest: bool = F
         # chain rule at the unaligned launch's own width)
         mirror = [replace(s, launch="unaligned", args={k: v for k, v in s.args.items() if k != "D"})
                   for s in specs if s.args.get("D", 768) == 768]
-        aligned = aligned + (mirror if exhaustive else pairwise(first_configs(mirror), given=aligned))
+        aligned = aligned + (mirror if exhaustive else
+                             pairwise(first_configs(mirror), given=list(given) + aligned))
     return aligned
 
 
@@ -430,15 +446,12 @@ _PTXAS = {
 }
 
 
-def _ptxas_log(kernel, arch: int, printed: str) -> str:
-    """ptxas's ``-v`` report of ``kernel``: what the compile printed where the installed Triton
-    prints it (``TRITON_DUMP_PTXAS_LOG``, 3.5+), else the wheel's own ptxas run again with
-    ``-v`` on the kernel's PTX, with the flags Triton gives it (line info, the target's
-    ``sm_90a`` name; fused multiply-adds on, the default)."""
+def _run_ptxas(ptx_text: str, arch: int, fmad: bool = True) -> tuple[bytes, str]:
+    """The wheel's own ptxas with ``-v`` on ``ptx_text``, with the flags Triton gives it (line
+    info unless ``TRITON_DISABLE_LINE_INFO``, the target's ``sm_90a`` name, fused
+    multiply-adds as ``fmad``): ``(cubin, its report)``."""
     import subprocess
 
-    if _PTXAS["registers"].search(printed):
-        return printed
     import triton
     from triton.backends.nvidia import compiler as nv
 
@@ -452,14 +465,27 @@ def _ptxas_log(kernel, arch: int, printed: str) -> str:
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     name = (nv.sm_arch_from_capability(arch) if hasattr(nv, "sm_arch_from_capability")
             else f"sm_{arch}{'a' if arch == 90 else ''}")
+    flags = ([] if os.environ.get("TRITON_DISABLE_LINE_INFO") else ["-lineinfo"]) + (
+        [] if fmad else ["--fmad=false"])
     with tempfile.TemporaryDirectory(prefix="fastcl-ptxas-") as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
+        ptx, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        proc = subprocess.run([ptxas, "-lineinfo", "-v", f"--gpu-name={name}", ptx,
-                               "-o", os.path.join(tmp, "kernel.cubin")],
-                              capture_output=True, text=True, check=True)
-    return printed + proc.stdout + proc.stderr
+            f.write(ptx_text)
+        proc = subprocess.run([ptxas, *flags, "-v", f"--gpu-name={name}", ptx, "-o", cubin],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"`ptxas` failed with error code {proc.returncode}: \n{proc.stderr}")
+        with open(cubin, "rb") as f:
+            return f.read(), proc.stdout + proc.stderr
+
+
+def _ptxas_log(kernel, arch: int, printed: str) -> str:
+    """ptxas's ``-v`` report of ``kernel``: what the compile printed where the installed Triton
+    prints it (``TRITON_DUMP_PTXAS_LOG``, 3.5+; on 3.1, ``_hook_stages``'s cubin stage), else
+    the wheel's own ptxas run again with ``-v`` on the kernel's PTX (``_run_ptxas``)."""
+    if _PTXAS["registers"].search(printed):
+        return printed
+    return printed + _run_ptxas(kernel.asm["ptx"], arch)[1]
 
 
 _WIDE_ADDPTR = re.compile(r"tt\.addptr %(\w+_ptr), %[\w.#]+ : !tt\.ptr<\w+>, i64")
@@ -479,8 +505,74 @@ def _named_ttir(ttir: str, names: list) -> str:
                   else m.group(0), ttir)
 
 
+class SameCode(Exception):
+    """Raised at the TTIR stage of a specialization whose TTIR (with the target and the
+    options) another compile of the run has claimed: what follows would be the same."""
+
+    def __init__(self, code: str):
+        super().__init__(code)
+        self.code = code
+
+
+#: The folder in which a run's compiles claim their TTIR's hash (``_compile_part``), the hash
+#: the compile in progress claimed, and its ptxas report where ``_hook_stages`` ran ptxas.
+_CLAIMS: dict = {"folder": None, "code": None, "ptxas": None}
+
+
+def _claim_ttir(module, target, options) -> None:
+    """Claim this TTIR for the compile in progress, or raise ``SameCode``: one file a hash,
+    created exclusively, so that the processes of a run compile each TTIR once."""
+    import hashlib
+
+    folder = _CLAIMS["folder"]
+    if folder is None:
+        return
+    code = hashlib.sha256(f"{target!r}\n{options!r}\n{module}".encode()).hexdigest()[:32]
+    try:
+        os.close(os.open(os.path.join(folder, code), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        raise SameCode(code) from None
+    _CLAIMS["code"] = code
+
+
+def _hook_stages() -> None:
+    """Put ``_claim_ttir`` after the CUDA backend's TTIR stage; on Triton 3.1, which keeps
+    ptxas's ``-v`` report to itself, make its cubin stage the same ptxas command with the
+    report kept (``_run_ptxas``: 3.1's own flags), so that ptxas runs once (once a process)."""
+    from triton.backends import backends
+
+    from . import configs as cfg
+
+    # the class triton.compile builds (Triton 3.1 loads it under another module's name)
+    CUDABackend = backends["nvidia"].compiler
+    add_stages = CUDABackend.add_stages
+    if getattr(add_stages, "fastcl_hooks", False):
+        return
+    keeps_report = cfg.triton_version() < (3, 2)
+
+    def with_hooks(self, stages, options, *rest):
+        add_stages(self, stages, options, *rest)
+        make_ttir = stages.get("ttir")
+        if make_ttir is not None:
+            def ttir(src, metadata):
+                module = make_ttir(src, metadata)
+                _claim_ttir(module, self.target, options)
+                return module
+            stages["ttir"] = ttir
+        if keeps_report and "cubin" in stages:
+            def cubin(ptx, metadata):
+                data, _CLAIMS["ptxas"] = _run_ptxas(ptx, self.target.arch,
+                                                    options.enable_fp_fusion)
+                return data
+            stages["cubin"] = cubin
+
+    with_hooks.fastcl_hooks = True
+    CUDABackend.add_stages = with_hooks
+
+
 def compile_one(spec: Spec) -> Result:
-    """Compile one specialization and read ptxas's resource report."""
+    """Compile one specialization and read ptxas's resource report (in a run of
+    several: ``same_code_as`` set later where its TTIR was another's)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -489,6 +581,7 @@ def compile_one(spec: Spec) -> Result:
     fn = getattr(kc, spec.kernel)
     start = time.perf_counter()
     out = io.StringIO()
+    _CLAIMS["code"] = _CLAIMS["ptxas"] = None
     try:
         sig, constexprs, attrs = _specialize(fn, spec)
         src = _ast_source(fn, sig, constexprs, attrs)
@@ -496,14 +589,17 @@ def compile_one(spec: Spec) -> Result:
             kernel = triton.compile(src, target=GPUTarget("cuda", spec.arch, 32),
                                     options={"num_warps": spec.num_warps,
                                              "num_stages": spec.num_stages})
-        log = _ptxas_log(kernel, spec.arch, out.getvalue())
+        log = _ptxas_log(kernel, spec.arch, out.getvalue() + (_CLAIMS["ptxas"] or ""))
+    except SameCode as same:       # resolved by ``run`` from the result of the claim
+        return Result(spec, True, code=same.code, same_code_as="?",
+                      seconds=time.perf_counter() - start)
     except Exception as exc:       # a compile error is the result, not a crash of the check
         lines = [line for line in str(exc).splitlines() if line.strip()]
         cause = exc.__cause__
         while cause is not None:   # Triton wraps the real message (e.g. a NameError)
             lines.append(f"{type(cause).__name__}: {cause}".splitlines()[0])
             cause = cause.__cause__
-        return Result(spec, False, error="\n".join(lines[-6:])[:1500],
+        return Result(spec, False, error="\n".join(lines[-6:])[:1500], code=_CLAIMS["code"],
                       seconds=time.perf_counter() - start)
     values = {k: int(m.group(1)) if (m := rx.search(log)) else None for k, rx in _PTXAS.items()}
     shared = getattr(kernel.metadata, "shared", None)
@@ -518,7 +614,7 @@ def compile_one(spec: Spec) -> Result:
         wide.update(splats[v] for v in _WIDE_TENSOR.findall(line) if v in splats)
     wide = sorted(wide)
     return Result(spec, True, shared_bytes=shared, wide_pointers=wide, async_copies=copies,
-                  seconds=time.perf_counter() - start,
+                  seconds=time.perf_counter() - start, code=_CLAIMS["code"],
                   log=[line.strip() for line in log.splitlines() if "bytes" in line or "Used" in line],
                   **values)
 
@@ -576,12 +672,10 @@ def pairwise(specs: list[Spec], configs: bool = False, given: list[Spec] = ()) -
     return [s for i, s in enumerate(specs) if i in chosen]
 
 
-def _compile_many(specs: list[Spec]) -> list[Result]:
-    return [compile_one(s) for s in specs]
-
-
 def _prepare_environment(cache_dir: str) -> None:
     os.environ["TRITON_CACHE_DIR"] = cache_dir
+    # every compile runs its stages (a cached kernel skips the TTIR stage, where the claims are)
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
     # ptxas's -v report on stdout (Triton 3.5+; before it, _ptxas_log runs ptxas again)
     os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
     # the runtime default, said aloud (_ptxas_log's own ptxas run keeps it: no --fmad=false)
@@ -589,22 +683,47 @@ def _prepare_environment(cache_dir: str) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
 
 
+def _same_code(results: list[Result]) -> list[Result]:
+    """Each result of a TTIR claimed by another compile: that compile's result (ok, error,
+    registers, spills …) under its own spec, ``same_code_as`` naming the other."""
+    owners = {r.code: r for r in results if r.code is not None and r.same_code_as is None}
+    out = []
+    for r in results:
+        if r.same_code_as is not None:
+            owner = owners[r.code]
+            r = replace(owner, spec=r.spec, seconds=r.seconds, same_code_as=owner.spec.name)
+        out.append(r)
+    return out
+
+
+def _compile_part(cache_dir: str, specs: list[Spec]) -> list[Result]:
+    """Compile ``specs`` in this process, claiming each TTIR in ``cache_dir``'s claims."""
+    _prepare_environment(cache_dir)
+    _CLAIMS["folder"] = os.path.join(cache_dir, "fastcl-ttir-claims")
+    os.makedirs(_CLAIMS["folder"], exist_ok=True)
+    _hook_stages()
+    try:
+        return [compile_one(s) for s in specs]
+    finally:
+        _CLAIMS["folder"] = None
+
+
 def run(specs: list[Spec], jobs: int = 1) -> list[Result]:
-    """Compile ``specs`` in ``jobs`` processes, in a fresh private Triton cache."""
+    """Compile ``specs`` in ``jobs`` processes, in a fresh private Triton cache, each TTIR
+    once."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1" and "fastcl.kernels.contrastive" in sys.modules:
         raise RuntimeError("compile_check needs the jitted kernels: run it in a process "
                            "without TRITON_INTERPRET=1")
     with tempfile.TemporaryDirectory(prefix="fastcl-triton-cache-") as cache:
-        _prepare_environment(cache)
         if jobs <= 1:
-            return _compile_many(specs)
+            return _same_code(_compile_part(cache, specs))
         parts = [specs[i::jobs] for i in range(jobs)]
         with ProcessPoolExecutor(jobs) as pool:
-            done = list(pool.map(_compile_many, parts))
+            done = list(pool.map(_compile_part, [cache] * jobs, parts))
     results = [None] * len(specs)
     for i, part in enumerate(done):        # back in the order of ``specs``
         results[i::jobs] = part
-    return results
+    return _same_code(results)
 
 
 def report(results: list[Result], allow_spills: bool = False) -> str:
@@ -620,13 +739,17 @@ def report(results: list[Result], allow_spills: bool = False) -> str:
                      f"{r.spills:>6} {r.stack_frame if r.stack_frame is not None else '-':>6} "
                      f"{r.shared_bytes if r.shared_bytes is not None else '-':>7} "
                      f"{r.async_copies:>5}  {status}")
+        if r.same_code_as:
+            lines.append(f"    (the TTIR of {r.same_code_as}: its result)")
         if r.error:
             lines += ["    " + line for line in r.error.splitlines()]
     errors = sum(not r.ok for r in results)
     spilling = sum(r.ok and r.failed for r in results)
     outcome = (f"{errors} errors, {spilling} spilling (allowed here: --allow-spills)" if allow_spills
                else f"{errors + spilling} failed")
-    lines.append(f"{len(results)} specializations, {outcome}, "
+    shared = sum(r.same_code_as is not None for r in results)
+    lines.append(f"{len(results)} specializations ({len(results) - shared} compiled, {shared} "
+                 f"the same TTIR as one of them), {outcome}, "
                  f"{sum(r.seconds for r in results):.0f} s of compiling")
     return "\n".join(lines)
 

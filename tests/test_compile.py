@@ -49,7 +49,9 @@ pytestmark = pytest.mark.skipif(_cuda_backend_missing() is not None,
 def _run_check(tmp_path, *args):
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "fastcl.kernels.compile_check", "--jobs", "2",
+    # two processes, or FASTCL_COMPILE_JOBS (.ci/tests: 1, a process a core)
+    jobs = os.environ.get("FASTCL_COMPILE_JOBS", "2")
+    proc = subprocess.run([sys.executable, "-m", "fastcl.kernels.compile_check", "--jobs", jobs,
                            "--json", str(out), *args],
                           capture_output=True, text=True, env=env, timeout=1500)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -98,6 +100,43 @@ def test_every_variant_and_kernel_is_covered(subset):
     for kernel in ("_similarity_kernel", "_row_kernel"):
         assert {(kernel, v) for v in VARIANTS} <= unaligned, kernel
     assert ("_tangent_kernel", "d=768") in unaligned
+
+
+def test_the_subset_holds_the_bf16_check(subset):
+    """The default run's bf16 part is the full bf16 check (``--arch 80 90 --dtype
+    bfloat16``, which .ci/triton_range.sh runs on the floor Triton and on 3.6) spec for spec:
+    on the newest Triton, CI's run of that check is this one."""
+    _, results = subset
+    # (listed as the check lists them: without TRITON_INTERPRET=1, the GPU's tile sizes)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    listing = ("import json; from fastcl.kernels.compile_check import specializations; "
+               "print(json.dumps([s.name for s in specializations(archs=(80, 90), "
+               "dtypes=['bfloat16'])]))")
+    proc = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bf16 = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(bf16) > 400
+    assert [r["name"] for r in results if r["spec"]["dtype"] == "bfloat16"] == bf16
+    assert not [r for r in results if r["failed"]]
+
+
+def test_the_same_ttir_is_compiled_once(subset):
+    """Specializations with the same TTIR (a flag the kernel does not read: the row kernel's
+    GUIDE) share one compile's result, which names a compile of the run."""
+    _, results = subset
+    compiled = {r["name"]: r for r in results if r["same_code_as"] is None}
+    shared = [r for r in results if r["same_code_as"] is not None]
+    assert shared
+    for r in shared:
+        owner = compiled[r["same_code_as"]]
+        assert owner["code"] == r["code"] and owner["spec"]["kernel"] == r["spec"]["kernel"]
+        assert (owner["registers"], owner["spill_stores"]) == (r["registers"], r["spill_stores"])
+    # the row kernel reads no GUIDE: a flag set with the guide shares its row kernels
+    rows = {(r["spec"]["variant"], r["spec"]["dtype"], r["spec"]["arch"],
+             r["spec"]["constexprs"]["WANT_GRAD"]): r for r in results
+            if r["spec"]["kernel"] == "_row_kernel" and r["spec"]["launch"] == "aligned"}
+    assert rows[("rules-guide", "bfloat16", 90, True)]["code"] == rows[("rules", "bfloat16", 90, True)]["code"]
 
 
 def test_the_aligned_launch_pipelines_the_k_loop(subset):
