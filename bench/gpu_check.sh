@@ -42,6 +42,10 @@
 #
 # Usage:
 #   bash bench/gpu_check.sh              # on the GPU machine, from anywhere
+#   STAGES="tests-gpu e2e" NAME=rerun bash bench/gpu_check.sh
+#                                        # only those stages (a rerun after a fix), its files
+#                                        # named $STEM-rerun-<what>; ALT_LIMIT=S gives the
+#                                        # alternatives stage S seconds (default 60)
 #   bash bench/gpu_check.sh --dry-run    # a CPU-only machine: the same stages at tiny sizes,
 #                                        # one thread, a few small tests in Triton's interpreter;
 #                                        # results in $RESULTS_DIR (default
@@ -110,7 +114,7 @@ else
     DEV=$(echo "$GPU" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+//; s/-+$//')
 fi
 mkdir -p "$RES"
-STEM="$RES/$DEV-$DATE"
+STEM="$RES/$DEV-$DATE${NAME:+-$NAME}"
 ERRORS=0
 
 echo "== fastcl GPU check: $DEV, $PY, deadline ${DEADLINE}s, results in $RES"
@@ -130,6 +134,9 @@ limit() {
 stage() {
     local name=$1 t=$2 tail_lines=$3
     shift 3
+    if [ -n "${STAGES:-}" ] && [[ " $STAGES " != *" $name "* ]]; then
+        return 0
+    fi
     if [ "$t" -lt 30 ]; then
         echo "== $name: skipped (${t}s left of the ${DEADLINE}s deadline)"
         printf '%s\tskipped\t0\t%s\n' "$name" "$t" >>"$SUMMARY_TSV"
@@ -177,7 +184,7 @@ else
     LARGEST_ARGS=()
     ALT_ARGS=(--n 16384,32768 --d 768 --dtype bfloat16)
     ALT_BIG_ARGS=(--n 65536,131072,262144 --d 768 --dtype bfloat16)
-    ALT_LIMIT=60
+    ALT_LIMIT=${ALT_LIMIT:-60}
     TESTS=(tests/test_triton.py tests/test_matches_reference.py -k "triton or gpu")
     XDIST=()
     if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 8); fi

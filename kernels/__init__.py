@@ -12,17 +12,19 @@ import sys
 if __name__ != "fastcl.kernels":
     # Found as a top-level ``kernels``: a checkout's root is on sys.path (``python -m pytest``,
     # ``python train.py``), and that name belongs to another package (Hugging Face's
-    # ``kernels``, which transformers imports). Hand the name to the next package that has it,
-    # so that this folder never shadows it; without one, the import fails as it would have.
+    # ``kernels``, which transformers probes). Hand the name to the next package that has it,
+    # so that this folder never shadows it. Without one, the name becomes what a bare folder
+    # on sys.path would be, an empty namespace package: transformers finds the name, imports
+    # it and reads "no version, no file" as not installed (raising here instead broke its
+    # probe, and with it ``import transformers``'s models).
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
     _spec = importlib.machinery.PathFinder.find_spec(__name__, _path)
-    if _spec is None:
-        del sys.modules[__name__]
-        raise ModuleNotFoundError(f"No module named {__name__!r}", name=__name__)
-    _module = importlib.util.module_from_spec(_spec)
+    _module = importlib.util.module_from_spec(
+        _spec or importlib.machinery.ModuleSpec(__name__, None, is_package=True))
     sys.modules[__name__] = _module     # the import statement returns what sys.modules holds
-    _spec.loader.exec_module(_module)
+    if _spec is not None:
+        _spec.loader.exec_module(_module)
 
 
 def triton_available() -> bool:

@@ -170,11 +170,12 @@ def correlated(x, noise=0.5, seed=1):
     return y.to(x.device, x.dtype).requires_grad_(x.requires_grad)
 
 
-def loss_and_grads(fn, inputs):
+def loss_and_grads(fn, inputs, scale=1.0):
+    """``fn()`` and the gradients of ``scale · fn()`` (a loss scaler's upstream gradient)."""
     for t in inputs:
         t.grad = None
     loss = fn()
-    loss.backward()
+    loss.backward(torch.full_like(loss, scale))
     return loss.detach(), [None if t.grad is None else t.grad.clone() for t in inputs]
 
 
@@ -189,9 +190,10 @@ def objectives(n, k):
     c = c + 0.01 * torch.randn(n, 6, generator=comp_g, dtype=torch.float64)
     c_pos = c + 0.01 * torch.randn(n, 6, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     comp = lambda a: (c.to(a.device, a.dtype), c_pos.to(a.device, a.dtype))
-    # ESCL's third view, made bf16-representable: the fast path on 16-bit inputs and the
-    # float32 reference on the same rounded inputs then see the same values
-    sensitive = lambda a: correlated(a, 1.0, seed=5).detach().to(torch.bfloat16).to(a.dtype)
+    # ESCL's third view, rounded once from float64 to bf16 (which fp16 and fp32 hold): a 16-bit
+    # call and its float32 reference on the same rounded inputs then see the same view (rounded
+    # through ``a``'s dtype first, they differed, and a row at the margin form's kink with them)
+    sensitive = lambda a: correlated(a.detach().double(), 1.0, seed=5).to(torch.bfloat16).to(a.dtype)
     return {
         "infonce": lambda a, p, x, **kw: fastcl.infonce(a, p, **kw),
         "infonce-negatives": lambda a, p, x, **kw: fastcl.infonce(a, p, x, **kw),

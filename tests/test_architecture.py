@@ -118,20 +118,27 @@ def test_the_trainer_trains_with_the_sentence_transformers_losses_only():
             assert f"fastcl.{loss}" not in source and f" {loss}" not in source, (path.name, loss)
 
 
-def test_the_kernels_folder_never_shadows_another_kernels_package():
+def test_the_kernels_folder_never_shadows_another_kernels_package(tmp_path):
     """From a checkout's root (``python -m pytest``, ``python train.py``) the top-level
     ``kernels/`` folder is importable as ``kernels``, the name of Hugging Face's package that
-    transformers imports: it must hand that name on (or fail as a missing module would)."""
-    import importlib.metadata
+    transformers probes: it hands that name on where that package is installed, and is an empty
+    namespace (no file, no version: what transformers reads as absent) where it is not, so that
+    transformers answers from the root as it answers anywhere else."""
     import subprocess
     import sys
 
-    code = "import kernels, sys; print(kernels.__file__)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    try:
-        importlib.metadata.distribution("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        assert out.returncode != 0 and "No module named 'kernels'" in out.stderr, out
-        return
-    assert out.returncode == 0, out.stderr
-    assert not Path(out.stdout.strip()).resolve().is_relative_to(ROOT), out.stdout
+    def run(code, cwd):
+        out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    # without another ``kernels`` on the path: an empty namespace
+    alone = "import sys; sys.path[:] = [p for p in sys.path if 'packages' not in p]; import kernels; "
+    assert run(alone + "print(getattr(kernels, '__file__', None), vars(kernels).get('__version__'))",
+               ROOT) == "None None"
+    # with the environment's own: whatever it holds, the answer of transformers' probe
+    pytest.importorskip("transformers")
+    probe = "from transformers.utils.import_utils import is_kernels_available; print(is_kernels_available())"
+    assert run(probe, ROOT) == run(probe, tmp_path)
+    found = run("import kernels; print(getattr(kernels, '__file__', None))", ROOT)
+    assert found == "None" or not Path(found).resolve().is_relative_to(ROOT)

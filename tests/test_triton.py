@@ -298,6 +298,7 @@ def test_bounded_design_keeps_a_tiny_loss_exact():
     with torch.no_grad():
         a.copy_(torch.nn.functional.one_hot(torch.arange(16), 32).double() * 3.0
                 + 0.001 * a)
+    a = a.detach().to(DEVICE).requires_grad_()
     p = correlated(a, 1e-4).detach().requires_grad_()
     a32, p32 = [t.detach().float().requires_grad_() for t in (a, p)]
     ref, ref_g = loss_and_grads(lambda: fastcl.infonce(a, p, temperature=0.05,
@@ -313,7 +314,7 @@ def test_bounded_design_keeps_a_tiny_loss_exact():
 def test_rules_refused_beside_what_the_kernels_lack():
     """The rules beside a hard-negative weight or DCLR's mask: refused on backend='triton'
     with the reason, run tiled by 'auto'. Matryoshka runs a kernel call per width."""
-    a, p, x = (t.detach() for t in inputs(5, 5, 12, torch.float32))
+    a, p, x = (t.detach().to(DEVICE) for t in inputs(5, 5, 12, torch.float32))
     kw = dict(directions=("query_to_doc", "query_to_query"))
     for extra, name in ((dict(hard_negative_weight=0.5), "hard_negative_weight"),
                         (dict(complementary=(a, p), phi=0.5), "complementary")):
@@ -434,18 +435,19 @@ def test_layout_rules_on_a_slice_of_the_batch(guided):
     guide."""
     from fastcl import layout
     g = torch.Generator().manual_seed(11)
+    randn = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
     n_b, n, offset, d = 12, 5, 4, 20
-    batch = torch.randn(n_b, d, generator=g)
-    a_all, p_all = batch, batch + 0.7 * torch.randn(n_b, d, generator=g)
+    batch = randn(n_b, d)
+    a_all, p_all = batch, batch + 0.7 * randn(n_b, d)
     a = a_all[offset:offset + n].clone().requires_grad_()
     p, cands = p_all.clone().requires_grad_(), a_all.clone().requires_grad_()
-    ids = torch.randint(0, 4, (n_b,), generator=g)
+    ids = lambda: torch.randint(0, 4, (n_b,), generator=g).to(DEVICE)  # noqa: E731
     kw = dict(temperature=0.1, anchor_offset=offset, anchor_candidates=cands,
-              duplicate_ids=(ids, None, torch.randint(0, 4, (n_b,), generator=g)))
+              duplicate_ids=(ids(), None, ids()))
     if guided:
-        gb = torch.randn(n_b, 8, generator=g)
-        kw.update(directions=layout.gist(), guide=(gb[offset:offset + n] + 0.3 * torch.randn(n, 8, generator=g),
-                                                   gb + 0.3 * torch.randn(n_b, 8, generator=g), None, gb),
+        gb = randn(n_b, 8)
+        kw.update(directions=layout.gist(), guide=(gb[offset:offset + n] + 0.3 * randn(n, 8),
+                                                   gb + 0.3 * randn(n_b, 8), None, gb),
                   guide_margin=0.05, focal_m=0.3)
     else:
         kw.update(directions=ALL_DIRECTIONS, hardness_mode="in_batch_negatives", hardness_strength=0.5)
