@@ -444,6 +444,30 @@ def read_training_data(path, method: str, snli=None, *, text_column=None, column
     return data
 
 
+def loss_columns(dataset, method: str, hard_negative_weight: float = 0.0, premise_labels: bool = False):
+    """``dataset`` with the columns sentence-transformers' losses read: one text column (or
+    ``anchor``) made ``anchor`` and ``positive``; pairs and triplets' ``sent0, sent1, hard_neg``
+    renamed; ``premise_labels``: a ``label`` column, the id of each row's anchor text (the rows of
+    one premise share it)."""
+    names = dataset.column_names
+    if not _supervised(method) and names != ["anchor", "positive"]:
+        text = next((c for c in ("anchor", "text") if c in names), names[0] if len(names) == 1 else None)
+        if text is None:
+            raise ValueError(f"{method} trains on one text column, got columns {', '.join(names)}")
+        dataset = dataset.select_columns([text]).rename_column(text, "anchor")
+        dataset = dataset.add_column("positive", dataset["anchor"])
+    elif _supervised(method):
+        dataset = dataset.rename_columns({k: v for k, v in zip(PAIR_COLUMNS, ("anchor", "positive", "negative"))
+                                          if k in names})
+    if hard_negative_weight and "negative" not in dataset.column_names:
+        raise ValueError(f"--hard_negative_weight needs one hard negative per anchor, but the data has "
+                         f"none (--method {method}, columns {', '.join(dataset.column_names)})")
+    if premise_labels:
+        ids: dict = {}
+        dataset = dataset.add_column("label", [ids.setdefault(t, len(ids)) for t in dataset["anchor"]])
+    return dataset
+
+
 def batch_examples(data: TrainingData, rows: dict) -> list:
     """One batch as a list: sentences, or (sent0, sent1[, hard_neg]) tuples."""
     if data.kind == "sentences":

@@ -15,7 +15,8 @@ checkpoint's digest, one run per output folder, and removal that never leaves th
 - :func:`check_loadable`: every file of a checkpoint parses as the data it names (JSON,
   safetensors, tensors only: ``torch.load(weights_only=True)``), or an error naming it.
 - :func:`refuse_links`: no write through a link; :func:`read_mapping`, :func:`read_jsonl`: a
-  record read back, a damaged one named, a log's last line torn by a crash ignored.
+  record read back, a damaged one named, a log's last line torn by a crash ignored;
+  :func:`append_jsonl`: a record appended to a log (NaN and infinities as null, :func:`json_safe`).
 - :func:`data_fingerprint`: what identifies the training data (sizes, times, the SHA-256 of
   each file's first and last blocks), so a resume can tell the data has changed.
 - :func:`write_failure`: a failed write (a full disk) as one error naming the folder.
@@ -27,6 +28,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -173,6 +175,24 @@ def read_jsonl(path) -> list:
     return records
 
 
+def json_safe(value):
+    """``value`` with every NaN or infinity as None (JSON has no such numbers)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    return [json_safe(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def append_jsonl(path, record: dict) -> dict:
+    """Append ``record`` (made :func:`json_safe`) to the JSON-lines file ``path`` as one line;
+    returns it as written."""
+    safe = json_safe(record)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(safe, allow_nan=False) + "\n")
+    return safe
+
+
 def stage_dir(target) -> Path:
     """A fresh staging folder beside ``target`` (same file system, so the swap is a rename)."""
     target = Path(target)
@@ -298,21 +318,13 @@ def verify_manifest(folder) -> bool:
 NOT_LOADED = ("training_args.bin",)
 
 
-def _tensor_globals():
-    """The numpy types transformers allows in a checkpoint's random states."""
-    try:
-        from transformers.trainer_pt_utils import safe_globals
-        return safe_globals()
-    except ImportError:  # pragma: no cover - older releases load the random states as tensors
-        return contextlib.nullcontext()
-
-
 def load_tensors(path: Path):
     """A checkpoint file's tensors, ``torch.load(weights_only=True)`` (mapped where it can)."""
     import warnings
 
     import torch
-    with _tensor_globals(), warnings.catch_warnings():
+    from transformers.trainer_pt_utils import safe_globals   # the numpy types of the random states
+    with safe_globals(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's note on an unusual pickle protocol
         try:  # mapped, not read: an optimizer's state can be large
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -395,6 +407,9 @@ def data_fingerprint(data, dataset=None) -> dict:
         found = sorted(p for p in path.rglob("*") if p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         return {"kind": "folder", "files": {p.relative_to(path).as_posix(): _file_print(p) for p in found}}
+    if dataset is not None:   # the fingerprint of its rows (a loaded one's tells how it was loaded)
+        import datasets
+        dataset = datasets.Dataset.from_dict(dataset.to_dict())
     return {"kind": "dataset", "dataset": str(data), "fingerprint": getattr(dataset, "_fingerprint", None)}
 
 

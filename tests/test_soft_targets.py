@@ -321,25 +321,6 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
         FastInfoNCELoss(model, class_labels=True, directions=("query_to_doc", "doc_to_query"))
 
 
-def test_trainer_options():
-    """fastcl-train's --label_smoothing, --premise_labels, --teacher and --distill_weight:
-    checked with their names; the premise ids become the label column the loss reads."""
-    datasets = pytest.importorskip("datasets")
-    from fastcl.trainer.build import check_objective, examples
-
-    with pytest.raises(ValueError, match="--label_smoothing"):
-        check_objective("simcse", {"label_smoothing": 1.0})
-    with pytest.raises(ValueError, match="--premise_labels"):
-        check_objective("simcse", {"premise_labels": True})
-    with pytest.raises(ValueError, match="--teacher"):
-        check_objective("focal", {"teacher": "all-MiniLM-L6-v2"})
-    with pytest.raises(ValueError, match="--distill_weight"):
-        check_objective("simcse", {"distill_weight": 1.5})
-    rows = datasets.Dataset.from_dict({"sent0": ["a b", "c", "a b"], "sent1": ["x", "y", "z"],
-                                       "hard_neg": ["u", "v", "w"]})
-    assert examples(rows, "simcse-sup", premise_labels=True)["label"] == [0, 1, 0]
-
-
 def test_soft_targets_beside_the_margin_and_not_the_prior():
     """label_smoothing with false_negative_margin: the smoothing is uniform over the row's
     kept candidates (the margin's drops left out), literal float64 formula within 1e-12 on

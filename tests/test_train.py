@@ -317,6 +317,30 @@ def test_build_trainer_trains_from_objects(tiny, tmp_path):
         build_trainer("simcse", model, dataset, args=args, tau=0.5)
 
 
+def test_the_loss_refuses_an_option_by_its_name_where_it_is_built(tiny, tmp_path):
+    """--label_smoothing, --premise_labels, --teacher and --distill_weight: refused where they do
+    not apply, a value the loss refuses is its error (at construction) with the option's name;
+    the premise ids become the label column the loss reads."""
+    import datasets
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
+
+    from fastcl.trainer import build_trainer
+    model = SentenceTransformer(str(tiny / "st"), device="cpu")
+    data = datasets.Dataset.from_dict({"text": ["a b", "c d"]})
+    args = SentenceTransformerTrainingArguments(str(tmp_path / "o"), use_cpu=True, report_to="none")
+    for method, options, message in [
+            ("simcse", {"label_smoothing": 1.0}, r"^--label_smoothing must lie in \[0, 1\)"),
+            ("simcse", {"premise_labels": True}, "^--premise_labels applies to --method simcse-sup only"),
+            ("focal", {"teacher": "all-MiniLM-L6-v2"}, "^--teacher applies to --method simcse or simcse-sup"),
+            ("simcse", {"distill_weight": 1.5}, r"^--distill_weight must lie in \[0, 1\], got 1.5"),
+            ("escl", {"rd_weight": float("nan")}, "^--rd_weight must be finite")]:
+        with pytest.raises(ValueError, match=message):
+            build_trainer(method, model, data, args=args, **options)
+    rows = datasets.Dataset.from_dict({"sent0": ["a b", "c", "a b"], "sent1": ["x", "y", "z"],
+                                       "hard_neg": ["u", "v", "w"]})
+    assert data_io.loss_columns(rows, "simcse-sup", premise_labels=True)["label"] == [0, 1, 0]
+
+
 # ---------------------------------------------------------------------------------------
 # Resume and checkpoints
 

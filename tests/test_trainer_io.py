@@ -207,9 +207,8 @@ def test_a_dataset_names_fingerprint_follows_its_rows(tmp_path, offline_datasets
         cache_dataset(offline_datasets, where, "someone/tiny-wiki", rows)
         args = parse(["--method", "simcse", "--model", "m", "--data", "someone/tiny-wiki",
                       "--output_dir", str(tmp_path / "o"), "--per_device_train_batch_size", "2"])
-        import datasets   # as the trainer records it (check_data): the rows' own fingerprint
-        rows = data_io.read_training_data(args.data, args.method).dataset.to_dict()
-        return files.data_fingerprint(args.data, datasets.Dataset.from_dict(rows))
+        # as the trainer records it (check_data): the loaded dataset, whose rows' own fingerprint counts
+        return files.data_fingerprint(args.data, data_io.read_training_data(args.data, args.method).dataset)
 
     rows = [{"text": f"sentence {i}"} for i in range(4)]
     first = fingerprint(rows, tmp_path / "a")

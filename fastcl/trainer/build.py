@@ -1,6 +1,7 @@
 """:func:`build_trainer`, the Python API the command line calls too: the model (:func:`build_model`),
-the losses' columns (:func:`examples`), the method's loss (:func:`build_loss`) with its options
-(:class:`ObjectiveArguments`, checked by :func:`check_objective`), the trainer and its callbacks."""
+the losses' columns (:func:`fastcl.data.loss_columns`), the method's loss (:func:`build_loss`) with
+its options (:class:`ObjectiveArguments`: :func:`check_objective` checks which apply, the loss their
+values where it is built), the trainer and its callbacks."""
 
 from __future__ import annotations
 
@@ -13,27 +14,23 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
+from transformers.trainer_utils import rotate_checkpoints
 
 from .. import common, files
+from ..data import SUPERVISED, loss_columns
+from ..integrations.sentence_transformers.callbacks import KeepBase
 from ..integrations.sentence_transformers.models import is_sentence_transformers_model, load_model, model_path
 
 from sentence_transformers import SentenceTransformerTrainer
 from sentence_transformers import SentenceTransformerTrainingArguments as Arguments
-try:  # transformers ≥ 5: a function; before, the trainer's method
-    from transformers.trainer_utils import rotate_checkpoints
-except ImportError:  # pragma: no cover - older releases
-    rotate_checkpoints = None
 
 METHODS = ("simcse", "simcse-sup", "dclr", "focal", "escl")
-SUPERVISED = ("simcse-sup",)
 LOSSES = {"simcse": "FastInfoNCELoss", "simcse-sup": "FastInfoNCELoss", "dclr": "FastDCLRLoss",
           "focal": "FastFocalInfoNCELoss", "escl": "FastESCLLoss"}   # Cached<name>: --mini_batch_size
 LOSS_NAMES = {"rd_weight": "weight", "dclr_formulation": "formulation",
               "premise_labels": "class_labels"}   # where a loss says otherwise
 GENERAL = ("mini_batch_size", "augment", "temperature_learning_rate")   # not options of the loss class
 GUIDE = ("complementary", "complementary_pooler", "complementary_mode")   # DCLR's guide model
-MODELS = GUIDE + ("teacher",)   # options naming a model: loaded, not values of the spec
 FAMILY_DEFAULTS = {"phi": (common.PHI, common.PHI_ROBERTA),   # DCLR's, by the model's family
                    "noise_ratio": (common.NOISE_RATIO, common.NOISE_RATIO_ROBERTA)}
 DEV = "dev"   # the dev evaluator's metrics: eval_dev_<task>, eval_dev_avg
@@ -49,7 +46,7 @@ def _opt(default=None, help="", **kw):
 class ObjectiveArguments:
     """The objective's options (``None``: the loss's default). A new loss option is one field: the
     method's loss class takes it by its name (or :data:`LOSS_NAMES`'), a method whose class lacks
-    it refuses it, and :func:`fastcl.spec.build_spec` checks its value at parse time."""
+    it refuses it, and the loss checks its value where it is built (:func:`fastcl.spec.build_spec`)."""
 
     temperature: float = _opt(common.TEMPERATURE, "softmax temperature")
     learnable_temperature: bool = _opt(False, "learn the temperature from --temperature (logged)")
@@ -95,11 +92,8 @@ def loss_class(method: str, cached: bool = False):
 
 
 def check_objective(method: str, options: dict) -> None:
-    """``options`` (those that have a value) apply to ``method`` (its loss class takes each) and pass
-    :func:`fastcl.spec.build_spec` on a stand-in batch; errors name them as the command line does."""
-    from fastcl import augment
-    from fastcl.spec import build_spec
-
+    """``options`` (those that have a value) apply to ``method``: its loss class takes each; their
+    values are the loss's to check, where :func:`build_loss` builds it."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     known = (*OBJECTIVE, *GENERAL, *GUIDE)
@@ -121,21 +115,6 @@ def check_objective(method: str, options: dict) -> None:
     if rate is not None and not (options.get("learnable_temperature") and 0 < rate < math.inf):
         raise ValueError(f"--temperature_learning_rate {rate:g}: a learning rate > 0 of "
                          "--learnable_temperature's temperature")
-    spec = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in MODELS}
-    if method == "focal" and "m" in spec:
-        spec.update(focal_m=spec.pop("m"), focal_name="--m")
-    x = torch.eye(2)
-    if {"teacher", "teacher_temperature", "distill_weight"} & set(options):   # a stand-in teacher
-        spec["teacher"] = (x, torch.cat([x, x]) if method in SUPERVISED else x)
-    try:
-        augment.parse(options.get("augment"))
-        build_spec(x, x, x if method in SUPERVISED else None,
-                   **{k: v for k, v in spec.items() if k in inspect.signature(build_spec).parameters})
-    except (ValueError, TypeError) as err:   # the message with the command line's names
-        message = str(err)
-        for name in options:
-            message = re.sub(rf"(?<![-\w]){LOSS_NAMES.get(name, name)}\b", f"--{name}", message)
-        raise ValueError(message) from None
 
 
 def build_model(args, device: str | None = None):
@@ -150,39 +129,18 @@ def build_model(args, device: str | None = None):
     return model
 
 
-def examples(dataset, method: str, hard_negative_weight: float = 0.0, premise_labels: bool = False):
-    """``dataset`` with the losses' columns: one text column (or ``anchor``) made ``anchor`` and
-    ``positive``; pairs and triplets' ``sent0, sent1, hard_neg`` renamed; ``premise_labels``: a
-    ``label`` column, the id of each row's anchor text (the rows of one premise share it)."""
-    names = dataset.column_names
-    if method not in SUPERVISED:
-        if names == ["anchor", "positive"]:
-            return dataset
-        text = next((c for c in ("anchor", "text") if c in names), names[0] if len(names) == 1 else None)
-        if text is None:
-            raise ValueError(f"{method} trains on one text column, got columns {', '.join(names)}")
-        dataset = dataset.select_columns([text]).rename_column(text, "anchor")
-        return dataset.add_column("positive", dataset["anchor"])
-    dataset = dataset.rename_columns({k: v for k, v in (("sent0", "anchor"), ("sent1", "positive"),
-                                                          ("hard_neg", "negative")) if k in names})
-    if hard_negative_weight and "negative" not in dataset.column_names:
-        raise ValueError(f"--hard_negative_weight {hard_negative_weight:g} weighs each anchor's "
-                         "hard negative, but the data has pairs (no hard negative column)")
-    if premise_labels:
-        ids: dict = {}
-        dataset = dataset.add_column("label", [ids.setdefault(t, len(ids)) for t in dataset["anchor"]])
-    return dataset
-
-
 def build_loss(method: str, model, options: dict, device: str | None = None):
     """The fastcl loss of ``method`` for ``model`` with the objective ``options`` (those that
-    have a value; DCLR's phi and noise ratio by model family, written back into ``options``)."""
+    have a value; DCLR's phi and noise ratio by model family, written back into ``options``).
+    A value the loss refuses is its error with the options' names (``--rd_weight``, not ``weight``)."""
     from fastcl.integrations import sentence_transformers as st
 
     kw = {LOSS_NAMES.get(k, k): v for k, v in options.items() if k not in (*GENERAL, *GUIDE)}
     guide = []
-    if method in ("simcse", "simcse-sup"):
-        kw["scale"] = 1.0 / kw.pop("temperature", common.TEMPERATURE)
+    if method in ("simcse", "simcse-sup"):   # InfoNCE's scale is 1/τ
+        if not (temperature := kw.pop("temperature", common.TEMPERATURE)) > 0:
+            raise ValueError(f"--temperature must be > 0, got {temperature:g}")
+        kw["scale"] = 1.0 / temperature
         if options.get("teacher"):   # frozen, its own modules (a plain encoder: mean pooling)
             own = is_sentence_transformers_model(model_path(options["teacher"]))
             kw["teacher"] = load_model(options["teacher"], None if own else "avg", device=device,
@@ -198,9 +156,15 @@ def build_loss(method: str, model, options: dict, device: str | None = None):
                  if path else None]
         kw["guide_dropout"] = options.get("complementary_mode") == "released"
     cached = {"mini_batch_size": options["mini_batch_size"]} if "mini_batch_size" in options else {}
-    loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1,
-                                            **kw, **cached)
-    return st.AugmentedPositives(loss, options["augment"]) if options.get("augment") else loss
+    try:
+        loss = loss_class(method, bool(cached))(model, *guide, gather_across_devices=world_size() > 1,
+                                                **kw, **cached)
+        return st.AugmentedPositives(loss, options["augment"]) if options.get("augment") else loss
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        for name in options:
+            message = re.sub(rf"(?<![-\w]){LOSS_NAMES.get(name, name)}\b", f"--{name}", message)
+        raise ValueError(message) from None
 
 
 def own_parameters(loss) -> dict:
@@ -210,6 +174,12 @@ def own_parameters(loss) -> dict:
     return loss, {f"own.{i}": p for i, p in enumerate(loss._own_parameters())}
 
 
+def own_names(module, loss) -> set:
+    """The names in ``module`` of ``loss``'s own parameters (:func:`own_parameters`)."""
+    own = own_parameters(loss)[1].values()
+    return {n for n, p in module.named_parameters() if any(p is q for q in own)}
+
+
 class Trainer(SentenceTransformerTrainer):
     """sentence-transformers' trainer whose checkpoints carry the loss's own parameters and a
     manifest, written before the rotation removes older ones; ``guard()`` refuses links first; the
@@ -217,26 +187,12 @@ class Trainer(SentenceTransformerTrainer):
 
     guard = None
     export_max_seq_length = None
-    temperature_learning_rate = None
     LOSS_PARAMETERS = "loss_parameters.pt"
-
-    def _own_names(self, module) -> set:
-        own = own_parameters(self.loss)[1].values()
-        return {n for n, p in module.named_parameters() if any(p is q for q in own)}
 
     def get_decay_parameter_names(self, model) -> list:
         """Those of transformers but the loss's own (a decayed log-scale would pull τ to 1)."""
-        own = self._own_names(model)
+        own = own_names(model, self.loss)
         return [n for n in super().get_decay_parameter_names(model) if n not in own]
-
-    def get_optimizer_cls_and_kwargs(self, args, model=None):
-        """``temperature_learning_rate``: the loss's own parameters in a group at that rate
-        (sentence-transformers' ``learning_rate_mapping``; the run's arguments left as given)."""
-        if self.temperature_learning_rate is not None:
-            rate, names = self.temperature_learning_rate, map(re.escape, sorted(self._own_names(self.loss)))
-            args = copy.copy(args)
-            args.learning_rate_mapping = {**args.learning_rate_mapping, f"^({'|'.join(names)})$": rate}
-        return super().get_optimizer_cls_and_kwargs(args, model)
 
     def log(self, logs, *args, **kwargs):
         loss, own = own_parameters(self.loss)
@@ -276,56 +232,32 @@ class Trainer(SentenceTransformerTrainer):
             files.write_manifest(folder)
         if self.args.world_size > 1:
             torch.distributed.barrier()
-        if self.args.should_save and rotate_checkpoints is not None:
+        if self.args.should_save:
             rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
-        elif self.args.should_save:  # pragma: no cover - older releases
-            self._rotate_checkpoints(use_mtime=False, output_dir=str(folder.parent))
-
-
-class EvaluateLastStep(TrainerCallback):
-    """The last step is evaluated and saved, whatever ``eval_steps``: it competes for the best."""
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= state.max_steps and args.eval_strategy != "no":
-            control.should_evaluate = control.should_save = True
-
-
-class KeepBase(TrainerCallback):
-    """Step 0 (the base model) competes for the best: where it scored at least as high as the best
-    trained step, its weights (a CPU copy) come back and ``state.best_global_step`` says 0."""
-
-    def __init__(self, model):
-        self.base = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        key = args.metric_for_best_model
-        key = key if key.startswith("eval_") else f"eval_{key}"
-        start = [r[key] for r in state.log_history if r.get("step") == 0 and key in r]
-        if start and (state.best_metric is None or state.best_metric <= start[0]):
-            model.load_state_dict(self.base)
-            state.best_metric, state.best_global_step, state.best_model_checkpoint = start[0], 0, None
 
 
 def build_trainer(method: str, model, train_dataset, args=None, *, evaluator=None, callbacks=None,
                   **objective_options):
-    """A trainer of ``model`` on ``train_dataset`` (:func:`examples`) with the fastcl loss of
+    """A trainer of ``model`` on ``train_dataset`` (:func:`~fastcl.data.loss_columns`) with the fastcl loss of
     ``method`` and ``objective_options`` (:class:`ObjectiveArguments`, :data:`GENERAL`, :data:`GUIDE`).
-    With an ``evaluator`` the last step is evaluated too and, with ``load_best_model_at_end``, step 0
-    competes (``eval_on_start``): a run that never beats its base model ends with its weights."""
+    With an ``evaluator`` and ``load_best_model_at_end``, step 0 competes (``eval_on_start``) with
+    every evaluated step (transformers evaluates the last one too): a run that never beats its base
+    model ends with its weights."""
     options = {k: v for k, v in objective_options.items() if v is not None}
     check_objective(method, options)
     args = args or Arguments(output_dir="fastcl-output")
-    dataset = examples(train_dataset, method, options.get("hard_negative_weight") or 0.0,
-                       bool(options.get("premise_labels")))
+    dataset = loss_columns(train_dataset, method, options.get("hard_negative_weight") or 0.0,
+                           bool(options.get("premise_labels")))
     loss = build_loss(method, model, options, device=str(model.device))
+    if (rate := options.get("temperature_learning_rate")) is not None:   # its own group at that rate
+        args = copy.copy(args)   # (sentence-transformers' learning_rate_mapping; the caller's args kept)
+        names = "|".join(map(re.escape, sorted(own_names(loss, loss))))
+        args.learning_rate_mapping = {**args.learning_rate_mapping, f"^({names})$": rate}
     callbacks = list(callbacks or [])
-    if evaluator is not None:
-        callbacks.append(EvaluateLastStep())
-        if args.load_best_model_at_end and not (args.deepspeed or args.fsdp):
-            callbacks.append(KeepBase(model))
+    if evaluator is not None and args.load_best_model_at_end and not (args.deepspeed or args.fsdp):
+        callbacks.append(KeepBase(model))
     trainer = Trainer(model=model, args=args, train_dataset=dataset, loss=loss, evaluator=evaluator,
                       callbacks=callbacks)
     trainer.objective_options = options   # as the loss took them (DCLR's family defaults filled)
-    trainer.temperature_learning_rate = options.get("temperature_learning_rate")
     return trainer

@@ -57,8 +57,7 @@ class FastclArguments:
                                           choices=("frozen", "released"))
     resume: bool = _opt(False, "continue from the newest complete OUTPUT_DIR/checkpoint-N")
     allow_changed_data: bool = _opt(False, "--resume although the training data changed")
-    if "overwrite_output_dir" not in Arguments.__dataclass_fields__:   # transformers 5 dropped it
-        overwrite_output_dir: bool = _opt(False, "train again into a folder holding a fastcl run")
+    overwrite_output_dir: bool = _opt(False, "train again into a folder holding a fastcl run")
 
 
 FASTCL = tuple(f.name for f in fields(FastclArguments))
@@ -109,8 +108,10 @@ def _resolve(args) -> argparse.Namespace:
         sampler = getattr(args.batch_sampler, "value", args.batch_sampler)
         args.mask_duplicates = supervised and sampler == "batch_sampler"
     check_objective(args.method, objective_options(args))
-    if args.augment is not None:
-        args.augment = augment.parse(args.augment).spec   # canonical: NAME:rate
+    try:   # canonical: NAME:rate
+        args.augment = args.augment and augment.parse(args.augment).spec
+    except ValueError as err:   # "augment: ..."
+        raise ValueError(f"--{err}") from None
     if args.complementary and (Path(args.complementary) / CONFIG_FILE).is_file():
         args.complementary = str(Path(args.complementary) / "model")  # a fastcl-train output folder
     guide_options = args.complementary_pooler is not None or args.complementary_mode == "released"

@@ -8,16 +8,14 @@ import contextlib
 import json
 import math
 import os
-import signal
 import sys
 from pathlib import Path
-from unittest import mock
 
-import torch
 from transformers import TrainerCallback, TrainerState
 
 from .. import files
 from ..files import MANIFEST, DamagedError, LockedError, OutputLock
+from ..integrations.sentence_transformers.callbacks import GracefulStop, KeepBase
 from . import build
 from .build import CHECKPOINT_PREFIX, FAMILY_DEFAULTS
 from .cli import (CONFIG_FILE, FREE_ON_RESUME, SAMPLES, build_parser, effective_config,
@@ -39,24 +37,7 @@ def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
-# The log: {"type": "start" | "step" | "eval" | "summary", "step", "epoch", ...}
-
-def json_safe(value):
-    """``value`` with every NaN or infinity as None (JSON has no such numbers)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    return [json_safe(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-def append_log(out: Path, record: dict) -> dict:
-    """Append ``record`` (made :func:`json_safe`) to the log; returns it as written."""
-    safe = json_safe(record)
-    with open(out / LOG, "a", encoding="utf-8") as f:
-        f.write(json.dumps(safe, allow_nan=False) + "\n")
-    return safe
-
+# The log, JSON lines: {"type": "start" | "step" | "eval" | "summary", "step", "epoch", ...}
 
 def read_log(out: Path) -> list:
     """The records of the log (:func:`fastcl.files.read_jsonl`)."""
@@ -74,42 +55,12 @@ class TrainLog(TrainerCallback):
             return
         kind = "eval" if any(k.startswith("eval_") for k in logs) else \
             "step" if "loss" in logs else "summary"
-        record = append_log(self.out, {"type": kind, "step": state.global_step, "epoch": state.epoch,
+        record = files.append_jsonl(self.out / LOG, {"type": kind, "step": state.global_step, "epoch": state.epoch,
                                        **{k.removeprefix(f"eval_{build.DEV}_"): v for k, v in logs.items()}})
         if kind == "eval":
             scores = [f"{k} {record[k]:.2f}" for k in ("stsb-dev", "sickr-dev", "avg")
                       if record.get(k) is not None]
             print(f"dev at step {state.global_step}: {', '.join(scores)}", flush=True)
-
-
-class GracefulStop(TrainerCallback):
-    """The first SIGINT/SIGTERM ends training after the step in progress with its checkpoint (all
-    processes at the same step); a second one acts as usual."""
-
-    signum = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):  # not the main thread: no handlers
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-
-    def on_step_end(self, args, state, control, **kwargs):
-        signum = self.signum or 0
-        if args.world_size > 1:
-            flag = torch.tensor([signum], device=args.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            signum = int(flag.item())
-        if signum:
-            self.signum, control.should_save, control.should_training_stop = signum, True, True
-
-    def on_train_end(self, args, state, control, **kwargs):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 # The output folder
@@ -228,9 +179,6 @@ def trainer_state(checkpoint: Path) -> TrainerState:
 def check_data(args, out: Path, dataset, resumed: bool) -> None:
     """Record the training data's fingerprint in ``out/DATA_RECORD``; on a resume, changed data
     (against the record) is an error naming the file, unless ``--allow_changed_data``."""
-    if not Path(args.data).exists():   # a dataset name: the fingerprint of its rows
-        import datasets
-        dataset = datasets.Dataset.from_dict(dataset.to_dict())
     now, record = files.data_fingerprint(args.data, dataset), out / DATA_RECORD
     if resumed and not record.is_file():
         _say(f"warning: {record} is missing (a run of an earlier fastcl): the training data "
@@ -259,10 +207,7 @@ def main(argv=None, prog: str = PROG) -> int:
         if main_process:
             lock = prepare_output(args, out)
         checkpoint = resume_point(out, main_process) if args.resume else None
-        # sentence-transformers 5.0's trainer builds default training arguments, which set the
-        # processes up again as one on a CPU (each then trains alone); told the device, they don't
-        with mock.patch.dict(os.environ, {"ACCELERATE_USE_CPU": "true"} if args.use_cpu else {}):
-            return _train(args, out, checkpoint, main_process)
+        return _train(args, out, checkpoint, main_process)
     except (ValueError, OSError, LockedError) as err:
         raise SystemExit(f"{prog}: error: {err}") from err
     finally:
@@ -304,8 +249,6 @@ def _train(args, out: Path, checkpoint: Path | None, main_process: bool) -> int:
     batch = args.per_device_train_batch_size * build.world_size() * args.gradient_accumulation_steps
     if len(data.dataset) < batch:
         raise ValueError(f"--data: {len(data.dataset)} examples, fewer than one batch ({batch})")
-    if main_process:
-        check_data(args, out, data.dataset, resumed=bool(checkpoint))
     model = build.build_model(args, device="cpu" if args.use_cpu else None)
     stop = GracefulStop()
     trainer = build.build_trainer(args.method, model, data.dataset, training_arguments(args),
@@ -315,11 +258,12 @@ def _train(args, out: Path, checkpoint: Path | None, main_process: bool) -> int:
         setattr(args, name, trainer.objective_options.get(name))
     step = step_of(checkpoint) if checkpoint else 0
     if main_process:
+        check_data(args, out, data.dataset, resumed=bool(checkpoint))
         if checkpoint:   # the records of the steps after it are redone
             kept = [r for r in read_log(out) if r.get("step", 0) <= step]
             files.replace_text(out / LOG, "".join(json.dumps(r) + "\n" for r in kept))
         write_config(out, args)
-        append_log(out, {"type": "start", "step": step, "resumed": bool(checkpoint),
+        files.append_jsonl(out / LOG, {"type": "start", "step": step, "resumed": bool(checkpoint),
                          "examples": len(data.dataset), "skipped": data.skipped,
                          "processes": build.world_size(),
                          "args": {k: getattr(v, "value", v) for k, v in vars(args).items() if k != "config"}})
@@ -358,7 +302,7 @@ def _finish_without_training(trainer, args, out: Path, checkpoint: Path, state: 
     _say(f"the training had ended at step {state.global_step} ({checkpoint.name}): "
          f"exporting the model of {source.name}, no step is run")
     for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, build.KeepBase):
+        if isinstance(callback, KeepBase):
             callback.on_train_end(trainer.args, state, trainer.control, model=trainer.model)
 
 
@@ -381,9 +325,7 @@ def _finish(trainer, args, out: Path) -> int:
     (staged and swapped in whole) and say how it compares with step 0."""
     from ..integrations.sentence_transformers.models import without_training_heads
 
-    best = getattr(trainer.state, "best_global_step", None)
-    if best is None and trainer.state.best_model_checkpoint:  # older transformers
-        best = step_of(trainer.state.best_model_checkpoint)
+    best = trainer.state.best_global_step
     saved_step = best if args.load_best_model_at_end and best is not None else trainer.state.global_step
     cmp = comparison(read_log(out), args.select, saved_step) if args.sts_dir else None
     guard_links(out)
@@ -395,7 +337,7 @@ def _finish(trainer, args, out: Path) -> int:
     files.swap_in(stage, target)
     summary = {"method": args.method, "steps": trainer.state.global_step, "saved_step": saved_step,
                "select": args.select if args.sts_dir else None, "comparison": cmp, "model": str(target)}
-    files.replace_text(out / RESULTS, json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
+    files.replace_text(out / RESULTS, json.dumps(files.json_safe(summary), indent=2, allow_nan=False) + "\n")
     print(f"model saved to {target} (step {saved_step})")
     if cmp is not None and not cmp["improved"]:
         _say(f"warning: training did not improve on the base model: {cmp['metric']} "
