@@ -7,7 +7,8 @@ claims first (an exclusive ``mkdir`` in DIR); a module another process claimed i
 that one. Together they run every module once, each whole in one process (its module
 fixtures built once), and a process that finishes early takes the modules left: the
 cores stay busy to the end without a table of how long each module takes. DIR/ran lists
-the modules each process ran.
+the modules each process ran: process, module, tests, seconds, CPU seconds (the process's
+and its children's).
 """
 
 import os
@@ -36,8 +37,7 @@ def pytest_runtestloop(session):
             os.mkdir(os.path.join(folder, name.replace("/", "__")))
         except FileExistsError:
             continue
-        with open(os.path.join(folder, "ran"), "a") as log:
-            log.write(f"{os.getpid()} {name} {len(items)}\n")
+        began = os.times()
         for i, item in enumerate(items):
             # the module's last test tears its fixtures down (the next one may be elsewhere)
             nextitem = items[i + 1] if i + 1 < len(items) else None
@@ -46,4 +46,8 @@ def pytest_runtestloop(session):
                 raise session.Failed(session.shouldfail)
             if session.shouldstop:
                 raise session.Interrupted(session.shouldstop)
+        ended = os.times()
+        cpu = sum(ended[:4]) - sum(began[:4])   # this process's and its children's CPU time
+        with open(os.path.join(folder, "ran"), "a") as log:
+            log.write(f"{os.getpid()} {name} {len(items)} {ended.elapsed - began.elapsed:.1f} {cpu:.1f}\n")
     return True
