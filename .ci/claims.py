@@ -2,12 +2,13 @@
 
     PYTHONPATH=.ci python -m pytest -p claims --claims DIR tests
 
-Each process collects the whole suite, then runs, in collection order, each module it
-claims first (an exclusive ``mkdir`` in DIR); a module another process claimed is left to
+Each process collects the whole suite, then runs, in collection order (the modules of
+``--claims-first`` before the others), each module it claims first (an exclusive ``mkdir`` in DIR); a module another process claimed is left to
 that one. Together they run every module once, each whole in one process (its module
 fixtures built once), and a process that finishes early takes the modules left: the
 cores stay busy to the end without a table of how long each module takes. DIR/ran lists
-the modules each process ran.
+the modules each process ran: process, module, tests, seconds, CPU seconds (the process's
+and its children's).
 """
 
 import os
@@ -18,6 +19,8 @@ import pytest
 def pytest_addoption(parser):
     parser.addoption("--claims", default=None, metavar="DIR",
                      help="run only the test modules this process claims first in DIR")
+    parser.addoption("--claims-first", default="", metavar="MODULES",
+                     help="these modules (space-separated paths) are claimed before the rest")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -31,13 +34,15 @@ def pytest_runtestloop(session):
     modules = {}
     for item in session.items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    # the longest modules first, so that no lane is left with one at the end
+    first = [m for m in session.config.getoption("claims_first").split() if m in modules]
+    modules = {m: modules[m] for m in first + [m for m in modules if m not in first]}
     for name, items in modules.items():
         try:
             os.mkdir(os.path.join(folder, name.replace("/", "__")))
         except FileExistsError:
             continue
-        with open(os.path.join(folder, "ran"), "a") as log:
-            log.write(f"{os.getpid()} {name} {len(items)}\n")
+        began = os.times()
         for i, item in enumerate(items):
             # the module's last test tears its fixtures down (the next one may be elsewhere)
             nextitem = items[i + 1] if i + 1 < len(items) else None
@@ -46,4 +51,8 @@ def pytest_runtestloop(session):
                 raise session.Failed(session.shouldfail)
             if session.shouldstop:
                 raise session.Interrupted(session.shouldstop)
+        ended = os.times()
+        cpu = sum(ended[:4]) - sum(began[:4])   # this process's and its children's CPU time
+        with open(os.path.join(folder, "ran"), "a") as log:
+            log.write(f"{os.getpid()} {name} {len(items)} {ended.elapsed - began.elapsed:.1f} {cpu:.1f}\n")
     return True

@@ -16,8 +16,14 @@ Triton ``1e-4`` in float32; 16-bit inputs (either engine, the float32 reference 
 rounded inputs): the loss within 2e-2 relative, gradients within 3e-2 of their largest entry
 (float16's taken of a loss scaled as AMP scales it, which its range needs).
 ``16bit`` cases keep the chunk buffers in the inputs' dtype as a GPU does (conftest's
-``gpu_buffers``). The default run takes covering sets of the larger Triton grids; ``-m slow``
-takes all of them.
+``gpu_buffers``).
+
+The default run: on the tiled engine every case; on Triton every objective at each shape,
+every feature combination at N = 17, d = 24 and a covering set of them (strength 2: none,
+all, all but one) at N = 1 and the tiled shapes, covering sets of the layout rules and of
+the anchor slices' features, and in 16-bit buffers each objective in both dtypes (N = 17,
+K = 16 in one, another shape in the other, each shape in both dtypes). ``-m slow`` takes
+the rest of each grid.
 """
 
 import itertools
@@ -29,7 +35,7 @@ import torch
 import fastcl
 from fastcl import layout
 
-from conftest import (TOL, backends, correlated, device_of, inputs, loss_and_grads, make, needs_gpu,
+from conftest import (TOL, correlated, device_of, inputs, loss_and_grads, make, needs_gpu,
                       needs_triton, objectives)
 from conftest import TRITON_TOL as FP32_TRITON
 
@@ -334,13 +340,14 @@ def grid():
     out += [param("triton", Objective(name, 17, 16, 24), BF)
             for name in ["infonce", "focal-negatives", "dclr-weighted", "dclr-released"]]
     # -- every combination of the features. Tiled: N = 1, N not a multiple of the chunk,
-    # d not a power of two, d = 1. Triton: N = 1, N = 17 (M = 39 with hard negatives and
-    # noise), d = 24; and on N = 5, d = 7 and N = 33, d = 40 (three row and K tiles, M = 85)
-    # a covering set (the rest slow)
+    # d not a power of two, d = 1. Triton: N = 17 (M = 39 with hard negatives and noise),
+    # d = 24; and on N = 1, d = 24, on N = 5, d = 7 and on N = 33, d = 40 (three row and K
+    # tiles, M = 85) a covering set (the rest slow)
     for combo in COMBOS:
         out += [param("tiled", Features(combo, n, d), chunks=(None, 4))
                 for n, d in [(1, 24), (17, 130), (33, 7), (6, 1)]]
-        out += [param("triton", Features(combo, n, d)) for n, d in [(1, 24), (17, 24)]]
+        out.append(param("triton", Features(combo, 17, 24)))
+        out.append(param("triton", Features(combo, 1, 24), slow=combo not in COVERING))
         out += [param("triton", Features(combo, n, d, k_noise=19), chunks=(16,), slow=combo not in COVERING)
                 for n, d in [(5, 7), (33, 40)]]
     out.append(param("tiled", Features(FEATURES, 11, 20), F64, chunks=(4,)))
@@ -377,16 +384,19 @@ POSITIVE_NOISE_16 = 5.0
 
 def grid_16bit():
     """16-bit chunk buffers as on a GPU (bf16: the bounded design with its tile of exp in
-    bf16; fp16: the two-pass design). The default run: every objective at N = 17, K = 16 in
-    both dtypes, at K = 0 (d = 130), an edge shape and in chunks (N = K = 40) in one dtype
-    each in turn; the feature covering set in bf16 (none and all in fp16); layout rules and
-    Matryoshka in turn. ``-m slow``: all of it in both."""
+    bf16; fp16: the two-pass design). The default run: every objective in both dtypes, at
+    N = 17, K = 16 in one and at K = 0 (d = 130) or an edge shape in the other, in turn (each
+    shape in both dtypes), and in chunks (N = K = 40) in one dtype each in turn; the feature
+    covering set in bf16 (none and all in fp16); layout rules and Matryoshka in turn. ``-m slow``: all of it in both."""
     out = []
+    others = [(17, 0, 130), (1, 3, 130), (5, 28, 7)]
     for i, name in enumerate(NAMES):
-        for shape in [(17, 16, 24), (17, 0, 130), (1, 3, 130), (5, 28, 7)]:
+        for shape in [(17, 16, 24)] + others:
             for dtype in DTYPES_16:
-                default = (shape == (17, 16, 24) or (shape == (17, 0, 130) and dtype == DTYPES_16[i % 2])
-                           or (shape == [(1, 3, 130), (5, 28, 7)][i % 2] and dtype == DTYPES_16[i // 2 % 2]))
+                # objective i: N = 17, K = 16 in one dtype and others[i % 3] in the other, so
+                # each objective runs in both dtypes (both designs), each shape in both dtypes
+                default = ((shape == (17, 16, 24) and dtype == DTYPES_16[i % 2])
+                           or (shape == others[i % 3] and dtype != DTYPES_16[i % 2]))
                 out.append(param("triton", Objective(name, *shape, noise=POSITIVE_NOISE_16), dtype,
                                  buffers=True, slow=not default))
     for i, name in enumerate(["infonce-negatives", "infonce-symmetric", "focal-negatives", "escl", "escl-margin"]):
@@ -434,8 +444,24 @@ def _slice_loss(case, batch, lo, hi, backend, **kw):
                                                        backend=backend, **kw)
 
 
-@pytest.mark.parametrize("backend", backends("reference", "tiled", "triton"))
-@pytest.mark.parametrize("case", SLICE_CASES, ids=["+".join(c) or "plain" for c in SLICE_CASES])
+#: On Triton the default run takes, of the feature combinations, a covering set of the four
+#: (none, all, all but one); the other cases of SLICE_CASES and every case on the reference
+#: and the tiled engine too (the rest: ``-m slow``)
+SLICE_FEATURES = ("focal", "hard", "mask", "noise")
+SLICE_COVERING = [(), SLICE_FEATURES] + [tuple(f for f in SLICE_FEATURES if f != g) for g in SLICE_FEATURES]
+
+
+def slice_params():
+    out = []
+    for case in SLICE_CASES:
+        name = "+".join(case) or "plain"
+        out += [pytest.param(case, b, id=f"{name}-{b}") for b in ("reference", "tiled")]
+        slow = case in COMBOS and case not in SLICE_COVERING
+        out.append(pytest.param(case, "triton", id=f"{name}-triton", marks=[needs_triton] + ([SLOW] if slow else [])))
+    return out
+
+
+@pytest.mark.parametrize("case,backend", slice_params())
 def test_anchor_offset_slices_add_up(case, backend):
     """Each slice's loss and gradients equal the reference's (fused engines in chunks of
     2), and weighted by their sizes the slices add up to the whole batch: the offset moves
