@@ -15,6 +15,7 @@ default run and each option compile: docs/testing.md.
     python -m fastcl.kernels.compile_check --arch 80 90 --dtype bfloat16   # bf16, both targets
     python -m fastcl.kernels.compile_check --full --json report.json
     python -m fastcl.kernels.compile_check --sim-candidates   # what the lists are chosen from
+    python -m fastcl.kernels.compile_check --arch 80 90 --dtype bfloat16 --variant margin-soft
 
 Each run compiles into a fresh, private ``TRITON_CACHE_DIR`` (Triton's cache key does not
 see every module global a kernel reads), without ``TRITON_INTERPRET=1``. What follows the TTIR
@@ -761,6 +762,9 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), help="compute capabilities")
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None)
     p.add_argument("--kernel", default=None, help="only this kernel (e.g. _row_kernel)")
+    p.add_argument("--variant", nargs="+", default=None,
+                   help="only these flag sets (names in configs.VARIANTS), each config and mode "
+                        "of their lists (the covering subsets are chosen over every flag set)")
     p.add_argument("--first-config", action="store_true",
                    help="only the first config of each similarity list")
     p.add_argument("--pairwise", action="store_true",
@@ -779,11 +783,19 @@ def main(argv=None) -> int:
     p.add_argument("--allow-spills", action="store_true", help="report spills, do not fail on them")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    if args.variant:
+        from .configs import VARIANTS
+        unknown = [v for v in args.variant if v not in VARIANTS]
+        if unknown:
+            p.error(f"--variant: {', '.join(unknown)} not in configs.VARIANTS")
     specs = (candidates(tuple(args.arch), args.dtype) if args.sim_candidates else
              specializations(args.full, tuple(args.arch), args.dtype, args.rest,
                              ("aligned",) if args.aligned_only else ("aligned", "unaligned"),
                              # (--first-config, --pairwise: their own subsets of all of it)
-                             args.exhaustive or args.first_config or args.pairwise))
+                             args.exhaustive or args.first_config or args.pairwise
+                             or bool(args.variant)))
+    if args.variant:
+        specs = [s for s in specs if s.variant in args.variant]
     if args.kernel:
         specs = [s for s in specs if s.kernel == args.kernel]
     if args.first_config:

@@ -76,12 +76,31 @@ VARIANTS = {
         ("rules", dict(_OFF, RULES=True)), ("rules-guide", dict(_OFF, RULES=True, GUIDE=True)),
         ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)),
         ("focal-rules-guide", dict(_OFF, FOCAL=True, RULES=True, GUIDE=True)))},
+    # and beside the false-negative margin (its drops leave the target's kept set)
+    **{f"{name}-soft": dict(f, SOFT=True) for name, f in (
+        ("margin", dict(_OFF, MARGIN=True)), ("hard-margin", dict(_OFF, HARD=True, MARGIN=True)),
+        ("focal-margin", dict(_OFF, FOCAL=True, MARGIN=True)),
+        ("focal-hard-margin", dict(_OFF, FOCAL=True, HARD=True, MARGIN=True)),
+        ("mask-margin", dict(_OFF, MASK=True, MARGIN=True)),
+        ("focal-mask-margin", dict(_OFF, FOCAL=True, MASK=True, MARGIN=True)),
+        ("hard-mask-margin", dict(_OFF, HARD=True, MASK=True, MARGIN=True)),
+        ("focal-hard-mask-margin", dict(_OFF, FOCAL=True, HARD=True, MASK=True, MARGIN=True)),
+        ("rules-margin", dict(_OFF, RULES=True, MARGIN=True)),
+        ("rules-guide-margin", dict(_OFF, RULES=True, GUIDE=True, MARGIN=True)),
+        ("focal-rules-margin", dict(_OFF, FOCAL=True, RULES=True, MARGIN=True)),
+        ("focal-rules-guide-margin", dict(_OFF, FOCAL=True, RULES=True, GUIDE=True, MARGIN=True)))},
     # a teacher in the soft target (its cosines a second product in the guide's slots: not
-    # beside DCLR's mask or the guide) on the one-softmax objectives and the anchor-side rules
+    # beside DCLR's mask or the guide) on the one-softmax objectives and the anchor-side
+    # rules, with and without the margin
     **{f"{name}-teacher": dict(f, SOFT=True, TEACHER=True) for name, f in (
         ("infonce", dict(_OFF)), ("infonce-hard", dict(_OFF, HARD=True)),
         ("focal", dict(_OFF, FOCAL=True)), ("focal-hard", dict(_OFF, FOCAL=True, HARD=True)),
-        ("rules", dict(_OFF, RULES=True)), ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)))},
+        ("rules", dict(_OFF, RULES=True)), ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)),
+        ("margin", dict(_OFF, MARGIN=True)), ("hard-margin", dict(_OFF, HARD=True, MARGIN=True)),
+        ("focal-margin", dict(_OFF, FOCAL=True, MARGIN=True)),
+        ("focal-hard-margin", dict(_OFF, FOCAL=True, HARD=True, MARGIN=True)),
+        ("rules-margin", dict(_OFF, RULES=True, MARGIN=True)),
+        ("focal-rules-margin", dict(_OFF, FOCAL=True, RULES=True, MARGIN=True)))},
 }
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
