@@ -715,16 +715,34 @@ def run(specs: list[Spec], jobs: int = 1) -> list[Result]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1" and "fastcl.kernels.contrastive" in sys.modules:
         raise RuntimeError("compile_check needs the jitted kernels: run it in a process "
                            "without TRITON_INTERPRET=1")
+    # flag sets that launch the same specialization (a flag the kernel is not passed: the
+    # row kernel's GUIDE, MASK, MARGIN) compile it once, without even a TTIR of their own
+    owners = {}
+    for s in specs:
+        owners.setdefault(_same_launch(s), s)
+    unique = list(owners.values())
     with tempfile.TemporaryDirectory(prefix="fastcl-triton-cache-") as cache:
         if jobs <= 1:
-            return _same_code(_compile_part(cache, specs))
-        parts = [specs[i::jobs] for i in range(jobs)]
-        with ProcessPoolExecutor(jobs) as pool:
-            done = list(pool.map(_compile_part, [cache] * jobs, parts))
-    results = [None] * len(specs)
-    for i, part in enumerate(done):        # back in the order of ``specs``
-        results[i::jobs] = part
-    return _same_code(results)
+            done = [_compile_part(cache, unique)]
+        else:
+            parts = [unique[i::jobs] for i in range(jobs)]
+            with ProcessPoolExecutor(jobs) as pool:
+                done = list(pool.map(_compile_part, [cache] * jobs, parts))
+    results = [None] * len(unique)
+    for i, part in enumerate(done):        # back in the order of ``unique``
+        results[i::max(jobs, 1)] = part
+    by_launch = {_same_launch(s): r for s, r in zip(unique, _same_code(results))}
+    out = []
+    for s in specs:
+        r = by_launch[_same_launch(s)]
+        out.append(r if owners[_same_launch(s)] is s else replace(
+            r, spec=s, seconds=0.0, same_code_as=r.same_code_as or r.spec.name))
+    return out
+
+
+def _same_launch(spec: Spec) -> str:
+    """What a specialization compiles from: all of it but the flag set's name."""
+    return repr(replace(spec, variant=""))
 
 
 def report(results: list[Result], allow_spills: bool = False) -> str:
