@@ -676,9 +676,8 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
     """``spec`` on its resolved backend. The Triton kernels apply the layout's rules, the
     guide and the ids on InfoNCE and focal (with DCLR's noise too), and Matryoshka's widths a
     call each, but not the layout's rules beside a hard-negative weight or DCLR's mask (two
-    plain directions take both), nor soft targets beside the false-negative margin, nor a
-    teacher beside the guide or DCLR's mask; for those ``"auto"`` takes the tiled path and
-    ``"triton"`` is refused with the reason."""
+    plain directions take both), nor a teacher beside the guide or DCLR's mask; for those
+    ``"auto"`` takes the tiled path and ``"triton"`` is refused with the reason."""
     be = resolve_backend(backend, anchors)
     if be == "triton" and spec.positive_prior is not None:
         # the kernels' debiased loss: one row a softmax, and the flag sets the compile check
@@ -697,17 +696,14 @@ def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
                     "guide), each with or without false_negative_margin; use backend='tiled' "
                     "(the same numbers, without the N×M matrix)")
             be = "tiled"
-    if be == "triton" and spec.soft is not None and (
-            spec.false_negative_margin is not None
-            or (spec.soft.teacher is not None and (spec.guide is not None or spec.mask is not None))):
-        # no flag set of soft targets and the margin; the teacher's cosines take the guide's
-        # and the mask's slots in the similarity kernel
+    if be == "triton" and spec.soft is not None and spec.soft.teacher is not None and (
+            spec.guide is not None or spec.mask is not None):
+        # the teacher's cosines take the guide's and the mask's slots in the similarity
+        # kernel (a pair of its own would pass the kernel's 40 parameters)
         if backend == "triton":
-            what = ("teacher beside guide or complementary (DCLR's mask)"
-                    if spec.false_negative_margin is None else
-                    "label_smoothing, labels or teacher beside false_negative_margin")
-            raise ValueError(f"backend='triton' does not compute {what} yet; use "
-                             "backend='tiled' (the same numbers, without the N×M matrix)")
+            raise ValueError("backend='triton' does not compute teacher beside guide or "
+                             "complementary (DCLR's mask); use backend='tiled' (the same "
+                             "numbers, without the N×M matrix)")
         be = "tiled"
     if be == "triton" and spec.ruled and not spec.two_directions:
         lacking = [name for name, on in (

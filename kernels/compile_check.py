@@ -15,6 +15,7 @@ default run and each option compile: docs/testing.md.
     python -m fastcl.kernels.compile_check --arch 80 90 --dtype bfloat16   # bf16, both targets
     python -m fastcl.kernels.compile_check --full --json report.json
     python -m fastcl.kernels.compile_check --sim-candidates   # what the lists are chosen from
+    python -m fastcl.kernels.compile_check --arch 80 90 --dtype bfloat16 --variant margin-soft
 
 Each run compiles into a fresh, private ``TRITON_CACHE_DIR`` (Triton's cache key does not
 see every module global a kernel reads), without ``TRITON_INTERPRET=1``. What follows the TTIR
@@ -714,16 +715,34 @@ def run(specs: list[Spec], jobs: int = 1) -> list[Result]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1" and "fastcl.kernels.contrastive" in sys.modules:
         raise RuntimeError("compile_check needs the jitted kernels: run it in a process "
                            "without TRITON_INTERPRET=1")
+    # flag sets that launch the same specialization (a flag the kernel is not passed: the
+    # row kernel's GUIDE, MASK, MARGIN) compile it once, without even a TTIR of their own
+    owners = {}
+    for s in specs:
+        owners.setdefault(_same_launch(s), s)
+    unique = list(owners.values())
     with tempfile.TemporaryDirectory(prefix="fastcl-triton-cache-") as cache:
         if jobs <= 1:
-            return _same_code(_compile_part(cache, specs))
-        parts = [specs[i::jobs] for i in range(jobs)]
-        with ProcessPoolExecutor(jobs) as pool:
-            done = list(pool.map(_compile_part, [cache] * jobs, parts))
-    results = [None] * len(specs)
-    for i, part in enumerate(done):        # back in the order of ``specs``
-        results[i::jobs] = part
-    return _same_code(results)
+            done = [_compile_part(cache, unique)]
+        else:
+            parts = [unique[i::jobs] for i in range(jobs)]
+            with ProcessPoolExecutor(jobs) as pool:
+                done = list(pool.map(_compile_part, [cache] * jobs, parts))
+    results = [None] * len(unique)
+    for i, part in enumerate(done):        # back in the order of ``unique``
+        results[i::max(jobs, 1)] = part
+    by_launch = {_same_launch(s): r for s, r in zip(unique, _same_code(results))}
+    out = []
+    for s in specs:
+        r = by_launch[_same_launch(s)]
+        out.append(r if owners[_same_launch(s)] is s else replace(
+            r, spec=s, seconds=0.0, same_code_as=r.same_code_as or r.spec.name))
+    return out
+
+
+def _same_launch(spec: Spec) -> str:
+    """What a specialization compiles from: all of it but the flag set's name."""
+    return repr(replace(spec, variant=""))
 
 
 def report(results: list[Result], allow_spills: bool = False) -> str:
@@ -761,6 +780,9 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), help="compute capabilities")
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None)
     p.add_argument("--kernel", default=None, help="only this kernel (e.g. _row_kernel)")
+    p.add_argument("--variant", nargs="+", default=None,
+                   help="only these flag sets (names in configs.VARIANTS), each config and mode "
+                        "of their lists (the covering subsets are chosen over every flag set)")
     p.add_argument("--first-config", action="store_true",
                    help="only the first config of each similarity list")
     p.add_argument("--pairwise", action="store_true",
@@ -779,11 +801,19 @@ def main(argv=None) -> int:
     p.add_argument("--allow-spills", action="store_true", help="report spills, do not fail on them")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    if args.variant:
+        from .configs import VARIANTS
+        unknown = [v for v in args.variant if v not in VARIANTS]
+        if unknown:
+            p.error(f"--variant: {', '.join(unknown)} not in configs.VARIANTS")
     specs = (candidates(tuple(args.arch), args.dtype) if args.sim_candidates else
              specializations(args.full, tuple(args.arch), args.dtype, args.rest,
                              ("aligned",) if args.aligned_only else ("aligned", "unaligned"),
                              # (--first-config, --pairwise: their own subsets of all of it)
-                             args.exhaustive or args.first_config or args.pairwise))
+                             args.exhaustive or args.first_config or args.pairwise
+                             or bool(args.variant)))
+    if args.variant:
+        specs = [s for s in specs if s.variant in args.variant]
     if args.kernel:
         specs = [s for s in specs if s.kernel == args.kernel]
     if args.first_config:

@@ -76,12 +76,31 @@ VARIANTS = {
         ("rules", dict(_OFF, RULES=True)), ("rules-guide", dict(_OFF, RULES=True, GUIDE=True)),
         ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)),
         ("focal-rules-guide", dict(_OFF, FOCAL=True, RULES=True, GUIDE=True)))},
+    # and beside the false-negative margin (its drops leave the target's kept set)
+    **{f"{name}-soft": dict(f, SOFT=True) for name, f in (
+        ("margin", dict(_OFF, MARGIN=True)), ("hard-margin", dict(_OFF, HARD=True, MARGIN=True)),
+        ("focal-margin", dict(_OFF, FOCAL=True, MARGIN=True)),
+        ("focal-hard-margin", dict(_OFF, FOCAL=True, HARD=True, MARGIN=True)),
+        ("mask-margin", dict(_OFF, MASK=True, MARGIN=True)),
+        ("focal-mask-margin", dict(_OFF, FOCAL=True, MASK=True, MARGIN=True)),
+        ("hard-mask-margin", dict(_OFF, HARD=True, MASK=True, MARGIN=True)),
+        ("focal-hard-mask-margin", dict(_OFF, FOCAL=True, HARD=True, MASK=True, MARGIN=True)),
+        ("rules-margin", dict(_OFF, RULES=True, MARGIN=True)),
+        ("rules-guide-margin", dict(_OFF, RULES=True, GUIDE=True, MARGIN=True)),
+        ("focal-rules-margin", dict(_OFF, FOCAL=True, RULES=True, MARGIN=True)),
+        ("focal-rules-guide-margin", dict(_OFF, FOCAL=True, RULES=True, GUIDE=True, MARGIN=True)))},
     # a teacher in the soft target (its cosines a second product in the guide's slots: not
-    # beside DCLR's mask or the guide) on the one-softmax objectives and the anchor-side rules
+    # beside DCLR's mask or the guide) on the one-softmax objectives and the anchor-side
+    # rules, with and without the margin
     **{f"{name}-teacher": dict(f, SOFT=True, TEACHER=True) for name, f in (
         ("infonce", dict(_OFF)), ("infonce-hard", dict(_OFF, HARD=True)),
         ("focal", dict(_OFF, FOCAL=True)), ("focal-hard", dict(_OFF, FOCAL=True, HARD=True)),
-        ("rules", dict(_OFF, RULES=True)), ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)))},
+        ("rules", dict(_OFF, RULES=True)), ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)),
+        ("margin", dict(_OFF, MARGIN=True)), ("hard-margin", dict(_OFF, HARD=True, MARGIN=True)),
+        ("focal-margin", dict(_OFF, FOCAL=True, MARGIN=True)),
+        ("focal-hard-margin", dict(_OFF, FOCAL=True, HARD=True, MARGIN=True)),
+        ("rules-margin", dict(_OFF, RULES=True, MARGIN=True)),
+        ("focal-rules-margin", dict(_OFF, FOCAL=True, RULES=True, MARGIN=True)))},
 }
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
@@ -141,9 +160,13 @@ SIM_CONFIGS_BY_VARIANT = {
     **{(arch, "fp32", v): [(32, 16, 8, 3)] for arch in (80, 90)
        for v in ("rules-guide-margin", "rules-guide-prior", "rules-guide-margin-prior")},
     # the teacher's product beside the layout's masks: the 128-row sm_90 tile spilled
-    # 192-200 bytes (Triton 3.9)
-    **{(90, "16bit", v): _MID for v in ("rules-teacher", "focal-rules-teacher")},
+    # 192-200 bytes (Triton 3.9; 80-400 with the margin)
+    **{(90, "16bit", v): _MID for v in ("rules-teacher", "focal-rules-teacher",
+                                         "rules-margin-teacher", "focal-rules-margin-teacher")},
     (80, "fp32", "focal-rules-teacher"): [(32, 16, 8, 3)],     # (64, 16): 8 bytes
+    # DCLR's mask and the margin's test beside the stored cosines: (32, 16) spilled 12 bytes
+    # on sm_90 (Triton 3.9), (64, 16) none
+    (90, "fp32", "mask-margin-soft"): [(64, 16, 8, 3)],
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
 #: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads
@@ -168,6 +191,9 @@ SIM_CONFIGS_OLDER_TRITON = {
     # soft targets store the cosines beside the guide's product (as focal does): 3.1's
     # (64, 32) spills 40-64 bytes there
     **{(arch, "16bit", "rules-guide-soft"): [(32, 64, 8, 3)] for arch in (80, 90)},
+    # the teacher's product beside the hard negative's weight and the margin: 3.1's 128-row
+    # sm_90 tile spills 40-72 bytes
+    **{(90, "16bit", v): _MID for v in ("hard-margin-teacher", "focal-hard-margin-teacher")},
 }
 
 # A soft variant's similarity tile is its base's (SOFT is read by the row kernel only): its

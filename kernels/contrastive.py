@@ -142,13 +142,13 @@ def _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS
     (logit × 0 in the released code, out of the denominator in the paper and the layout's
     rules); and that mask."""
     l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
-    dropped = is_pos & (s == DROPPED)        # all False: the positive is never dropped
-    if (MASK | RULES | MARGIN) & FLAGS:
-        dropped = s == DROPPED
-        if RELEASED & FLAGS:
-            l = tl.where(dropped, 0.0, l)
-        else:
-            l = tl.where(dropped, float("-inf"), l)
+    # tested whatever dropped the entry (no cosine equals DROPPED): the row kernel then reads
+    # none of the flags that drop, and their flag sets share its code
+    dropped = s == DROPPED
+    if RELEASED & FLAGS:
+        l = tl.where(dropped, 0.0, l)
+    else:
+        l = tl.where(dropped, float("-inf"), l)
     return l, dropped
 
 
@@ -914,9 +914,10 @@ def flags(ep) -> dict:
 
 
 def row_flags(f: dict) -> dict:
-    """The row kernel's flags: the similarity kernel's less GUIDE (the guide's filter is
-    done by then: its drops are in the stored tile)."""
-    return {k: v for k, v in f.items() if k != "GUIDE"}
+    """The row kernel's flags: the similarity kernel's less those whose drops are done by
+    then (GUIDE, MASK, MARGIN: ``DROPPED`` in the stored tile, which the row kernel tests
+    whatever the flags), so that their flag sets launch one row kernel."""
+    return {k: v for k, v in f.items() if k not in ("GUIDE", "MASK", "MARGIN")}
 
 
 def stores_exp(f: dict) -> bool:

@@ -390,11 +390,13 @@ def test_engine_flags_are_known_variants():
         dict(layout=gist(False, False), blocks=(2, 0, 0, 0), ids=(c[0], c[0]),
              false_negative_margin=0.1),
         dict(guide=(c[0], c[0], c[0][0]), false_negative_margin=0.1))]
-    # soft targets on each but the released DCLR and the noise loss
-    eps += [dataclasses.replace(ep, label_smoothing=0.1) for ep in base]
-    # a teacher on each without the mask or the guide (its cosines take their slots)
-    eps += [dataclasses.replace(ep, teacher=c) for ep in base
-            if ep.complementary is None and ep.guide is None]
+    # soft targets on each but the released DCLR and the noise loss, with and without the margin
+    eps += [dataclasses.replace(ep, label_smoothing=0.1, false_negative_margin=m) for ep in base
+            for m in (None, 0.1)]
+    # a teacher on each without the mask or the guide (its cosines take their slots), with
+    # and without the margin
+    eps += [dataclasses.replace(ep, teacher=c, false_negative_margin=m) for ep in base
+            for m in (None, 0.1) if ep.complementary is None and ep.guide is None]
     assert sorted(map(str, (flags(ep) for ep in eps))) == sorted(map(str, VARIANTS.values()))
 
 

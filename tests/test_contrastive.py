@@ -154,7 +154,7 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
     # every combination: plain, with issue #46's margin (tests/test_feature_masks.py), with
     # soft targets (tests/test_soft_targets.py); the released formulation
     margin, smooth = dict(false_negative_margin=0.1), dict(label_smoothing=0.1)
-    for combo, extra in itertools.product(COMBOS, ({}, margin, smooth)):
+    for combo, extra in itertools.product(COMBOS, ({}, margin, smooth, dict(margin, **smooth))):
         batch(combo, "tiled", noise_steps=1, **extra)
     for combo in RELEASED:
         batch(combo, "tiled", formulation="released", noise_steps=1)
@@ -163,24 +163,24 @@ def test_every_combination_launches_a_compiled_variant(monkeypatch):
     for focal, extra in itertools.product((None, 0.3), ({}, margin)):
         c(focal_m=focal, directions=q2d_d2q, **extra)
         c(focal_m=focal, directions=fastcl.layout.gist(), guide=guide, **extra)
-    for focal in (None, 0.3):
-        c(focal_m=focal, directions=q2d_q2q, **smooth)
-        c(focal_m=focal, directions=fastcl.layout.gist(True, False), guide=guide, **smooth)
+    for focal, extra in itertools.product((None, 0.3), (smooth, dict(margin, **smooth))):
+        c(focal_m=focal, directions=q2d_q2q, **extra)
+        c(focal_m=focal, directions=fastcl.layout.gist(True, False), guide=guide, **extra)
     # the debiased loss with the flag sets its Triton path takes (spec.TRITON_PRIOR)
     for combo, extra in itertools.product([(), ("hard",), ("focal",), ("mask",)], ({}, margin)):
         batch(combo, "tiled", positive_prior=0.1, **extra)
     for rule, extra in itertools.product([dict(directions=q2d_q2q), dict(guide=guide)], ({}, margin)):
         batch((), "tiled", positive_prior=0.1, **rule, **extra)
     # a teacher (tests/test_soft_targets.py): the combinations without DCLR's mask or a
-    # positive side, and the anchor-side rules
+    # positive side, and the anchor-side rules, with and without the margin
     def teacher(negatives):
         k = 5 + (0 if negatives is None else negatives.shape[0])
         return (make(5, 3, seed=20, grad=False), make(k, 3, seed=21, grad=False))
-    for combo in COMBOS:
+    for combo, extra in itertools.product(COMBOS, ({}, margin)):
         if not {"mask", "symmetric"} & set(combo):
-            batch(combo, "tiled", noise_steps=1, teacher=teacher(batch.kwargs(combo)[0]))
-    for focal in (None, 0.3):
-        c(focal_m=focal, teacher=teacher(None), directions=q2d_q2q)
+            batch(combo, "tiled", noise_steps=1, teacher=teacher(batch.kwargs(combo)[0]), **extra)
+    for focal, extra in itertools.product((None, 0.3), ({}, margin)):
+        c(focal_m=focal, teacher=teacher(None), directions=q2d_q2q, **extra)
     launched = {tuple(sorted(flags(ep).items())) for ep in seen}
     known = {tuple(sorted(v.items())) for v in VARIANTS.values()}
     assert launched <= known, launched - known

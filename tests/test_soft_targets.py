@@ -151,6 +151,10 @@ def _case(name, n, d):
         return dict(labels=labels, label_smoothing=0.1, teacher=t, teacher_temperature=0.2,
                     distill_weight=0.3, duplicate_ids=(ids, ids + n), focal_m=0.2,
                     noise=torch.randn(3, d, generator=g, dtype=torch.float64), noise_steps=0)
+    if name.endswith("+margin"):
+        # the false-negative margin beside soft targets: its drops leave the kept set K_i
+        # (and the teacher's softmax); −0.2 drops some of these random candidates
+        return dict(_case(name[:-len("+margin")], n, d), false_negative_margin=-0.2)
     if name == "smooth+noise":
         return dict(label_smoothing=0.1, noise=torch.randn(3, d, generator=g, dtype=torch.float64),
                     noise_steps=1)
@@ -159,13 +163,18 @@ def _case(name, n, d):
 
 CASES = ["smooth", "labels", "both+focal+hard", "both+mask", "both+ids+guide+q2q",
          "both+hardness+matryoshka", "both+symmetric+mask", "teacher", "teacher+smooth+hard+matryoshka",
-         "teacher+labels+hardness+q2q", "teacher+both+ids+noise", "smooth+noise"]
+         "teacher+labels+hardness+q2q", "teacher+both+ids+noise", "smooth+noise",
+         "smooth+margin", "both+focal+hard+margin", "both+mask+margin", "both+ids+guide+q2q+margin",
+         "teacher+margin", "teacher+smooth+hard+matryoshka+margin",
+         "teacher+labels+hardness+q2q+margin"]
 SHAPES = [(1, 3), (19, 5)]          # N = 1; 19 rows and 38 columns cross the 16-wide tiles
 FAST_TRITON = {("smooth", (19, 5)), ("labels", (1, 3)), ("both+focal+hard", (19, 5)),
                ("both+ids+guide+q2q", (19, 5)), ("both+hardness+matryoshka", (1, 3)),
                ("both+symmetric+mask", (19, 5)), ("teacher", (19, 5)),
                ("teacher+smooth+hard+matryoshka", (1, 3)), ("teacher+labels+hardness+q2q", (1, 3)),
-               ("teacher+both+ids+noise", (1, 3))}
+               ("teacher+both+ids+noise", (1, 3)), ("smooth+margin", (19, 5)),
+               ("both+mask+margin", (19, 5)), ("both+ids+guide+q2q+margin", (19, 5)),
+               ("teacher+margin", (19, 5)), ("teacher+labels+hardness+q2q+margin", (19, 5))}
 
 
 def _grid():
@@ -196,6 +205,10 @@ def test_matches_reference(backend, name, shape):
     options = _case(name, n, d)
     want = fastcl.contrastive(a, p, neg, temperature=TAU, backend="reference", **options)
     want_grads = _grads(want, (a, p, neg))
+    if "false_negative_margin" in options and n > 1:      # the margin drops something
+        without = dict(options, false_negative_margin=None)
+        assert abs(float(fastcl.contrastive(a, p, neg, temperature=TAU, backend="reference",
+                                            **without).detach()) - float(want.detach())) > 1e-3
     dtype = torch.float64 if backend == "tiled" else torch.float32
     tol = dict(atol=1e-9, rtol=1e-9) if backend == "tiled" else dict(atol=1e-4, rtol=1e-4)
     x = [t.detach().to(dtype).requires_grad_() for t in (a, p, neg)]
@@ -324,8 +337,8 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
 def test_soft_targets_beside_the_margin_and_not_the_prior():
     """label_smoothing with false_negative_margin: the smoothing is uniform over the row's
     kept candidates (the margin's drops left out), literal float64 formula within 1e-12 on
-    the reference, the tiled path within 1e-9; Triton refuses the pair by name (no flag
-    set), "auto" runs it tiled. positive_prior with soft targets is refused everywhere."""
+    the reference, the tiled path within 1e-9, Triton's interpreter on float32 inputs within
+    1e-4. positive_prior with soft targets is refused everywhere."""
     n, eps, m = 7, 0.2, 0.05
     a = make(n, 5, dtype=torch.float64)
     p = make(n, 5, dtype=torch.float64, seed=1)
@@ -343,11 +356,13 @@ def test_soft_targets_beside_the_margin_and_not_the_prior():
         torch.testing.assert_close(got, want, atol=tol, rtol=0)
         for x, w in zip(_grads(got, (a, p)), want_grads):
             torch.testing.assert_close(x, w, atol=tol, rtol=0)
-    x = a.detach().float()
-    if fastcl.spec.triton_problem(x) is None:
-        with pytest.raises(ValueError, match="label_smoothing, labels or teacher beside false_negative_margin"):
-            fastcl.spec.build_spec(x, x, None, backend="triton", **kw)
-        assert fastcl.spec.build_spec(x, x, None, backend="auto", **kw)[0].backend == "tiled"
+    if fastcl.spec.triton_problem(a.detach().float()) is None:
+        x = [t.detach().float().requires_grad_() for t in (a, p)]
+        got = fastcl.contrastive(*x, backend="triton", chunk_size=3, **kw)
+        assert fastcl.spec.build_spec(*x, None, backend="triton", **kw)[0].backend == "triton"
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
+        for g, w in zip(_grads(got, x), want_grads):
+            torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="positive_prior cannot be combined with label_smoothing"):
         fastcl.contrastive(a, p, temperature=TAU, label_smoothing=eps, positive_prior=0.1)
 
