@@ -64,44 +64,22 @@ VARIANTS = {
     "mask-margin-prior": dict(_OFF, MASK=True, MARGIN=True, PRIOR=True),
     "rules-margin-prior": dict(_OFF, RULES=True, MARGIN=True, PRIOR=True),
     "rules-guide-margin-prior": dict(_OFF, RULES=True, GUIDE=True, MARGIN=True, PRIOR=True),
-    # soft targets (label smoothing, labels) on each of the above but the released DCLR's
-    # and the noise loss's (the similarity kernel stores the cosines, as focal's does)
-    **{f"{name}-soft": dict(f, SOFT=True) for name, f in (
-        ("infonce", dict(_OFF)), ("infonce-hard", dict(_OFF, HARD=True)),
-        ("focal", dict(_OFF, FOCAL=True)), ("dclr-mask", dict(_OFF, MASK=True)),
-        ("focal-hard", dict(_OFF, FOCAL=True, HARD=True)),
-        ("focal-mask", dict(_OFF, FOCAL=True, MASK=True)),
-        ("hard-mask", dict(_OFF, HARD=True, MASK=True)),
-        ("focal-hard-mask", dict(_OFF, FOCAL=True, HARD=True, MASK=True)),
-        ("rules", dict(_OFF, RULES=True)), ("rules-guide", dict(_OFF, RULES=True, GUIDE=True)),
-        ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)),
-        ("focal-rules-guide", dict(_OFF, FOCAL=True, RULES=True, GUIDE=True)))},
-    # and beside the false-negative margin (its drops leave the target's kept set)
-    **{f"{name}-soft": dict(f, SOFT=True) for name, f in (
-        ("margin", dict(_OFF, MARGIN=True)), ("hard-margin", dict(_OFF, HARD=True, MARGIN=True)),
-        ("focal-margin", dict(_OFF, FOCAL=True, MARGIN=True)),
-        ("focal-hard-margin", dict(_OFF, FOCAL=True, HARD=True, MARGIN=True)),
-        ("mask-margin", dict(_OFF, MASK=True, MARGIN=True)),
-        ("focal-mask-margin", dict(_OFF, FOCAL=True, MASK=True, MARGIN=True)),
-        ("hard-mask-margin", dict(_OFF, HARD=True, MASK=True, MARGIN=True)),
-        ("focal-hard-mask-margin", dict(_OFF, FOCAL=True, HARD=True, MASK=True, MARGIN=True)),
-        ("rules-margin", dict(_OFF, RULES=True, MARGIN=True)),
-        ("rules-guide-margin", dict(_OFF, RULES=True, GUIDE=True, MARGIN=True)),
-        ("focal-rules-margin", dict(_OFF, FOCAL=True, RULES=True, MARGIN=True)),
-        ("focal-rules-guide-margin", dict(_OFF, FOCAL=True, RULES=True, GUIDE=True, MARGIN=True)))},
-    # a teacher in the soft target (its cosines a second product in the guide's slots: not
-    # beside DCLR's mask or the guide) on the one-softmax objectives and the anchor-side
-    # rules, with and without the margin
-    **{f"{name}-teacher": dict(f, SOFT=True, TEACHER=True) for name, f in (
-        ("infonce", dict(_OFF)), ("infonce-hard", dict(_OFF, HARD=True)),
-        ("focal", dict(_OFF, FOCAL=True)), ("focal-hard", dict(_OFF, FOCAL=True, HARD=True)),
-        ("rules", dict(_OFF, RULES=True)), ("focal-rules", dict(_OFF, FOCAL=True, RULES=True)),
-        ("margin", dict(_OFF, MARGIN=True)), ("hard-margin", dict(_OFF, HARD=True, MARGIN=True)),
-        ("focal-margin", dict(_OFF, FOCAL=True, MARGIN=True)),
-        ("focal-hard-margin", dict(_OFF, FOCAL=True, HARD=True, MARGIN=True)),
-        ("rules-margin", dict(_OFF, RULES=True, MARGIN=True)),
-        ("focal-rules-margin", dict(_OFF, FOCAL=True, RULES=True, MARGIN=True)))},
 }
+# soft targets (label smoothing, labels) on each flag set above but the released DCLR's, the
+# noise loss's and the debiased one's (the similarity kernel stores the cosines, as focal's
+# does); beside the margin too (its drops leave the target's kept set)
+VARIANTS.update({f"{name}-soft": dict(VARIANTS[name], SOFT=True) for name in (
+    "infonce", "infonce-hard", "focal", "dclr-mask", "focal-hard", "focal-mask", "hard-mask",
+    "focal-hard-mask", "rules", "rules-guide", "focal-rules", "focal-rules-guide", "margin",
+    "hard-margin", "focal-margin", "focal-hard-margin", "mask-margin", "focal-mask-margin",
+    "hard-mask-margin", "focal-hard-mask-margin", "rules-margin", "rules-guide-margin",
+    "focal-rules-margin", "focal-rules-guide-margin")})
+# a teacher in the soft target (its cosines a second product in the guide's slots: not
+# beside DCLR's mask or the guide) on the one-softmax objectives and the anchor-side rules,
+# with and without the margin
+VARIANTS.update({f"{name}-teacher": dict(VARIANTS[name], SOFT=True, TEACHER=True) for name in (
+    "infonce", "infonce-hard", "focal", "focal-hard", "rules", "focal-rules", "margin",
+    "hard-margin", "focal-margin", "focal-hard-margin", "rules-margin", "focal-rules-margin")})
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
 
