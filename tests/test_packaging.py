@@ -38,7 +38,7 @@ def test_the_wheel_holds_every_package_and_the_console_script(wheel):
                    "fastcl/trainer/__main__.py", "fastcl/kernels/contrastive.py",
                    "fastcl/integrations/sentence_transformers/__init__.py", "fastcl/py.typed",
                    "fastcl/trainer/recipes/simcse-bert.yaml", "fastcl/trainer/recipes/dclr-roberta.yaml",
-                   "fastcl/samples/wiki-sample.txt", "fastcl/samples/stsb/sts-dev.csv",
+                   "fastcl/samples/wiki-sample.txt",
                    "fastcl/samples/README.md"):
         assert module in names, module
     (entry,) = [n for n in names if n.endswith("entry_points.txt")]
@@ -81,4 +81,4 @@ def test_the_train_extra_has_no_triton_and_no_test_tools():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert "fastcl.trainer.recipes" in setuptools["packages"]   # the recipes and samples are package data
     assert setuptools["package-data"]["fastcl.trainer.recipes"] == ["*.yaml"]
-    assert "samples/stsb/*.csv" in setuptools["package-data"]["fastcl"]
+    assert "samples/*.txt" in setuptools["package-data"]["fastcl"]

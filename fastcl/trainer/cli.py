@@ -42,7 +42,8 @@ class FastclArguments:
     data_split: str = _opt("train", "with a dataset name: the split to train on")
     config: str | None = _opt(help="YAML/JSON file of options (flags override it); recipe:NAME: a recipe")
     sts_dir: str | None = _opt(help="SentEval STS folder scored at step 0, every --eval_steps and the "
-                               "end (default: STS-B dev's shipped CC BY-SA part; none: no evaluation)")
+                               "end (SimCSE's data/download_senteval.sh: data/downstream); none "
+                               "given: no evaluation, the last step is saved")
     select: str | None = _opt(help="the best by stsb, or avg (with SICK-R)", choices=("stsb", "avg"))
     keep_last: bool = _opt(False, "save the last step, not the best evaluation (step 0 included)")
     max_seq_len: int = _opt(32, "training inputs' token limit (the saved model keeps its own)")
@@ -121,9 +122,7 @@ def _resolve(args) -> argparse.Namespace:
         _require(not supervised, f"--data: {args.method} needs data of pairs or triplets "
                  "(only a Wikipedia sample for the unsupervised methods ships with fastcl)")
         args.data = str(SAMPLES / "wiki-sample.txt")
-    if args.sts_dir is None:
-        args.sts_dir = str(SAMPLES)
-    elif args.sts_dir.lower() == "none":
+    if args.sts_dir is not None and args.sts_dir.lower() == "none":
         args.sts_dir = None
     recipe = load_config(f"{RECIPE}{args.method}-bert")
     args.recipe_pooler = recipe["pooler"]
@@ -252,7 +251,7 @@ def effective_config(args) -> dict:
         value = value.value if isinstance(value, Enum) else value
         config[key] = list(value) if isinstance(value, tuple) else value
     if args.sts_dir is None:
-        config["sts_dir"] = "none"   # no evaluation: not the shipped default
+        config["sts_dir"] = "none"   # no evaluation, explicitly (a resumed run keeps it)
     return config
 
 

@@ -18,7 +18,7 @@ from ..files import MANIFEST, DamagedError, LockedError, OutputLock
 from ..integrations.sentence_transformers.callbacks import GracefulStop, KeepBase
 from . import build
 from .build import CHECKPOINT_PREFIX, FAMILY_DEFAULTS
-from .cli import (CONFIG_FILE, FREE_ON_RESUME, SAMPLES, build_parser, effective_config,
+from .cli import (CONFIG_FILE, FREE_ON_RESUME, build_parser, effective_config,
                   objective_options, parse_args, resolve_args, training_arguments, write_config)
 
 PROG = "fastcl-train"
@@ -218,7 +218,7 @@ def main(argv=None, prog: str = PROG) -> int:
 def _evaluator(args, main_process: bool):
     """The dev evaluator of ``--sts_dir`` (STS-B dev and SICK-R dev, those it holds), its
     files parsed now: a malformed one is an error before step 1."""
-    from ..evaluate import DEV, load_task, task_source
+    from ..evaluate import DEV, task_source
     from ..integrations.sentence_transformers.evaluation import SentEvalSTSEvaluator
 
     tasks = []
@@ -228,11 +228,6 @@ def _evaluator(args, main_process: bool):
     if not tasks:
         raise FileNotFoundError(f"--sts_dir {args.sts_dir} holds neither stsb/sts-dev.csv nor "
                                 "sick/SICK_trial.txt (SentEval's data/downstream layout)")
-    if main_process and Path(args.sts_dir).resolve() == SAMPLES.resolve():
-        print(f"dev: the {len(load_task(args.sts_dir, 'stsb-dev'))} CC BY-SA pairs of STS-B dev that "
-              "ship with fastcl (a part: its scores are not STS-B dev scores); for the full STS-B "
-              "and SICK-R dev sets pass --sts_dir SentEval/data/downstream (SimCSE's "
-              "data/download_senteval.sh)", flush=True)
     return SentEvalSTSEvaluator(args.sts_dir, tasks, name=build.DEV, metrics=True,
                                 batch_size=args.per_device_eval_batch_size,
                                 show_progress_bar=main_process, max_seq_length=args.model_max_seq_length)
@@ -270,7 +265,9 @@ def _train(args, out: Path, checkpoint: Path | None, main_process: bool) -> int:
         print(f"{args.method}: {len(data.dataset)} examples from {data.source}"
               + (f" ({data.skipped} skipped)" if data.skipped else "")
               + f", {batch} a step, pooling: {args.pooler_used or 'the base model own modules'}"
-              + ("" if args.sts_dir else "; --sts_dir none: no dev evaluation, the last step is saved"),
+              + ("" if args.sts_dir else "; no --sts_dir: no dev evaluation, the last step is saved "
+                 "(STS-B and SICK-R dev: --sts_dir SentEval/data/downstream, from SimCSE's "
+                 "data/download_senteval.sh)"),
               flush=True)
     trainer.guard = lambda: guard_links(out)
     trainer.export_max_seq_length = args.model_max_seq_length
