@@ -145,6 +145,10 @@ SIM_CONFIGS_BY_VARIANT = {
     # DCLR's mask and the margin's test beside the stored cosines: (32, 16) spilled 12 bytes
     # on sm_90 (Triton 3.9), (64, 16) none
     (90, "fp32", "mask-margin-soft"): [(64, 16, 8, 3)],
+    # the prior's row count beside focal's stored cosines, or beside the mask and the margin:
+    # the 32-row fp32 tiles spilled 12 bytes on sm_90 (Triton 3.9, the full matrix)
+    (90, "fp32", "focal-prior"): [(64, 32, 8, 3)],
+    (90, "fp32", "mask-margin-prior"): [(64, 16, 8, 3)],
 }
 #: Tritons before this version allocate registers less tightly: their code for these flag
 #: sets spills in the tiles above (on the floor, 3.1: 16–240 bytes of spill stores and loads
