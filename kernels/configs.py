@@ -211,6 +211,15 @@ def row_block(f: dict) -> dict:
 FINISH_BLOCK = {"BLOCK_R": 4, "BLOCK_T": 4} if INTERPRET else GPU_FINISH_BLOCK
 
 
+def vector_block(d: int) -> dict:
+    """The launch sizes of the kernels that take one row of width ``d`` a program (the chain
+    rule, the noise step): the whole row in one block, more warps past 1024."""
+    import triton
+
+    return {"BLOCK_D": triton.next_power_of_2(d),
+            **({} if INTERPRET else {"num_warps": 4 if d <= 1024 else 8})}
+
+
 def triton_version() -> tuple[int, int]:
     """(major, minor) of the installed Triton."""
     import triton

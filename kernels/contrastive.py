@@ -844,8 +844,7 @@ def triton_tangent(u, x, inv_x, scale, out, x_hat=None, bounded=None):
         (x_hat if x_hat is not None else out).stride(0), 0 if scale.numel() == 1 else 1,
         _clamped_inverse(inv_x.dtype), keys.stride(0), dk.stride(0), first_pos,
         WRITE_X_HAT=x_hat is not None, BOUNDED=bounded is not None,
-        BLOCK_D=triton.next_power_of_2(d),
-        **({} if INTERPRET else {"num_warps": 4 if d <= 1024 else 8}))
+        **configs.vector_block(d))
     return out
 
 
@@ -890,9 +889,7 @@ def triton_noise_step(u, x, norm, inv_x, z, lr, released):
         return
     _noise_step_kernel[(rows,)](
         u, x, inv_x, z, d, u.stride(0), x.stride(0), z.stride(0), float(lr),
-        _clamped_inverse(inv_x.dtype), EPS, RELEASED=released,
-        BLOCK_D=triton.next_power_of_2(d),
-        **({} if INTERPRET else {"num_warps": 4 if d <= 1024 else 8}))
+        _clamped_inverse(inv_x.dtype), EPS, RELEASED=released, **configs.vector_block(d))
 
 
 # --------------------------------------------------------------------------- launches
@@ -983,6 +980,13 @@ def _similarity(f: dict, dtype: torch.dtype, device):
     return _autotuned(tuple(kept[:1] if configs.autotune_pinned() else kept))
 
 
+def bounded_design(f: dict, dtype) -> bool:
+    """Whether the bounded design can apply to a flag set at this chunk dtype (a torch dtype
+    or its name); :func:`logit_bound` says why not, and where the bound is too wide."""
+    return not (f["RELEASED"] or f["RULES"] or f["PRIOR"] or f["SOFT"]
+                or str(dtype).replace("torch.", "") == "float16")
+
+
 def logit_bound(ep, dtype: torch.dtype) -> float | None:
     """The bound B ≥ every logit of a row, where the bounded design applies; else None.
 
@@ -995,8 +999,7 @@ def logit_bound(ep, dtype: torch.dtype) -> float | None:
     does the released DCLR (its BCE needs each p_ij before its row sum), and float16 chunk
     buffers (5 exponent bits: ``exp(l − B)`` flushes to zero within 17 of B), and the
     layout's rules (a paired row's two sides share or split one softmax in the row kernel)."""
-    if (ep.formulation == "released" or dtype == torch.float16 or ep.sided
-            or ep.positive_prior is not None or ep.soft):
+    if not bounded_design(flags(ep), dtype):
         return None
     inv_t = 1.0 / ep.temperature
     w = float(ep.hard_negative_weight)
