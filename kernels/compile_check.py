@@ -78,8 +78,12 @@ class Spec:
 
     @property
     def name(self) -> str:
+        """The kernel, its flag set's name and what else it is specialized for (the flags
+        that name says left out)."""
+        from .configs import FLAGS
+
         flags = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}"
-                         for k, v in self.constexprs.items() if k not in FLAG_NAMES)
+                         for k, v in self.constexprs.items() if k not in FLAGS)
         return (f"{self.kernel}[{self.variant}] {self.dtype} sm_{self.arch} "
                 f"w{self.num_warps} s{self.num_stages} {flags}"
                 + (" (candidate)" if self.candidate else "")
@@ -115,10 +119,6 @@ class Result:
         return not self.ok or (self.spills > 0 and not self.spec.candidate
                                and self.spec.launch == "aligned")
 
-
-#: The flags a variant's name says (left out of a specialization's name).
-FLAG_NAMES = ("FOCAL", "HARD", "MASK", "RELEASED", "POSITIVES", "RULES", "GUIDE", "SOFT",
-              "TEACHER")
 
 #: The representative subset: every kernel and flag set, on these (arch, dtype) pairs (bf16
 #: on both targets: the dtype of large-batch training; fp32's tiles on one).
@@ -357,21 +357,21 @@ def first_configs(specs: list[Spec]) -> list[Spec]:
 
 
 def _int_args(spec: Spec) -> dict:
+    from . import configs as cfg
     from . import contrastive as kc
 
     values = {k: v for k, v in LAUNCHES[spec.launch].items() if k != "aligned"}
     if spec.constexprs.get("RULES"):
         values.update(rules=kc.pack_rules(**RULES_ARGS), R_half=values["R"] // 2,
                       anchor_base=values["first_pos"])
-    second = (spec.constexprs.get("MASK") or spec.constexprs.get("GUIDE")
-              or spec.constexprs.get("TEACHER"))
-    if spec.kernel == "_similarity_kernel" and not second:
+    alone = spec.kernel == "_similarity_kernel" and not cfg.second_product(spec.constexprs)
+    if alone:
         values["DC"] = values["n_ck"] = 0  # the launcher passes no complementary width
     values.update(spec.args)
     values.setdefault("scale_stride", 1)   # one weight a row (0: one scalar for all)
     for name, source in SAME_AS.items():
         values.setdefault(name, values[source])
-    if spec.kernel == "_similarity_kernel" and not second:
+    if alone:
         values["stride_cq"] = values["stride_ck"] = values["D"]   # q and keys stand in
     return values
 

@@ -37,49 +37,34 @@ VARIANTS = {
     "rules-guide": dict(_OFF, RULES=True, GUIDE=True),
     "focal-rules": dict(_OFF, FOCAL=True, RULES=True),
     "focal-rules-guide": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True),
-    # the false-negative margin (a threshold per row, a test in the tile) on each of those
-    "margin": dict(_OFF, MARGIN=True),
-    "hard-margin": dict(_OFF, HARD=True, MARGIN=True),
-    "focal-margin": dict(_OFF, FOCAL=True, MARGIN=True),
-    "focal-hard-margin": dict(_OFF, FOCAL=True, HARD=True, MARGIN=True),
-    "mask-margin": dict(_OFF, MASK=True, MARGIN=True),
-    "focal-mask-margin": dict(_OFF, FOCAL=True, MASK=True, MARGIN=True),
-    "hard-mask-margin": dict(_OFF, HARD=True, MASK=True, MARGIN=True),
-    "focal-hard-mask-margin": dict(_OFF, FOCAL=True, HARD=True, MASK=True, MARGIN=True),
-    "rules-margin": dict(_OFF, RULES=True, MARGIN=True),
-    "rules-guide-margin": dict(_OFF, RULES=True, GUIDE=True, MARGIN=True),
-    "focal-rules-margin": dict(_OFF, FOCAL=True, RULES=True, MARGIN=True),
-    "focal-rules-guide-margin": dict(_OFF, FOCAL=True, RULES=True, GUIDE=True, MARGIN=True),
-    # the debiased row loss (the row kernel counts each row's kept others) on the one-softmax
-    # objectives, with and without the margin
-    "prior": dict(_OFF, PRIOR=True),
-    "hard-prior": dict(_OFF, HARD=True, PRIOR=True),
-    "focal-prior": dict(_OFF, FOCAL=True, PRIOR=True),
-    "mask-prior": dict(_OFF, MASK=True, PRIOR=True),
-    "rules-prior": dict(_OFF, RULES=True, PRIOR=True),
-    "rules-guide-prior": dict(_OFF, RULES=True, GUIDE=True, PRIOR=True),
-    "margin-prior": dict(_OFF, MARGIN=True, PRIOR=True),
-    "focal-margin-prior": dict(_OFF, FOCAL=True, MARGIN=True, PRIOR=True),
-    "hard-margin-prior": dict(_OFF, HARD=True, MARGIN=True, PRIOR=True),
-    "mask-margin-prior": dict(_OFF, MASK=True, MARGIN=True, PRIOR=True),
-    "rules-margin-prior": dict(_OFF, RULES=True, MARGIN=True, PRIOR=True),
-    "rules-guide-margin-prior": dict(_OFF, RULES=True, GUIDE=True, MARGIN=True, PRIOR=True),
 }
+
+
+def _plus(name: str, flag: str) -> str:
+    """The name of flag set ``name`` with one more flag, as the margin's and the prior's
+    are named (``infonce`` and ``dclr-`` left out: ``hard-margin``, ``mask-margin-prior``)."""
+    return "-".join(filter(None, (name.removeprefix("infonce").removeprefix("dclr-").strip("-"), flag)))
+
+
+# the false-negative margin (a threshold per row, a test in the tile) on each of those
+VARIANTS.update({_plus(name, "margin"): dict(VARIANTS[name], MARGIN=True) for name in (
+    "infonce", "infonce-hard", "focal", "focal-hard", "dclr-mask", "focal-mask", "hard-mask",
+    "focal-hard-mask", "rules", "rules-guide", "focal-rules", "focal-rules-guide")})
+# the debiased row loss (the row kernel counts each row's kept others) on the one-softmax
+# objectives, with and without the margin
+VARIANTS.update({_plus(name, "prior"): dict(VARIANTS[name], PRIOR=True) for name in (
+    "infonce", "infonce-hard", "focal", "dclr-mask", "rules", "rules-guide", "margin",
+    "focal-margin", "hard-margin", "mask-margin", "rules-margin", "rules-guide-margin")})
 # soft targets (label smoothing, labels) on each flag set above but the released DCLR's, the
 # noise loss's and the debiased one's (the similarity kernel stores the cosines, as focal's
 # does); beside the margin too (its drops leave the target's kept set)
-VARIANTS.update({f"{name}-soft": dict(VARIANTS[name], SOFT=True) for name in (
-    "infonce", "infonce-hard", "focal", "dclr-mask", "focal-hard", "focal-mask", "hard-mask",
-    "focal-hard-mask", "rules", "rules-guide", "focal-rules", "focal-rules-guide", "margin",
-    "hard-margin", "focal-margin", "focal-hard-margin", "mask-margin", "focal-mask-margin",
-    "hard-mask-margin", "focal-hard-mask-margin", "rules-margin", "rules-guide-margin",
-    "focal-rules-margin", "focal-rules-guide-margin")})
+_SOFT = [name for name, f in VARIANTS.items()
+         if f["POSITIVES"] and not (f["RELEASED"] or f["PRIOR"])]
+VARIANTS.update({f"{name}-soft": dict(VARIANTS[name], SOFT=True) for name in _SOFT})
 # a teacher in the soft target (its cosines a second product in the guide's slots: not
-# beside DCLR's mask or the guide) on the one-softmax objectives and the anchor-side rules,
-# with and without the margin
-VARIANTS.update({f"{name}-teacher": dict(VARIANTS[name], SOFT=True, TEACHER=True) for name in (
-    "infonce", "infonce-hard", "focal", "focal-hard", "rules", "focal-rules", "margin",
-    "hard-margin", "focal-margin", "focal-hard-margin", "rules-margin", "focal-rules-margin")})
+# beside DCLR's mask or the guide) on those, with and without the margin
+VARIANTS.update({f"{name}-teacher": dict(VARIANTS[name], SOFT=True, TEACHER=True)
+                 for name in _SOFT if not (VARIANTS[name]["MASK"] or VARIANTS[name]["GUIDE"])})
 #: The flags that make a variant.
 FLAGS = tuple(_OFF)
 
@@ -111,7 +96,8 @@ SIM_CONFIGS_BY_ARCH = {90: {("16bit", True): [(128, 64, 8, 3), (64, 64, 8, 3), (
 _MID = [(64, 64, 8, 3), (64, 32, 8, 3)]
 #: Where one flag set (a name in VARIANTS) needs its own list on one target, by (arch, input
 #: kind, variant): the flag sets that hold the most beside the tile (focal's s beside E, the
-#: layout's masks, the guide's second product) take smaller tiles there.
+#: layout's masks, the guide's second product) take smaller tiles there, the largest that
+#: do not spill (``--sim-candidates`` reports what the others spill).
 SIM_CONFIGS_BY_VARIANT = {
     **{(90, "16bit", v): _MID for v in ("focal-mask", "focal-hard-mask", "focal-rules",
                                          "rules-guide", "focal-rules-guide")},
@@ -133,20 +119,16 @@ SIM_CONFIGS_BY_VARIANT = {
     # soft targets store the cosines (as focal does): the 128-row masked tile spills there
     (90, "16bit", "hard-mask-soft"): _MID,
     (80, "fp32", "rules-guide-soft"): [(32, 16, 8, 3)],
-    # the guide's product beside the margin's or the prior's test: a thinner fp32 tile (the
-    # 64-row one spilled 16-24 bytes on sm_80 and sm_90 with Triton 3.9)
+    # the guide's product beside the margin's or the prior's test, and the teacher's beside
+    # the layout's masks: thinner tiles
     **{(arch, "fp32", v): [(32, 16, 8, 3)] for arch in (80, 90)
        for v in ("rules-guide-margin", "rules-guide-prior", "rules-guide-margin-prior")},
-    # the teacher's product beside the layout's masks: the 128-row sm_90 tile spilled
-    # 192-200 bytes (Triton 3.9; 80-400 with the margin)
     **{(90, "16bit", v): _MID for v in ("rules-teacher", "focal-rules-teacher",
                                          "rules-margin-teacher", "focal-rules-margin-teacher")},
-    (80, "fp32", "focal-rules-teacher"): [(32, 16, 8, 3)],     # (64, 16): 8 bytes
-    # DCLR's mask and the margin's test beside the stored cosines: (32, 16) spilled 12 bytes
-    # on sm_90 (Triton 3.9), (64, 16) none
+    (80, "fp32", "focal-rules-teacher"): [(32, 16, 8, 3)],
+    # DCLR's mask and the margin's test, or the prior's row count, beside the stored cosines
+    # (focal's, soft targets'): the 64-row fp32 tiles (the 32-row ones spill on sm_90)
     (90, "fp32", "mask-margin-soft"): [(64, 16, 8, 3)],
-    # the prior's row count beside focal's stored cosines, or beside the mask and the margin:
-    # the 32-row fp32 tiles spilled 12 bytes on sm_90 (Triton 3.9, the full matrix)
     (90, "fp32", "focal-prior"): [(64, 32, 8, 3)],
     (90, "fp32", "mask-margin-prior"): [(64, 16, 8, 3)],
 }
@@ -160,8 +142,7 @@ SIM_CONFIGS_OLDER_TRITON = {
     **{(90, "16bit", v): _MID for v in ("dclr-mask", "hard-mask", "dclr-released-mask")},
     **{(arch, "16bit", "rules-guide"): _MID[1:] for arch in (80, 90)},
     **{(arch, "16bit", "focal-rules-guide"): [(32, 64, 8, 3)] for arch in (80, 90)},
-    # the false-negative margin and the debiased loss's flag sets (3.1: 8-328 bytes in the
-    # larger tiles, where 3.6 and the newest need none)
+    # the false-negative margin and the debiased loss's flag sets
     **{(arch, "16bit", v): _MID for arch in (80, 90) for v in ("margin", "hard-margin")},
     **{(90, "16bit", v): _MID for v in ("mask-margin", "focal-mask-margin", "hard-mask-margin",
                                          "mask-margin-prior")},
@@ -170,11 +151,9 @@ SIM_CONFIGS_OLDER_TRITON = {
     **{(arch, "16bit", v): [(32, 64, 8, 3)] for arch in (80, 90)
        for v in ("rules-guide-margin", "rules-guide-prior", "rules-guide-margin-prior",
                  "focal-rules-guide-margin")},
-    # soft targets store the cosines beside the guide's product (as focal does): 3.1's
-    # (64, 32) spills 40-64 bytes there
+    # soft targets store the cosines beside the guide's product (as focal does); the
+    # teacher's product beside the hard negative's weight and the margin
     **{(arch, "16bit", "rules-guide-soft"): [(32, 64, 8, 3)] for arch in (80, 90)},
-    # the teacher's product beside the hard negative's weight and the margin: 3.1's 128-row
-    # sm_90 tile spills 40-72 bytes
     **{(90, "16bit", v): _MID for v in ("hard-margin-teacher", "focal-hard-margin-teacher")},
 }
 
@@ -201,10 +180,9 @@ ROW_BLOCK = {"BLOCK_N": 32, "BLOCK_T": 4} if INTERPRET else GPU_ROW_BLOCK
 def row_block(f: dict) -> dict:
     """The row kernel's launch sizes for a flag set: soft targets beside the layout's rules
     or a teacher hold the most per column (the label ids, the rules' masks, the teacher's
-    logits): a quarter of the columns a step beside the rules (at 2048 Triton 3.6 spilled
-    8-16 bytes on sm_90, at 1024 Triton 3.1 4 bytes; 512 is clean on 3.1, 3.6 and 3.9); with a
-    teacher, whose cosines the gradient pass reads again: an eighth (256 columns; 2048
-    spilled 8 bytes on sm_80 with Triton 3.9, 512 8-16 bytes with 3.1 and 3.6)."""
+    logits): a quarter of the columns a step beside the rules, an eighth with a teacher, whose
+    cosines the gradient pass reads again (the widest steps that spill on no Triton from the
+    floor to the newest)."""
     if INTERPRET or not (f.get("SOFT") and (f.get("RULES") or f.get("TEACHER"))):
         return ROW_BLOCK
     return dict(ROW_BLOCK, BLOCK_N=ROW_BLOCK["BLOCK_N"] // (8 if f.get("TEACHER") else 4))
@@ -227,15 +205,21 @@ def triton_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def second_product(f: dict) -> bool:
+    """Whether the similarity tile holds a second product, and takes the lists for it: the
+    complementary model's cosines (DCLR's mask), or the guide's or the teacher's, in the
+    same slots."""
+    return bool(f["MASK"] or f.get("GUIDE") or f.get("TEACHER"))
+
+
 def sim_configs(f: dict, dtype, arch: int = 90, version: tuple | None = None) -> list[tuple]:
     """The similarity kernel's autotune list for these flags, input dtype (a torch dtype or
     its name), compute capability (90 for sm_90; an sm_80-class GPU uses 80) and Triton
     version (``(major, minor)``; the installed one by default)."""
-    # the guide's and the teacher's cosines take the tile the complementary model's take
     kind = "fp32" if str(dtype).replace("torch.", "") == "float32" else "16bit"
     arch = 80 if arch < 90 else 90
     name = variant_name(f)
-    second = bool(f["MASK"] or f.get("GUIDE") or f.get("TEACHER"))
+    second = second_product(f)
     older = (version or triton_version()) < OLDER_TRITON
     return ((older and SIM_CONFIGS_OLDER_TRITON.get((arch, kind, name)))
             or SIM_CONFIGS_BY_VARIANT.get((arch, kind, name))

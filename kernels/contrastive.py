@@ -123,7 +123,6 @@ def _bce_log_not(p):
     return tl.where(not_p > 0.0, tl.maximum(log_not, -100.0), -100.0)
 
 
-
 @triton.jit
 def _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS: tl.constexpr):
     """l = s/τ, or focal s²/τ (positive) and s(s+m)/τ (negatives); + w on column N+i."""
@@ -137,32 +136,22 @@ def _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS: tl.co
 
 
 @triton.jit
-def _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS: tl.constexpr):
-    """Logits recomputed from stored cosines, where ``DROPPED`` marks the masked negatives
-    (logit × 0 in the released code, out of the denominator in the paper and the layout's
-    rules); and that mask."""
-    l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
-    # tested whatever dropped the entry (no cosine equals DROPPED): the row kernel then reads
-    # none of the flags that drop, and their flag sets share its code
-    dropped = s == DROPPED
-    if RELEASED & FLAGS:
-        l = tl.where(dropped, 0.0, l)
+def _rule_rows(rows, R_half, first_pos, anchor_base, FLAGS: tl.constexpr):
+    """Each chunk row's positive column ``rows_g`` (its global anchor index), and with RULES
+    what :mod:`fastcl.layout` needs of it: its side (the rows are ``[anchors; their
+    positives]`` when paired, R_half each; the positive side has no positive column), its
+    index within the side, its group ``g`` (= its positive's column) and its own column's
+    group in the anchors block (without RULES: stand-ins, never read)."""
+    if RULES & FLAGS:
+        side1 = rows >= R_half
+        i = tl.where(side1, rows - R_half, rows)
+        g = first_pos + i
+        own = anchor_base + i
+        rows_g = tl.where(side1, NO_POSITIVE, g)
     else:
-        l = tl.where(dropped, float("-inf"), l)
-    return l, dropped
-
-
-@triton.jit
-def _rule_rows(rows, R_half, first_pos, anchor_base):
-    """What :mod:`fastcl.layout` needs of each chunk row: its side (the rows are
-    ``[anchors; their positives]`` when paired, R_half each), its index within the side,
-    its group ``g`` (= its positive's column) and its own column's group in the anchors
-    block."""
-    side1 = rows >= R_half
-    i = tl.where(side1, rows - R_half, rows)
-    return side1, i, first_pos + i, anchor_base + i
-
-
+        rows_g = first_pos + rows
+        side1, i, g, own = rows < 0, rows, rows_g, rows_g
+    return rows_g, side1, i, g, own
 
 
 @triton.jit
@@ -201,16 +190,6 @@ def _rule_masks(side1, g, own_anchor, cols, block, group, rules):
                              docs & (cols[None, :] != g[:, None])))
     hard = hard & (hard_mode > 0) & _not(side)
     return drop, protect, hard, side & mine
-
-
-@triton.jit
-def _tile_at(pid_r, pid_m, R, M, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Tile (pid_r, pid_m) of the R×M chunk: row and column indices and their bounds."""
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    return rows, cols, rows < R, cols < M
-
-
 
 
 @triton.jit
@@ -284,16 +263,13 @@ def _similarity_kernel(
     the columns ``j < n_ck`` (its N_b + K documents), stored R × n_ck after the R×M tile."""
     pid_m = tl.program_id(1)
     T = tl.cdiv(M, BLOCK_M)
-    rows, cols, row_ok, col_ok = _tile_at(tl.program_id(0), pid_m, R, M, BLOCK_R, BLOCK_M)
-    if RULES & FLAGS:
-        # paired rows: the positive side (rows ≥ R_half) has no positive column
-        side1, i_side, g, own_anchor = _rule_rows(rows, R_half, first_pos, anchor_base)
-        rows_g = tl.where(side1, NO_POSITIVE, g)
-    else:
-        rows_g = first_pos + rows          # global anchor index = its positive's column
-
     row0 = tl.program_id(0) * BLOCK_R
+    rows = row0 + tl.arange(0, BLOCK_R)
     col0 = pid_m * BLOCK_M
+    cols = col0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < R
+    col_ok = cols < M
+    rows_g, side1, i_side, g, own_anchor = _rule_rows(rows, R_half, first_pos, anchor_base, FLAGS)
     acc = _tile_dot(q_ptr, k_ptr, row0, col0, R, M, D, stride_q, stride_k,
                     BLOCK_R, BLOCK_M, BLOCK_D)
     inv_q = tl.load(inv_q_ptr + rows, mask=row_ok, other=0.0)
@@ -517,8 +493,6 @@ def _row_finish_kernel(part_sum_ptr, pos_ptr, pos_coef_ptr, loss_ptr, inv_z_ptr,
     tl.store(inv_z_ptr + rows, inv_z, mask=ok)
 
 
-
-
 @triton.jit
 def _row_lse(part_max_ptr, part_sum_ptr, row, T, BLOCK_T: tl.constexpr):
     """log Σ_j exp(l_ij) of one row from its per-tile (max, Σexp) partials (T a row)."""
@@ -562,7 +536,16 @@ def _row_probs(t_row, max_row, c0, M, lse, scale, rows_g, side1, g, own_anchor, 
         dropped = is_pos
     else:
         s = x[None, :]
-        l, dropped = _stored_logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
+        # the logits again, where ``DROPPED`` marks the masked negatives (logit × 0 in the
+        # released code, out of the denominator in the paper and the layout's rules), tested
+        # whatever dropped the entry (no cosine equals DROPPED): the row kernel then reads
+        # none of the flags that drop, and their flag sets share its code
+        l = _logits(s, is_pos, cols, rows_g, n_pos, inv_t, focal_m, hard_w, FLAGS)
+        dropped = s == DROPPED
+        if RELEASED & FLAGS:
+            l = tl.where(dropped, 0.0, l)
+        else:
+            l = tl.where(dropped, float("-inf"), l)
         if RULES & FLAGS:
             block, group = _rule_columns(cols, n_pos, n_neg, n_noise, rules)
             _, _, hard, mirror = _rule_masks(side1, g, own_anchor, cols, block, group, rules)
@@ -611,12 +594,7 @@ def _row_kernel(
     t_row = t_ptr + row.to(tl.int64) * M
     max_row = part_max_ptr + row * T
     rows = tl.full((1,), 0, tl.int32) + row
-    if RULES & FLAGS:
-        side1, i_side, g, own_anchor = _rule_rows(rows, R_half, first_pos, anchor_base)
-        rows_g = tl.where(side1, NO_POSITIVE, g)
-    else:
-        rows_g = first_pos + rows
-        side1, g, own_anchor = rows < 0, rows_g, rows_g      # (read with RULES only)
+    rows_g, side1, _, g, own_anchor = _rule_rows(rows, R_half, first_pos, anchor_base, FLAGS)
     # log Σ e^l over the row's columns but its positive (the similarity kernel's partials)
     lse = _row_lse(part_max_ptr, part_sum_ptr, row, T, BLOCK_T)
     scale = 1.0
@@ -951,10 +929,6 @@ def pack_rules(vis0=0, vis1=0, exclude_own=False, neg_grouped=False, has_ids=Fal
             | hard_mode << HARD_SHIFT.value)
 
 
-def _device_index(device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 @functools.lru_cache(maxsize=None)
 def _arch(device_index: int) -> int:
     major, minor = torch.cuda.get_device_capability(device_index)
@@ -976,7 +950,8 @@ def _similarity(f: dict, dtype: torch.dtype, device):
     (``configs.sim_configs``), the bare kernel under the interpreter."""
     if INTERPRET:
         return _similarity_kernel
-    kept = configs.sim_configs(f, dtype, _arch(_device_index(device)))
+    index = torch.cuda.current_device() if device.index is None else device.index
+    kept = configs.sim_configs(f, dtype, _arch(index))
     return _autotuned(tuple(kept[:1] if configs.autotune_pinned() else kept))
 
 
@@ -1017,14 +992,14 @@ _HARD_MODES = {"in_batch_negatives": 1, "hard_negatives": 2, "all_negatives": 3}
 
 
 def _rules(ep, c):
-    """The kernels' arguments for :mod:`fastcl.layout`'s rules on chunk ``c``: the integers
-    (rows a side, the anchors block's first group, the column blocks' sizes and ``rules``),
-    MNRL's β, and the tensors (the ids of the columns and of the chunk's rows; the guide's
-    rows and columns in the GEMM dtype, and the rows' thresholds). Without rules: one side
-    of R rows, zeros, and stand-ins never read."""
+    """The kernels' arguments for :mod:`fastcl.layout`'s rules on chunk ``c``: the scalars
+    both kernels take (rows a side, the anchors block's first group, the column blocks'
+    sizes, ``rules`` and MNRL's β), and the tensors (the ids of the columns and of the
+    chunk's rows; the guide's rows and columns in the GEMM dtype, and the rows'
+    thresholds). Without rules: one side of R rows, zeros, and stand-ins never read."""
     if not ep.sided:
-        return (dict(R_half=c.q.shape[0], anchor_base=0, n_neg=0, n_noise=0, rules=0), 0.0,
-                c.inv_k, c.inv_k, None)
+        return (dict(R_half=c.q.shape[0], anchor_base=0, n_neg=0, n_noise=0, rules=0,
+                     hard_beta=0.0), c.inv_k, c.inv_k, None)
     r = c.r1 - c.r0
     n_pos, n_neg, n_noise, n_anchor = ep.blocks or (c.n_pos, c.keys.shape[0] - c.n_pos, 0, 0)
     lay = ep.layout or PLAIN
@@ -1036,7 +1011,7 @@ def _rules(ep, c):
             vis1=sum(1 << b for b in visible_blocks(lay, 1)), exclude_own=lay.exclude_own,
             neg_grouped=n_neg > 0 and n_neg % n_pos == 0, has_ids=ep.ids is not None,
             hard_mode=_HARD_MODES[mode] if mode is not None and beta else 0,
-            paired=ep.paired, joint=lay.joint))
+            paired=ep.paired, joint=lay.joint), hard_beta=float(beta))
     if ep.ids is not None:
         col_ids, row_ids = ep.ids[0], ep.ids[1][c.r0:c.r1].contiguous()
     else:
@@ -1047,34 +1022,32 @@ def _rules(ep, c):
         side = [rows[c.r0:c.r1]] + ([rows[c.n + c.r0:c.n + c.r1]] if ep.paired else [])
         guide = (torch.cat(side).to(c.q.dtype).contiguous(), cols.to(c.q.dtype).contiguous(),
                  theta[c.r0:c.r1].contiguous())
-    return ints, float(beta), col_ids, row_ids, guide
+    return ints, col_ids, row_ids, guide
 
 
-def _launch_similarity(ep, c, f, rules, store_exp, bound=None):
+def _launch_similarity(ep, c, f, rules, shared, store_exp, bound=None):
     """The similarity kernel over the chunk: the stored buffer, the partials, the positives
-    (and, ``bound`` given, the bounded design's positive coefficients). ``rules``: what
-    :func:`_rules` returns."""
+    (and, ``bound`` given, the bounded design's positive coefficients). ``rules``: the
+    tensors :func:`_rules` returns; ``shared``: the scalars both kernels take."""
     R, d = c.q.shape
     M = c.keys.shape[0]
     if M >= MAX_CANDIDATES:
         raise ValueError(f"{M} candidates: the Triton kernels take fewer than {MAX_CANDIDATES} "
                          "(32-bit offsets inside a tile); use backend='tiled'")
     dev = c.q.device
-    ints, beta, col_ids, row_ids, guide = rules
+    col_ids, row_ids, guide = rules
     theta = c.inv_q                        # read with GUIDE only
+    cq, ck = c.q, c.keys                   # read with a second product only
     if f["MASK"]:
         cq, ck = c.comp_q, c.comp_k
-        dc = cq.shape[1]
     elif f["GUIDE"]:
         cq, ck, theta = guide
-        dc = cq.shape[1]
     elif f["TEACHER"]:                     # (build_spec: never beside the mask or the guide)
         cq, ck = ep.teacher[0][c.r0:c.r1].contiguous(), ep.teacher[1]
-        dc = cq.shape[1]
-    else:
-        cq, ck, dc = c.q, c.keys, 0        # never read
+    dc = cq.shape[1] if configs.second_product(f) else 0
     if f["MARGIN"]:
-        theta = torch.cat([theta[:ints["R_half"]], _margin_thresholds(ep, c, ints["R_half"])])
+        r = shared["R_half"]
+        theta = torch.cat([theta[:r], _margin_thresholds(ep, c, r)])
     # TEACHER: the teacher's R × N_t cosines after the R×M tile, in one buffer
     extra = R * ck.shape[0] if f["TEACHER"] else 0
     t = torch.empty(R * M + extra, dtype=c.q.dtype if store_exp else torch.float32,
@@ -1089,12 +1062,9 @@ def _launch_similarity(ep, c, f, rules, store_exp, bound=None):
     kernel[lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), tiles)](
         c.q, c.keys, c.inv_q, c.inv_k, cq, ck, t, part_max, part_sum, pos, c.ginv_k,
         theta, col_ids, row_ids,
-        R, M, d, dc, ck.shape[0] if dc else 0, c.first_pos, c.n_pos, **ints,
+        R, M, d, dc, ck.shape[0] if dc else 0, **shared,
         stride_q=c.q.stride(0), stride_k=c.keys.stride(0), stride_cq=cq.stride(0),
-        stride_ck=ck.stride(0),
-        inv_t=1.0 / ep.temperature, focal_m=float(ep.focal_m or 0.0),
-        hard_w=float(ep.hard_negative_weight), phi=float(ep.phi or 0.0), bound=float(bound or 0.0),
-        hard_beta=beta,
+        stride_ck=ck.stride(0), phi=float(ep.phi or 0.0), bound=float(bound or 0.0),
         FLAGS=pack_flags(**f, STORE_EXP=store_exp, BOUNDED=bound is not None),
         BLOCK_M=configs.SIM_BLOCK_M, **(configs.SIM_FIXED if INTERPRET else {}))
     return t, part_max, part_sum, pos[0], pos[-1]
@@ -1119,9 +1089,13 @@ def triton_chunk(ep, c, want_grad):
     program per row over its R×M stored row."""
     f = flags(ep)
     bound = logit_bound(ep, c.q.dtype)
-    rules = _rules(ep, c)
+    ints, *rules = _rules(ep, c)
+    # the scalars both kernels take: where the chunk's positives are, the layout's rules, the
+    # logits' transform
+    shared = dict(first_pos=c.first_pos, n_pos=c.n_pos, **ints, inv_t=1.0 / ep.temperature,
+                  focal_m=float(ep.focal_m or 0.0), hard_w=float(ep.hard_negative_weight))
     if bound is not None:
-        t, _, part_sum, pos, pos_coef = _launch_similarity(ep, c, f, rules, True, bound)
+        t, _, part_sum, pos, pos_coef = _launch_similarity(ep, c, f, rules, shared, True, bound)
         R = t.shape[0]
         inv_z = torch.empty(R, dtype=torch.float32, device=t.device)
         finish = configs.FINISH_BLOCK
@@ -1132,9 +1106,8 @@ def triton_chunk(ep, c, want_grad):
             return None
         return t, inv_z, pos_coef if f["POSITIVES"] else None
     store_exp = stores_exp(f)
-    t, part_max, part_sum, pos, _ = _launch_similarity(ep, c, f, rules, store_exp)
+    t, part_max, part_sum, pos, _ = _launch_similarity(ep, c, f, rules, shared, store_exp)
     R, M = t.shape
-    ints, beta = rules[:2]
     # exp mode: the gradient overwrites the stored row in place; else a GEMM-dtype buffer
     g = t if store_exp else (torch.empty(R, M, dtype=c.q.dtype, device=t.device)
                              if want_grad else t)
@@ -1142,11 +1115,9 @@ def triton_chunk(ep, c, want_grad):
         ep.positive_prior[c.r0:c.r1].to(torch.float32).contiguous())
     labels = ep.labels if ep.labels is not None else _no_labels(t.device)
     _row_kernel[(R,)](
-        t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out, prior, labels, M, c.first_pos,
-        c.n_pos, **ints, n_labels=c.n_pos if ep.labels is not None else 0,
+        t, g, part_max, part_sum, pos, c.ginv_k, c.loss_out, prior, labels, M, **shared,
+        n_labels=c.n_pos if ep.labels is not None else 0,
         n_teacher=0 if ep.teacher is None else ep.teacher[1].shape[0],
-        inv_t=1.0 / ep.temperature, focal_m=float(ep.focal_m or 0.0),
-        hard_w=float(ep.hard_negative_weight), hard_beta=beta,
         smoothing=float(ep.label_smoothing), teacher_inv_t=1.0 / ep.teacher_temperature,
         distill_weight=float(ep.distill_weight),
         FLAGS=pack_flags(**row_flags(f), STORE_EXP=store_exp, WANT_GRAD=want_grad),
