@@ -126,13 +126,10 @@ def _scaled_noise_step(anchors, positives, z, lr, temperature, chunk_size, huge)
     lse = torch.cat([torch.logsumexp(h[r:r + rows] @ keys.T / temperature, dim=1)
                      for r in range(0, n, rows)])
     z_hat = keys[m - z.shape[0]:]
-    norm = torch.linalg.vector_norm(z_in, dim=1)
+    norm = _norms(z_in, acc)
     for r in range(0, z.shape[0], rows):
         w = torch.softmax(z_hat[r:r + rows] @ h.T / temperature - lse[None, :], dim=1)
-        u = w @ h
-        # the chain through ẑ = z/max(‖z‖, EPS): no projection where the norm was clamped
-        radial = torch.einsum("jd,jd->j", z_hat[r:r + rows], u).masked_fill_(norm[r:r + rows] <= EPS, 0.0)
-        g = u.addcmul_(z_hat[r:r + rows], radial[:, None], value=-1.0)
+        g = _tangent_(w @ h, z_in[r:r + rows], norm[r:r + rows], rows)
         direction, zero = safe_direction(project_out_radial(g, z_in[r:r + rows]))
         z[r:r + rows].add_(direction, alpha=lr)
         if positives is not None:
