@@ -167,8 +167,7 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
         z = spec.noise
         blocks.append(dclr_noise(anchors, positives, z.count, steps=z.steps, lr=z.lr, std=z.std,
                                  temperature=z.temperature, noise=z.start, generator=z.generator,
-                                 formulation=spec.formulation, anchor_offset=offset
-                                 ).to(positives.dtype))
+                                 formulation=spec.formulation).to(positives.dtype))
     candidates = torch.cat(blocks)
     keep = None
     if mask is not None:
@@ -345,7 +344,7 @@ def focal_infonce(anchors, positives, negatives=None, *, temperature=TEMPERATURE
 
 def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=NOISE_STD,
                temperature=TEMPERATURE,
-               noise=None, generator=None, formulation="paper", anchor_offset=0):
+               noise=None, generator=None, formulation="paper"):
     """DCLR's noise negatives, improved by ``steps`` normalized gradient-ascent steps.
 
     ``L_U = mean_i[−s(h_i, h⁺_i)/τ_u + log Σ_j exp(cos(h_i, z_j)/τ_u)]`` with h, h⁺ detached;

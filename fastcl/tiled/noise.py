@@ -15,8 +15,8 @@ from .driver import DEFAULT_MEMORY_BUDGET, _norms, _tangent_, contrastive_forwar
 from .engine import TORCH, Engine
 
 
-def dclr_noise(noise, anchors, positives, *, formulation="paper", anchor_offset=0,
-               engine: Engine = TORCH, chunk_size=None):
+def dclr_noise(noise, anchors, positives, *, formulation="paper", engine: Engine = TORCH,
+               chunk_size=None):
     """DCLR's noise negatives (:class:`fastcl.spec.Noise`) on the fused paths: drawn (or the
     given start), then :func:`noise_update`."""
     with common.autocast_off(anchors.device):
@@ -34,12 +34,12 @@ def dclr_noise(noise, anchors, positives, *, formulation="paper", anchor_offset=
         return noise_update(anchors, z, steps=noise.steps, lr=noise.lr,
                             temperature=noise.temperature, chunk_size=chunk_size, engine=engine,
                             positives=positives if formulation == "released" else None,
-                            anchor_offset=anchor_offset, huge_rows=huge)
+                            huge_rows=huge)
 
 
 @torch.no_grad()
 def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, engine: Engine = TORCH,
-                 positives=None, anchor_offset=0, huge_rows=None):
+                 positives=None, huge_rows=None):
     """DCLR's normalized gradient ascent on the noise, chunked, without an autograd graph.
 
     Paper (``positives=None``): ``L_U``'s positive term does not depend on Z, so ``∂L_U/∂Z``
@@ -58,8 +58,8 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
     if steps == 0 or z.shape[0] == 0:
         return z
     released = positives is not None
-    ep = Epilogue(temperature, positives=released, chunk_size=chunk_size,
-                  anchor_offset=anchor_offset if released else 0)
+    # (Z's columns of the softmax are the same whichever h⁺ column is taken apart: column i)
+    ep = Epilogue(temperature, positives=released, chunk_size=chunk_size)
     fixed = (positives.detach(),) if released else ()
     # the scan of inputs decides, as for the embeddings (one host read; none when the input
     # checks are off, which leave rows too large to square as they are)
