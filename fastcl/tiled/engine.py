@@ -598,14 +598,15 @@ class Engine:
 TORCH = Engine("torch", torch_chunk, _torch_row_bytes)
 
 
+_TRITON: list = []
+
+
 def engine_for(backend: str) -> Engine:
-    """The engine of a resolved backend ("tiled": :data:`TORCH`, read when called; "triton":
-    the kernels')."""
-    return _triton() if backend == "triton" else TORCH
-
-
-@functools.lru_cache(maxsize=None)
-def _triton() -> Engine:
-    from ..kernels import contrastive as k
-    return Engine("triton", k.triton_chunk, k._row_bytes, k.ROW_MULTIPLE, k.triton_tangent,
-                  k.triton_noise_step)
+    """The engine of a resolved backend ("tiled": :data:`TORCH`; "triton": the kernels')."""
+    if backend != "triton":
+        return TORCH
+    if not _TRITON:
+        from ..kernels import contrastive as k
+        _TRITON.append(Engine("triton", k.triton_chunk, k._row_bytes, k.ROW_MULTIPLE,
+                              k.triton_tangent, k.triton_noise_step))
+    return _TRITON[0]
