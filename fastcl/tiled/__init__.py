@@ -54,8 +54,8 @@ def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands,
                   else driver.matmul_dtype(anchors.dtype, anchors.device))
     blocks = [positives] + ([] if negatives is None else [negatives])
     if spec.noise is not None:
-        z = dclr_noise(spec.noise, anchors, positives, formulation=spec.formulation,
-                       anchor_offset=offset, engine=engine, chunk_size=spec.chunk_size)
+        z = dclr_noise(spec.noise, anchors, positives, formulation=spec.formulation, engine=engine,
+                       chunk_size=spec.chunk_size)
         # Z is not rescaled before its update (a step of lr is not scale-free); as loss
         # candidates its rows only enter through cosines
         blocks.append(common.shrink_huge_rows(z).to(anchors.dtype))

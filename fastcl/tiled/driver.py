@@ -69,14 +69,12 @@ def _free_bytes(device: torch.device):
 def chunk_rows(engine, ep: Epilogue, n: int, m: int, n_pos: int, dtype: torch.dtype,
                device: torch.device) -> int:
     """The rows per chunk the driver uses for ``engine`` (the benchmarks ask it too)."""
-    device = torch.device(device)
-    if ep.matryoshka is None:
-        return rows_per_chunk(n, m, ep, engine.row_bytes(ep, dtype, m, n_pos), device.type,
-                              engine.row_multiple, _free_bytes(device))
-    rows = rows_per_chunk(n, m, ep, _Widths.row_bytes(ep, dtype, m), device.type, 16,
+    device, widths = torch.device(device), ep.matryoshka is not None
+    row_bytes = _Widths.row_bytes(ep, dtype, m) if widths else engine.row_bytes(ep, dtype, m, n_pos)
+    rows = rows_per_chunk(n, m, ep, row_bytes, device.type, 16 if widths else engine.row_multiple,
                           _free_bytes(device))
     # Matryoshka's GEMMs are per band, narrow: a short last chunk of them costs more
-    return rows if ep.chunk_size is not None else _even_chunks(n, rows)
+    return _even_chunks(n, rows) if widths and ep.chunk_size is None else rows
 
 
 def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
@@ -148,12 +146,11 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         comp = [common.unit(x, dtype) for x in ep.complementary]
     rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device)
     denom = n * m if released else n
+    widths = None if ep.matryoshka is None else _Widths(ep, anchors, keys, n, rows, need_q, need_k)
     # Matryoshka's widths add their terms to the row losses; a single width writes them
-    row_loss = (torch.empty if ep.matryoshka is None else torch.zeros)(n, dtype=acc, device=device)
-    widths = None
-    if ep.matryoshka is not None:
-        widths = _Widths(ep, anchors, keys, n, rows, need_q, need_k)
-    else:
+    row_loss = (torch.empty if widths is None else torch.zeros)(n, dtype=acc, device=device)
+    inv_q = inv_k = ginv_k = None                  # (the widths keep their prefix norms)
+    if widths is None:
         norm_k = _norms(keys, acc)
         norm_q = _norms(anchors, acc) if anchor_norms is None else anchor_norms
         inv_k, inv_q = norm_k.reciprocal(), norm_q.reciprocal()
@@ -184,10 +181,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         r1 = min(n, r0 + rows)
         take = functools.partial(_chunk_rows, r0=r0, r1=r1, n=n, paired=ep.paired)
         q = take(anchors).to(dtype).contiguous()
-        inv_q_c = None if widths is not None else take(inv_q)
-        chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q_c,
-                      None if widths is not None else inv_k,
-                      None if widths is not None else ginv_k, loss_out=row_loss[r0:r1],
+        chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys,
+                      None if inv_q is None else take(inv_q), inv_k, ginv_k, loss_out=row_loss[r0:r1],
                       tau_out=focal_sum,
                       comp_q=comp[0][r0:r1] if comp else None, comp_k=comp[1] if comp else None)
         if widths is not None:
@@ -199,7 +194,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
             dq_c = None
             if need_q:
                 dq_c = dq[r0:r1] if not ep.paired else torch.empty_like(q, dtype=dq.dtype)
-            _chunk_gradients(h, q, keys, inv_q_c, take(norm_q), take(w), dq_c, dk, tangent, acc,
+            _chunk_gradients(h, q, keys, chunk.inv_q, take(norm_q), take(w), dq_c, dk, tangent, acc,
                              ep.anchor_offset + r0, radial)
             if need_q and ep.paired:
                 dq[r0:r1], dq[n + r0:n + r1] = dq_c[:r1 - r0], dq_c[r1 - r0:]

@@ -122,7 +122,7 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
     soft = _SoftTargets(ep, c, logits, n_pos, ar, diag) if ep.soft else None
     if ep.focal_m is None:
         del cos
-    drop, rules = rules.comp_drop, None                # the layout's masks are released here
+    drop, mirror, rules = rules.comp_drop, rules.mirror, None   # the layout's masks released here
     # the released code gives the other columns (DCLR's noise) a complementary cosine of 0,
     # so its test drops all of them when 0/τ > 20φ, i.e. φ < 0
     drop_rest = released and ep.complementary is not None and 0.0 > 20 * ep.phi
@@ -207,7 +207,6 @@ def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
         if soft is not None:
             grad[ar, diag] = -others + (1.0 - soft.subtract(grad, ar, diag))
         if ep.focal_m is not None:
-            mirror = _RowRules.mirror_of(ep, c)
             if c.tau_out is not None:      # grad is ∂ℓ/∂l here: its dot with s, the s² logits' out
                 c.tau_out += torch.dot(grad.view(-1), cos.view(-1)) - torch.dot(
                     grad[:r].diagonal(c.first_pos), cos[:r].diagonal(c.first_pos))
@@ -316,9 +315,11 @@ def _complementary_drop(ep: Epilogue, comp_q, comp_k, first_pos: int, acc: torch
     return drop
 
 
-def _mirror_column(ep: Epilogue, c: Chunk) -> int:
-    """The column of the positive side's first row's own anchor in the anchors block: row
-    R + i's is this + i."""
+def _mirror_column(ep: Epilogue, c: Chunk) -> int | None:
+    """The column of side 1's diagonal (each positive-side row's own anchor, in the anchors
+    block): row R + i's is this + i; None without a positive side that scores the anchors."""
+    if not (ep.paired and ep.layout.positive_to_anchors):
+        return None
     n_pos, n_neg, n_noise, n_anchor = ep.blocks
     return n_pos + n_neg + n_noise + (c.first_pos if n_anchor == n_pos else c.r0)
 
@@ -382,12 +383,7 @@ class _RowRules:
             self.drop, hard = _layout_drops(ep, c)
             if hard is not None:      # as a factor, for an in-place addcmul at every width
                 self.hard = hard.to(acc)
-        self.mirror = self.mirror_of(ep, c)
-
-    @staticmethod
-    def mirror_of(ep: Epilogue, c: Chunk) -> int | None:
-        """The column of side 1's diagonal (each positive-side row's own anchor), or None."""
-        return _mirror_column(ep, c) if ep.paired and ep.layout.positive_to_anchors else None
+        self.mirror = _mirror_column(ep, c)
 
     def apply(self, logits, n_pos: int, cos, first: int) -> None:
         """In place on the logits: the false-negative margin's drops, the hard negative's
@@ -406,7 +402,6 @@ class _RowRules:
             logits[:r, :n_pos].masked_fill_(self.comp_drop, fill)
         if self.drop is not None:
             logits.masked_fill_(self.drop, float("-inf"))
-
 
     def _margin(self, logits, cos, first: int) -> None:
         """−inf where ``s_ij > s_{i,p(i)} + m`` (``logits`` still ``s/τ``, or with focal
@@ -554,12 +549,6 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
     return held, spare
 
 
-def _slices(ep: Epilogue) -> int:
-    """R×M slices torch_chunk holds: focal keeps the cosines beside the logits, the released
-    BCE one more slice."""
-    return 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
-
-
 def _acc_and_cast_bytes(dtype: torch.dtype) -> tuple[int, int]:
     """Bytes of an accumulate-dtype entry, and of its cast to the GEMM dtype (0 if none)."""
     acc = accumulate_dtype(dtype)
@@ -567,16 +556,18 @@ def _acc_and_cast_bytes(dtype: torch.dtype) -> tuple[int, int]:
 
 
 def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> int:
-    """torch_chunk's buffers per anchor row: its accumulate-dtype slices, the cast to the
-    GEMM dtype, the mask's R×N slices."""
+    """torch_chunk's buffers per anchor row: its accumulate-dtype slices (focal keeps the
+    cosines beside the logits, the released BCE one more slice), the cast to the GEMM dtype,
+    the mask's R×N slices."""
     acc, cast = _acc_and_cast_bytes(dtype)
+    slices = 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
     mask = n_pos * (acc + 1) if ep.complementary is not None else 0
     sides = 2 if ep.paired else 1
     # the layout's masks: a few bool slices per side, the guide's cosines, the hardness term
     # (MNRL's hardness: its factor and the cosines it reads)
     rules = m * (4 + acc * (ep.guide is not None) + 2 * acc * (ep.hardness is not None)) if ep.sided else 0
     rules += m * ((ep.false_negative_margin is not None) + (ep.positive_prior is not None))
-    return sides * (m * (acc * _slices(ep) + cast) + rules) + mask + _soft_bytes(ep, m, acc)
+    return sides * (m * (acc * slices + cast) + rules) + mask + _soft_bytes(ep, m, acc)
 
 
 def _soft_bytes(ep: Epilogue, m: int, acc: int) -> int:
