@@ -259,10 +259,6 @@ def _pairs(text: str, first=str) -> list[tuple]:
     return [(first(a), float(b)) for a, _, b in (item.partition(":") for item in text.split(","))]
 
 
-def _same(x):
-    return x
-
-
 #: How the fields that are not schema types travel: ``(to the op, from the op)``.
 _CODECS = {
     "matryoshka": (lambda m: "" if m is None else ",".join(f"{d}:{float(w)!r}" for d, w in zip(*m)),
@@ -274,13 +270,12 @@ _CODECS = {
     "hardness": (lambda h: "" if h is None else f"{h[0]}:{float(h[1])!r}",
                  lambda t: _pairs(t)[0] if t else None),
 }
-
-
 _TENSORS = (lambda x: list(x or ()), lambda x: tuple(x) if x else None)
+_SAME = (lambda x: x, lambda x: x)
 
 
 def _codec(name: str, kind: str) -> tuple:
-    return _CODECS.get(name) or (_TENSORS if kind == "Tensor[]" else (_same, _same))
+    return _CODECS.get(name) or (_TENSORS if kind == "Tensor[]" else _SAME)
 
 
 # --------------------------------------------------------------------------- build_spec
@@ -460,13 +455,12 @@ def inputs(anchors, positives, anchor_offset=None):
     """Anchors (N×d) and positives: N rows, or — with ``anchor_offset`` — the whole batch the
     anchors are rows ``[anchor_offset, anchor_offset + N)`` of. Returns the offset as an int."""
     anchors = check.embeddings("anchors", anchors, scale_free=True)
+    positives = check.embeddings("positives", positives, rows=None if anchor_offset is not None
+                                 else anchors.shape[0], width=anchors.shape[1], like=anchors,
+                                 scale_free=True)
     if anchor_offset is None:
-        positives = check.embeddings("positives", positives, rows=anchors.shape[0],
-                                     width=anchors.shape[1], like=anchors, scale_free=True)
         return anchors, positives, 0
     anchor_offset = check.non_negative_int("anchor_offset", anchor_offset)
-    positives = check.embeddings("positives", positives, width=anchors.shape[1], like=anchors,
-                                 scale_free=True)
     if positives.shape[0] < anchor_offset + anchors.shape[0]:
         raise ValueError(
             f"positives has {positives.shape[0]} rows but anchor_offset={anchor_offset} with "
@@ -542,8 +536,6 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
         check.choice("hardness_mode", hardness_mode, layout.HARDNESS_MODES)
     hardness_strength = check.within("hardness_strength", hardness_strength, 0.0)
     guide_margin = check.finite("guide_margin", guide_margin)
-    unread = ValueError("anchor_candidates is read only with directions that score the "
-                        "anchors ('query_to_query', 'doc_to_query')")
     grouped = (hardness_mode is not None and hardness_strength) or (
         lay.positive_to_negatives and lay.exclude_own)
     if grouped and n_neg % n_pos:
@@ -565,7 +557,8 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
                 raise ValueError(f"anchor_candidates has {anchor_candidates.shape[0]} rows: it "
                                  f"holds the whole batch's anchors ({n_pos}) or these anchors ({n})")
     elif anchor_candidates is not None:
-        raise unread
+        raise ValueError("anchor_candidates is read only with directions that score the "
+                         "anchors ('query_to_query', 'doc_to_query')")
     n_a = 0 if anchor_candidates is None or not lay.scores_anchors else anchor_candidates.shape[0]
     if guide is not None:
         guide = Guide(_guide(guide, n, n_pos, n_neg, n_a, anchors.device), guide_margin,
@@ -576,8 +569,6 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
     rules = None
     if not lay.plain or hardness is not None:
         rules = Rules(lay, anchor_candidates if n_a > 0 else None, hardness, own_anchors)
-    elif guide is None and duplicate_ids is None:
-        return None, None, None
     return rules, guide, duplicate_ids
 
 
@@ -672,50 +663,47 @@ TRITON_PRIOR = {frozenset(x) for x in ((), ("focal",), ("hard",), ("mask",), ("m
                                        ("rules", "guide", "margin"))}
 
 
-def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
-    """``spec`` on its resolved backend. The Triton kernels apply the layout's rules, the
-    guide and the ids on InfoNCE and focal (with DCLR's noise too), and Matryoshka's widths a
-    call each, but not the layout's rules beside a hard-negative weight or DCLR's mask (two
-    plain directions take both), nor a teacher beside the guide or DCLR's mask; for those
-    ``"auto"`` takes the tiled path and ``"triton"`` is refused with the reason."""
-    be = resolve_backend(backend, anchors)
-    if be == "triton" and spec.positive_prior is not None:
-        # the kernels' debiased loss: one row a softmax, and the flag sets the compile check
-        # builds with it (the others run the same numbers on the tiled path)
-        logits = spec.logits
+def _triton_refusal(spec: LossSpec) -> str | None:
+    """Why the Triton kernels do not compute ``spec`` (None where they do), as the rest of
+    "backend='triton' …": the debiased loss only with a row's one softmax and the flag sets
+    the compile check builds with it; no teacher beside the guide or DCLR's mask (the
+    teacher's cosines take their slots in the similarity kernel: a pair of its own would pass
+    the kernel's 40 parameters); no layout's rules beside a hard-negative weight or DCLR's
+    mask (two plain directions take both)."""
+    logits = spec.logits
+    if spec.positive_prior is not None:
         on = frozenset(name for name, value in (
             ("focal", logits.focal_m is not None), ("hard", bool(logits.hard_negative_weight)),
             ("mask", spec.mask is not None), ("rules", spec.ruled), ("guide", spec.guide is not None),
             ("margin", spec.false_negative_margin is not None)) if value)
         if spec.layout.positive_side or on not in TRITON_PRIOR:
-            if backend == "triton":
-                raise ValueError(
-                    "backend='triton' computes positive_prior without a positive side (directions "
-                    "'query_to_doc', 'query_to_query') and beside at most one of focal_m, "
-                    "hard_negative_weight, complementary, directions/ids (with or without "
-                    "guide), each with or without false_negative_margin; use backend='tiled' "
-                    "(the same numbers, without the N×M matrix)")
-            be = "tiled"
-    if be == "triton" and spec.soft is not None and spec.soft.teacher is not None and (
+            return ("computes positive_prior without a positive side (directions 'query_to_doc', "
+                    "'query_to_query') and beside at most one of focal_m, hard_negative_weight, "
+                    "complementary, directions/ids (with or without guide), each with or without "
+                    "false_negative_margin")
+    if spec.soft is not None and spec.soft.teacher is not None and (
             spec.guide is not None or spec.mask is not None):
-        # the teacher's cosines take the guide's and the mask's slots in the similarity
-        # kernel (a pair of its own would pass the kernel's 40 parameters)
+        return "does not compute teacher beside guide or complementary (DCLR's mask)"
+    lacking = [name for name, on in (
+        ("hard_negative_weight", bool(logits.hard_negative_weight)),
+        ("complementary (DCLR's mask)", spec.mask is not None)) if on]
+    if spec.ruled and not spec.two_directions and lacking:
+        return (f"does not compute {' or '.join(lacking)} beside directions beyond "
+                "('query_to_doc',), hardness_mode, guide or duplicate_ids yet")
+    return None
+
+
+def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
+    """``spec`` on its resolved backend: where the Triton kernels do not compute it
+    (:func:`_triton_refusal`) ``"auto"`` takes the tiled path and ``"triton"`` is refused
+    with the reason."""
+    be = resolve_backend(backend, anchors)
+    refusal = _triton_refusal(spec) if be == "triton" else None
+    if refusal is not None:
         if backend == "triton":
-            raise ValueError("backend='triton' does not compute teacher beside guide or "
-                             "complementary (DCLR's mask); use backend='tiled' (the same "
+            raise ValueError(f"backend='triton' {refusal}; use backend='tiled' (the same "
                              "numbers, without the N×M matrix)")
         be = "tiled"
-    if be == "triton" and spec.ruled and not spec.two_directions:
-        lacking = [name for name, on in (
-            ("hard_negative_weight", bool(spec.logits.hard_negative_weight)),
-            ("complementary (DCLR's mask)", spec.mask is not None)) if on]
-        if lacking and backend == "triton":
-            raise ValueError(f"backend='triton' does not compute {' or '.join(lacking)} beside "
-                             "directions beyond ('query_to_doc',), hardness_mode, guide or "
-                             "duplicate_ids yet; use backend='tiled' (the same numbers, without "
-                             "the N×M matrix)")
-        if lacking:
-            be = "tiled"
     if spec.logits.learnable is not None and spec.logits.focal_m is not None and be != "reference":
         # focal logits s(s+m)/τ: ∂L/∂τ needs a row sum the torch engine's epilogue of a single
         # width forms, not the kernels' nor Matryoshka's widths'
