@@ -9,12 +9,16 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
+from typing import Literal, get_args
 
 import torch
 
 from .common import accumulate_dtype, huge_row_limit, shrink_huge_rows
 
-BACKENDS = ("auto", "reference", "tiled", "triton")
+Backend = Literal["auto", "reference", "tiled", "triton"]
+BACKENDS = get_args(Backend)
+Formulation = Literal["paper", "released"]      # DCLR's paper, or the authors' released code
+FORMULATIONS = get_args(Formulation)
 
 # Finite checks cost one reduction per input and, for a whole call (one_host_read), one read
 # of their results (a device sync on GPU); they can be switched off for production runs with
@@ -83,16 +87,13 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
     # (under torch.compile the values cannot be read while tracing: the fused op tests them;
     # tested first, as torch.compile before torch 2.6 specializes on the size x.numel() reads)
     if _CHECK_FINITE and not torch.compiler.is_compiling() and x.numel() and not x.is_meta:
-        top, limit = _largest(x)
-        scan = _SCAN.get()
-        if scan is not None and scan is not _EAGER:
-            scan.queued.append((name, top, limit))    # read with the call's other inputs (one_host_read)
-            return x
-        bad, huge = _verdict(top.item(), limit)
-        if bad:
-            raise ValueError(f"{name} contains NaN or Inf values")
-        if huge and scale_free:
-            x = shrink_huge_rows(x)
+        queue = _SCAN.get()
+        scan = queue if queue is not None and queue is not _EAGER else _Scan()
+        scan.queued.append((name, *_largest(x)))
+        if scan is not queue:       # not queued with the call's other inputs (one_host_read): now
+            scan.read()
+            if scan.huge and scale_free:
+                x = shrink_huge_rows(x)
     return x
 
 
@@ -106,11 +107,6 @@ def _largest(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     if x.dtype == torch.float64:
         return torch.log2(top).float(), math.log2(limit)
     return top.float(), limit
-
-
-def _verdict(top: float, limit: float) -> tuple[bool, bool]:
-    """``(NaN or Inf, rows too large to square)`` of what :func:`_largest` gave."""
-    return not top < math.inf, top > limit
 
 
 class _Scan:
@@ -129,10 +125,9 @@ class _Scan:
         queued, self.queued = self.queued, []
         tops = torch.stack([top for _, top, _ in queued]).tolist()
         for (name, _, limit), top in zip(queued, tops):
-            bad, huge = _verdict(top, limit)
-            if bad:
+            if not top < math.inf:
                 raise ValueError(f"{name} contains NaN or Inf values")
-            self.huge |= huge
+            self.huge |= top > limit
 
 
 #: The scan of the call in progress (:func:`one_host_read`); ``_EAGER`` while a call reads

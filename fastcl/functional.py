@@ -14,13 +14,11 @@ from torch import Tensor
 
 from . import _validation as check
 from . import common, reference, tiled
+from ._validation import Backend, Formulation
 from .spec import LossSpec, build_spec, escl_options, inputs, noise_settings, resolve_backend
 
 __all__ = ["contrastive", "infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss",
            "resolve_backend"]
-
-Backend = Literal["auto", "reference", "tiled", "triton"]
-Formulation = Literal["paper", "released"]
 
 
 @check.one_host_read
@@ -355,7 +353,7 @@ def dclr_noise(anchors: Tensor, positives: Tensor, num: int | None, *,
     anchors, positives, _ = inputs(anchors, positives)
     noise = noise_settings(anchors, num, steps, lr, std, temperature, noise, generator,
                            names=("steps", "lr", "std", "temperature"))
-    formulation = check.choice("formulation", formulation, ("paper", "released"))
+    formulation = check.choice("formulation", formulation, check.FORMULATIONS)
     chunk_size = check.chunk_size(chunk_size)
     backend = resolve_backend(backend, anchors)
     check.read_inputs()

@@ -246,8 +246,7 @@ class Epilogue:
 
 
 #: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
-_LAYOUT_FIELDS = ("anchor_to_anchors", "positive_to_anchors", "positive_to_positives",
-                  "positive_to_negatives", "exclude_own", "joint")
+_LAYOUT_FIELDS = tuple(field.name for field in dataclasses.fields(Layout))
 
 
 def bits(mask: int, count: int) -> list[bool]:
@@ -265,7 +264,7 @@ _CODECS = {
                    lambda t: Matryoshka(*map(tuple, zip(*_pairs(t, int)))) if t else None),
     "layout": (lambda lay: -1 if lay is None else sum(1 << i for i, name in enumerate(_LAYOUT_FIELDS)
                                                       if getattr(lay, name)),
-               lambda v: None if v < 0 else Layout(**dict(zip(_LAYOUT_FIELDS, bits(v, 6))))),
+               lambda v: None if v < 0 else Layout(**dict(zip(_LAYOUT_FIELDS, bits(v, len(_LAYOUT_FIELDS)))))),
     "blocks": (lambda b: list(b or (0, 0, 0, 0)), lambda b: tuple(b) if any(b) else None),
     "hardness": (lambda h: "" if h is None else f"{h[0]}:{float(h[1])!r}",
                  lambda t: _pairs(t)[0] if t else None),
@@ -313,7 +312,7 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     complementary = check.complementary(complementary, n, n_pos, anchors.device)
     phi = check.phi(phi)
     noise_ratio = check.within("noise_ratio", noise_ratio, 0.0)
-    formulation = check.choice("formulation", formulation, ("paper", "released"))
+    formulation = check.choice("formulation", formulation, check.FORMULATIONS)
     if false_negative_margin is not None:
         false_negative_margin = check.finite("false_negative_margin", false_negative_margin)
     symmetric = check.flag("symmetric", symmetric)
@@ -439,16 +438,11 @@ def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_wei
     """``teacher=(t_anchors, t_candidates)`` (N and N_b + K rows of one width: the
     positives' and negatives' teacher embeddings), ``teacher_temperature`` and
     ``distill_weight`` (λ ∈ [0, 1]) checked, joined to ``soft``."""
-    if not isinstance(teacher, (tuple, list)) or len(teacher) != 2:
-        raise TypeError("teacher must be a tuple (t_anchors, t_candidates)")
-    t_anchors = check.embeddings("teacher[0] (anchors)", teacher[0], rows=n, scale_free=True,
-                                 device=anchors.device)
-    t_docs = check.embeddings("teacher[1] (candidates)", teacher[1], rows=n_docs,
-                              width=t_anchors.shape[1], scale_free=True, device=anchors.device)
+    teacher = _frozen("teacher", teacher, ("anchors", "candidates"), (n, n_docs), anchors.device)
     tau = check.temperature(teacher_temperature, anchors.dtype, name="teacher_temperature")
     weight = check.within("distill_weight", distill_weight, 0.0, 1.0, closed=True)
     soft = soft or Soft()
-    return Soft(soft.label_smoothing, soft.labels, (t_anchors.detach(), t_docs.detach()), tau, weight)
+    return Soft(soft.label_smoothing, soft.labels, teacher, tau, weight)
 
 
 def inputs(anchors, positives, anchor_offset=None):
@@ -490,7 +484,7 @@ def noise_settings(anchors, num, steps, lr, std, temperature, noise, generator=N
 
 def matryoshka(dims, weights, d) -> Matryoshka | None:
     """``matryoshka_dims`` and ``matryoshka_weights`` checked, sorted by width, or None when
-    ``dims`` is None (``d``: the embeddings' width, None where it is not known yet)."""
+    ``dims`` is None (``d``: the embeddings' width)."""
     if dims is None:
         if weights is not None:
             raise ValueError("matryoshka_weights needs matryoshka_dims")
@@ -500,7 +494,7 @@ def matryoshka(dims, weights, d) -> Matryoshka | None:
     if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in dims):
         raise ValueError(f"matryoshka_dims must be positive integers, got {list(dims)}")
     dims = list(dims)
-    if d is not None and max(dims) > d:
+    if max(dims) > d:
         raise ValueError(f"matryoshka_dims must lie in [1, {d}] (the embeddings' width), got {dims}")
     if len(set(dims)) != len(dims):
         raise ValueError(f"matryoshka_dims has a width twice: {dims}")
@@ -561,8 +555,13 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
                          "anchors ('query_to_query', 'doc_to_query')")
     n_a = 0 if anchor_candidates is None or not lay.scores_anchors else anchor_candidates.shape[0]
     if guide is not None:
-        guide = Guide(_guide(guide, n, n_pos, n_neg, n_a, anchors.device), guide_margin,
-                      margin_strategy)
+        # (g_anchors, g_positives, g_negatives, g_anchor_candidates): the last two may be left
+        # out or None where there are no negatives or no anchors block (the anchors block's
+        # default: g_anchors, when those are its rows)
+        guide = Guide(_frozen("guide", guide, ("anchors", "positives", "negatives",
+                                               "anchor candidates"), (n, n_pos, n_neg, n_a),
+                              anchors.device, fill={3: 0} if n_a == n else None),
+                      guide_margin, margin_strategy)
     if duplicate_ids is not None:
         duplicate_ids = _duplicate_ids(duplicate_ids, n_pos, n_neg, n_a, anchors.device)
     hardness = (hardness_mode, hardness_strength) if hardness_mode is not None and hardness_strength else None
@@ -572,19 +571,18 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
     return rules, guide, duplicate_ids
 
 
-def _guide(guide, n, n_pos, n_neg, n_a, device):
-    """``guide=(g_anchors, g_positives, g_negatives, g_anchor_candidates)`` checked: the last
-    two may be left out or None where there are no negatives or no anchors block (the anchors
-    block's default: g_anchors, when those are its rows)."""
+def _frozen(arg, value, blocks, rows, device, fill=None):
+    """A frozen model's embeddings (``guide``, ``teacher``): a tuple of a matrix a block
+    (:func:`_per_block`, the first two required), each of the first's width and dtype,
+    returned detached."""
 
     def part(name, x, rows, done):
         x = check.embeddings(name, x, rows=rows, width=done[0].shape[1] if done else None,
                              scale_free=True, device=device)
         if done and x.dtype != done[0].dtype:
-            raise TypeError(f"{name} is {x.dtype} but guide[0] is {done[0].dtype}")
+            raise TypeError(f"{name} is {x.dtype} but {arg}[0] is {done[0].dtype}")
         return x.detach()
-    return _per_block("guide", guide, ("anchors", "positives", "negatives", "anchor candidates"),
-                      (n, n_pos, n_neg, n_a), part, least=2, fill={3: 0} if n_a == n else {})
+    return _per_block(arg, value, blocks, rows, part, least=2, fill=fill)
 
 
 def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
