@@ -334,17 +334,3 @@ def chunk_size(value) -> int | None:
         raise ValueError(f"chunk_size must be a positive integer or None, got {value!r}")
     return value
 
-
-def complementary(value, n: int, n_positives: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``complementary=(c_anchors, c_positives)``: the frozen model's view of the batch."""
-    if value is None:
-        return None
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise TypeError("complementary must be a pair (c_anchors, c_positives) or None")
-    c_anchors = embeddings("complementary[0]", value[0], rows=n, scale_free=True, device=device)
-    c_positives = embeddings("complementary[1]", value[1], rows=n_positives,
-                             width=c_anchors.shape[1], scale_free=True, device=device)
-    if c_positives.dtype != c_anchors.dtype:
-        raise TypeError(f"complementary[1] is {c_positives.dtype} but complementary[0] is "
-                        f"{c_anchors.dtype}: the complementary model's two views share one dtype")
-    return c_anchors.detach(), c_positives.detach()

@@ -309,7 +309,10 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
         got = "no negatives" if negatives is None else f"{negatives.shape[0]} negatives"
         raise ValueError(f"hard_negative_weight needs one hard negative per anchor "
                          f"({n_pos} negatives), got {got}")
-    complementary = check.complementary(complementary, n, n_pos, anchors.device)
+    if complementary is not None:       # the frozen model's (c_anchors, c_positives)
+        complementary = _frozen("complementary", complementary, ("anchors", "positives"),
+                                (n, n_pos), anchors.device,
+                                shape="a pair (c_anchors, c_positives) or None")
     phi = check.phi(phi)
     noise_ratio = check.within("noise_ratio", noise_ratio, 0.0)
     formulation = check.choice("formulation", formulation, check.FORMULATIONS)
@@ -571,10 +574,10 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
     return rules, guide, duplicate_ids
 
 
-def _frozen(arg, value, blocks, rows, device, fill=None):
-    """A frozen model's embeddings (``guide``, ``teacher``): a tuple of a matrix a block
-    (:func:`_per_block`, the first two required), each of the first's width and dtype,
-    returned detached."""
+def _frozen(arg, value, blocks, rows, device, fill=None, shape=None):
+    """A frozen model's embeddings (``complementary``, ``guide``, ``teacher``): a tuple of a
+    matrix a block (:func:`_per_block`, the first two required), each of the first's width
+    and dtype, returned detached."""
 
     def part(name, x, rows, done):
         x = check.embeddings(name, x, rows=rows, width=done[0].shape[1] if done else None,
@@ -582,7 +585,7 @@ def _frozen(arg, value, blocks, rows, device, fill=None):
         if done and x.dtype != done[0].dtype:
             raise TypeError(f"{name} is {x.dtype} but {arg}[0] is {done[0].dtype}")
         return x.detach()
-    return _per_block(arg, value, blocks, rows, part, least=2, fill=fill)
+    return _per_block(arg, value, blocks, rows, part, least=2, fill=fill, shape=shape)
 
 
 def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
@@ -592,20 +595,22 @@ def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
                       (n_pos, n_neg, n_a), lambda name, x, rows, _: check.ids(name, x, rows, device))
 
 
-def _per_block(arg, value, blocks, rows, part, least=1, fill=None):
-    """``arg``: a tuple of one tensor a block (``blocks``, of ``rows`` rows each), the last
+def _per_block(arg, value, blocks, rows, part, least=1, fill=None, shape=None):
+    """``arg``: a tuple of one tensor a block (``blocks``, of ``rows`` rows each; ``shape``:
+    how the error calls the tuple, and the parts are then named by index alone), the last
     ones optional (None or left out) where a block has no rows or ``fill`` names the part
     that stands in; each checked by ``part(name, x, rows, the parts before)``, None where its
     block has no rows."""
     if not isinstance(value, (tuple, list)) or not least <= len(value) <= len(blocks):
         names = ", ".join(blocks[:least]) + "".join(f"[, {b}" for b in blocks[least:])
-        raise TypeError(f"{arg} must be a tuple ({names}{']' * (len(blocks) - least)}) of tensors")
+        shape = shape or f"a tuple ({names}{']' * (len(blocks) - least)}) of tensors"
+        raise TypeError(f"{arg} must be {shape}")
     out = []
     for i, (block, x, want) in enumerate(zip(blocks, (*value, None, None, None), rows)):
-        name = f"{arg}[{i}] ({block})"
+        name = f"{arg}[{i}]" + ("" if shape else f" ({block})")
         x = value[fill[i]] if x is None and i in (fill or {}) else x
         if x is None and want > 0:
-            raise ValueError(f"{name} is missing: {arg} holds every candidate block ({want} rows here)")
+            raise ValueError(f"{name} is missing: {arg} holds a block of {want} rows here")
         x = None if x is None else part(name, x, want, out)
         out.append(x if want > 0 else None)
     return tuple(out)
