@@ -20,10 +20,7 @@ BACKENDS = get_args(Backend)
 Formulation = Literal["paper", "released"]      # DCLR's paper, or the authors' released code
 FORMULATIONS = get_args(Formulation)
 
-# Finite checks cost one reduction per input and, for a whole call (one_host_read), one read
-# of their results (a device sync on GPU); they can be switched off for production runs with
-# ``fastcl.set_input_checks(False)``.
-_CHECK_FINITE = True
+_CHECK_FINITE = True        # the scan of the inputs (set_input_checks says what it costs)
 
 
 def set_input_checks(enabled: bool) -> bool:
