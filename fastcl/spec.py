@@ -565,8 +565,11 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
                                                "anchor candidates"), (n, n_pos, n_neg, n_a),
                               anchors.device, fill={3: 0} if n_a == n else None),
                       guide_margin, margin_strategy)
-    if duplicate_ids is not None:
-        duplicate_ids = _duplicate_ids(duplicate_ids, n_pos, n_neg, n_a, anchors.device)
+    if duplicate_ids is not None:   # (positive_ids, negative_ids, anchor_ids): an id a candidate row
+        duplicate_ids = _per_block("duplicate_ids", duplicate_ids, ("positives", "negatives",
+                                                                    "anchor candidates"),
+                                   (n_pos, n_neg, n_a),
+                                   lambda name, x, rows, _: check.ids(name, x, rows, anchors.device))
     hardness = (hardness_mode, hardness_strength) if hardness_mode is not None and hardness_strength else None
     rules = None
     if not lay.plain or hardness is not None:
@@ -586,13 +589,6 @@ def _frozen(arg, value, blocks, rows, device, fill=None, shape=None):
             raise TypeError(f"{name} is {x.dtype} but {arg}[0] is {done[0].dtype}")
         return x.detach()
     return _per_block(arg, value, blocks, rows, part, least=2, fill=fill, shape=shape)
-
-
-def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
-    """``duplicate_ids=(positive_ids, negative_ids, anchor_ids)`` checked: 1-D integer tensors
-    with one id per candidate row (None where the block is absent)."""
-    return _per_block("duplicate_ids", ids, ("positives", "negatives", "anchor candidates"),
-                      (n_pos, n_neg, n_a), lambda name, x, rows, _: check.ids(name, x, rows, device))
 
 
 def _per_block(arg, value, blocks, rows, part, least=1, fill=None, shape=None):
