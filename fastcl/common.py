@@ -136,8 +136,7 @@ def noise_count(noise_ratio: float, n: int, formulation: str = "paper") -> int:
 # --- ESCL's relative difference ---------------------------------------------------------
 
 def relative_difference(anchors: torch.Tensor, positives: torch.Tensor, sensitive: torch.Tensor, *,
-                        temperature: float, rd: str = "softplus",
-                        margins: tuple[float, float] = (0.1, 0.3)) -> torch.Tensor:
+                        temperature: float, rd: str, margins: tuple[float, float]) -> torch.Tensor:
     """ESCL's relative-difference term, ``mean`` over rows and both views h' ∈ {h, h⁺}.
 
     ``rd="softplus"``: ``softplus((D^pos − D^neg(h'))/τ)`` with ``D = 1 − cos``;

@@ -347,8 +347,7 @@ def dclr_noise(anchors: Tensor, positives: Tensor, num: int | None, *,
     Representations", ACL 2022.
     """
     anchors, positives, _ = inputs(anchors, positives)
-    noise = noise_settings(anchors, num, steps, lr, std, temperature, noise, generator,
-                           names=("steps", "lr", "std", "temperature"))
+    noise = noise_settings(anchors, num, steps, lr, std, temperature, noise, generator, prefix="")
     formulation = check.choice("formulation", formulation, check.FORMULATIONS)
     chunk_size = check.chunk_size(chunk_size)
     backend = resolve_backend(backend, anchors)

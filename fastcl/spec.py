@@ -466,13 +466,13 @@ def inputs(anchors, positives, anchor_offset=None):
 
 
 def noise_settings(anchors, num, steps, lr, std, temperature, noise, generator=None,
-                   names=("noise_steps", "noise_lr", "noise_std", "noise_temperature")) -> Noise:
-    """DCLR's noise update checked (``names``: the arguments' names in the caller); ``num``
-    None when ``noise`` gives the rows."""
-    steps = check.non_negative_int(names[0], steps)
-    lr = check.finite(names[1], lr)
-    std = check.positive(names[2], std)
-    temperature = check.temperature(temperature, anchors.dtype, name=names[3])
+                   prefix="noise_") -> Noise:
+    """DCLR's noise update checked (the arguments named ``prefix + "steps"`` etc. in the
+    caller); ``num`` None when ``noise`` gives the rows."""
+    steps = check.non_negative_int(prefix + "steps", steps)
+    lr = check.finite(prefix + "lr", lr)
+    std = check.positive(prefix + "std", std)
+    temperature = check.temperature(temperature, anchors.dtype, name=prefix + "temperature")
     if noise is not None:
         noise = check.embeddings("noise", noise, width=anchors.shape[1], allow_empty=True,
                                  device=anchors.device)
