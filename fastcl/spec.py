@@ -327,7 +327,7 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                                     anchor_candidates, guide, guide_margin, margin_strategy,
                                     duplicate_ids)
     ruled = rules is not None or guide_spec is not None or ids is not None
-    soft = _soft(label_smoothing, labels, n_pos, anchors.device)
+    label_smoothing = check.within("label_smoothing", label_smoothing, 0.0, 1.0)
     extra = [name for name, on in (
         ("focal_m", focal_m is not None), ("negatives", negatives is not None),
         ("hard_negative_weight", bool(hard_negative_weight)), ("symmetric", symmetric),
@@ -335,7 +335,7 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
         ("positive_prior", positive_prior is not None),
         ("directions, hardness_mode, guide or duplicate_ids", ruled),
         ("matryoshka_dims", matryoshka_dims is not None),
-        ("label_smoothing", soft is not None and soft.label_smoothing != 0),
+        ("label_smoothing", label_smoothing != 0),
         ("labels", labels is not None), ("teacher", teacher is not None)) if on]
     if formulation == "released" and extra:
         raise ValueError(f"formulation='released' is DCLR as the authors' code computes it and "
@@ -363,10 +363,9 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     noise_temperature = tau if noise_temperature is None else noise_temperature
     noise_spec = noise_settings(anchors, None if noise is not None else count, noise_steps,
                                 noise_lr, noise_std, noise_temperature, noise, generator)
-    if teacher is not None:
-        soft = _teacher(soft, teacher, n, n_pos + (0 if negatives is None else negatives.shape[0]),
-                        anchors, tau if teacher_temperature is None else teacher_temperature,
-                        distill_weight)
+    soft = _soft(label_smoothing, labels, teacher,
+                 tau if teacher_temperature is None else teacher_temperature, distill_weight,
+                 (n, n_pos, 0 if negatives is None else negatives.shape[0]), anchors)
     if soft is not None and prior is not None:
         raise ValueError("positive_prior cannot be combined with label_smoothing, labels or "
                          "teacher: the debiased loss has no target distribution")
@@ -428,24 +427,21 @@ def _positive_prior(value, n: int, anchors) -> torch.Tensor | None:
     return value.detach().to(acc)
 
 
-def _soft(label_smoothing, labels, n_pos, device) -> Soft | None:
-    """``label_smoothing`` (ε ∈ [0, 1)) and ``labels`` (one integer per batch row) checked:
-    a :class:`Soft`, or None when both are off."""
-    eps = check.within("label_smoothing", label_smoothing, 0.0, 1.0)
+def _soft(eps, labels, teacher, teacher_temperature, distill_weight, rows, anchors) -> Soft | None:
+    """The soft targets checked: a :class:`Soft`, or None when all are off. ``eps``:
+    ``label_smoothing``, checked; ``labels``: one integer per batch row; ``teacher=(t_anchors,
+    t_candidates)``: N and N_b + K rows of one width (the anchors', the positives' and
+    negatives' teacher embeddings); ``distill_weight``: λ ∈ [0, 1]. ``rows``: (N, N_b, K)."""
+    n, n_pos, n_neg = rows
     if labels is not None:
-        labels = check.ids("labels", labels, n_pos, device)     # one per batch row
-    return None if not eps and labels is None else Soft(eps, labels)
-
-
-def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_weight) -> Soft:
-    """``teacher=(t_anchors, t_candidates)`` (N and N_b + K rows of one width: the
-    positives' and negatives' teacher embeddings), ``teacher_temperature`` and
-    ``distill_weight`` (λ ∈ [0, 1]) checked, joined to ``soft``."""
-    teacher = _frozen("teacher", teacher, ("anchors", "candidates"), (n, n_docs), anchors.device)
+        labels = check.ids("labels", labels, n_pos, anchors.device)     # one per batch row
+    if teacher is None:
+        return None if not eps and labels is None else Soft(eps, labels)
+    teacher = _frozen("teacher", teacher, ("anchors", "candidates"), (n, n_pos + n_neg),
+                      anchors.device)
     tau = check.temperature(teacher_temperature, anchors.dtype, name="teacher_temperature")
     weight = check.within("distill_weight", distill_weight, 0.0, 1.0, closed=True)
-    soft = soft or Soft()
-    return Soft(soft.label_smoothing, soft.labels, teacher, tau, weight)
+    return Soft(eps, labels, teacher, tau, weight)
 
 
 def inputs(anchors, positives, anchor_offset=None):
