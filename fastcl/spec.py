@@ -96,7 +96,7 @@ class Soft:
     label_smoothing: float = 0.0          # ε ∈ [0, 1)
     labels: torch.Tensor | None = None    # (N_b,) int64, one per batch row
     teacher: tuple | None = None          # (t_anchors (N×d_t), t_candidates (N_b+K × d_t)), detached
-    teacher_temperature: float = 0.05     # τ_t
+    teacher_temperature: float = common.TEMPERATURE   # τ_t
     distill_weight: float = 0.0           # λ ∈ [0, 1]
 
 
@@ -202,7 +202,7 @@ class Epilogue:
     label_smoothing: float = 0.0           # soft targets (fastcl.spec.Soft): ε
     labels: torch.Tensor | None = None     # (N_b,) int64: SupCon's positives by label
     teacher: tuple | None = None           # (unit rows of the N anchors, of the N_b+K documents)
-    teacher_temperature: float = 0.05
+    teacher_temperature: float = common.TEMPERATURE
     distill_weight: float = 0.0
 
     @property
