@@ -4,10 +4,12 @@ damaged checkpoints, the output folder's lock and guards; the packaged MiniLM on
 data."""
 
 import csv
+import errno
 import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,6 +104,11 @@ def wait_for_steps(out, n, proc, timeout=120):
         time.sleep(0.02)
 
 
+def module_types(model_dir):
+    """The class names of the sentence-transformers modules saved in ``model_dir``."""
+    return [m["type"].rsplit(".", 1)[1] for m in json.loads((Path(model_dir) / "modules.json").read_text())]
+
+
 def assert_plain_folder(folder):
     links = [p for p in Path(folder).rglob("*") if p.is_symlink()]
     assert not links, links
@@ -156,7 +163,6 @@ def test_data_that_does_not_fit_is_an_error_naming_the_file(tiny, tmp_path, name
     if isinstance(content, bytes):
         path.write_bytes(content)
     elif content and content.startswith("SNLI:"):
-        import shutil
         path = shutil.copytree(tiny / "snli", tmp_path / "snli")
         splits = [content[5:]]
         for part in ("s1", "s2", "labels"):   # train: none; dev: a label short
@@ -189,9 +195,8 @@ def test_each_method_trains_and_saves_a_plain_model(tiny, tmp_path, method, cach
     assert [s for s, _ in losses(out)] == [1, 2] and all(v > 0 for _, v in losses(out))
     model_dir = out / train.MODEL_DIR
     assert_plain_folder(model_dir)
-    modules = [m["type"].rsplit(".", 1)[1] for m in json.loads((model_dir / "modules.json").read_text())]
     # a plain encoder gets the method's pooler: cls + MLP, the MLP dropped after unsupervised training
-    assert modules == (["Transformer", "Pooling", "Dense"] if method == "simcse-sup" else ["Transformer", "Pooling"])
+    assert module_types(model_dir) == ["Transformer", "Pooling"] + ["Dense"] * (method == "simcse-sup")
     sentences = ["a b c", "d e f g", "h"]
     st = SentenceTransformer(str(model_dir), device="cpu").encode(sentences, convert_to_tensor=True)
     encoder, tokenizer = load_encoder(str(model_dir), saved_pooler(str(model_dir)))
@@ -217,14 +222,12 @@ def test_cached_equals_plain_step_for_step(tiny, tmp_path):
 def test_a_sentence_transformers_model_keeps_its_pooling(tiny, tmp_path):
     out = tmp_path / "st"
     assert train.main(base_args(tiny, out, steps=2, model=tiny / "st")) == 0
-    modules = [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "model" / "modules.json").read_text())]
-    assert modules == ["Transformer", "Pooling", "Normalize"]
+    assert module_types(out / "model") == ["Transformer", "Pooling", "Normalize"]
     assert sentence_transformers_pooler(out / "model")[0] == "avg"   # mean pooling
     # --pooler chooses otherwise
     out = tmp_path / "cls"
     assert train.main(base_args(tiny, out, steps=2, model=tiny / "st", pooler="cls_before_pooler")) == 0
-    modules = [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "model" / "modules.json").read_text())]
-    assert modules == ["Transformer", "Pooling"]
+    assert module_types(out / "model") == ["Transformer", "Pooling"]
     assert sentence_transformers_pooler(out / "model")[0] == "cls_before_pooler"
 
 
@@ -362,39 +365,49 @@ def finish(proc, code, timeout=300):
     return err
 
 
-def test_sigkill_at_a_random_step_then_resume_gives_the_same_losses(tiny, tmp_path, uninterrupted):
-    """Real processes: the first is held (SIGSTOP) once its log reaches a random step, and a
-    second run started on its folder meanwhile is refused, naming the lock and its holder;
-    the first is then SIGKILLed, and a third resumes from the newest complete checkpoint,
-    taking over the dead run's lock: the step losses are those of a run that was never
-    stopped (so the refused run changed nothing)."""
-    out = tmp_path / "killed"
-    argv = base_args(tiny, out, steps=8, save_steps=2)
-    kill_at = random.Random().randint(3, 7)
-    first = trainer_process(argv)
-    wait_for_steps(out, kill_at, first)
-    first.send_signal(signal.SIGSTOP)
-    try:
-        err = finish(trainer_process(argv + ["--resume"]), 1, 120)
-    finally:
-        first.send_signal(signal.SIGKILL)
-    finish(first, -signal.SIGKILL)
-    assert f"in use by another run (lock {out / files.LOCK}, held by pid {first.pid}" in err
-    assert "took over the lock of a run that is no longer running" in finish(trainer_process(argv + ["--resume"]), 0)
-    assert losses(out) == uninterrupted, f"killed at step {kill_at}"
-
-
-def test_sigterm_checkpoints_the_step_then_resume_gives_the_same_losses(tiny, tmp_path, uninterrupted):
-    out = tmp_path / "term"
-    argv = base_args(tiny, out, steps=8, save_steps=4)  # the stop writes a checkpoint of its own
+def test_sigterm_then_sigkill_at_a_random_step_then_resume_gives_the_same_losses(tiny, tmp_path, uninterrupted):
+    """Real processes: the first is stopped by SIGTERM, which checkpoints its step and exits
+    143 with no results; the second resumes and is held (SIGSTOP) once its log reaches a
+    random later step, and a run started on its folder meanwhile is refused, naming the lock
+    and its holder; the second is then SIGKILLed, and a third resumes from the newest complete
+    checkpoint, taking over the dead run's lock: the step losses are those of a run that was
+    never stopped (so the refused run changed nothing)."""
+    out = tmp_path / "stopped"
+    argv = base_args(tiny, out, steps=8, save_steps=4)  # the SIGTERM writes a checkpoint of its own
     first = trainer_process(argv)
     wait_for_steps(out, 2, first)
     first.send_signal(signal.SIGTERM)
     assert "stopped by signal 15 after step" in finish(first, 128 + signal.SIGTERM, 120)
     assert not (out / train.RESULTS).exists()
-    assert (out / f"checkpoint-{max(s for s, _ in losses(out))}" / files.MANIFEST).is_file()
-    finish(trainer_process(argv + ["--resume"]), 0)
-    assert losses(out) == uninterrupted
+    stopped_at = max(s for s, _ in losses(out))
+    assert (out / f"checkpoint-{stopped_at}" / files.MANIFEST).is_file()
+    assert stopped_at < 7, "the SIGTERM left no step of the resumed run to SIGKILL at"
+    kill_at = random.Random().randint(stopped_at + 1, 7)   # a step of the resumed run
+    second = trainer_process(argv + ["--resume"])
+    wait_for_steps(out, kill_at, second)
+    second.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(SystemExit, match=re.escape(
+                f"in use by another run (lock {out / files.LOCK}, held by pid {second.pid}")):
+            train.main(argv + ["--resume"])
+    finally:
+        second.send_signal(signal.SIGKILL)
+    finish(second, -signal.SIGKILL)
+    assert "took over the lock of a run that is no longer running" in finish(trainer_process(argv + ["--resume"]), 0)
+    assert losses(out) == uninterrupted, f"SIGTERM after step {stopped_at}, SIGKILL at step {kill_at}"
+
+
+class Killed(BaseException):
+    """A crash at a write point, in this process (as ``FASTCL_CRASH_AT`` is in another)."""
+
+
+def crash_at(monkeypatch, name):
+    """The next run stops dead at the write point ``name`` (its lock released, nothing
+    cleaned up), as a SIGKILL there would."""
+    def crash(point):
+        if point == name:
+            raise Killed(point)
+    monkeypatch.setattr(files, "crash_point", crash)
 
 
 @pytest.fixture(scope="module")
@@ -403,14 +416,13 @@ def stopped(tiny, tmp_path_factory):
     checkpoint-4 on disk. Returns (its folder, its options)."""
     out = tmp_path_factory.mktemp("stopped") / "out"
     argv = base_args(tiny, out, steps=4, save_steps=2)
-    proc = trainer_process(argv, FASTCL_CRASH_AT="model-stage")
-    proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL
+    with pytest.MonkeyPatch.context() as m, pytest.raises(Killed):
+        crash_at(m, "model-stage")
+        train.main(argv)
     return out, argv
 
 
 def copy_run(stopped, where):
-    import shutil
     out, argv = stopped
     shutil.copytree(out, where)
     return where, [str(where) if a == str(out) else a for a in argv]
@@ -428,19 +440,6 @@ def test_a_checkpoint_torn_by_a_crash_is_removed_and_the_one_before_resumed(stop
     assert sorted(again) == [1, 2, 3, 4]
     for step in (3, 4):
         assert again[step] == pytest.approx(before[step], rel=1e-5)
-
-
-class Killed(BaseException):
-    """A crash at a write point, in this process (as ``FASTCL_CRASH_AT`` is in another)."""
-
-
-def crash_at(monkeypatch, name):
-    """The next run stops dead at the write point ``name`` (its lock released, nothing
-    cleaned up), as a SIGKILL there would."""
-    def crash(point):
-        if point == name:
-            raise Killed(point)
-    monkeypatch.setattr(files, "crash_point", crash)
 
 
 def model_tensors(folder):
@@ -495,7 +494,6 @@ def test_a_finished_run_is_only_replaced_when_asked_and_links_are_never_followed
     """The campaign's case: a finished run's checkpoint, model and TensorBoard folder replaced
     by links to a model folder, trained again with --overwrite_output_dir: the links are
     removed, what they point to is untouched, the run's entries are real folders."""
-    import shutil
     out = tmp_path / "R"
     argv = base_args(tiny, out, steps=3, save_steps=3)
     assert train.main(argv) == 0
@@ -521,7 +519,6 @@ def test_a_link_a_resume_would_write_through_is_refused_naming_it(stopped, tmp_p
     (victim / "config.json").write_text("{}\n")
     outside.seal()
     out, argv = copy_run(stopped, tmp_path / "linked")
-    import shutil
     shutil.rmtree(out / "checkpoint-4")
     os.symlink(victim, out / "checkpoint-4")  # the resume from checkpoint-2 saves step 4
     with pytest.raises(SystemExit, match=f"{out / 'checkpoint-4'} is a link .*--overwrite_output_dir"):
@@ -611,7 +608,6 @@ def test_a_crafted_or_damaged_checkpoint_file_is_one_line_naming_it(stopped, tmp
 
 
 def test_a_full_disk_while_writing_a_checkpoint_is_one_line_and_loses_nothing(tiny, tmp_path, monkeypatch):
-    import errno
     out = tmp_path / "full"
     argv = base_args(tiny, out, steps=4, save_steps=2)
     save = torch.save
@@ -638,7 +634,6 @@ def test_a_failed_write_names_the_folder_and_other_errors_pass(tmp_path):
     assert str(files.write_failure(torn, tmp_path / "checkpoint-2")).startswith(
         f"writing {tmp_path / 'checkpoint-2'} failed: ")
     assert files.write_failure(RuntimeError("a bug"), tmp_path) is None
-    import errno
     assert str(files.write_failure(OSError(errno.ENOSPC, "x"), tmp_path / "c")).endswith(
         "failed: no space left on device")
 
@@ -664,7 +659,6 @@ def test_a_checkpoint_loads_as_the_model_its_dev_score_measured(stopped, tmp_pat
 
 
 def test_resume_refuses_changed_data_naming_the_file(tiny, tmp_path, monkeypatch, capsys):
-    import shutil
     data = tmp_path / "wiki.txt"
     shutil.copy(tiny / "train.txt", data)
     out = tmp_path / "run"
@@ -767,7 +761,6 @@ def test_a_stale_lock_is_taken_over(tiny, tmp_path, capsys):
 
 
 def test_a_folder_that_is_not_a_fastcl_run_is_refused(tiny, tmp_path):
-    import shutil
     out = tmp_path / "model_copy"
     shutil.copytree(tiny / "bert", out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -910,7 +903,6 @@ def test_two_processes_equal_one_on_the_same_global_batch(tiny, tmp_path):
     the gradient, so that the summation order's rounding stays at its size: Adam divides by
     the gradient's own scale and turns a difference in the last bits of a near-zero entry into
     a full step; tolerance: summation order)."""
-    import shutil
     model = tmp_path / "bert-no-dropout"
     shutil.copytree(tiny / "bert", model)
     config = json.loads((model / "config.json").read_text())
@@ -955,8 +947,7 @@ def test_minilm_keeps_its_mean_pooling_and_is_scored_at_step_0(tmp_path):
     assert train.main(["--method", "simcse", "--model", "all-MiniLM-L6-v2", "--data", str(wiki),  # its short name
                        "--output_dir", str(out), "--sts_dir", str(sts), "--per_device_train_batch_size", "16",
                        "--max_steps", "1", "--eval_steps", "10", "--use_cpu"]) == 0  # step 0 and the last
-    modules = [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "model" / "modules.json").read_text())]
-    assert modules == ["Transformer", "Pooling", "Normalize"]
+    assert module_types(out / "model") == ["Transformer", "Pooling", "Normalize"]
     (step0,) = [r for r in read_log(out) if r["type"] == "eval" and r["step"] == 0]
     assert step0["stsb-dev"] > 80  # all-MiniLM-L6-v2 as its users use it
 
