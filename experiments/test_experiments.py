@@ -21,13 +21,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from test_evaluate import make_tiny_model, random_sentence, write_sts_dir  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "experiments"
 COMPARE = EXPERIMENTS / "compare.py"
-if str(EXPERIMENTS) not in sys.path:
-    sys.path.insert(0, str(EXPERIMENTS))
+# beside the scripts it tests, with the suite's helpers and fixtures from tests/
+for folder in (EXPERIMENTS, REPO / "tests"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+from conftest import _deterministic, outside  # noqa: E402,F401  (tests/' fixtures, here too)
+from test_evaluate import make_tiny_model, random_sentence, write_sts_dir  # noqa: E402
 
 import compare  # noqa: E402
 import sweep  # noqa: E402
