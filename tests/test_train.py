@@ -1,7 +1,8 @@
-"""fastcl-train on sentence-transformers' trainer: data formats, every method on a tiny BERT
-(plain and cached), the saved model, step 0 against the saved step, resume after SIGKILL,
-damaged checkpoints, the output folder's lock and guards; the packaged MiniLM on the shared
-data."""
+"""fastcl-train on sentence-transformers' trainer: data formats, augmentations, every method on
+a tiny BERT (plain, and cached with a positive-view augmentation), the saved model, step 0
+against the saved step, resume after SIGTERM and SIGKILL, damaged checkpoints, the output
+folder's lock and guards; the packaged MiniLM on the shared data. What each augmentation
+changes, and its exact replay by the cached losses: tests/test_st_augment.py."""
 
 import csv
 import errno
@@ -21,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingfac
 import pytest
 import torch
 
+from fastcl import augment, common
 from fastcl import data as data_io
 from fastcl import files
 from fastcl.evaluate import sentence_transformers_pooler
@@ -189,9 +191,12 @@ def test_each_method_trains_and_saves_a_plain_model(tiny, tmp_path, method, cach
 
     out = tmp_path / method
     extra = {"complementary": tiny / "bert"} if method == "dclr" else {}
-    if cached:
+    if cached:  # and a positive-view augmentation, which the cached losses replay
         extra["mini_batch_size"] = 3
-    assert train.main(base_args(tiny, out, method, steps=2, **extra)) == 0
+        extra["augment"] = {"simcse": "token-cutoff", "focal": "word_deletion:0.2"}.get(method)
+    assert train.main(base_args(tiny, out, method, steps=2, **{k: v for k, v in extra.items() if v})) == 0
+    if extra.get("augment"):
+        assert f"augment: {augment.parse(extra['augment']).spec}" in (out / "fastcl_config.yaml").read_text()
     assert [s for s, _ in losses(out)] == [1, 2] and all(v > 0 for _, v in losses(out))
     model_dir = out / train.MODEL_DIR
     assert_plain_folder(model_dir)
@@ -789,6 +794,24 @@ def test_an_interrupted_swap_is_finished_at_the_next_start(tmp_path):
 # ---------------------------------------------------------------------------------------
 # Options
 
+def test_augmentation_names_rates_and_defaults():
+    assert augment.parse("token-cutoff") == augment.Augmentation("token_cutoff", common.AUGMENT_RATES["token_cutoff"])
+    assert augment.parse("word_deletion:0.3").spec == "word_deletion:0.3"
+    assert augment.parse(None) is None
+    for bad, message in (("crop", "unknown augmentation 'crop'"), ("token_cutoff:x", "not a number"),
+                         ("span_cutoff:0", r"must be in \(0, 1\]"), ("feature_cutoff:1.5", r"\(0, 1\]")):
+        with pytest.raises(ValueError, match=message):
+            augment.parse(bad)
+
+
+def test_the_parser_refuses_augment_where_it_does_not_apply(tiny, tmp_path, capsys):
+    for method, spec, message in (("simcse-sup", "token_cutoff", "--augment applies to the unsupervised"),
+                                  ("simcse", "crop", "--augment: unknown augmentation 'crop'")):
+        with pytest.raises(SystemExit) as err:
+            train.main(base_args(tiny, tmp_path / "o", method, augment=spec))
+        assert err.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("change,message", [
     ({"per_device_train_batch_size": 1}, "a batch needs >= 2 examples"),
     # the objective's options: refused where the method's loss takes none, values by build_spec
@@ -805,8 +828,6 @@ def test_an_interrupted_swap_is_finished_at_the_next_start(tmp_path):
     ({"temperature_learning_rate": 0, "learnable_temperature": True}, "--temperature_learning_rate 0: a"),
     ({"sensitive_dropout": 1.5, "method": "escl"}, "sensitive_dropout must lie in [0, 1), got 1.5"),  # by the loss
     ({"hard_negative_weight": 1}, "--hard_negative_weight needs one hard negative per anchor"),
-    ({"augment": "crop"}, "--augment: unknown augmentation 'crop'"),
-    ({"augment": "token_cutoff", "method": "simcse-sup"}, "--augment applies to the unsupervised"),
     ({"complementary_pooler": "avg", "method": "dclr"}, "need --complementary"),
     ({"complementary_mode": "released", "method": "dclr"}, "need --complementary"),
     ({"complementary": "x"}, "--complementary applies to --method dclr only"),
