@@ -906,24 +906,15 @@ def torchrun(argv, port):
     # the same one as 'auto': test_several_cpu_processes_train_on_the_cpu)
     pytest.param("cpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="the same run as 'auto' here")),
     pytest.param("auto", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="'auto' takes the GPU here"))])
-def test_two_gloo_processes_train_and_save(tiny, tmp_path, device):
-    """DCLR, cached, on two processes: the gather, the noise broadcast and GradCache together;
-    one process logs (each step once), whether the CPU is asked for or the only device."""
-    out = tmp_path / "ddp"
-    argv = base_args(tiny, out, "dclr", steps=2, per_device_train_batch_size=4, mini_batch_size=3)
-    torchrun([a for a in argv if device == "cpu" or a != "--use_cpu"], 29500)
-    (start,) = [r for r in read_log(out) if r["type"] == "start"]
-    assert start["processes"] == 2 and [s for s, _ in losses(out)] == [1, 2]
-    assert (out / "model" / "modules.json").is_file()
-
-
-def test_two_processes_equal_one_on_the_same_global_batch(tiny, tmp_path):
-    """torchrun, 2 gloo processes of 2 examples, against one process of 4: the same examples
-    each step, candidates gathered across the processes, gradients averaged: the same losses
+def test_two_processes_equal_one_on_the_same_global_batch(tiny, tmp_path, device):
+    """torchrun, 2 gloo processes of 2 examples, against one process of 4: DCLR, cached, so
+    that the gather, the noise broadcast and GradCache act together; the same examples each
+    step, candidates gathered across the processes, gradients averaged: the same losses
     (dropout off, so that both runs see the same encoder; plain SGD, whose step is linear in
     the gradient, so that the summation order's rounding stays at its size: Adam divides by
     the gradient's own scale and turns a difference in the last bits of a near-zero entry into
-    a full step; tolerance: summation order)."""
+    a full step; tolerance: summation order). One process logs (each step once) and the model
+    is saved, whether the CPU is asked for or the only device."""
     model = tmp_path / "bert-no-dropout"
     shutil.copytree(tiny / "bert", model)
     config = json.loads((model / "config.json").read_text())
@@ -932,11 +923,14 @@ def test_two_processes_equal_one_on_the_same_global_batch(tiny, tmp_path):
     runs = {}
     for world in (2, 1):   # the one process here: the tolerance covers its thread set-up
         out = tmp_path / f"world{world}"
-        argv = base_args(tiny, out, steps=3, model=model, per_device_train_batch_size=4 // world,
-                         optim="sgd", learning_rate=0.5)
+        argv = base_args(tiny, out, "dclr", steps=3, model=model, per_device_train_batch_size=4 // world,
+                         mini_batch_size=1, optim="sgd", learning_rate=0.5)
+        argv = [a for a in argv if device == "cpu" or a != "--use_cpu"]
         torchrun(argv, 29600) if world == 2 else train.main(argv)
         runs[world] = losses(out)
-    assert [s for s, _ in runs[2]] == [1, 2, 3]
+    (start,) = [r for r in read_log(tmp_path / "world2") if r["type"] == "start"]
+    assert start["processes"] == 2 and [s for s, _ in runs[2]] == [1, 2, 3]
+    assert (tmp_path / "world2" / "model" / "modules.json").is_file()
     assert runs[1][0][1] != pytest.approx(runs[1][-1][1], rel=1e-2)   # the steps moved the model
     for (_, one), (_, two) in zip(runs[1], runs[2]):
         assert two == pytest.approx(one, rel=1e-4)
