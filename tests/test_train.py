@@ -224,12 +224,8 @@ def test_cached_equals_plain_step_for_step(tiny, tmp_path):
     assert losses(tmp_path / "plain") == losses(tmp_path / "cached")
 
 
-def test_a_sentence_transformers_model_keeps_its_pooling(tiny, tmp_path):
-    out = tmp_path / "st"
-    assert train.main(base_args(tiny, out, steps=2, model=tiny / "st")) == 0
-    assert module_types(out / "model") == ["Transformer", "Pooling", "Normalize"]
-    assert sentence_transformers_pooler(out / "model")[0] == "avg"   # mean pooling
-    # --pooler chooses otherwise
+def test_the_pooler_option_replaces_a_sentence_transformers_models_pooling(tiny, tmp_path):
+    """(Without --pooler the model keeps its own: test_a_run_that_never_beats_step_0_saves_the_base_model.)"""
     out = tmp_path / "cls"
     assert train.main(base_args(tiny, out, steps=2, model=tiny / "st", pooler="cls_before_pooler")) == 0
     assert module_types(out / "model") == ["Transformer", "Pooling"]
@@ -238,12 +234,8 @@ def test_a_sentence_transformers_model_keeps_its_pooling(tiny, tmp_path):
 
 def test_step_zero_is_evaluated_and_compared_with_the_saved_step(tiny, tmp_path, capsys):
     """With --sts_dir the run scores STS-B dev at step 0, every --eval_steps and the last step;
-    the best of them is saved. Without it (no dev set ships) it says so and how to get one."""
-    argv = base_args(tiny, tmp_path / "none", steps=1)
-    del argv[argv.index("--sts_dir"):argv.index("--sts_dir") + 2]
-    assert train.main(argv) == 0
-    assert "no --sts_dir: no dev evaluation" in capsys.readouterr().out
-    assert not [r for r in read_log(tmp_path / "none") if r["type"] == "eval"]
+    the best of them is saved. Without it (no dev set ships) it says so and how to get one:
+    the run of test_a_stale_lock_is_taken_over."""
     out = tmp_path / "eval"
     assert train.main(base_args(tiny, out, steps=3, eval_steps=2, sts_dir=tiny / "sts")) == 0
     printed = capsys.readouterr()
@@ -295,6 +287,9 @@ def test_a_run_that_never_beats_step_0_saves_the_base_model(tiny, tmp_path, caps
         err = capsys.readouterr().err
         assert "did not improve on the base model" in err
         assert ("the base model is saved" in err) is not keep_last
+    # the last step as trained: a sentence-transformers model keeps its own modules and pooling
+    assert module_types(out / "model") == ["Transformer", "Pooling", "Normalize"]
+    assert sentence_transformers_pooler(out / "model")[0] == "avg"   # mean pooling
 
 
 def test_build_trainer_trains_from_objects(tiny, tmp_path):
@@ -758,11 +753,18 @@ def test_a_dclr_resume_is_not_refused_for_its_family_defaults(tiny, tmp_path):
 # test above), nothing foreign removed, no link followed
 
 def test_a_stale_lock_is_taken_over(tiny, tmp_path, capsys):
+    """(The run, without --sts_dir, is also test_step_zero_is_evaluated_and_compared_with_the_saved_step's
+    run without a dev set.)"""
     out = tmp_path / "stale"
     out.mkdir()
     (out / files.LOCK).write_text("pid 999999 on elsewhere\n")  # a killed run's file, no lock held
-    assert train.main(base_args(tiny, out, steps=1)) == 0
-    assert "took over the lock of a run that is no longer running (pid 999999 on elsewhere)" in capsys.readouterr().err
+    argv = base_args(tiny, out, steps=1)
+    del argv[argv.index("--sts_dir"):argv.index("--sts_dir") + 2]
+    assert train.main(argv) == 0
+    printed = capsys.readouterr()
+    assert "took over the lock of a run that is no longer running (pid 999999 on elsewhere)" in printed.err
+    assert "no --sts_dir: no dev evaluation" in printed.out    # no dev set ships: it says so
+    assert not [r for r in read_log(out) if r["type"] == "eval"]
 
 
 def test_a_folder_that_is_not_a_fastcl_run_is_refused(tiny, tmp_path):
