@@ -927,8 +927,10 @@ def test_two_processes_equal_one_on_the_same_global_batch(tiny, tmp_path, device
         out = tmp_path / f"world{world}"
         argv = base_args(tiny, out, "dclr", steps=3, model=model, per_device_train_batch_size=4 // world,
                          mini_batch_size=1, optim="sgd", learning_rate=0.5)
-        argv = [a for a in argv if device == "cpu" or a != "--use_cpu"]
-        torchrun(argv, 29600) if world == 2 else train.main(argv)
+        if world == 2:   # (the one process here: on the CPU, asked for)
+            torchrun([a for a in argv if device == "cpu" or a != "--use_cpu"], 29600)
+        else:
+            train.main(argv)
         runs[world] = losses(out)
     (start,) = [r for r in read_log(tmp_path / "world2") if r["type"] == "start"]
     assert start["processes"] == 2 and [s for s, _ in runs[2]] == [1, 2, 3]
