@@ -1,11 +1,11 @@
 """A learnable temperature: ``temperature`` a 0-dim tensor that requires grad.
 
-∂L/∂τ on every backend equals autograd through the float64 reference (which equals the
+∂L/∂τ on every backend equals autograd through the reference (the ``options-tau`` cases of
+tests/test_matches_reference.py's grid, over every feature), which equals the
 literal formula ``−(1/τ²)·(1/N)·Σ_ij (p_ij − y_ij)·f_ij``, f the logits' numerator: s, or
 focal's s² on the positive and s(s+m) elsewhere); the reference passes float64 gradcheck.
-Tolerances: the reference against the formula 1e-9 (relative), tiled float64 against the
-reference ``conftest.TOL[float64]``, Triton's interpreter on float32 inputs against the
-float64 reference on the same rounded inputs ``atol = rtol = 1e-4`` (tests/test_contrastive.py's).
+Tolerances: the reference against the formula 1e-9 (relative), tiled float64
+``conftest.TOL[float64]``, Triton's interpreter on float32 inputs ``atol = rtol = 1e-4``.
 """
 
 import logging
@@ -16,6 +16,7 @@ import torch
 import fastcl
 
 from conftest import ST_VERSION, TOL, TRITON_TOL, correlated, make, needs_triton
+from test_matches_reference import TAU_SHAPES
 
 TAU = 0.2
 #: the sentence-transformers losses take learnable_temperature from 6.2, whose trainer clears the
@@ -23,88 +24,6 @@ TAU = 0.2
 ST_LEARNS = ST_VERSION is None or ST_VERSION >= (6, 2)
 needs_st62 = pytest.mark.skipif(not ST_LEARNS, reason="learnable_temperature needs sentence-transformers "
                                                        ">= 6.2 (its trainer zero-grads a loss's own parameters)")
-
-
-def _comp(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    c = torch.nn.functional.one_hot(torch.arange(n) % 3, 3).double()
-    return c + 0.05 * torch.randn(n, 3, generator=g, dtype=torch.float64)
-
-
-def _features(a, p, x):
-    """name -> the keyword arguments of fastcl.contrastive (besides temperature), with
-    ``negatives`` among them: every feature whose logits are ``s/τ`` plus terms free of τ."""
-    n, d = a.shape
-    comp = (_comp(n, 1).to(a.dtype), _comp(n, 2).to(a.dtype))
-    ids = torch.arange(max(n, x.shape[0])) % 3
-    guide = [correlated(t.detach(), 0.3, seed=9).detach() for t in (a, p, x)]
-    return {
-        "plain": {},
-        "negatives": dict(negatives=x),
-        "hard": dict(negatives=x[:n], hard_negative_weight=0.7),
-        "symmetric": dict(symmetric=True),
-        "mask": dict(complementary=comp, phi=0.5),
-        "released": dict(complementary=comp, phi=0.5, noise=x, noise_steps=0,
-                         formulation="released"),
-        "noise": dict(noise=x, noise_steps=2),      # Z carries no gradient, to τ neither
-        "directions": dict(negatives=x[:n], directions=("query_to_doc", "query_to_query",
-                                                         "doc_to_query", "doc_to_doc"),
-                           hardness_mode="all_negatives", hardness_strength=0.5,
-                           duplicate_ids=(ids[:n], ids[:n], ids[:n])),
-        "per-direction": dict(directions=("query_to_doc", "doc_to_query"),
-                              partition_mode="per_direction"),
-        "gist": dict(negatives=x, directions=fastcl.layout.gist(), guide=tuple(guide),
-                     guide_margin=0.05),
-        "matryoshka": dict(negatives=x, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.5)),
-        # focal logits s²/τ, s(s+m)/τ: the torch engine's epilogue adds the row sum they need
-        "focal": dict(negatives=x[:n], focal_m=0.3, hard_negative_weight=0.4),
-        "focal-gist": dict(negatives=x, directions=fastcl.layout.gist(), guide=tuple(guide),
-                           focal_m=-0.2),
-        "focal-symmetric": dict(symmetric=True, focal_m=0.5),
-    }
-
-
-FEATURES = list(_features(make(2, 3), make(2, 3), make(2, 3)))
-#: (N anchors, K extra rows, d): one anchor; rows and columns off the tiles (chunks of 3,
-#: Triton's 16-row tiles) and an odd width
-SHAPES = [(1, 1, 3), (7, 7, 5), (17, 17, 9)]
-
-
-def _grads(backend, features, shape, dtype, wide=False):
-    """The loss and its gradients (τ, anchors, positives[, negatives]) on ``backend``;
-    ``wide``: in float64, from the inputs as ``dtype`` rounds them."""
-    n, k, d = shape
-    rounded = lambda x: x.detach().double().requires_grad_() if wide else x  # noqa: E731
-    a = make(n, d, dtype=dtype, seed=n + d)
-    p, a, x = rounded(correlated(a, 0.8)), rounded(a), rounded(make(k, d, dtype=dtype, seed=3))
-    tau = torch.tensor(TAU, dtype=torch.float64 if wide else dtype, requires_grad=True)
-    kw = _features(a, p, x)[features]
-    for key in ("complementary", "guide"):
-        if key in kw and wide:   # the frozen models' embeddings as the call in dtype had them
-            kw[key] = tuple(t.to(dtype).double() for t in kw[key])
-    loss = fastcl.contrastive(a, p, temperature=tau, backend=backend,
-                              chunk_size=None if backend == "reference" else 3, **kw)
-    inputs = [tau, a, p] + ([kw["negatives"]] if "negatives" in kw else [])
-    return [loss] + list(torch.autograd.grad(loss, inputs))
-
-
-#: Triton's interpreter takes the largest shape with a covering set of the features
-GRID = [(be, f, shape) for be in ("tiled", "triton") for f in FEATURES for shape in SHAPES
-        if be == "tiled" or (not f.startswith("focal") and (shape[0] <= 7 or f in (
-            "plain", "gist", "matryoshka")))]
-
-
-@pytest.mark.parametrize("backend,features,shape", [
-    pytest.param(*case, marks=needs_triton if case[0] == "triton" else (),
-                 id=f"{case[0]}-{case[1]}-{'x'.join(map(str, case[2]))}") for case in GRID])
-def test_temperature_gradient_matches_the_reference(backend, features, shape):
-    """The loss, ∂L/∂τ and every embedding's gradient (the learnable τ changes none of them)."""
-    dtype = torch.float64 if backend == "tiled" else torch.float32
-    got = _grads(backend, features, shape, dtype)
-    want = _grads("reference", features, shape, dtype, wide=True)
-    tol = TOL[torch.float64] if backend == "tiled" else TRITON_TOL
-    for name, g, w in zip(["loss", "tau", "anchors", "positives", "negatives"], got, want):
-        torch.testing.assert_close(g.double(), w, **tol, msg=lambda m: f"{name}: {m}")
 
 
 def _literal(a, p, x, tau, focal_m=None):
@@ -119,7 +38,7 @@ def _literal(a, p, x, tau, focal_m=None):
 
 
 @pytest.mark.parametrize("focal_m", [None, 0.3])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", TAU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_reference_is_the_literal_formula_and_passes_gradcheck(shape, focal_m):
     n, k, d = shape
     a, x = make(n, d, dtype=torch.float64, grad=False), make(k, d, dtype=torch.float64, seed=3, grad=False)
