@@ -192,6 +192,28 @@ CASES = [pytest.param(c, e, re.escape(w), id=w) for c, e, w in LITERAL] + [pytes
     *[(lambda kw=kw: fastcl.contrastive(A, P, positive_prior=0.1, **kw), ValueError, "positive_prior")
       for kw in (dict(symmetric=True), dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"),
                  dict(directions=("query_to_doc", "doc_to_query"), backend="triton"))],
+    # soft targets: label_smoothing, labels, a teacher
+    *[(lambda kw=kw: fastcl.contrastive(A, P, **kw), e, m) for kw, e, m in [
+        (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
+        (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
+        (dict(label_smoothing=float("nan")), ValueError, "label_smoothing"),
+        (dict(labels=torch.zeros(4)), TypeError, "labels"),
+        (dict(labels=torch.zeros(3, dtype=torch.long)), ValueError, "labels"),
+        (dict(labels=torch.zeros(4, 1, dtype=torch.long)), ValueError, "labels"),
+        (dict(labels=[0, 1, 2, 3]), TypeError, "labels"),
+        (dict(label_smoothing=0.1, formulation="released"), ValueError, "label_smoothing"),
+        (dict(labels=torch.zeros(4, dtype=torch.long), directions=("query_to_doc", "doc_to_doc")),
+         ValueError, "labels"),
+        (dict(label_smoothing=0.1, directions=("query_to_doc", "doc_to_query")), ValueError,
+         "label_smoothing"),
+        (dict(teacher=(torch.zeros(4, 2),)), TypeError, "teacher"),
+        (dict(teacher=(torch.randn(4, 2), torch.randn(3, 2))), ValueError, r"teacher\[1\]"),
+        (dict(teacher=(torch.randn(4, 2), torch.randn(4, 3))), ValueError, r"teacher\[1\]"),
+        (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), distill_weight=1.5), ValueError,
+         "distill_weight"),
+        (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), teacher_temperature=0.0), ValueError,
+         "teacher_temperature"),
+        (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), symmetric=True), ValueError, "teacher")]],
     # a learnable temperature (a 0-dim tensor that requires grad)
     *[(lambda v=v, kw=kw: fastcl.contrastive(A, P, temperature=torch.tensor(v).requires_grad_(), **kw),
        ValueError, m) for v, kw, m in [
