@@ -80,26 +80,6 @@ def test_infonce_dclr_and_escl_take_it_too():
         torch.testing.assert_close(got, want, **TOL[torch.float64])
 
 
-def test_compiled_learnable_temperature_equals_eager_without_a_graph_break():
-    import torch._dynamo as dynamo
-    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
-    fn = lambda a, p, t: fastcl.contrastive(a, p, temperature=t, matryoshka_dims=(4, 8),  # noqa: E731
-                                            backend="tiled")
-    a, tau = make(12, 8), torch.tensor(TAU, requires_grad=True)
-    p = correlated(a)
-    dynamo.reset()
-    explained = dynamo.explain(fn)(a, p, tau)
-    assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
-    dynamo.reset()
-    compiled = torch.compile(fn, backend="aot_eager", dynamic=True)
-    got = torch.autograd.grad(compiled(a, p, tau), (tau, a))
-    want = torch.autograd.grad(fn(a, p, tau), (tau, a))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        compiled(a, p, torch.tensor(-1.0, requires_grad=True))
-
-
 # --------------------------------------------------------------------------- sentence-transformers
 
 def _st_model(tmp_path):
