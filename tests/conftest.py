@@ -179,17 +179,21 @@ def loss_and_grads(fn, inputs, scale=1.0):
     return loss.detach(), [None if t.grad is None else t.grad.clone() for t in inputs]
 
 
+def complementary(n):
+    """A frozen model's embeddings in 6 clusters (float64): cosines ≈ 1 within a cluster,
+    |cos| < 0.1 across, so φ = 0.2 drops the same-cluster negatives and no pair sits near it."""
+    c = torch.nn.functional.one_hot(torch.arange(n) % 6, 6).double()
+    noise = lambda seed: 0.01 * torch.randn(n, 6, generator=torch.Generator().manual_seed(seed),  # noqa: E731
+                                            dtype=torch.float64)
+    return c + noise(11), c + noise(11) + noise(12)
+
+
 def objectives(n, k):
     """Every objective and flag combination: name -> f(anchors, positives, extra, **kw) -> loss,
     where ``extra`` (K×d) serves as negatives, hard negatives (its first N rows) or DCLR noise."""
-    # Complementary embeddings in 6 clusters: cosines ≈ 1 within a cluster, |cos| < 0.1 across,
-    # so a threshold at 0.2 drops the same-cluster negatives and no pair sits near it (16-bit
-    # inputs would flip such a pair, and the comparison with a float32 reference with it).
-    comp_g = torch.Generator().manual_seed(11)
-    c = torch.nn.functional.one_hot(torch.arange(n) % 6, 6).double()
-    c = c + 0.01 * torch.randn(n, 6, generator=comp_g, dtype=torch.float64)
-    c_pos = c + 0.01 * torch.randn(n, 6, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
-    comp = lambda a: (c.to(a.device, a.dtype), c_pos.to(a.device, a.dtype))
+    # the complementary embeddings' clusters: no pair near φ = 0.2, which 16-bit inputs would
+    # flip (and the comparison with a float32 reference with it)
+    comp = lambda a: tuple(x.to(a.device, a.dtype) for x in complementary(n))  # noqa: E731
     # ESCL's third view, rounded once from float64 to bf16 (which fp16 and fp32 hold): a 16-bit
     # call and its float32 reference on the same rounded inputs then see the same view (rounded
     # through ``a``'s dtype first, they differed, and a row at the margin form's kink with them)

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 import fastcl
 from fastcl import layout
 
-from conftest import (TOL, correlated, device_of, inputs, loss_and_grads, make, needs_gpu,
-                      needs_triton, objectives)
+from conftest import (TOL, complementary, correlated, device_of, inputs, loss_and_grads, make,
+                      needs_gpu, needs_triton, objectives)
 from conftest import TRITON_TOL as FP32_TRITON
 
 BF16 = dict(atol=0, rtol=2e-2, grad_frac=3e-2)
@@ -102,15 +102,6 @@ FEATURES = ("focal", "hard", "mask", "noise", "symmetric")
 COMBOS = [c for r in range(len(FEATURES) + 1) for c in itertools.combinations(FEATURES, r)]
 COVERING = [(), FEATURES] + [tuple(f for f in FEATURES if f != g) for g in FEATURES]
 TEMPERATURE, FOCAL_M, HARD_W, PHI = 0.1, 0.3, 0.8, 0.2
-
-
-def complementary(n):
-    """A frozen model's embeddings in 6 clusters (float64): cosines ≈ 1 within a cluster,
-    |cos| < 0.1 across, so φ = 0.2 drops the same-cluster negatives and no pair sits near it."""
-    c = torch.nn.functional.one_hot(torch.arange(n) % 6, 6).double()
-    noise = lambda seed: 0.01 * torch.randn(n, 6, generator=torch.Generator().manual_seed(seed),  # noqa: E731
-                                            dtype=torch.float64)
-    return c + noise(11), c + noise(11) + noise(12)
 
 
 class Features:
