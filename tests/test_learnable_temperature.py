@@ -15,7 +15,7 @@ import torch
 
 import fastcl
 
-from conftest import ST_VERSION, TOL, TRITON_TOL, correlated, make, needs_triton
+from conftest import ST_VERSION, TOL, TRITON_TOL, correlated, make, needs_triton, st_train
 from test_matches_reference import TAU_SHAPES
 
 TAU = 0.2
@@ -92,9 +92,6 @@ def _st_model(tmp_path):
 def test_st_losses_learn_their_temperature_in_the_trainer(tmp_path):
     """The loss's log_scale is in the trainer's optimizer, moves over a few steps, and the
     cached loss gives it the plain loss's gradient through GradCache's two passes."""
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-
     from fastcl.integrations.sentence_transformers import CachedFastInfoNCELoss, FastInfoNCELoss
     from test_evaluate import random_sentence
     import random
@@ -118,13 +115,8 @@ def test_st_losses_learn_their_temperature_in_the_trainer(tmp_path):
 
     model.train()
     loss = FastInfoNCELoss(model, learnable_temperature=True, backend="tiled")
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=8, report_to="none",
-        save_strategy="no", use_cpu=True, learning_rate=0.05, dataloader_drop_last=True, seed=0)
-    trainer = SentenceTransformerTrainer(model=model, args=args, loss=loss,
-                                         train_dataset=Dataset.from_dict({"anchor": sentences,
-                                                                          "positive": sentences}))
-    trainer.train()
+    trainer, _ = st_train(model, loss, tmp_path / "out", steps=3, learning_rate=0.05,
+                          dataloader_drop_last=True)     # (the sentences above)
     assert any(p is loss.log_scale for group in trainer.optimizer.param_groups for p in group["params"])
     assert loss.current_temperature != pytest.approx(0.05, rel=1e-3)
     assert loss.get_config_dict()["learnable_temperature"] is True

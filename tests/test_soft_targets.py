@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import fastcl
 
-from conftest import make, needs_triton
+from conftest import make, needs_triton, st_train
 TAU = 0.1
 
 
@@ -126,8 +126,6 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
     steps in SentenceTransformerTrainer; its config says each; a bad value fails where the
     loss is built."""
     st = pytest.importorskip("sentence_transformers")
-    from datasets import Dataset
-
     from fastcl.integrations.sentence_transformers import FastInfoNCELoss
     from fastcl.integrations.sentence_transformers._base import preprocess
     from test_evaluate import make_tiny_model, random_sentence
@@ -137,8 +135,6 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
     teacher = st.SentenceTransformer(str(make_tiny_model(tmp_path / "teacher", seed=1)), device="cpu")
     rng = random.Random(3)
     anchors = [random_sentence(rng) for _ in range(16)]
-    data = Dataset.from_dict({"anchor": anchors, "positive": anchors,
-                              "label": [i % 4 for i in range(16)]})
     loss = FastInfoNCELoss(model, label_smoothing=0.1, class_labels=True, teacher=teacher,
                            teacher_temperature=0.1, distill_weight=0.3, backend="tiled")
     assert {"label_smoothing": 0.1, "class_labels": True, "teacher_temperature": 0.1,
@@ -154,13 +150,8 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
                                   teacher_temperature=0.1, distill_weight=0.3)
         torch.testing.assert_close(loss(features, torch.arange(8) % 4), want)
     model.train()
-    args = st.SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=8,
-        learning_rate=1e-3, report_to="none", save_strategy="no", logging_steps=1, seed=0,
-        use_cpu=True, disable_tqdm=True)
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    st.SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
-    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
+    st_train(model, loss, tmp_path / "run", steps=3,
+             columns={"anchor": anchors, "positive": anchors, "label": [i % 4 for i in range(16)]})
     with pytest.raises(ValueError, match="label_smoothing"):
         FastInfoNCELoss(model, label_smoothing=1.5)
     with pytest.raises(ValueError, match="distill_weight"):

@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounter
 
 import fastcl
 
-from conftest import make
+from conftest import make, st_train
 
 
 def _inputs(n=24, d=16, k=24):
@@ -157,23 +157,10 @@ def test_sentence_transformers_losses_trace_without_a_break(tmp_path):
 def test_trainer_two_steps_with_torch_compile(tmp_path):
     """SentenceTransformerTrainer with torch_compile=True (the aot_eager backend: no C++
     toolchain needed) trains two steps with fastcl's loss."""
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-
     from fastcl.integrations.sentence_transformers import FastInfoNCELoss
-    from test_evaluate import make_tiny_model, random_sentence
-    import random
+    from test_evaluate import make_tiny_model
     logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
     model = st.SentenceTransformer(str(make_tiny_model(tmp_path / "bert")), device="cpu")
-    rng = random.Random(0)
-    sentences = [random_sentence(rng) for _ in range(16)]
-    data = Dataset.from_dict({"anchor": sentences, "positive": sentences})
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, report_to="none",
-        save_strategy="no", use_cpu=True, torch_compile=True, torch_compile_backend="aot_eager",
-        dataloader_drop_last=True, seed=0)
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    result = SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
-                                        loss=FastInfoNCELoss(model, backend="tiled")).train()
+    _, result = st_train(model, FastInfoNCELoss(model, backend="tiled"), tmp_path / "out", torch_compile=True,
+                         torch_compile_backend="aot_eager", dataloader_drop_last=True)
     assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
-    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
