@@ -5,7 +5,9 @@ with a queue, hard negatives or symmetric, focal, DCLR paper and released, ESCL)
 combination of ``fastcl.contrastive``'s features (``focal``, ``hard``: a hard negative a
 row with its log-weight, ``mask``: DCLR's complementary + phi, ``noise``, ``symmetric``, and
 ``queue``, ``released``, ``matryoshka``) and fastcl.layout's rules (MNRL's directions,
-partitions and hardness, GIST's blocks and guide, duplicate ids, with focal and noise). Each
+partitions and hardness, GIST's blocks and guide, duplicate ids, with focal and noise) and the
+per-row option families (``options-``: soft targets, a learnable temperature whose gradient is
+compared too, the false-negative margin and positive prior; class ``Options``). Each
 runs on the tiled torch engine and on the Triton kernels (in Triton's interpreter on a
 CPU-only machine, tests/conftest.py) at shapes that cut the engines' tiles (N = 1, N and M
 not multiples of the chunk or of the interpreter's 16-wide tiles, d = 1, 7, 130, 384).
@@ -16,7 +18,7 @@ Triton ``1e-4`` in float32; 16-bit inputs (either engine, the float32 reference 
 rounded inputs): the loss within 2e-2 relative, gradients within 3e-2 of their largest entry
 (float16's taken of a loss scaled as AMP scales it, which its range needs).
 ``16bit`` cases keep the chunk buffers in the inputs' dtype as a GPU does (conftest's
-``gpu_buffers``).
+``gpu_buffers``). The option families keep tighter ones where they hold (``options_grid``).
 
 The default run: on the tiled engine every case; on Triton every objective at each shape,
 every feature combination at N = 17, d = 24 and a covering set of them (strength 2: none,
