@@ -83,7 +83,7 @@ def test_noise_moves_up_the_loss():
 
 class TestMask:
     # (a dropped pair leaves the denominator, the noise columns stay: test_reference's
-    # test_dclr_masked_negative_leaves_denominator by hand, the grid's mask cases on each engine)
+    # test_hand_computed[dclr-mask] by hand, the grid's mask cases on each engine)
     @pytest.mark.parametrize("backend", ["reference", "tiled"])
     def test_dissimilar_complementary_keeps_everything(self, backend):
         n, d = 6, 8
