@@ -10,7 +10,7 @@ import torch
 
 import fastcl
 
-from conftest import make
+from conftest import make, needs_triton
 from test_matches_reference import Batch
 
 A = make(4, 8, grad=False)
@@ -233,12 +233,18 @@ def test_bad_input(call, exc, pattern):
         call()
 
 
-def test_triton_backend_refuses_float64():
+@needs_triton
+def test_triton_backend_refuses_where_it_cannot_run(monkeypatch):
+    """float64, meta tensors, a CPU without the interpreter: refused, saying why; "auto" and
+    the reference take meta tensors (the NaN scan skipped, shapes only)."""
     with pytest.raises(ValueError, match="backend='triton' cannot run here: .*float64"):
         fastcl.infonce(A.double(), P.double(), backend="triton")
-
-
-def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    meta = torch.empty(8, 16, device="meta", requires_grad=True)
+    with pytest.raises(ValueError, match="backend='triton' cannot run here: the embeddings are meta"):
+        fastcl.infonce(meta, meta, backend="triton")
+    for backend in ("auto", "reference"):
+        loss = fastcl.infonce(meta, meta.detach(), backend=backend)
+        assert loss.device.type == "meta" and loss.shape == ()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         fastcl.infonce(A, P, backend="triton")

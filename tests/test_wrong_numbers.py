@@ -11,9 +11,9 @@ float64 reference where there is a number to compare:
 4. A temperature below ~3e-39 was accepted and gave NaN.
 5. formulation="released" with noise steps at d = 1: three backends, three losses.
 
-then the clear errors (inference mode, double backward through uniformity, meta tensors); the
-table of bad arguments is tests/test_validation.py, the evaluate command's files
-tests/test_evaluate_cli.py.
+then the clear errors (inference mode, double backward through uniformity); the table of bad
+arguments and the Triton backend's refusals (meta tensors among them) are
+tests/test_validation.py, the evaluate command's files tests/test_evaluate_cli.py.
 """
 
 import math
@@ -24,7 +24,7 @@ import torch
 import fastcl
 from fastcl import common, reference
 
-from conftest import backends, needs_triton
+from conftest import backends
 
 BACKENDS = backends("reference", "tiled", "triton")
 
@@ -316,11 +316,3 @@ def test_uniformity_matches_pdist_and_blocks():
         assert fastcl.uniformity(x).item() == pytest.approx(want.item(), rel=1e-12)
     finally:
         metrics._UNIFORMITY_BLOCK = saved
-
-
-@needs_triton
-def test_meta_tensors_on_the_triton_backend_are_a_clear_error():
-    a = torch.empty(8, 16, device="meta")
-    with pytest.raises(ValueError, match="backend='triton' cannot run here: the embeddings are meta"):
-        fastcl.infonce(a, a, backend="triton")
-    assert fastcl.infonce(a, a).device.type == "meta"        # "auto": the tiled path, shapes only
