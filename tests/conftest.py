@@ -301,6 +301,14 @@ def gpu_buffers(monkeypatch):
     yield seen
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """test_train's tiny models and data (``test_train.make_tiny``), built once a module."""
+    pytest.importorskip("sentence_transformers")
+    from test_train import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models are dominated by thread start-up: one thread is faster and steadier, and

@@ -220,15 +220,6 @@ def test_sentence_transformers_losses_train(tmp_path, loss_name, options):
     st_train(model, loss, tmp_path / "run")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """test_train's data and tiny BERT (a module of its own, here)."""
-    pytest.importorskip("sentence_transformers")
-    import test_train
-    return test_train.tiny.__wrapped__(tmp_path_factory) if hasattr(test_train.tiny, "__wrapped__") \
-        else pytest.skip("test_train's fixture cannot be called")
-
-
 def test_fastcl_train_takes_both(tiny, tmp_path, capsys):
     """fastcl-train --false_negative_margin --positive_prior trains (simcse, two steps on the
     tiny BERT), and a bad value or method is refused naming the option."""

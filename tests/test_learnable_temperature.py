@@ -148,14 +148,13 @@ def test_st_losses_refuse_a_bad_option_where_they_are_built(tmp_path):
 
 
 @needs_st62
-def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monkeypatch):
+def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tiny, tmp_path, monkeypatch):
     """fastcl-train --learnable_temperature (at --temperature_learning_rate): the value in each
     step's log record, moving; each checkpoint holds it and a resumed trainer takes it back."""
     from fastcl.trainer import run as train
     from fastcl.trainer.build import Trainer
     from fastcl.trainer.run import read_log
-    from test_train import base_args, make_tiny
-    tiny = make_tiny(tmp_path / "tiny")
+    from test_train import base_args
     out = tmp_path / "run"
     assert train.main(base_args(tiny, out, steps=4, learnable_temperature=True, save_steps=2,
                                 temperature=0.1, temperature_learning_rate=0.05)) == 0
@@ -183,7 +182,7 @@ def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monk
 
 
 @needs_st62
-def test_fastcl_train_temperature_learning_rate_is_its_own_undecayed_group(tmp_path):
+def test_fastcl_train_temperature_learning_rate_is_its_own_undecayed_group(tiny, tmp_path):
     """--temperature_learning_rate: the loss's log_scale in an optimizer group of its own at that
     rate and no weight decay (the model's groups keep theirs); τ moves further than at the
     model's rate. Without it, log_scale stays with the model's rate, undecayed too."""
@@ -191,8 +190,6 @@ def test_fastcl_train_temperature_learning_rate_is_its_own_undecayed_group(tmp_p
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
 
     from fastcl.trainer import build_trainer
-    from test_train import make_tiny
-    tiny = make_tiny(tmp_path / "tiny")
     data = datasets.Dataset.from_dict({"text": (tiny / "train.txt").read_text().split("\n")[:24]})
     moved = {}
     for rate in (None, 0.05):
