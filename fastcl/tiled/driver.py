@@ -95,9 +95,20 @@ def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
     return u
 
 
-def _smallest_unclamped(norm: torch.Tensor) -> torch.Tensor:
-    """The smallest norm above EPS (a 0-dim tensor, no host sync); 1 if every row was clamped."""
-    return torch.where(norm > EPS, norm, torch.inf).amin().nan_to_num(posinf=1.0)
+def _column_factor(norm_k, inv_k, ep: Epilogue, dtype: torch.dtype):
+    """H's column factor ``γ·c·inv_k_j ≤ γ`` along the last dim (each Matryoshka width's
+    row), c the smallest norm of a row that was not clamped (1 if all were): it keeps H in a
+    16-bit range whatever the norms (no host sync: c stays on the device); γ
+    (:func:`_fp16_gain`) lifts fp16 entries off its subnormals. A zero row's c/EPS would
+    overflow float16 (and a c of EPS would flush every other column): there its factor is
+    capped at γ and its dk row gets the excess back; its terms in dq are 0 either way.
+    Returns ``(γ·c·inv_k, γ·c, the excess or None)``."""
+    c = torch.where(norm_k > EPS, norm_k, torch.inf).amin(dim=-1, keepdim=True).nan_to_num(posinf=1.0)
+    gain, ratio = _fp16_gain(ep, dtype), inv_k * c
+    excess = ratio.clamp_min(1.0) if dtype == torch.float16 else None
+    if excess is not None:
+        ratio = ratio.clamp_max(1.0)
+    return (ratio * gain, c * gain, excess) if gain != 1.0 else (ratio, c, excess)
 
 
 def _unit(x: torch.Tensor, inv_norm: torch.Tensor) -> torch.Tensor:
@@ -160,18 +171,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         norm_k = _norms(keys, acc)
         norm_q = _norms(anchors, acc) if anchor_norms is None else anchor_norms
         inv_k, inv_q = norm_k.reciprocal(), norm_q.reciprocal()
-        # H's column factor γ·c·inv_k_j ≤ γ (c = the smallest norm of a row that was not
-        # clamped) keeps H in a 16-bit range whatever the norms (no host sync: c stays on the
-        # device); γ lifts fp16 entries off its subnormals. A zero row's c/EPS would overflow
-        # float16 (and a c of EPS would flush every other column): there its factor is capped
-        # at γ and its dk row gets the excess back; its terms in dq are 0 either way.
-        c_min, gain = _smallest_unclamped(norm_k), _fp16_gain(ep, dtype)
-        h_scale = c_min * gain if gain != 1.0 else c_min
-        ratio = inv_k * c_min
-        excess = ratio.clamp_min(1.0) if dtype == torch.float16 else None
-        ginv_k = ratio.clamp_max(1.0) if excess is not None else ratio
-        if gain != 1.0:
-            ginv_k = ginv_k * gain
+        ginv_k, h_scale, excess = _column_factor(norm_k, inv_k, ep, dtype)
         w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
         tangent = engine.tangent                # the engine's fused chain rule, if it has one
     radial = torch.zeros((), dtype=acc, device=device) if temperature_grad else None
@@ -271,7 +271,8 @@ class _Widths:
             return parts.square_().cumsum(dim=1).sqrt_()
 
         norm_q, norm_k = prefix_norms(anchors), prefix_norms(keys)
-        self.inv_q, inv_k = 1.0 / norm_q.clamp_min(EPS), 1.0 / norm_k.clamp_min(EPS)
+        self.norm_q, self.norm_k = norm_q.clamp_min(EPS), norm_k.clamp_min(EPS)
+        self.inv_q, inv_k = 1.0 / self.norm_q, 1.0 / self.norm_k
         # the radial term of x/max(‖x‖, EPS) exists only where the norm was not clamped
         self.radial_q = (norm_q > EPS).to(acc) * self.inv_q * self.inv_q
         self.radial_k = (norm_k > EPS).to(acc) * inv_k * inv_k
@@ -279,19 +280,13 @@ class _Widths:
         # operand costs the R×M passes their vectorization
         self.inv_k_w = inv_k.T.contiguous()
         # 16-bit GEMMs (a GPU's) read B = Σ Ã^k cast to 16 bits: H's column factor is then
-        # γ·c·inv_k (c: each width's smallest unclamped ‖k‖; ≤ γ, capped in fp16, where a zero
-        # row's c/EPS would overflow, its dk row getting the excess back at :meth:`finish`),
-        # and B's rows are divided by ρ_i = ‖q_i‖⁻¹·unit, applied to dq's rows after the GEMM
-        # and, as q̂ and a scalar ``unit``, to dk: kept inside, 1/(‖q‖τN) flushes in fp16.
+        # :func:`_column_factor`'s (the widest width's excess, at :meth:`finish`), and B's rows
+        # are divided by ρ_i = ‖q_i‖⁻¹·unit, applied to dq's rows after the GEMM and, as q̂
+        # and a scalar ``unit``, to dk: kept inside, 1/(‖q‖τN) flushes in fp16.
         self.ginv_k_w, self.gain, self.excess, self.unit = self.inv_k_w, [1.0] * len(dims), None, None
         if keys.dtype != acc:
-            gamma = _fp16_gain(ep, keys.dtype)
-            c = torch.where(norm_k > EPS, norm_k, torch.inf).amin(dim=0).nan_to_num(posinf=1.0)
-            ratio = self.inv_k_w * c[:, None]
-            if keys.dtype == torch.float16:
-                self.excess = ratio[-1].clamp_min(1.0)
-                ratio = ratio.clamp_max(1.0)
-            self.ginv_k_w, self.gain = ratio * gamma, (c * gamma).unbind()
+            self.ginv_k_w, gain, excess = _column_factor(norm_k.T, self.inv_k_w, ep, keys.dtype)
+            self.gain, self.excess = gain.unbind(), None if excess is None else excess[-1]
             denom = n * m if ep.formulation == "released" else n
             self.unit = 1.0 / (ep.temperature * denom * self.gain[-1])
         self.col_c = torch.zeros(len(dims), m, dtype=acc, device=device)   # per width
@@ -299,8 +294,9 @@ class _Widths:
         # the first rows): a fresh R×M allocation per chunk and width costs its page faults
         # again.
         sides = 2 if ep.paired else 1
-        self.buffers = torch.empty(_slices(ep), sides * min(rows, n), m, dtype=acc,
-                                   device=device).unbind(0)
+        self.buffers = [torch.empty(sides * min(rows, n), m, dtype=acc, device=device)
+                        for _ in range(_slices(ep))]
+        self.rows = rows
 
     def chunk(self, ep: Epilogue, c: Chunk, take, dq, dk, tau_sum=None) -> None:
         """One chunk: its row losses into ``c.loss_out``, its rows of ``dq`` and its share of
@@ -317,6 +313,9 @@ class _Widths:
         row_f, row_c = torch.empty(2, len(bands), sides * r, dtype=acc, device=q.device)
         pos_g = torch.empty(len(bands), r, dtype=acc, device=q.device)
         inv_q_c = take(self.inv_q).T.contiguous()          # (K, sides·r)
+        # one width takes the tangent projection, not the radial sums (but ∂L/∂τ reads them)
+        one = len(bands) == 1
+        radial = not one or tau_sum is not None
         h = []
         for k, (lo, hi) in enumerate(bands):
             if k == 0:
@@ -326,7 +325,8 @@ class _Widths:
             slices = pool.pop(), pool.pop()
             kept, free = torch_width(ep, self.weights[k], c, dots, *slices, cos, inv_q_c[k],
                                      self.inv_k_w[k], self.ginv_k_w[k], self.gain[k], rules,
-                                     row_f[k], pos_g[k], row_c[k], self.col_c[k], want)
+                                     row_f[k], pos_g[k], row_c[k] if radial else None,
+                                     None if one else self.col_c[k], want)
             if kept is None:                       # no gradient: both slices free again
                 pool.extend(slices)
                 continue
@@ -342,6 +342,9 @@ class _Widths:
             q_hat = _unit(q, inv_q_c[-1]).to(q.dtype) if self.need_k else None
         # the widest width down: B = Σ_{k ≥ band} Ã^k, one GEMM per band and gradient
         total_b = None
+        # (dq's rows of each side, and the chunk's rows that hold them)
+        rows = [(slice(r0, r1), slice(0, r))] + ([(slice(n + r0, n + r1), slice(r, 2 * r))]
+                                                  if ep.paired else [])
         for k in reversed(range(len(bands))):
             lo, hi = bands[k]
             if total_b is None:
@@ -352,8 +355,6 @@ class _Widths:
                 total_b[:r].diagonal(first).sub_(pos_g[k])
             b = total_b.to(q.dtype)
             if self.need_q:
-                rows = [(slice(r0, r1), slice(0, r))] + ([(slice(n + r0, n + r1), slice(r, 2 * r))]
-                                                          if ep.paired else [])
                 for out, mine in rows:
                     if rho is None:
                         _accumulate_mm(dq[out, lo:hi], b[mine], keys[:, lo:hi])
@@ -363,20 +364,27 @@ class _Widths:
                 _accumulate_mm(dk[:, lo:hi], b.T, q[:, lo:hi] if rho is None else q_hat[:, lo:hi])
         if tau_sum is not None:
             tau_sum += row_c.sum()
-        if self.need_q:
+        if self.need_q and one:
+            # one width: the tangent projection of u = B K itself (exact where d = 1)
+            norm = take(self.norm_q)[:, 0]
+            for out, mine in rows:
+                _tangent_(dq[out], q[mine], norm[mine], r)
+        elif self.need_q:
             coef = row_c.T * take(self.radial_q)                       # (sides·r, K)
             for k, (lo, hi) in enumerate(bands):
                 # band k takes the radial terms of every width that covers it
                 radial = q[:, lo:hi].to(acc) * coef[:, k:].sum(dim=1, keepdim=True)
-                dq[r0:r1, lo:hi] -= radial[:r]
-                if ep.paired:
-                    dq[n + r0:n + r1, lo:hi] -= radial[r:]
+                for out, mine in rows:
+                    dq[out, lo:hi] -= radial[mine]
 
     def finish(self, keys, dk) -> None:
         """The keys' radial terms, every chunk's column sums together, into ``dk`` (after the
-        16-bit GEMMs' ``unit`` and fp16's excess)."""
+        16-bit GEMMs' ``unit`` and fp16's excess); one width: the tangent projection."""
         if self.unit is not None:
             dk.mul_((self.unit * (1.0 if self.excess is None else self.excess)).reshape(-1, 1))
+        if len(self.bands) == 1:
+            _tangent_(dk, keys, self.norm_k[:, 0], self.rows)
+            return
         coef = self.col_c.T * self.radial_k
         for k, (lo, hi) in enumerate(self.bands):
             dk[:, lo:hi].addcmul_(keys[:, lo:hi].to(self.acc), coef[:, k:].sum(dim=1, keepdim=True),

@@ -337,7 +337,7 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
     ``c.loss_out += w_k·L_k`` (each row's ℓ_i before the mean); ``row_f`` ← ``f`` (R') and
     ``pos_g`` ← ``g`` (R) with ``Ã^k = diag(f) H − δ·g`` (δ: each anchor-side row's positive,
     column ``first + i``); the radial sums ``Σ_j Ã_ij D_ij`` into ``row_c`` and ``Σ_i Ã_ij
-    D_ij`` added to ``col_c``. ``out`` and ``spare`` are free R'×M slices, ``cos`` (R'×M, with
+    D_ij`` added to ``col_c`` (either None: not wanted). ``out`` and ``spare`` are free R'×M slices, ``cos`` (R'×M, with
     focal or MNRL's hardness) holds the cosines; ``rules``: the chunk's :class:`_RowRules`,
     shared by every width. H takes the column factor ``ginv_k = gain·inv_k`` (``gain``: γ·c
     in fp16, which keeps H in range, else 1) and ``f`` the rest, 1/(‖q‖τN·gain): inside H,
@@ -466,14 +466,18 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
             c.tau_out += weight * (off * scale).sum()
         p.mul_(_focal_slope(cos, ep, r, first, rules.mirror))
     held = p.mul_(ginv_k[None, :])
+    if row_c is None:
+        return held, spare
     # the radial sums: Σ_j Ã_ij D_ij = f_i Σ_j H_ij D_ij − g_i D_ii, and by columns
     product = torch.mul(held, dots, out=spare)
     row_c.copy_(product.sum(dim=1).mul_(row_f))
-    col_c += torch.mv(product.T, row_f)
+    if col_c is not None:
+        col_c += torch.mv(product.T, row_f)
     if ep.positives:
         pos_dots = pos_g * dots[:r].diagonal(first)
         row_c[:r] -= pos_dots
-        col_c[first:first + r] -= pos_dots
+        if col_c is not None:
+            col_c[first:first + r] -= pos_dots
     return held, spare
 
 
