@@ -337,12 +337,13 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
     ``c.loss_out += w_k·L_k`` (each row's ℓ_i before the mean); ``row_f`` ← ``f`` (R') and
     ``pos_g`` ← ``g`` (R) with ``Ã^k = diag(f) H − δ·g`` (δ: each anchor-side row's positive,
     column ``first + i``); the radial sums ``Σ_j Ã_ij D_ij`` into ``row_c`` and ``Σ_i Ã_ij
-    D_ij`` added to ``col_c`` (either None: not wanted). ``out`` and ``spare`` are free R'×M slices, ``cos`` (R'×M, with
-    focal or MNRL's hardness) holds the cosines; ``rules``: the chunk's :class:`_RowRules`,
-    shared by every width. H takes the column factor ``ginv_k = gain·inv_k`` (``gain``: γ·c
-    in fp16, which keeps H in range, else 1) and ``f`` the rest, 1/(‖q‖τN·gain): inside H,
-    16 bits would flush it. Returns ``(H, free)``: the slice that holds H and the one left
-    free (``(None, None)``, both free, without ``want_grad``).
+    D_ij`` added to ``col_c`` (either None: not wanted). ``out`` and ``spare`` are free R'×M
+    slices, ``cos`` (R'×M, with focal or MNRL's hardness) holds the cosines; ``rules``: the
+    chunk's :class:`_RowRules`, shared by every width. H takes the column factor ``ginv_k``
+    (``gain·inv_k``, capped in fp16: the driver's ``_column_factor``, which keeps H in a
+    16-bit range; ``inv_k`` and ``gain`` = 1 with 32-bit GEMMs) and ``f`` the rest,
+    1/(‖q‖τN·gain): inside H, 16 bits would flush it. Returns ``(H, free)``: the slice that
+    holds H and the one left free (``(None, None)``, both free, without ``want_grad``).
 
     Every pass over the slice counts (they, not the GEMMs, bound the time): the softmax is
     one fused pass (its rows stay in cache), the row factor stays in ``f``, and the column
