@@ -140,7 +140,7 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     ``τ⁺`` is one float or a tensor of one per anchor row. It needs one softmax a row: not
     with ``symmetric`` or ``partition_mode="per_direction"``, nor ``formulation="released"``;
     the Triton kernels take it without a positive side (``"auto"`` runs those on the tiled
-    path), and the tiled path's Matryoshka then takes a call a width.
+    path).
 
     **matryoshka_dims** ``(d_1, …, d_K)`` with ``matryoshka_weights`` ``(w_1, …, w_K)`` (all 1
     by default): ``L = Σ_k w_k·L(x[:, :d_k])``, the loss of every prefix of the embeddings
