@@ -35,8 +35,8 @@ mid="${FASTCL_TRITON_MID:-3.6.0}"
 jobs="${FASTCL_CI_JOBS:-$(nproc)}"
 # the Triton cases (-k triton) of the suite's grid against the reference (tests/test_matches_reference.py:
 # every objective, layout rule and edge shape), the kernels' own tests and the silent cases.
-# Left to the newest Triton, for CI's time: the grid's tiled cases, its feature combinations
-# and anchor slices,
+# Left to the newest Triton, for CI's time: the grid's tiled cases, its feature combinations,
+# anchor slices and per-row option families (options: soft targets, a learnable τ, the margin),
 # test_contrastive.py, test_properties.py, test_wrong_numbers.py, test_validation.py and
 # test_dclr_released.py (more of the same comparisons), test_explain.py and
 # test_host_syncs.py (the driver), and the files that need sentence-transformers (whose
@@ -46,7 +46,7 @@ jobs="${FASTCL_CI_JOBS:-$(nproc)}"
 # the same kernels at other dtypes and sizes, the interpreter's semantics no more than the
 # rest); they pass on the floor too
 read -r -a FLOOR_INTERPRETER <<< "${FLOOR_INTERPRETER:-tests/test_matches_reference.py tests/test_triton.py tests/test_silent_cases.py}"
-FLOOR_SELECT="${FLOOR_SELECT-triton and not 16bit and not gpu_tiles and not features and not slices}"
+FLOOR_SELECT="${FLOOR_SELECT-triton and not 16bit and not gpu_tiles and not features and not slices and not options}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 

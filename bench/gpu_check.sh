@@ -185,7 +185,7 @@ else
     ALT_ARGS=(--n 16384,32768 --d 768 --dtype bfloat16)
     ALT_BIG_ARGS=(--n 65536,131072,262144 --d 768 --dtype bfloat16)
     ALT_LIMIT=${ALT_LIMIT:-60}
-    TESTS=(tests/test_triton.py tests/test_matches_reference.py -k "triton or gpu")
+    TESTS=(tests/test_triton.py tests/test_matches_reference.py -k "(triton or gpu) and not options")
     XDIST=()
     if "$PY" -c "import xdist" >/dev/null 2>&1; then XDIST=(-n 8); fi
 fi

@@ -5,8 +5,8 @@ implementation at one fixed size, plus the matmul of the same FLOP count.
     python -m pytest bench/ --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,max,rounds
     python -m pytest bench/ --benchmark-only --benchmark-save=NAME    # keep for --benchmark-compare
 
-The unit tests (``python -m pytest tests``, or plain ``python -m pytest``: testpaths is
-``tests``) never collect this folder. Sizes: N=1024, d=384, float32 on CPU; N=8192, d=768,
+The unit tests (plain ``python -m pytest``: pyproject.toml's testpaths, which name bench/'s
+test_alternatives.py and test_stages.py only) never collect this file. Sizes: N=1024, d=384, float32 on CPU; N=8192, d=768,
 bfloat16 on CUDA (set ``FASTCL_MICRO_N`` / ``FASTCL_MICRO_D`` to change them). On CUDA each
 call ends with ``torch.cuda.synchronize()`` so that the wall time covers the kernels.
 Each benchmark records its useful FLOPs and achieved TFLOP/s in ``extra_info``.

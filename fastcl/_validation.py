@@ -9,17 +9,18 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
+from typing import Literal, get_args
 
 import torch
 
 from .common import accumulate_dtype, huge_row_limit, shrink_huge_rows
 
-BACKENDS = ("auto", "reference", "tiled", "triton")
+Backend = Literal["auto", "reference", "tiled", "triton"]
+BACKENDS = get_args(Backend)
+Formulation = Literal["paper", "released"]      # DCLR's paper, or the authors' released code
+FORMULATIONS = get_args(Formulation)
 
-# Finite checks cost one reduction per input and, for a whole call (one_host_read), one read
-# of their results (a device sync on GPU); they can be switched off for production runs with
-# ``fastcl.set_input_checks(False)``.
-_CHECK_FINITE = True
+_CHECK_FINITE = True        # the scan of the inputs (set_input_checks says what it costs)
 
 
 def set_input_checks(enabled: bool) -> bool:
@@ -83,16 +84,13 @@ def embeddings(name: str, x, *, rows: int | None = None, width: int | None = Non
     # (under torch.compile the values cannot be read while tracing: the fused op tests them;
     # tested first, as torch.compile before torch 2.6 specializes on the size x.numel() reads)
     if _CHECK_FINITE and not torch.compiler.is_compiling() and x.numel() and not x.is_meta:
-        top, limit = _largest(x)
-        scan = _SCAN.get()
-        if scan is not None and scan is not _EAGER:
-            scan.queued.append((name, top, limit))    # read with the call's other inputs (one_host_read)
-            return x
-        bad, huge = _verdict(top.item(), limit)
-        if bad:
-            raise ValueError(f"{name} contains NaN or Inf values")
-        if huge and scale_free:
-            x = shrink_huge_rows(x)
+        queue = _SCAN.get()
+        scan = queue if queue is not None and queue is not _EAGER else _Scan()
+        scan.queued.append((name, *_largest(x)))
+        if scan is not queue:       # not queued with the call's other inputs (one_host_read): now
+            scan.read()
+            if scan.huge and scale_free:
+                x = shrink_huge_rows(x)
     return x
 
 
@@ -106,11 +104,6 @@ def _largest(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     if x.dtype == torch.float64:
         return torch.log2(top).float(), math.log2(limit)
     return top.float(), limit
-
-
-def _verdict(top: float, limit: float) -> tuple[bool, bool]:
-    """``(NaN or Inf, rows too large to square)`` of what :func:`_largest` gave."""
-    return not top < math.inf, top > limit
 
 
 class _Scan:
@@ -129,10 +122,9 @@ class _Scan:
         queued, self.queued = self.queued, []
         tops = torch.stack([top for _, top, _ in queued]).tolist()
         for (name, _, limit), top in zip(queued, tops):
-            bad, huge = _verdict(top, limit)
-            if bad:
+            if not top < math.inf:
                 raise ValueError(f"{name} contains NaN or Inf values")
-            self.huge |= huge
+            self.huge |= top > limit
 
 
 #: The scan of the call in progress (:func:`one_host_read`); ``_EAGER`` while a call reads
@@ -339,17 +331,3 @@ def chunk_size(value) -> int | None:
         raise ValueError(f"chunk_size must be a positive integer or None, got {value!r}")
     return value
 
-
-def complementary(value, n: int, n_positives: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``complementary=(c_anchors, c_positives)``: the frozen model's view of the batch."""
-    if value is None:
-        return None
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise TypeError("complementary must be a pair (c_anchors, c_positives) or None")
-    c_anchors = embeddings("complementary[0]", value[0], rows=n, scale_free=True, device=device)
-    c_positives = embeddings("complementary[1]", value[1], rows=n_positives,
-                             width=c_anchors.shape[1], scale_free=True, device=device)
-    if c_positives.dtype != c_anchors.dtype:
-        raise TypeError(f"complementary[1] is {c_positives.dtype} but complementary[0] is "
-                        f"{c_anchors.dtype}: the complementary model's two views share one dtype")
-    return c_anchors.detach(), c_positives.detach()

@@ -81,12 +81,9 @@ def project_out_radial(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     to a full step where the exact gradient is 0, as it is at d = 1 (a cosine of ±1 does
     not change with x) — and at d = 1 gives an exact 0 (x̂ = ±1 exactly)."""
     x = x.to(g.dtype)
-    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=1, keepdim=True)
-    scaled = x / amax.masked_fill(amax == 0, 1.0)
-    norm = torch.linalg.vector_norm(scaled, dim=1, keepdim=True)
-    x_hat = scaled / norm.masked_fill(amax == 0, 1.0)
+    x_hat, _ = safe_direction(x)
     radial = (x_hat * g).sum(dim=1, keepdim=True)
-    radial = radial.masked_fill(amax * norm <= EPS, 0.0)
+    radial = radial.masked_fill(torch.linalg.vector_norm(x, dim=1, keepdim=True) <= EPS, 0.0)
     return g - x_hat * radial
 
 
@@ -139,8 +136,7 @@ def noise_count(noise_ratio: float, n: int, formulation: str = "paper") -> int:
 # --- ESCL's relative difference ---------------------------------------------------------
 
 def relative_difference(anchors: torch.Tensor, positives: torch.Tensor, sensitive: torch.Tensor, *,
-                        temperature: float, rd: str = "softplus",
-                        margins: tuple[float, float] = (0.1, 0.3)) -> torch.Tensor:
+                        temperature: float, rd: str, margins: tuple[float, float]) -> torch.Tensor:
     """ESCL's relative-difference term, ``mean`` over rows and both views h' ∈ {h, h⁺}.
 
     ``rd="softplus"``: ``softplus((D^pos − D^neg(h'))/τ)`` with ``D = 1 − cos``;

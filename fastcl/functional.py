@@ -14,13 +14,11 @@ from torch import Tensor
 
 from . import _validation as check
 from . import common, reference, tiled
+from ._validation import Backend, Formulation
 from .spec import LossSpec, build_spec, escl_options, inputs, noise_settings, resolve_backend
 
 __all__ = ["contrastive", "infonce", "focal_infonce", "dclr_loss", "dclr_noise", "escl_loss",
            "resolve_backend"]
-
-Backend = Literal["auto", "reference", "tiled", "triton"]
-Formulation = Literal["paper", "released"]
 
 
 @check.one_host_read
@@ -88,10 +86,8 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     ``directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"`` below
     (:data:`fastcl.spec.SYMMETRIC`) with DCLR's mask transposed on the reverse direction.
 
-    **formulation="released"** is DCLR as the authors' released code computes it (the table
-    in :func:`dclr_loss`'s docstring: logits multiplied by α, binary cross-entropy on the row
-    softmax averaged over all N·M entries, the mask test ``cos/τ > 20φ``, noise columns dropped
-    when φ < 0, ``K_z = int(N_b·noise_ratio)``, the released noise update). It combines with
+    **formulation="released"** is DCLR as the authors' released code computes it (every
+    difference from the paper's: the table in :func:`dclr_loss`'s docstring). It combines with
     ``complementary``/``phi`` and the noise options only: ``focal_m``, ``negatives``,
     ``hard_negative_weight`` or ``symmetric`` with it raise a ``ValueError`` naming them.
 
@@ -144,16 +140,14 @@ def contrastive(anchors: Tensor, positives: Tensor, negatives: Tensor | None = N
     ``τ⁺`` is one float or a tensor of one per anchor row. It needs one softmax a row: not
     with ``symmetric`` or ``partition_mode="per_direction"``, nor ``formulation="released"``;
     the Triton kernels take it without a positive side (``"auto"`` runs those on the tiled
-    path), and the tiled path's Matryoshka then takes a call a width.
+    path).
 
     **matryoshka_dims** ``(d_1, …, d_K)`` with ``matryoshka_weights`` ``(w_1, …, w_K)`` (all 1
     by default): ``L = Σ_k w_k·L(x[:, :d_k])``, the loss of every prefix of the embeddings
-    (their own cosines), as sentence-transformers' ``MatryoshkaLoss`` around this loss. The
-    tiled path computes every width in one pass over d (the driver's :class:`fastcl.tiled.driver._Widths`),
-    with focal, the hard negatives' log-weight, the DCLR mask, ``symmetric`` and the options
-    above (the masks, the guide's filter among them, computed once for every width); the
-    Triton backend makes a fused call per width (the GEMM work of ``Σ_k d_k`` columns, 2.25×
-    one loss for 768, 512, 256, 128, 64). Not with the noise or ``formulation="released"``.
+    (their own cosines), as sentence-transformers' ``MatryoshkaLoss`` around this loss, with
+    focal, the hard negatives' log-weight, the DCLR mask, ``symmetric`` and the options above
+    (the tiled path: every width in one pass over d; Triton: a fused call per width;
+    docs/engine.md). Not with the noise or ``formulation="released"``.
 
     **Soft targets** (``label_smoothing``, ``labels``). Row i's loss is the cross-entropy
     against a target distribution over its *kept* candidates ``K_i`` — the entries of its
@@ -353,9 +347,8 @@ def dclr_noise(anchors: Tensor, positives: Tensor, num: int | None, *,
     Representations", ACL 2022.
     """
     anchors, positives, _ = inputs(anchors, positives)
-    noise = noise_settings(anchors, num, steps, lr, std, temperature, noise, generator,
-                           names=("steps", "lr", "std", "temperature"))
-    formulation = check.choice("formulation", formulation, ("paper", "released"))
+    noise = noise_settings(anchors, num, steps, lr, std, temperature, noise, generator, prefix="")
+    formulation = check.choice("formulation", formulation, check.FORMULATIONS)
     chunk_size = check.chunk_size(chunk_size)
     backend = resolve_backend(backend, anchors)
     check.read_inputs()

@@ -12,22 +12,22 @@ from .functional import Backend, Formulation
 
 
 class _Loss(nn.Module):
-    """Holds the ``__init__`` arguments named in ``_fields`` (shown by ``repr``) and passes
-    them, with those in ``_quiet`` (not shown), to the functional form."""
+    """Holds its ``__init__`` arguments (shown by ``repr``, but those in ``_quiet``) and
+    passes them to the functional form."""
 
-    _fields: tuple[str, ...] = ()
     _quiet: tuple[str, ...] = ()
 
     def _keep(self, values: dict) -> None:
         super().__init__()
-        for name in self._fields + self._quiet:
+        self._names = tuple(name for name in values if name != "self")
+        for name in self._names:
             setattr(self, name, values[name])
 
     def _options(self) -> dict:
-        return {name: getattr(self, name) for name in self._fields + self._quiet}
+        return {name: getattr(self, name) for name in self._names}
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{f}={getattr(self, f)!r}" for f in self._fields)
+        return ", ".join(f"{f}={getattr(self, f)!r}" for f in self._names if f not in self._quiet)
 
 
 class InfoNCE(_Loss):
@@ -35,8 +35,6 @@ class InfoNCE(_Loss):
 
     ``loss = InfoNCE()(anchors, positives[, negatives])``.
     """
-
-    _fields = ("temperature", "hard_negative_weight", "symmetric", "backend", "chunk_size")
 
     def __init__(self, temperature: float = c.TEMPERATURE, hard_negative_weight: float = 0.0,
                  symmetric: bool = False, backend: Backend = "auto", chunk_size: int | None = None):
@@ -48,8 +46,6 @@ class InfoNCE(_Loss):
 
 class FocalInfoNCE(_Loss):
     """Focal-InfoNCE; see :func:`fastcl.focal_infonce`."""
-
-    _fields = ("temperature", "m", "backend", "chunk_size")
 
     def __init__(self, temperature: float = c.TEMPERATURE, m: float = c.FOCAL_M,
                  backend: Backend = "auto", chunk_size: int | None = None):
@@ -66,8 +62,6 @@ class DCLRLoss(_Loss):
     ``torch.Generator`` to make the noise draws reproducible.
     """
 
-    _fields = ("phi", "noise_ratio", "noise_steps", "noise_lr", "noise_std", "noise_temperature",
-               "temperature", "formulation", "backend", "chunk_size")
     _quiet = ("generator",)
 
     def __init__(self, phi: float = c.PHI, noise_ratio: float = c.NOISE_RATIO,
@@ -86,8 +80,6 @@ class DCLRLoss(_Loss):
 
 class ESCLLoss(_Loss):
     """ESCL (InfoNCE + relative difference to a high-dropout view); see :func:`fastcl.escl_loss`."""
-
-    _fields = ("temperature", "weight", "rd", "margins", "backend", "chunk_size")
 
     def __init__(self, temperature: float = c.TEMPERATURE, weight: float = c.ESCL_WEIGHT,
                  rd: str = c.ESCL_RD, margins: tuple[float, float] = c.ESCL_MARGINS,

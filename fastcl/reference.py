@@ -39,11 +39,9 @@ def cosine_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return wide(unit_rows(x) @ unit_rows(y).T)
 
 
-def _at(n: int, columns: int, first: int, device) -> torch.Tensor:
-    """(n × columns) bool, True at ``[i, first + i]``."""
-    out = torch.zeros(n, columns, dtype=torch.bool, device=device)
-    out[torch.arange(n, device=device), torch.arange(n, device=device) + first] = True
-    return out
+def _at(cols: torch.Tensor, width: int) -> torch.Tensor:
+    """(len(cols) × width) bool, True at ``[i, cols[i]]``."""
+    return cols[:, None] == torch.arange(width, device=cols.device)[None, :]
 
 
 def _released(logits, is_positive):
@@ -137,10 +135,12 @@ def _debiased(logits, is_positive, prior, temperature, *more):
 
 
 def _modulated(sim, is_positive, temperature, focal_m):
-    """Logits from cosines: ``s/τ``, or focal ``s²/τ`` on the positive and ``s(s+m)/τ`` elsewhere."""
+    """Logits from cosines: ``s/τ``, or focal ``s²/τ`` on the positive (``is_positive``; None:
+    no column) and ``s(s+m)/τ`` elsewhere."""
     if focal_m is None:
         return sim / temperature
-    return torch.where(is_positive, sim * sim, sim * (sim + focal_m)) / temperature
+    focal = sim * (sim + focal_m)
+    return (focal if is_positive is None else torch.where(is_positive, sim * sim, focal)) / temperature
 
 
 def contrastive(spec: LossSpec, anchors, positives, negatives=None):
@@ -167,8 +167,7 @@ def _one(spec: LossSpec, anchors, positives, negatives, anchor_candidates):
         z = spec.noise
         blocks.append(dclr_noise(anchors, positives, z.count, steps=z.steps, lr=z.lr, std=z.std,
                                  temperature=z.temperature, noise=z.start, generator=z.generator,
-                                 formulation=spec.formulation, anchor_offset=offset
-                                 ).to(positives.dtype))
+                                 formulation=spec.formulation).to(positives.dtype))
     candidates = torch.cat(blocks)
     keep = None
     if mask is not None:
@@ -188,11 +187,7 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     transposed on the positive side (``spec.mask.reverse``); ``"released"`` (the plain layout
     only) is the authors' BCE (:func:`_released`)."""
     temperature, focal_m = spec.logits.tau, spec.logits.focal_m
-    hard_negative_weight, anchor_offset = spec.logits.hard_negative_weight, spec.anchor_offset
-    layout = spec.layout
-    hardness = None if spec.rules is None else spec.rules.hardness
-    guide = None if spec.guide is None else spec.guide.embeddings
-    duplicate_ids = spec.ids
+    anchor_offset, layout, guide = spec.anchor_offset, spec.layout, spec.guide
     n, n_pos = anchors.shape[0], positives.shape[0]
     n_neg = 0 if negatives is None else negatives.shape[0]
     dev = anchors.device
@@ -207,18 +202,18 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     # each side's guide rows, each block's guide rows and ids (None: off)
     g_anchors = g_own = g_documents = g_anchor_cands = doc_ids = anchor_ids = None
     if guide is not None:
-        g_anchors, g_positives, g_negatives, g_anchor_cands = guide
+        g_anchors, g_positives, g_negatives, g_anchor_cands = guide.embeddings
         g_own = g_positives[g]
         g_documents = g_positives if g_negatives is None else torch.cat([g_positives, g_negatives])
         gamma = torch.diagonal(cosine_matrix(g_anchors, g_positives), anchor_offset)
-        theta = guide_threshold(gamma, spec.guide.margin, spec.guide.strategy)
+        theta = guide_threshold(gamma, guide.margin, guide.strategy)
         scored = [g_documents] + ([g_anchor_cands] if layout.scores_anchors else [])
         partners = [g_own] + ([g_anchors] if layout.positive_side else [])
         theta = keep_twin_ties(theta, gamma, [unit_rows(wide(x)) for x in partners],
                                torch.cat([unit_rows(wide(x)) for x in scored]),
                                (1, int(layout.scores_anchors)))[:, None]
-    if duplicate_ids is not None:
-        pos_ids, neg_ids, anchor_ids = duplicate_ids
+    if spec.ids is not None:
+        pos_ids, neg_ids, anchor_ids = spec.ids
         doc_ids = pos_ids if neg_ids is None else torch.cat([pos_ids, neg_ids])
         key = pos_ids[g][:, None]                          # the text of the row's positive
 
@@ -228,7 +223,7 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
         out = torch.zeros_like(scores, dtype=torch.bool)
         if guide is not None:
             out |= cosine_matrix(guide_rows, guide_cols[:scores.shape[1]]) > theta
-        if duplicate_ids is not None:
+        if spec.ids is not None:
             out |= ids[None, :scores.shape[1]] == key
         if protect is not None:
             out &= ~protect
@@ -236,7 +231,7 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
 
     # anchor side: documents (and the noise), then the anchors block
     sim = cosine_matrix(anchors, candidates)
-    is_positive = _at(n, sim.shape[1], anchor_offset, dev)
+    is_positive = _at(g, sim.shape[1])
     logits = _modulated(sim, is_positive, temperature, focal_m)
     margin = spec.false_negative_margin
     positive_cosine = sim[rows, g]
@@ -248,11 +243,21 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
             return scores
         close = cos > (positive_cosine + margin)[:, None]
         return scores.masked_fill(close if protect is None else close & ~protect, float("-inf"))
-    if hard_negative_weight:
-        logits = logits + hard_negative_weight * _at(n, sim.shape[1], n_pos + anchor_offset,
-                                                     dev).to(logits.dtype)
-    if hardness is not None:
-        hardness_mode, hardness_strength = hardness
+
+    def block(side_rows, cols, guide_rows, guide_cols, ids, mine=None, dropped=None):
+        """A block of scores past the first: the logits of ``side_rows`` against ``cols``
+        (``mine``: the pair's own column, ``s²/τ`` with focal and never dropped), less the
+        margin's, ``dropped``'s (the excluded own entries, the transposed mask), the guide's
+        and the duplicates' drops."""
+        cos = cosine_matrix(side_rows, cols)
+        scores = near(_modulated(cos, mine, temperature, focal_m), cos, mine)
+        if dropped is not None:
+            scores = scores.masked_fill(dropped, float("-inf"))
+        return drop(scores, guide_rows, guide_cols, ids, mine)
+    if spec.logits.hard_negative_weight:
+        logits = logits + spec.logits.hard_negative_weight * _at(g + n_pos, sim.shape[1]).to(logits.dtype)
+    if spec.rules is not None and spec.rules.hardness is not None:
+        hardness_mode, hardness_strength = spec.rules.hardness
         own = doc_group[None, :] == g[:, None]
         is_negative_block = torch.arange(n_pos + n_neg, device=dev)[None, :] >= n_pos
         where = {"in_batch_negatives": ~own,
@@ -269,49 +274,41 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     docs_part = drop(logits[:, :n_pos + n_neg], g_anchors, g_documents, doc_ids,
                      is_positive[:, :n_pos + n_neg])
     anchor_side = [docs_part, logits[:, n_pos + n_neg:]]   # the noise is never dropped
+    own_anchor_col = _at(own_anchor, anchor_candidates.shape[0])
     if layout.anchor_to_anchors:
-        aa_cos = cosine_matrix(anchors, anchor_candidates)
-        aa = near(_modulated(aa_cos, _none(n, anchor_candidates), temperature, focal_m), aa_cos)
-        if layout.exclude_own:
-            aa = aa.masked_fill(_at_cols(own_anchor, aa.shape[1]), float("-inf"))
-        anchor_side.append(drop(aa, g_anchors, g_anchor_cands, anchor_ids, None))
+        anchor_side.append(block(anchors, anchor_candidates, g_anchors, g_anchor_cands, anchor_ids,
+                                 dropped=own_anchor_col if layout.exclude_own else None))
     positive_logit = logits[rows, g]
 
     # positive side: the anchors block, then the documents
     positive_side = []
     if layout.positive_to_anchors:
-        # the anchor's own column is the positive pair seen from the positive: s²/τ with focal
-        pa_cos = cosine_matrix(own_positive, anchor_candidates)
-        mine = _at_cols(own_anchor, anchor_candidates.shape[0])
-        pa = near(_modulated(pa_cos, mine, temperature, focal_m), pa_cos, mine)
+        # the anchor's own column is the positive pair seen from the positive
+        reverse = None
         if spec.mask is not None and spec.mask.reverse:    # symmetric: α'_ij = 1[cos(c⁺_i, c_j) < φ]
             c_anchors, c_positives = spec.mask.complementary
-            pa = pa.masked_fill(~dclr_weights(c_positives, c_anchors, 0, phi=spec.mask.phi,
-                                              temperature=temperature), float("-inf"))
-        positive_side.append(drop(pa, g_own, g_anchor_cands, anchor_ids, mine))
+            reverse = ~dclr_weights(c_positives, c_anchors, 0, phi=spec.mask.phi,
+                                    temperature=temperature)
+        positive_side.append(block(own_positive, anchor_candidates, g_own, g_anchor_cands,
+                                   anchor_ids, own_anchor_col, reverse))
     if layout.positive_to_positives or layout.positive_to_negatives:
         width = n_pos + (n_neg if layout.positive_to_negatives else 0)
-        pd_cos = cosine_matrix(own_positive, documents[:width])
-        pd = near(_modulated(pd_cos, _none(n, documents[:width]), temperature, focal_m), pd_cos)
-        if layout.exclude_own:
-            pd = pd.masked_fill(doc_group[None, :width] == g[:, None], float("-inf"))
-        positive_side.append(drop(pd, g_own, g_documents, doc_ids, None))
+        positive_side.append(block(own_positive, documents[:width], g_own, g_documents, doc_ids,
+                                   dropped=(doc_group[None, :width] == g[:, None]
+                                            if layout.exclude_own else None)))
 
     # the positive sits in the first block: its share of the softmax is formed apart
     # (_cross_entropy), the other blocks join its log-sum-exp
-    anchor_pos = torch.zeros_like(anchor_side[0], dtype=torch.bool)
-    anchor_pos[rows, g] = True
+    anchor_pos = is_positive[:, :n_pos + n_neg]
     if spec.soft is not None:
         # each softmax its own target (a positive side only as two directions: its first
         # block the anchors, the positive there the row's own anchor)
         everything = torch.cat(anchor_side, dim=1)
-        at_positive = torch.zeros_like(everything, dtype=torch.bool)
-        at_positive[:, :anchor_pos.shape[1]] = anchor_pos
-        loss = _soft_cross_entropy(everything, at_positive, spec.soft, anchor_offset)
+        loss = _soft_cross_entropy(everything, _at(g, everything.shape[1]), spec.soft, anchor_offset)
         if positive_side:
             reverse = torch.cat(positive_side, dim=1)
             loss = 0.5 * (loss + _soft_cross_entropy(
-                reverse, _at_cols(own_anchor, reverse.shape[1]), spec.soft, anchor_offset))
+                reverse, _at(own_anchor, reverse.shape[1]), spec.soft, anchor_offset))
         return loss.mean()
     if layout.joint or not positive_side:
         if spec.positive_prior is not None:       # one softmax a row (build_spec's rule)
@@ -321,18 +318,6 @@ def _sides(spec: LossSpec, anchors, positives, candidates, negatives, keep, anch
     lse_p = torch.logsumexp(torch.cat(positive_side, dim=1), dim=1)
     return (0.5 * _cross_entropy(anchor_side[0], anchor_pos, *anchor_side[1:])
             + 0.5 * (lse_p - positive_logit)).mean()
-
-
-def _none(n, columns):
-    """No positive in these columns: (n × columns) all False."""
-    return torch.zeros(n, columns.shape[0], dtype=torch.bool, device=columns.device)
-
-
-def _at_cols(cols, width):
-    """(len(cols) × width) bool, True at ``[i, cols[i]]``."""
-    out = torch.zeros(cols.shape[0], width, dtype=torch.bool, device=cols.device)
-    out[torch.arange(cols.shape[0], device=cols.device), cols] = True
-    return out
 
 
 def infonce(anchors, positives, negatives=None, *, temperature=TEMPERATURE,
@@ -359,7 +344,7 @@ def focal_infonce(anchors, positives, negatives=None, *, temperature=TEMPERATURE
 
 def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=NOISE_STD,
                temperature=TEMPERATURE,
-               noise=None, generator=None, formulation="paper", anchor_offset=0):
+               noise=None, generator=None, formulation="paper"):
     """DCLR's noise negatives, improved by ``steps`` normalized gradient-ascent steps.
 
     ``L_U = mean_i[−s(h_i, h⁺_i)/τ_u + log Σ_j exp(cos(h_i, z_j)/τ_u)]`` with h, h⁺ detached;
@@ -377,18 +362,16 @@ def dclr_noise(anchors, positives, num, *, steps=NOISE_STEPS, lr=NOISE_LR, std=N
     to z; at d = 1 it is 0): :func:`fastcl.common.safe_direction`,
     :func:`fastcl.common.project_out_radial`.
     """
-    if torch.is_inference_mode_enabled():
-        # inference tensors cannot enter an autograd graph: the update runs on normal copies
-        with torch.inference_mode(False):
-            return dclr_noise(anchors.clone(), positives.clone(), num, steps=steps, lr=lr, std=std,
-                              temperature=temperature,
-                              noise=None if noise is None else noise.clone(),
-                              generator=generator, formulation=formulation,
-                              anchor_offset=anchor_offset).clone()
     h = wide(anchors.detach())
     h_pos = positives.detach().to(h.dtype)
     z = (draw_noise(num, h.shape[1], std=std, generator=generator, device=h.device)
          if noise is None else noise.detach()).to(h.dtype).clone()
+    if torch.is_inference_mode_enabled():
+        # inference tensors cannot enter an autograd graph: the update runs on normal copies
+        with torch.inference_mode(False):
+            z = dclr_noise(h.clone(), h_pos.clone(), num, steps=steps, lr=lr,
+                           temperature=temperature, noise=z.clone(), formulation=formulation)
+        return z.clone()
     for _ in range(steps):
         z.requires_grad_(True)
         with torch.enable_grad():
@@ -419,7 +402,7 @@ def dclr_weights(c_anchors, c_positives, num_noise, *, phi, temperature, formula
     """
     cos = cosine_matrix(c_anchors, c_positives)
     keep = (cos / temperature <= 20 * phi) if formulation == "released" else (cos < phi)
-    keep = keep | _at(keep.shape[0], keep.shape[1], anchor_offset, keep.device)
+    keep = keep | _at(torch.arange(keep.shape[0], device=keep.device) + anchor_offset, keep.shape[1])
     keep_noise = formulation != "released" or phi >= 0
     noise_cols = torch.full((keep.shape[0], num_noise), keep_noise, dtype=torch.bool, device=keep.device)
     return torch.cat([keep, noise_cols], dim=1)

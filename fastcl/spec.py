@@ -96,7 +96,7 @@ class Soft:
     label_smoothing: float = 0.0          # ε ∈ [0, 1)
     labels: torch.Tensor | None = None    # (N_b,) int64, one per batch row
     teacher: tuple | None = None          # (t_anchors (N×d_t), t_candidates (N_b+K × d_t)), detached
-    teacher_temperature: float = 0.05     # τ_t
+    teacher_temperature: float = common.TEMPERATURE   # τ_t
     distill_weight: float = 0.0           # λ ∈ [0, 1]
 
 
@@ -202,7 +202,7 @@ class Epilogue:
     label_smoothing: float = 0.0           # soft targets (fastcl.spec.Soft): ε
     labels: torch.Tensor | None = None     # (N_b,) int64: SupCon's positives by label
     teacher: tuple | None = None           # (unit rows of the N anchors, of the N_b+K documents)
-    teacher_temperature: float = 0.05
+    teacher_temperature: float = common.TEMPERATURE
     distill_weight: float = 0.0
 
     @property
@@ -246,8 +246,7 @@ class Epilogue:
 
 
 #: The fields of a :class:`~fastcl.layout.Layout`, a bit each in the op's ``layout``.
-_LAYOUT_FIELDS = ("anchor_to_anchors", "positive_to_anchors", "positive_to_positives",
-                  "positive_to_negatives", "exclude_own", "joint")
+_LAYOUT_FIELDS = tuple(field.name for field in dataclasses.fields(Layout))
 
 
 def bits(mask: int, count: int) -> list[bool]:
@@ -259,28 +258,23 @@ def _pairs(text: str, first=str) -> list[tuple]:
     return [(first(a), float(b)) for a, _, b in (item.partition(":") for item in text.split(","))]
 
 
-def _same(x):
-    return x
-
-
 #: How the fields that are not schema types travel: ``(to the op, from the op)``.
 _CODECS = {
     "matryoshka": (lambda m: "" if m is None else ",".join(f"{d}:{float(w)!r}" for d, w in zip(*m)),
                    lambda t: Matryoshka(*map(tuple, zip(*_pairs(t, int)))) if t else None),
     "layout": (lambda lay: -1 if lay is None else sum(1 << i for i, name in enumerate(_LAYOUT_FIELDS)
                                                       if getattr(lay, name)),
-               lambda v: None if v < 0 else Layout(**dict(zip(_LAYOUT_FIELDS, bits(v, 6))))),
+               lambda v: None if v < 0 else Layout(**dict(zip(_LAYOUT_FIELDS, bits(v, len(_LAYOUT_FIELDS)))))),
     "blocks": (lambda b: list(b or (0, 0, 0, 0)), lambda b: tuple(b) if any(b) else None),
     "hardness": (lambda h: "" if h is None else f"{h[0]}:{float(h[1])!r}",
                  lambda t: _pairs(t)[0] if t else None),
 }
-
-
 _TENSORS = (lambda x: list(x or ()), lambda x: tuple(x) if x else None)
+_SAME = (lambda x: x, lambda x: x)
 
 
 def _codec(name: str, kind: str) -> tuple:
-    return _CODECS.get(name) or (_TENSORS if kind == "Tensor[]" else (_same, _same))
+    return _CODECS.get(name) or (_TENSORS if kind == "Tensor[]" else _SAME)
 
 
 # --------------------------------------------------------------------------- build_spec
@@ -315,10 +309,13 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
         got = "no negatives" if negatives is None else f"{negatives.shape[0]} negatives"
         raise ValueError(f"hard_negative_weight needs one hard negative per anchor "
                          f"({n_pos} negatives), got {got}")
-    complementary = check.complementary(complementary, n, n_pos, anchors.device)
+    if complementary is not None:       # the frozen model's (c_anchors, c_positives)
+        complementary = _frozen("complementary", complementary, ("anchors", "positives"),
+                                (n, n_pos), anchors.device,
+                                shape="a pair (c_anchors, c_positives) or None")
     phi = check.phi(phi)
     noise_ratio = check.within("noise_ratio", noise_ratio, 0.0)
-    formulation = check.choice("formulation", formulation, ("paper", "released"))
+    formulation = check.choice("formulation", formulation, check.FORMULATIONS)
     if false_negative_margin is not None:
         false_negative_margin = check.finite("false_negative_margin", false_negative_margin)
     symmetric = check.flag("symmetric", symmetric)
@@ -330,7 +327,7 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
                                     anchor_candidates, guide, guide_margin, margin_strategy,
                                     duplicate_ids)
     ruled = rules is not None or guide_spec is not None or ids is not None
-    soft = _soft(label_smoothing, labels, n_pos, anchors.device)
+    label_smoothing = check.within("label_smoothing", label_smoothing, 0.0, 1.0)
     extra = [name for name, on in (
         ("focal_m", focal_m is not None), ("negatives", negatives is not None),
         ("hard_negative_weight", bool(hard_negative_weight)), ("symmetric", symmetric),
@@ -338,7 +335,7 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
         ("positive_prior", positive_prior is not None),
         ("directions, hardness_mode, guide or duplicate_ids", ruled),
         ("matryoshka_dims", matryoshka_dims is not None),
-        ("label_smoothing", soft is not None and soft.label_smoothing != 0),
+        ("label_smoothing", label_smoothing != 0),
         ("labels", labels is not None), ("teacher", teacher is not None)) if on]
     if formulation == "released" and extra:
         raise ValueError(f"formulation='released' is DCLR as the authors' code computes it and "
@@ -366,10 +363,9 @@ def build_spec(anchors, positives, negatives=None, *, temperature=common.TEMPERA
     noise_temperature = tau if noise_temperature is None else noise_temperature
     noise_spec = noise_settings(anchors, None if noise is not None else count, noise_steps,
                                 noise_lr, noise_std, noise_temperature, noise, generator)
-    if teacher is not None:
-        soft = _teacher(soft, teacher, n, n_pos + (0 if negatives is None else negatives.shape[0]),
-                        anchors, tau if teacher_temperature is None else teacher_temperature,
-                        distill_weight)
+    soft = _soft(label_smoothing, labels, teacher,
+                 tau if teacher_temperature is None else teacher_temperature, distill_weight,
+                 (n, n_pos, 0 if negatives is None else negatives.shape[0]), anchors)
     if soft is not None and prior is not None:
         raise ValueError("positive_prior cannot be combined with label_smoothing, labels or "
                          "teacher: the debiased loss has no target distribution")
@@ -431,42 +427,33 @@ def _positive_prior(value, n: int, anchors) -> torch.Tensor | None:
     return value.detach().to(acc)
 
 
-def _soft(label_smoothing, labels, n_pos, device) -> Soft | None:
-    """``label_smoothing`` (ε ∈ [0, 1)) and ``labels`` (one integer per batch row) checked:
-    a :class:`Soft`, or None when both are off."""
-    eps = check.within("label_smoothing", label_smoothing, 0.0, 1.0)
+def _soft(eps, labels, teacher, teacher_temperature, distill_weight, rows, anchors) -> Soft | None:
+    """The soft targets checked: a :class:`Soft`, or None when all are off. ``eps``:
+    ``label_smoothing``, checked; ``labels``: one integer per batch row; ``teacher=(t_anchors,
+    t_candidates)``: N and N_b + K rows of one width (the anchors', the positives' and
+    negatives' teacher embeddings); ``distill_weight``: λ ∈ [0, 1]. ``rows``: (N, N_b, K)."""
+    n, n_pos, n_neg = rows
     if labels is not None:
-        labels = check.ids("labels", labels, n_pos, device)     # one per batch row
-    return None if not eps and labels is None else Soft(eps, labels)
-
-
-def _teacher(soft, teacher, n, n_docs, anchors, teacher_temperature, distill_weight) -> Soft:
-    """``teacher=(t_anchors, t_candidates)`` (N and N_b + K rows of one width: the
-    positives' and negatives' teacher embeddings), ``teacher_temperature`` and
-    ``distill_weight`` (λ ∈ [0, 1]) checked, joined to ``soft``."""
-    if not isinstance(teacher, (tuple, list)) or len(teacher) != 2:
-        raise TypeError("teacher must be a tuple (t_anchors, t_candidates)")
-    t_anchors = check.embeddings("teacher[0] (anchors)", teacher[0], rows=n, scale_free=True,
-                                 device=anchors.device)
-    t_docs = check.embeddings("teacher[1] (candidates)", teacher[1], rows=n_docs,
-                              width=t_anchors.shape[1], scale_free=True, device=anchors.device)
+        labels = check.ids("labels", labels, n_pos, anchors.device)     # one per batch row
+    if teacher is None:
+        return None if not eps and labels is None else Soft(eps, labels)
+    teacher = _frozen("teacher", teacher, ("anchors", "candidates"), (n, n_pos + n_neg),
+                      anchors.device)
     tau = check.temperature(teacher_temperature, anchors.dtype, name="teacher_temperature")
     weight = check.within("distill_weight", distill_weight, 0.0, 1.0, closed=True)
-    soft = soft or Soft()
-    return Soft(soft.label_smoothing, soft.labels, (t_anchors.detach(), t_docs.detach()), tau, weight)
+    return Soft(eps, labels, teacher, tau, weight)
 
 
 def inputs(anchors, positives, anchor_offset=None):
     """Anchors (N×d) and positives: N rows, or — with ``anchor_offset`` — the whole batch the
     anchors are rows ``[anchor_offset, anchor_offset + N)`` of. Returns the offset as an int."""
     anchors = check.embeddings("anchors", anchors, scale_free=True)
+    positives = check.embeddings("positives", positives, rows=None if anchor_offset is not None
+                                 else anchors.shape[0], width=anchors.shape[1], like=anchors,
+                                 scale_free=True)
     if anchor_offset is None:
-        positives = check.embeddings("positives", positives, rows=anchors.shape[0],
-                                     width=anchors.shape[1], like=anchors, scale_free=True)
         return anchors, positives, 0
     anchor_offset = check.non_negative_int("anchor_offset", anchor_offset)
-    positives = check.embeddings("positives", positives, width=anchors.shape[1], like=anchors,
-                                 scale_free=True)
     if positives.shape[0] < anchor_offset + anchors.shape[0]:
         raise ValueError(
             f"positives has {positives.shape[0]} rows but anchor_offset={anchor_offset} with "
@@ -475,13 +462,13 @@ def inputs(anchors, positives, anchor_offset=None):
 
 
 def noise_settings(anchors, num, steps, lr, std, temperature, noise, generator=None,
-                   names=("noise_steps", "noise_lr", "noise_std", "noise_temperature")) -> Noise:
-    """DCLR's noise update checked (``names``: the arguments' names in the caller); ``num``
-    None when ``noise`` gives the rows."""
-    steps = check.non_negative_int(names[0], steps)
-    lr = check.finite(names[1], lr)
-    std = check.positive(names[2], std)
-    temperature = check.temperature(temperature, anchors.dtype, name=names[3])
+                   prefix="noise_") -> Noise:
+    """DCLR's noise update checked (the arguments named ``prefix + "steps"`` etc. in the
+    caller); ``num`` None when ``noise`` gives the rows."""
+    steps = check.non_negative_int(prefix + "steps", steps)
+    lr = check.finite(prefix + "lr", lr)
+    std = check.positive(prefix + "std", std)
+    temperature = check.temperature(temperature, anchors.dtype, name=prefix + "temperature")
     if noise is not None:
         noise = check.embeddings("noise", noise, width=anchors.shape[1], allow_empty=True,
                                  device=anchors.device)
@@ -496,7 +483,7 @@ def noise_settings(anchors, num, steps, lr, std, temperature, noise, generator=N
 
 def matryoshka(dims, weights, d) -> Matryoshka | None:
     """``matryoshka_dims`` and ``matryoshka_weights`` checked, sorted by width, or None when
-    ``dims`` is None (``d``: the embeddings' width, None where it is not known yet)."""
+    ``dims`` is None (``d``: the embeddings' width)."""
     if dims is None:
         if weights is not None:
             raise ValueError("matryoshka_weights needs matryoshka_dims")
@@ -506,7 +493,7 @@ def matryoshka(dims, weights, d) -> Matryoshka | None:
     if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in dims):
         raise ValueError(f"matryoshka_dims must be positive integers, got {list(dims)}")
     dims = list(dims)
-    if d is not None and max(dims) > d:
+    if max(dims) > d:
         raise ValueError(f"matryoshka_dims must lie in [1, {d}] (the embeddings' width), got {dims}")
     if len(set(dims)) != len(dims):
         raise ValueError(f"matryoshka_dims has a width twice: {dims}")
@@ -542,8 +529,6 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
         check.choice("hardness_mode", hardness_mode, layout.HARDNESS_MODES)
     hardness_strength = check.within("hardness_strength", hardness_strength, 0.0)
     guide_margin = check.finite("guide_margin", guide_margin)
-    unread = ValueError("anchor_candidates is read only with directions that score the "
-                        "anchors ('query_to_query', 'doc_to_query')")
     grouped = (hardness_mode is not None and hardness_strength) or (
         lay.positive_to_negatives and lay.exclude_own)
     if grouped and n_neg % n_pos:
@@ -565,58 +550,59 @@ def _rules(anchors, positives, negatives, anchor_offset, directions, partition_m
                 raise ValueError(f"anchor_candidates has {anchor_candidates.shape[0]} rows: it "
                                  f"holds the whole batch's anchors ({n_pos}) or these anchors ({n})")
     elif anchor_candidates is not None:
-        raise unread
+        raise ValueError("anchor_candidates is read only with directions that score the "
+                         "anchors ('query_to_query', 'doc_to_query')")
     n_a = 0 if anchor_candidates is None or not lay.scores_anchors else anchor_candidates.shape[0]
     if guide is not None:
-        guide = Guide(_guide(guide, n, n_pos, n_neg, n_a, anchors.device), guide_margin,
-                      margin_strategy)
-    if duplicate_ids is not None:
-        duplicate_ids = _duplicate_ids(duplicate_ids, n_pos, n_neg, n_a, anchors.device)
+        # (g_anchors, g_positives, g_negatives, g_anchor_candidates): the last two may be left
+        # out or None where there are no negatives or no anchors block (the anchors block's
+        # default: g_anchors, when those are its rows)
+        guide = Guide(_frozen("guide", guide, ("anchors", "positives", "negatives",
+                                               "anchor candidates"), (n, n_pos, n_neg, n_a),
+                              anchors.device, fill={3: 0} if n_a == n else None),
+                      guide_margin, margin_strategy)
+    if duplicate_ids is not None:   # (positive_ids, negative_ids, anchor_ids): an id a candidate row
+        duplicate_ids = _per_block("duplicate_ids", duplicate_ids, ("positives", "negatives",
+                                                                    "anchor candidates"),
+                                   (n_pos, n_neg, n_a),
+                                   lambda name, x, rows, _: check.ids(name, x, rows, anchors.device))
     hardness = (hardness_mode, hardness_strength) if hardness_mode is not None and hardness_strength else None
     rules = None
     if not lay.plain or hardness is not None:
         rules = Rules(lay, anchor_candidates if n_a > 0 else None, hardness, own_anchors)
-    elif guide is None and duplicate_ids is None:
-        return None, None, None
     return rules, guide, duplicate_ids
 
 
-def _guide(guide, n, n_pos, n_neg, n_a, device):
-    """``guide=(g_anchors, g_positives, g_negatives, g_anchor_candidates)`` checked: the last
-    two may be left out or None where there are no negatives or no anchors block (the anchors
-    block's default: g_anchors, when those are its rows)."""
+def _frozen(arg, value, blocks, rows, device, fill=None, shape=None):
+    """A frozen model's embeddings (``complementary``, ``guide``, ``teacher``): a tuple of a
+    matrix a block (:func:`_per_block`, the first two required), each of the first's width
+    and dtype, returned detached."""
 
     def part(name, x, rows, done):
         x = check.embeddings(name, x, rows=rows, width=done[0].shape[1] if done else None,
                              scale_free=True, device=device)
         if done and x.dtype != done[0].dtype:
-            raise TypeError(f"{name} is {x.dtype} but guide[0] is {done[0].dtype}")
+            raise TypeError(f"{name} is {x.dtype} but {arg}[0] is {done[0].dtype}")
         return x.detach()
-    return _per_block("guide", guide, ("anchors", "positives", "negatives", "anchor candidates"),
-                      (n, n_pos, n_neg, n_a), part, least=2, fill={3: 0} if n_a == n else {})
+    return _per_block(arg, value, blocks, rows, part, least=2, fill=fill, shape=shape)
 
 
-def _duplicate_ids(ids, n_pos, n_neg, n_a, device):
-    """``duplicate_ids=(positive_ids, negative_ids, anchor_ids)`` checked: 1-D integer tensors
-    with one id per candidate row (None where the block is absent)."""
-    return _per_block("duplicate_ids", ids, ("positives", "negatives", "anchor candidates"),
-                      (n_pos, n_neg, n_a), lambda name, x, rows, _: check.ids(name, x, rows, device))
-
-
-def _per_block(arg, value, blocks, rows, part, least=1, fill=None):
-    """``arg``: a tuple of one tensor a block (``blocks``, of ``rows`` rows each), the last
+def _per_block(arg, value, blocks, rows, part, least=1, fill=None, shape=None):
+    """``arg``: a tuple of one tensor a block (``blocks``, of ``rows`` rows each; ``shape``:
+    how the error calls the tuple, and the parts are then named by index alone), the last
     ones optional (None or left out) where a block has no rows or ``fill`` names the part
     that stands in; each checked by ``part(name, x, rows, the parts before)``, None where its
     block has no rows."""
     if not isinstance(value, (tuple, list)) or not least <= len(value) <= len(blocks):
         names = ", ".join(blocks[:least]) + "".join(f"[, {b}" for b in blocks[least:])
-        raise TypeError(f"{arg} must be a tuple ({names}{']' * (len(blocks) - least)}) of tensors")
+        shape = shape or f"a tuple ({names}{']' * (len(blocks) - least)}) of tensors"
+        raise TypeError(f"{arg} must be {shape}")
     out = []
     for i, (block, x, want) in enumerate(zip(blocks, (*value, None, None, None), rows)):
-        name = f"{arg}[{i}] ({block})"
+        name = f"{arg}[{i}]" + ("" if shape else f" ({block})")
         x = value[fill[i]] if x is None and i in (fill or {}) else x
         if x is None and want > 0:
-            raise ValueError(f"{name} is missing: {arg} holds every candidate block ({want} rows here)")
+            raise ValueError(f"{name} is missing: {arg} holds a block of {want} rows here")
         x = None if x is None else part(name, x, want, out)
         out.append(x if want > 0 else None)
     return tuple(out)
@@ -672,50 +658,47 @@ TRITON_PRIOR = {frozenset(x) for x in ((), ("focal",), ("hard",), ("mask",), ("m
                                        ("rules", "guide", "margin"))}
 
 
-def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
-    """``spec`` on its resolved backend. The Triton kernels apply the layout's rules, the
-    guide and the ids on InfoNCE and focal (with DCLR's noise too), and Matryoshka's widths a
-    call each, but not the layout's rules beside a hard-negative weight or DCLR's mask (two
-    plain directions take both), nor a teacher beside the guide or DCLR's mask; for those
-    ``"auto"`` takes the tiled path and ``"triton"`` is refused with the reason."""
-    be = resolve_backend(backend, anchors)
-    if be == "triton" and spec.positive_prior is not None:
-        # the kernels' debiased loss: one row a softmax, and the flag sets the compile check
-        # builds with it (the others run the same numbers on the tiled path)
-        logits = spec.logits
+def _triton_refusal(spec: LossSpec) -> str | None:
+    """Why the Triton kernels do not compute ``spec`` (None where they do), as the rest of
+    "backend='triton' …": the debiased loss only with a row's one softmax and the flag sets
+    the compile check builds with it; no teacher beside the guide or DCLR's mask (the
+    teacher's cosines take their slots in the similarity kernel: a pair of its own would pass
+    the kernel's 40 parameters); no layout's rules beside a hard-negative weight or DCLR's
+    mask (two plain directions take both)."""
+    logits = spec.logits
+    if spec.positive_prior is not None:
         on = frozenset(name for name, value in (
             ("focal", logits.focal_m is not None), ("hard", bool(logits.hard_negative_weight)),
             ("mask", spec.mask is not None), ("rules", spec.ruled), ("guide", spec.guide is not None),
             ("margin", spec.false_negative_margin is not None)) if value)
         if spec.layout.positive_side or on not in TRITON_PRIOR:
-            if backend == "triton":
-                raise ValueError(
-                    "backend='triton' computes positive_prior without a positive side (directions "
-                    "'query_to_doc', 'query_to_query') and beside at most one of focal_m, "
-                    "hard_negative_weight, complementary, directions/ids (with or without "
-                    "guide), each with or without false_negative_margin; use backend='tiled' "
-                    "(the same numbers, without the N×M matrix)")
-            be = "tiled"
-    if be == "triton" and spec.soft is not None and spec.soft.teacher is not None and (
+            return ("computes positive_prior without a positive side (directions 'query_to_doc', "
+                    "'query_to_query') and beside at most one of focal_m, hard_negative_weight, "
+                    "complementary, directions/ids (with or without guide), each with or without "
+                    "false_negative_margin")
+    if spec.soft is not None and spec.soft.teacher is not None and (
             spec.guide is not None or spec.mask is not None):
-        # the teacher's cosines take the guide's and the mask's slots in the similarity
-        # kernel (a pair of its own would pass the kernel's 40 parameters)
+        return "does not compute teacher beside guide or complementary (DCLR's mask)"
+    lacking = [name for name, on in (
+        ("hard_negative_weight", bool(logits.hard_negative_weight)),
+        ("complementary (DCLR's mask)", spec.mask is not None)) if on]
+    if spec.ruled and not spec.two_directions and lacking:
+        return (f"does not compute {' or '.join(lacking)} beside directions beyond "
+                "('query_to_doc',), hardness_mode, guide or duplicate_ids yet")
+    return None
+
+
+def _with_backend(spec: LossSpec, backend, anchors) -> LossSpec:
+    """``spec`` on its resolved backend: where the Triton kernels do not compute it
+    (:func:`_triton_refusal`) ``"auto"`` takes the tiled path and ``"triton"`` is refused
+    with the reason."""
+    be = resolve_backend(backend, anchors)
+    refusal = _triton_refusal(spec) if be == "triton" else None
+    if refusal is not None:
         if backend == "triton":
-            raise ValueError("backend='triton' does not compute teacher beside guide or "
-                             "complementary (DCLR's mask); use backend='tiled' (the same "
+            raise ValueError(f"backend='triton' {refusal}; use backend='tiled' (the same "
                              "numbers, without the N×M matrix)")
         be = "tiled"
-    if be == "triton" and spec.ruled and not spec.two_directions:
-        lacking = [name for name, on in (
-            ("hard_negative_weight", bool(spec.logits.hard_negative_weight)),
-            ("complementary (DCLR's mask)", spec.mask is not None)) if on]
-        if lacking and backend == "triton":
-            raise ValueError(f"backend='triton' does not compute {' or '.join(lacking)} beside "
-                             "directions beyond ('query_to_doc',), hardness_mode, guide or "
-                             "duplicate_ids yet; use backend='tiled' (the same numbers, without "
-                             "the N×M matrix)")
-        if lacking:
-            be = "tiled"
     if spec.logits.learnable is not None and spec.logits.focal_m is not None and be != "reference":
         # focal logits s(s+m)/τ: ∂L/∂τ needs a row sum the torch engine's epilogue of a single
         # width forms, not the kernels' nor Matryoshka's widths'

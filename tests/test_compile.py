@@ -17,7 +17,6 @@ test (``pytest -m slow``) compiles what those leave out: every config and mode o
 dtype on both targets with every flag set, and of the unaligned launches.
 """
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -351,53 +350,6 @@ def test_candidates_beyond_int32_tiles_are_refused():
                   one.expand(MAX_CANDIDATES))
     with pytest.raises(ValueError, match="candidates.*backend='tiled'"):
         triton_chunk(Epilogue(0.05), chunk, True)
-
-
-def test_engine_flags_are_known_variants():
-    """Every objective launches a flag set the compile check covers."""
-    import torch
-    from fastcl.kernels.configs import VARIANTS
-    from fastcl.kernels.contrastive import flags
-    from fastcl.layout import gist
-    from fastcl.tiled import Epilogue
-    c = (torch.ones(2, 3), torch.ones(2, 3))
-    eps = [Epilogue(0.05), Epilogue(0.05, hard_negative_weight=1.0), Epilogue(0.05, focal_m=0.3),
-           Epilogue(0.05, phi=0.9, complementary=c), Epilogue(0.05, formulation="released"),
-           Epilogue(0.05, phi=0.9, complementary=c, formulation="released"),
-           Epilogue(0.05, positives=False),
-           # fastcl.contrastive's combinations
-           Epilogue(0.05, focal_m=0.3, hard_negative_weight=1.0),
-           Epilogue(0.05, focal_m=0.3, phi=0.9, complementary=c),
-           Epilogue(0.05, hard_negative_weight=1.0, phi=0.9, complementary=c),
-           Epilogue(0.05, focal_m=0.3, hard_negative_weight=1.0, phi=0.9, complementary=c),
-           # fastcl.layout's rules (the ids and hardness add no flag), and GIST's guide
-           Epilogue(0.05, layout=gist(False, False), blocks=(2, 0, 0, 0), ids=(c[0], c[0])),
-           Epilogue(0.05, focal_m=0.3, hardness=("hard_negatives", 1.0)),
-           Epilogue(0.05, layout=gist(), guide=(c[0], c[0], c[0][0])),
-           Epilogue(0.05, focal_m=0.3, layout=gist(), guide=(c[0], c[0], c[0][0]))]
-    base = [ep for ep in eps if ep.formulation == "paper" and ep.positives]
-    # the false-negative margin on each (not the released DCLR, not the noise loss)
-    eps += [dataclasses.replace(ep, false_negative_margin=0.1) for ep in base]
-    # the debiased loss beside the options its Triton path takes (fastcl.spec.TRITON_PRIOR)
-    tau = torch.full((2,), 0.1)
-    eps += [Epilogue(0.05, positive_prior=tau, **kw) for kw in (
-        {}, dict(hard_negative_weight=1.0), dict(focal_m=0.3), dict(phi=0.9, complementary=c),
-        dict(false_negative_margin=0.1), dict(focal_m=0.3, false_negative_margin=0.1),
-        dict(hard_negative_weight=1.0, false_negative_margin=0.1),
-        dict(phi=0.9, complementary=c, false_negative_margin=0.1),
-        dict(layout=gist(False, False), blocks=(2, 0, 0, 0), ids=(c[0], c[0])),
-        dict(guide=(c[0], c[0], c[0][0])),
-        dict(layout=gist(False, False), blocks=(2, 0, 0, 0), ids=(c[0], c[0]),
-             false_negative_margin=0.1),
-        dict(guide=(c[0], c[0], c[0][0]), false_negative_margin=0.1))]
-    # soft targets on each but the released DCLR and the noise loss, with and without the margin
-    eps += [dataclasses.replace(ep, label_smoothing=0.1, false_negative_margin=m) for ep in base
-            for m in (None, 0.1)]
-    # a teacher on each without the mask or the guide (its cosines take their slots), with
-    # and without the margin
-    eps += [dataclasses.replace(ep, teacher=c, false_negative_margin=m) for ep in base
-            for m in (None, 0.1) if ep.complementary is None and ep.guide is None]
-    assert sorted(map(str, (flags(ep) for ep in eps))) == sorted(map(str, VARIANTS.values()))
 
 
 REST = {("float32", 90), ("float16", 80), ("float16", 90)}

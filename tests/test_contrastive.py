@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastcl
-from fastcl import common, reference
+from fastcl import reference
 
 from conftest import TOL, TRITON_TOL, backends, correlated, device_of, loss_and_grads, make, needs_triton
 from conftest import objectives as conftest_objectives
@@ -73,20 +73,6 @@ def test_noise_steps_every_feature(backend):
                                           noise_lr=0.05, generator=gen(), chunk_size=5),
                             batch.leaves())
     torch.testing.assert_close(got, ref, **TRITON_TOL)
-
-
-def test_noise_ratio_draws_round_ratio_n_rows():
-    """noise_ratio draws K_z = round(ratio·N) rows with the generator: the same loss as
-    passing that draw as ``noise``."""
-    batch = Batch(9, 16)
-    combo = ("focal", "mask")
-    _, kw = batch.kwargs(combo)
-    drawn = common.draw_noise(round(1.5 * 9), 16, generator=torch.Generator().manual_seed(2))
-    for backend in ("reference", "tiled"):
-        by_ratio = fastcl.contrastive(batch.a, batch.p, noise_ratio=1.5, noise_steps=0,
-                                      generator=torch.Generator().manual_seed(2), backend=backend, **kw)
-        given = fastcl.contrastive(batch.a, batch.p, noise=drawn, noise_steps=0, backend=backend, **kw)
-        assert torch.equal(by_ratio, given), backend
 
 
 @pytest.mark.parametrize("feature", FEATURES)

@@ -129,28 +129,6 @@ def test_cli_reads_a_sentence_transformers_pooling_config(tmp_path, sts, capsys)
     assert result["scores"] == ev.evaluate(encoder, tokenizer, None, sts, ["stsb"])["scores"]
 
 
-@pytest.mark.parametrize("pooling, modules, match", [
-    ({"pooling_mode": "max"}, {}, r"pooling max has no fastcl pooler"),
-    ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, {}, r"pooling max \+ mean"),
-    ({"pooling_mode_weightedmean_tokens": True}, {}, "pooling weightedmean"),
-    ({"pooling_mode": "lasttoken"}, {}, "pooling lasttoken"),
-    ({"pooling_mode": "mean"}, {"after": [("2_Dense", "Dense")]}, "Dense after mean pooling has no"),
-    ({"pooling_mode": "cls"}, {"after": [("2_Normalize", "Normalize"), ("3_Dense", "Dense")]},
-     "Dense after Pooling changes"),
-    ({"pooling_mode": "mean"}, {"before": [("1_CNN", "CNN")]}, "Transformer -> CNN -> Pooling"),
-    ({"pooling_mode": "mean"}, {"lower_case": True}, "lower-cases its input"),
-])
-def test_what_fastcl_cannot_reproduce_is_a_clear_error(tmp_path, sts, pooling, modules, match):
-    folder = st_folder(tmp_path / "st", pooling, **modules)
-    with pytest.raises(ValueError, match=match):
-        ev.sentence_transformers_pooler(folder)
-    with pytest.raises(SystemExit) as err:
-        ev.main([str(folder), "--sts-dir", str(sts), "--tasks", "stsb"])
-    assert isinstance(err.value.code, str) and "pass --pooler explicitly" in err.value.code
-    assert ev.main([str(folder), "--pooler", "avg", "--sts-dir", str(sts), "--tasks", "stsb",
-                    "--quiet"])["scores"]  # --pooler comes first
-
-
 def _set_json(path: Path, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
@@ -185,6 +163,17 @@ def _changed_export(tmp_path, change: str) -> Path:
 
 
 @pytest.mark.parametrize("change, match", [
+    # a sentence-transformers folder (Transformer, then Pooling) with this pooling or these modules
+    ({"pooling_mode": "max"}, r"pooling max has no fastcl pooler"),
+    ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, r"pooling max \+ mean"),
+    ({"pooling_mode_weightedmean_tokens": True}, "pooling weightedmean"),
+    ({"pooling_mode": "lasttoken"}, "pooling lasttoken"),
+    ({"pooling_mode": "mean", "after": [("2_Dense", "Dense")]}, "Dense after mean pooling has no"),
+    ({"pooling_mode": "cls", "after": [("2_Normalize", "Normalize"), ("3_Dense", "Dense")]},
+     "Dense after Pooling changes"),
+    ({"pooling_mode": "mean", "before": [("1_CNN", "CNN")]}, "Transformer -> CNN -> Pooling"),
+    ({"pooling_mode": "mean", "lower_case": True}, "lower-cases its input"),
+    # a folder the trainer saved, then changed by hand
     ("weights", r"WeightedLayerPooling from layer 1 with weights \[1, 0, 2\] .* none of fastcl's poolers"),
     ("layer start", r"from layer 0 with weights \[0, 1, 0, 1\]"),
     ("num_hidden_layers", r"num_hidden_layers 12, the model has 3"),
@@ -193,13 +182,22 @@ def _changed_export(tmp_path, change: str) -> Path:
     ("activation", r"this Dense is not the cls pooler's head"),
     ("mean pooling", r"Dense after mean pooling has no fastcl pooler"),
 ])
-def test_a_saved_model_changed_by_hand_is_a_clear_error(tmp_path, sts, change, match):
-    out = _changed_export(tmp_path, change)
+def test_what_fastcl_cannot_reproduce_is_a_clear_error(tmp_path, sts, change, match):
+    """The pooler cannot be read: an error naming why, and the command asks for --pooler,
+    which then comes first."""
+    if isinstance(change, dict):
+        change = dict(change)
+        modules = {k: change.pop(k) for k in ("after", "before", "lower_case") if k in change}
+        folder = st_folder(tmp_path / "st", change, **modules)
+    else:
+        folder = _changed_export(tmp_path, change)
     with pytest.raises(ValueError, match=match):
-        ev.sentence_transformers_pooler(out)
+        ev.sentence_transformers_pooler(folder)
     with pytest.raises(SystemExit) as err:
-        ev.main([str(out), "--sts-dir", str(sts), "--tasks", "stsb"])
+        ev.main([str(folder), "--sts-dir", str(sts), "--tasks", "stsb"])
     assert isinstance(err.value.code, str) and "pass --pooler explicitly" in err.value.code
+    assert ev.main([str(folder), "--pooler", "avg", "--sts-dir", str(sts), "--tasks", "stsb",
+                    "--quiet"])["scores"]
 
 
 def test_proportional_layer_weights_are_the_same_pooler(tmp_path):

@@ -3,7 +3,8 @@ s_{i,p(i)} + m``) and ``positive_prior`` (Chuang et al.'s debiased loss).
 
 Each equals a literal float64 formula written here (loss and gradients): the reference and
 the tiled path in float64 within 1e-9, Triton's interpreter in float32 within its
-tolerance; the compositions (layouts, guide, ids, Matryoshka) equal the reference.
+tolerance; the compositions (layouts, guide, ids, Matryoshka) equal the reference (the
+``options-rows`` cases of tests/test_matches_reference.py's grid: 1e-9 tiled, 2e-5 Triton).
 """
 
 import math
@@ -13,6 +14,8 @@ import torch
 
 import fastcl
 from fastcl.reference import cosine_matrix
+
+from conftest import st_train
 
 BACKENDS = ["reference", "tiled", "triton"]
 TAU = 0.1
@@ -177,58 +180,8 @@ def test_every_candidate_dropped_but_the_positive(backend, prior):
     assert all(g.abs().max().item() == 0.0 for g in grads)
 
 
-# compositions against the reference (itself the literal above where they meet)
-COMPOSED = {
-    "symmetric": dict(symmetric=True),
-    "symmetric-focal": dict(symmetric=True, focal_m=0.3),
-    "directions-joint": dict(directions=("query_to_doc", "query_to_query", "doc_to_query")),
-    "directions-per-direction": dict(directions=("query_to_doc", "doc_to_query"),
-                                     partition_mode="per_direction"),
-    "doc-to-doc-focal": dict(directions=("query_to_doc", "doc_to_doc"), focal_m=0.3),
-    "guide": dict(guide=True, directions=("query_to_doc", "doc_to_query")),
-    "ids": dict(ids=True),
-    "matryoshka": dict(matryoshka_dims=(3, 7), matryoshka_weights=(0.5, 1.0)),
-    "matryoshka-focal-symmetric": dict(matryoshka_dims=(3, 7), focal_m=0.3, symmetric=True),
-    "matryoshka-paired-focal": dict(matryoshka_dims=(3, 7), focal_m=0.3,
-                                    directions=("query_to_doc", "doc_to_query", "doc_to_doc")),
-    # the debiased loss (one softmax a row), on the margin and the options it composes with
-    "prior-joint": dict(prior=True, directions=("query_to_doc", "query_to_query", "doc_to_query")),
-    "prior-query-to-query": dict(prior=True, directions=("query_to_doc", "query_to_query")),
-    "prior-guide": dict(prior=True, guide=True),
-    "prior-ids": dict(prior=True, ids=True),
-    "prior-matryoshka-focal": dict(prior=True, matryoshka_dims=(3, 7), focal_m=0.3),
-}
-
-
-#: Triton's interpreter takes seconds a case: these by default, the others `slow`
-TRITON_FAST = {"symmetric", "directions-joint", "guide", "matryoshka-focal-symmetric",
-               "prior-ids", "prior-matryoshka-focal"}
-
-
-@pytest.mark.parametrize("backend,case", [
-    pytest.param(backend, case, marks=pytest.mark.slow if backend == "triton" and case not in TRITON_FAST else ())
-    for backend in ("tiled", "triton") for case in COMPOSED])
-def test_row_features_compose_as_the_reference(backend, case):
-    a, p, neg = _inputs(19, 7, 19 if case == "doc-to-doc-focal" else 0)
-    kw = dict(COMPOSED[case])
-    if kw.pop("guide", False):
-        g = torch.Generator().manual_seed(2)
-        kw["guide"] = (a.detach() + 0.3 * torch.randn(19, 7, generator=g, dtype=torch.float64),
-                       p.detach())
-    if kw.pop("ids", False):
-        kw["duplicate_ids"] = (torch.arange(19) % 7,)
-    if kw.pop("prior", False):
-        if backend == "triton" and "doc_to_query" in kw.get("directions", ()):
-            pytest.skip("the kernels' debiased loss has no positive side (the tiled path runs it)")
-        kw["positive_prior"] = 0.2
-    cast = (lambda x: x) if backend != "triton" else (lambda x: x.float())
-    for name in ("guide",):
-        if name in kw:
-            kw[name] = tuple(cast(x) for x in kw[name])
-    want = _run("reference", *([cast(x.detach()).double().requires_grad_() if x is not None else None
-                               for x in (a, p, neg)]), false_negative_margin=0.05, **kw)
-    _check(backend, _run(backend, a, p, neg, false_negative_margin=0.05, chunk_size=8, **kw), want)
-
+# compositions with the layouts, the guide, ids and Matryoshka against the reference (itself
+# the literal above where they meet): the ``options-rows`` cases of tests/test_matches_reference.py
 
 def test_infonce_and_focal_infonce_take_both():
     a, p, neg = _inputs(9, 5, 9)
@@ -255,38 +208,16 @@ def test_sentence_transformers_losses_train(tmp_path, loss_name, options):
     """The losses with each feature train a few steps in SentenceTransformerTrainer on a tiny
     random BERT, and log the options."""
     pytest.importorskip("sentence_transformers")
-    import random
-
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from test_evaluate import export, make_tiny_model, random_sentence
+    from test_evaluate import export, make_tiny_model
 
     from fastcl.integrations import sentence_transformers as fst
     from fastcl.trainer.build import load_model
 
     model = load_model(str(export(make_tiny_model(tmp_path / "bert"), tmp_path / "st", "avg")), "avg",
                        device="cpu")
-    rng = random.Random(0)
-    anchors = [random_sentence(rng) for _ in range(16)]
     loss = getattr(fst, loss_name)(model, backend="tiled", **options)
     assert {k: v for k, v in loss.get_config_dict().items() if k in options} == options
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=8,
-        learning_rate=1e-3, report_to="none", save_strategy="no", seed=0, use_cpu=True,
-        disable_tqdm=True)
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    SentenceTransformerTrainer(model=model, args=args, loss=loss, train_dataset=Dataset.from_dict(
-        {"anchor": anchors, "positive": anchors})).train()
-    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """test_train's data and tiny BERT (a module of its own, here)."""
-    pytest.importorskip("sentence_transformers")
-    import test_train
-    return test_train.tiny.__wrapped__(tmp_path_factory) if hasattr(test_train.tiny, "__wrapped__") \
-        else pytest.skip("test_train's fixture cannot be called")
+    st_train(model, loss, tmp_path / "run")
 
 
 def test_fastcl_train_takes_both(tiny, tmp_path, capsys):

@@ -1,11 +1,11 @@
 """A learnable temperature: ``temperature`` a 0-dim tensor that requires grad.
 
-∂L/∂τ on every backend equals autograd through the float64 reference (which equals the
+∂L/∂τ on every backend equals autograd through the reference (the ``options-tau`` cases of
+tests/test_matches_reference.py's grid, over every feature), which equals the
 literal formula ``−(1/τ²)·(1/N)·Σ_ij (p_ij − y_ij)·f_ij``, f the logits' numerator: s, or
 focal's s² on the positive and s(s+m) elsewhere); the reference passes float64 gradcheck.
-Tolerances: the reference against the formula 1e-9 (relative), tiled float64 against the
-reference ``conftest.TOL[float64]``, Triton's interpreter on float32 inputs against the
-float64 reference on the same rounded inputs ``atol = rtol = 1e-4`` (tests/test_contrastive.py's).
+Tolerances: the reference against the formula 1e-9 (relative), tiled float64
+``conftest.TOL[float64]``, Triton's interpreter on float32 inputs ``atol = rtol = 1e-4``.
 """
 
 import logging
@@ -15,7 +15,8 @@ import torch
 
 import fastcl
 
-from conftest import ST_VERSION, TOL, TRITON_TOL, correlated, make, needs_triton
+from conftest import ST_VERSION, TOL, TRITON_TOL, correlated, make, needs_triton, st_train
+from test_matches_reference import TAU_SHAPES
 
 TAU = 0.2
 #: the sentence-transformers losses take learnable_temperature from 6.2, whose trainer clears the
@@ -23,88 +24,6 @@ TAU = 0.2
 ST_LEARNS = ST_VERSION is None or ST_VERSION >= (6, 2)
 needs_st62 = pytest.mark.skipif(not ST_LEARNS, reason="learnable_temperature needs sentence-transformers "
                                                        ">= 6.2 (its trainer zero-grads a loss's own parameters)")
-
-
-def _comp(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    c = torch.nn.functional.one_hot(torch.arange(n) % 3, 3).double()
-    return c + 0.05 * torch.randn(n, 3, generator=g, dtype=torch.float64)
-
-
-def _features(a, p, x):
-    """name -> the keyword arguments of fastcl.contrastive (besides temperature), with
-    ``negatives`` among them: every feature whose logits are ``s/τ`` plus terms free of τ."""
-    n, d = a.shape
-    comp = (_comp(n, 1).to(a.dtype), _comp(n, 2).to(a.dtype))
-    ids = torch.arange(max(n, x.shape[0])) % 3
-    guide = [correlated(t.detach(), 0.3, seed=9).detach() for t in (a, p, x)]
-    return {
-        "plain": {},
-        "negatives": dict(negatives=x),
-        "hard": dict(negatives=x[:n], hard_negative_weight=0.7),
-        "symmetric": dict(symmetric=True),
-        "mask": dict(complementary=comp, phi=0.5),
-        "released": dict(complementary=comp, phi=0.5, noise=x, noise_steps=0,
-                         formulation="released"),
-        "noise": dict(noise=x, noise_steps=2),      # Z carries no gradient, to τ neither
-        "directions": dict(negatives=x[:n], directions=("query_to_doc", "query_to_query",
-                                                         "doc_to_query", "doc_to_doc"),
-                           hardness_mode="all_negatives", hardness_strength=0.5,
-                           duplicate_ids=(ids[:n], ids[:n], ids[:n])),
-        "per-direction": dict(directions=("query_to_doc", "doc_to_query"),
-                              partition_mode="per_direction"),
-        "gist": dict(negatives=x, directions=fastcl.layout.gist(), guide=tuple(guide),
-                     guide_margin=0.05),
-        "matryoshka": dict(negatives=x, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.5)),
-        # focal logits s²/τ, s(s+m)/τ: the torch engine's epilogue adds the row sum they need
-        "focal": dict(negatives=x[:n], focal_m=0.3, hard_negative_weight=0.4),
-        "focal-gist": dict(negatives=x, directions=fastcl.layout.gist(), guide=tuple(guide),
-                           focal_m=-0.2),
-        "focal-symmetric": dict(symmetric=True, focal_m=0.5),
-    }
-
-
-FEATURES = list(_features(make(2, 3), make(2, 3), make(2, 3)))
-#: (N anchors, K extra rows, d): one anchor; rows and columns off the tiles (chunks of 3,
-#: Triton's 16-row tiles) and an odd width
-SHAPES = [(1, 1, 3), (7, 7, 5), (17, 17, 9)]
-
-
-def _grads(backend, features, shape, dtype, wide=False):
-    """The loss and its gradients (τ, anchors, positives[, negatives]) on ``backend``;
-    ``wide``: in float64, from the inputs as ``dtype`` rounds them."""
-    n, k, d = shape
-    rounded = lambda x: x.detach().double().requires_grad_() if wide else x  # noqa: E731
-    a = make(n, d, dtype=dtype, seed=n + d)
-    p, a, x = rounded(correlated(a, 0.8)), rounded(a), rounded(make(k, d, dtype=dtype, seed=3))
-    tau = torch.tensor(TAU, dtype=torch.float64 if wide else dtype, requires_grad=True)
-    kw = _features(a, p, x)[features]
-    for key in ("complementary", "guide"):
-        if key in kw and wide:   # the frozen models' embeddings as the call in dtype had them
-            kw[key] = tuple(t.to(dtype).double() for t in kw[key])
-    loss = fastcl.contrastive(a, p, temperature=tau, backend=backend,
-                              chunk_size=None if backend == "reference" else 3, **kw)
-    inputs = [tau, a, p] + ([kw["negatives"]] if "negatives" in kw else [])
-    return [loss] + list(torch.autograd.grad(loss, inputs))
-
-
-#: Triton's interpreter takes the largest shape with a covering set of the features
-GRID = [(be, f, shape) for be in ("tiled", "triton") for f in FEATURES for shape in SHAPES
-        if be == "tiled" or (not f.startswith("focal") and (shape[0] <= 7 or f in (
-            "plain", "gist", "matryoshka")))]
-
-
-@pytest.mark.parametrize("backend,features,shape", [
-    pytest.param(*case, marks=needs_triton if case[0] == "triton" else (),
-                 id=f"{case[0]}-{case[1]}-{'x'.join(map(str, case[2]))}") for case in GRID])
-def test_temperature_gradient_matches_the_reference(backend, features, shape):
-    """The loss, ∂L/∂τ and every embedding's gradient (the learnable τ changes none of them)."""
-    dtype = torch.float64 if backend == "tiled" else torch.float32
-    got = _grads(backend, features, shape, dtype)
-    want = _grads("reference", features, shape, dtype, wide=True)
-    tol = TOL[torch.float64] if backend == "tiled" else TRITON_TOL
-    for name, g, w in zip(["loss", "tau", "anchors", "positives", "negatives"], got, want):
-        torch.testing.assert_close(g.double(), w, **tol, msg=lambda m: f"{name}: {m}")
 
 
 def _literal(a, p, x, tau, focal_m=None):
@@ -119,7 +38,7 @@ def _literal(a, p, x, tau, focal_m=None):
 
 
 @pytest.mark.parametrize("focal_m", [None, 0.3])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", TAU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_reference_is_the_literal_formula_and_passes_gradcheck(shape, focal_m):
     n, k, d = shape
     a, x = make(n, d, dtype=torch.float64, grad=False), make(k, d, dtype=torch.float64, seed=3, grad=False)
@@ -161,26 +80,6 @@ def test_infonce_dclr_and_escl_take_it_too():
         torch.testing.assert_close(got, want, **TOL[torch.float64])
 
 
-def test_compiled_learnable_temperature_equals_eager_without_a_graph_break():
-    import torch._dynamo as dynamo
-    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
-    fn = lambda a, p, t: fastcl.contrastive(a, p, temperature=t, matryoshka_dims=(4, 8),  # noqa: E731
-                                            backend="tiled")
-    a, tau = make(12, 8), torch.tensor(TAU, requires_grad=True)
-    p = correlated(a)
-    dynamo.reset()
-    explained = dynamo.explain(fn)(a, p, tau)
-    assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
-    dynamo.reset()
-    compiled = torch.compile(fn, backend="aot_eager", dynamic=True)
-    got = torch.autograd.grad(compiled(a, p, tau), (tau, a))
-    want = torch.autograd.grad(fn(a, p, tau), (tau, a))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        compiled(a, p, torch.tensor(-1.0, requires_grad=True))
-
-
 # --------------------------------------------------------------------------- sentence-transformers
 
 def _st_model(tmp_path):
@@ -193,9 +92,6 @@ def _st_model(tmp_path):
 def test_st_losses_learn_their_temperature_in_the_trainer(tmp_path):
     """The loss's log_scale is in the trainer's optimizer, moves over a few steps, and the
     cached loss gives it the plain loss's gradient through GradCache's two passes."""
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-
     from fastcl.integrations.sentence_transformers import CachedFastInfoNCELoss, FastInfoNCELoss
     from test_evaluate import random_sentence
     import random
@@ -219,13 +115,8 @@ def test_st_losses_learn_their_temperature_in_the_trainer(tmp_path):
 
     model.train()
     loss = FastInfoNCELoss(model, learnable_temperature=True, backend="tiled")
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=8, report_to="none",
-        save_strategy="no", use_cpu=True, learning_rate=0.05, dataloader_drop_last=True, seed=0)
-    trainer = SentenceTransformerTrainer(model=model, args=args, loss=loss,
-                                         train_dataset=Dataset.from_dict({"anchor": sentences,
-                                                                          "positive": sentences}))
-    trainer.train()
+    trainer, _ = st_train(model, loss, tmp_path / "out", steps=3, learning_rate=0.05,
+                          dataloader_drop_last=True)     # (the sentences above)
     assert any(p is loss.log_scale for group in trainer.optimizer.param_groups for p in group["params"])
     assert loss.current_temperature != pytest.approx(0.05, rel=1e-3)
     assert loss.get_config_dict()["learnable_temperature"] is True
@@ -257,14 +148,13 @@ def test_st_losses_refuse_a_bad_option_where_they_are_built(tmp_path):
 
 
 @needs_st62
-def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monkeypatch):
+def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tiny, tmp_path, monkeypatch):
     """fastcl-train --learnable_temperature (at --temperature_learning_rate): the value in each
     step's log record, moving; each checkpoint holds it and a resumed trainer takes it back."""
     from fastcl.trainer import run as train
     from fastcl.trainer.build import Trainer
     from fastcl.trainer.run import read_log
-    from test_train import base_args, make_tiny
-    tiny = make_tiny(tmp_path / "tiny")
+    from test_train import base_args
     out = tmp_path / "run"
     assert train.main(base_args(tiny, out, steps=4, learnable_temperature=True, save_steps=2,
                                 temperature=0.1, temperature_learning_rate=0.05)) == 0
@@ -292,7 +182,7 @@ def test_fastcl_train_learns_logs_and_checkpoints_the_temperature(tmp_path, monk
 
 
 @needs_st62
-def test_fastcl_train_temperature_learning_rate_is_its_own_undecayed_group(tmp_path):
+def test_fastcl_train_temperature_learning_rate_is_its_own_undecayed_group(tiny, tmp_path):
     """--temperature_learning_rate: the loss's log_scale in an optimizer group of its own at that
     rate and no weight decay (the model's groups keep theirs); τ moves further than at the
     model's rate. Without it, log_scale stays with the model's rate, undecayed too."""
@@ -300,8 +190,6 @@ def test_fastcl_train_temperature_learning_rate_is_its_own_undecayed_group(tmp_p
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
 
     from fastcl.trainer import build_trainer
-    from test_train import make_tiny
-    tiny = make_tiny(tmp_path / "tiny")
     data = datasets.Dataset.from_dict({"text": (tiny / "train.txt").read_text().split("\n")[:24]})
     moved = {}
     for rate in (None, 0.05):

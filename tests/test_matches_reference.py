@@ -5,7 +5,9 @@ with a queue, hard negatives or symmetric, focal, DCLR paper and released, ESCL)
 combination of ``fastcl.contrastive``'s features (``focal``, ``hard``: a hard negative a
 row with its log-weight, ``mask``: DCLR's complementary + phi, ``noise``, ``symmetric``, and
 ``queue``, ``released``, ``matryoshka``) and fastcl.layout's rules (MNRL's directions,
-partitions and hardness, GIST's blocks and guide, duplicate ids, with focal and noise). Each
+partitions and hardness, GIST's blocks and guide, duplicate ids, with focal and noise) and the
+per-row option families (``options-``: soft targets, a learnable temperature whose gradient is
+compared too, the false-negative margin and positive prior; class ``Options``). Each
 runs on the tiled torch engine and on the Triton kernels (in Triton's interpreter on a
 CPU-only machine, tests/conftest.py) at shapes that cut the engines' tiles (N = 1, N and M
 not multiples of the chunk or of the interpreter's 16-wide tiles, d = 1, 7, 130, 384).
@@ -16,7 +18,7 @@ Triton ``1e-4`` in float32; 16-bit inputs (either engine, the float32 reference 
 rounded inputs): the loss within 2e-2 relative, gradients within 3e-2 of their largest entry
 (float16's taken of a loss scaled as AMP scales it, which its range needs).
 ``16bit`` cases keep the chunk buffers in the inputs' dtype as a GPU does (conftest's
-``gpu_buffers``).
+``gpu_buffers``). The option families keep tighter ones where they hold (``options_grid``).
 
 The default run: on the tiled engine every case; on Triton every objective at each shape,
 every feature combination at N = 17, d = 24 and a covering set of them (strength 2: none,
@@ -31,12 +33,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fastcl
 from fastcl import layout
 
-from conftest import (TOL, correlated, device_of, inputs, loss_and_grads, make, needs_gpu,
-                      needs_triton, objectives)
+from conftest import (TOL, complementary, correlated, device_of, inputs, loss_and_grads, make,
+                      needs_gpu, needs_triton, objectives)
 from conftest import TRITON_TOL as FP32_TRITON
 
 BF16 = dict(atol=0, rtol=2e-2, grad_frac=3e-2)
@@ -101,15 +104,6 @@ FEATURES = ("focal", "hard", "mask", "noise", "symmetric")
 COMBOS = [c for r in range(len(FEATURES) + 1) for c in itertools.combinations(FEATURES, r)]
 COVERING = [(), FEATURES] + [tuple(f for f in FEATURES if f != g) for g in FEATURES]
 TEMPERATURE, FOCAL_M, HARD_W, PHI = 0.1, 0.3, 0.8, 0.2
-
-
-def complementary(n):
-    """A frozen model's embeddings in 6 clusters (float64): cosines ≈ 1 within a cluster,
-    |cos| < 0.1 across, so φ = 0.2 drops the same-cluster negatives and no pair sits near it."""
-    c = torch.nn.functional.one_hot(torch.arange(n) % 6, 6).double()
-    noise = lambda seed: 0.01 * torch.randn(n, 6, generator=torch.Generator().manual_seed(seed),  # noqa: E731
-                                            dtype=torch.float64)
-    return c + noise(11), c + noise(11) + noise(12)
 
 
 class Features:
@@ -303,6 +297,223 @@ def separated_guide(n, k):
     return [anchors, positives, negatives if k else None]
 
 
+# --------------------------------------------------------------------------- per-row options
+def _to(value, dtype, device):
+    """``value`` (a tensor or a tuple of them) on ``device``, floating tensors in ``dtype``."""
+    if isinstance(value, tuple):
+        return tuple(_to(v, dtype, device) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.to(device, dtype if value.is_floating_point() else value.dtype)
+    return value
+
+
+class Options:
+    """``fastcl.contrastive(a, p, x, **options)`` for one of the per-row option families
+    beside the features above, whose own literal formulas their files hold: ``soft``
+    (tests/test_soft_targets.py: label smoothing, labels, a teacher), ``tau`` (a learnable
+    temperature, tests/test_learnable_temperature.py: the 0-dim τ a leaf whose gradient is
+    compared too) and ``rows`` (issue #46's false-negative margin and positive prior,
+    tests/test_feature_masks.py). ``tol``: the family's tolerances where they are tighter
+    than the grid's."""
+
+    def __init__(self, family, name, shape, tol=None):
+        self.family, self.name, self.shape, self.tol = family, name, shape, tol or {}
+        self.id = f"options-{family}-{name}-" + "x".join(map(str, shape))
+
+    def build(self, dtype, device):
+        if self.family == "tau":
+            n, k, d = self.shape
+            a = make(n, d, dtype=dtype, seed=n + d)
+            leaves = [a, correlated(a, 0.8), make(k, d, dtype=dtype, seed=3),
+                      torch.tensor(0.2, dtype=dtype, requires_grad=True)]
+            leaves = [t.detach().to(device).requires_grad_() for t in leaves]
+            return leaves, lambda a, p, x, tau, **kw: fastcl.contrastive(
+                a, p, temperature=tau, **learnable_options(a, p, x)[self.name], **kw)
+        if self.family == "soft":
+            n, d = self.shape
+            a = make(n, d, dtype=torch.float64)
+            leaves = [a, correlated(a, 0.8), make(n, d, dtype=torch.float64, seed=3)]
+            options = soft_options(self.name, n, d)
+            if "false_negative_margin" in options and n > 1:      # the margin drops something
+                a, p, x = leaves
+                without = dict(options, false_negative_margin=None)
+                assert abs(fastcl.contrastive(a, p, x, temperature=0.1, backend="reference", **options).item()
+                           - fastcl.contrastive(a, p, x, temperature=0.1, backend="reference",
+                                                **without).item()) > 1e-3
+        else:
+            n, d, k = self.shape
+            g = torch.Generator().manual_seed(0)
+            leaves = [torch.randn(rows, d, generator=g, dtype=torch.float64) for rows in (n, n, k)]
+            leaves[1] = leaves[1] + 0.8 * leaves[0]
+            options = margin_options(self.name, *leaves)
+        options = _to(options, dtype, device)
+        leaves = [t.detach().to(device, dtype).requires_grad_() for t in leaves]
+        return leaves, lambda a, p, x, **kw: fastcl.contrastive(a, p, x if x.shape[0] else None,
+                                                               temperature=0.1, **options, **kw)
+
+
+def soft_options(name, n, d):
+    """The options of a soft-targets case (float64 tensors)."""
+    labels = torch.arange(n) % 3
+    g = torch.Generator().manual_seed(7)
+    comp = lambda: (lambda c: (c, c.flip(1)))(  # noqa: E731
+        F.one_hot(torch.arange(n) % 4, 4).double() + 0.01 * torch.randn(n, 4, generator=g, dtype=torch.float64))
+    teacher = lambda: (torch.randn(n, 6, generator=g, dtype=torch.float64),  # noqa: E731
+                       torch.randn(2 * n, 6, generator=g, dtype=torch.float64))
+    if name.endswith("+margin"):
+        # the false-negative margin beside soft targets: its drops leave the kept set K_i
+        # (and the teacher's softmax); −0.2 drops some of these random candidates
+        return dict(soft_options(name[:-len("+margin")], n, d), false_negative_margin=-0.2)
+    if name == "smooth":
+        return dict(label_smoothing=0.1)
+    if name == "labels":
+        return dict(labels=labels)
+    if name == "both+focal+hard":
+        return dict(labels=labels, label_smoothing=0.2, focal_m=0.3, hard_negative_weight=0.5)
+    if name == "both+mask":
+        return dict(labels=labels, label_smoothing=0.1, complementary=comp(), phi=0.2)
+    if name == "both+ids+guide+q2q":
+        ids = torch.arange(n) % 5
+        guide = tuple(torch.randn(n, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        return dict(labels=labels, label_smoothing=0.3, duplicate_ids=(ids, ids + n, ids),
+                    guide=guide + (guide[0],), guide_margin=0.1, directions=("query_to_doc", "query_to_query"))
+    if name == "both+hardness+matryoshka":
+        return dict(labels=labels, label_smoothing=0.1, hardness_mode="in_batch_negatives",
+                    hardness_strength=2.0, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.0), focal_m=0.3)
+    if name == "both+symmetric+mask":
+        return dict(labels=labels, label_smoothing=0.2, symmetric=True, focal_m=0.2, complementary=comp(), phi=0.2)
+    if name.startswith("teacher"):
+        kw = dict(teacher=teacher(), teacher_temperature=0.2, distill_weight=0.4)
+        if name == "teacher":
+            return kw
+        if name == "teacher+smooth+hard+matryoshka":
+            return dict(kw, label_smoothing=0.1, hard_negative_weight=0.5,
+                        matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.0))
+        if name == "teacher+labels+hardness+q2q":
+            return dict(kw, labels=labels, focal_m=0.3, hardness_mode="in_batch_negatives",
+                        hardness_strength=2.0, directions=("query_to_doc", "query_to_query"))
+        if name == "teacher+both+ids+noise":
+            ids = torch.arange(n) % 5
+            return dict(labels=labels, label_smoothing=0.1, teacher=kw["teacher"], teacher_temperature=0.2,
+                        distill_weight=0.3, duplicate_ids=(ids, ids + n), focal_m=0.2,
+                        noise=torch.randn(3, d, generator=g, dtype=torch.float64), noise_steps=0)
+    if name == "smooth+noise":
+        return dict(label_smoothing=0.1, noise=torch.randn(3, d, generator=g, dtype=torch.float64), noise_steps=1)
+    raise KeyError(name)
+
+
+SOFT = ["smooth", "labels", "both+focal+hard", "both+mask", "both+ids+guide+q2q",
+        "both+hardness+matryoshka", "both+symmetric+mask", "teacher", "teacher+smooth+hard+matryoshka",
+        "teacher+labels+hardness+q2q", "teacher+both+ids+noise", "smooth+noise",
+        "smooth+margin", "both+focal+hard+margin", "both+mask+margin", "both+ids+guide+q2q+margin",
+        "teacher+margin", "teacher+smooth+hard+matryoshka+margin", "teacher+labels+hardness+q2q+margin"]
+#: N = 1; 19 rows and 38 columns cross the 16-wide tiles. Triton's default run: these
+SOFT_SHAPES = [(1, 3), (19, 5)]
+SOFT_TRITON = {("smooth", (19, 5)), ("labels", (1, 3)), ("both+focal+hard", (19, 5)),
+               ("both+ids+guide+q2q", (19, 5)), ("both+hardness+matryoshka", (1, 3)),
+               ("both+symmetric+mask", (19, 5)), ("teacher", (19, 5)),
+               ("teacher+smooth+hard+matryoshka", (1, 3)), ("teacher+labels+hardness+q2q", (1, 3)),
+               ("teacher+both+ids+noise", (1, 3)), ("smooth+margin", (19, 5)),
+               ("both+mask+margin", (19, 5)), ("both+ids+guide+q2q+margin", (19, 5)),
+               ("teacher+margin", (19, 5)), ("teacher+labels+hardness+q2q+margin", (19, 5))}
+
+
+def learnable_options(a, p, x):
+    """name -> the keyword arguments of fastcl.contrastive besides the learnable temperature:
+    every feature whose logits are ``s/τ`` plus terms free of τ, and focal's s²/τ, s(s+m)/τ
+    (the torch engine's epilogue adds the row sum they need)."""
+    n, d = a.shape
+    comp = tuple(c.to(a.device, a.dtype) for c in complementary(n))
+    ids = (torch.arange(max(n, x.shape[0])) % 3).to(a.device)
+    guide = tuple(correlated(t.detach(), 0.3, seed=9).detach() for t in (a, p, x))
+    gist = dict(negatives=x, directions=layout.gist(), guide=guide)
+    return {
+        "plain": {},
+        "negatives": dict(negatives=x),
+        "hard": dict(negatives=x[:n], hard_negative_weight=0.7),
+        "symmetric": dict(symmetric=True),
+        "mask": dict(complementary=comp, phi=0.5),
+        "released": dict(complementary=comp, phi=0.5, noise=x, noise_steps=0, formulation="released"),
+        "noise": dict(noise=x, noise_steps=2),      # Z carries no gradient, to τ neither
+        "directions": dict(negatives=x[:n], directions=ALL_DIRECTIONS, hardness_mode="all_negatives",
+                           hardness_strength=0.5, duplicate_ids=(ids[:n], ids[:n], ids[:n])),
+        "per-direction": dict(directions=(q2d, d2q), partition_mode="per_direction"),
+        "gist": dict(gist, guide_margin=0.05),
+        "matryoshka": dict(negatives=x, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.5)),
+        "focal": dict(negatives=x[:n], focal_m=0.3, hard_negative_weight=0.4),
+        "focal-gist": dict(gist, focal_m=-0.2),
+        "focal-symmetric": dict(symmetric=True, focal_m=0.5),
+    }
+
+
+#: (N anchors, K extra rows, d): one anchor; rows and columns off the tiles (chunks of 3,
+#: Triton's 16-row tiles) and an odd width. Triton (no focal: its learnable τ is the torch
+#: engine's) takes the largest shape with a covering set of the options
+TAU_SHAPES = [(1, 1, 3), (7, 7, 5), (17, 17, 9)]
+TAU_NAMES = list(learnable_options(*[torch.zeros(2, 3)] * 3))
+
+
+def margin_options(name, a, p, x):
+    """fastcl.contrastive's options for a composition of issue #46's row features (the
+    false-negative margin 0.05 in each; ``prior``: τ⁺ = 0.2) with the layouts, the guide, ids
+    and Matryoshka."""
+    n, d = a.shape
+    kw = dict(false_negative_margin=0.05, **MARGIN[name])
+    if kw.pop("guide", False):
+        g = torch.Generator().manual_seed(2)
+        kw["guide"] = (a + 0.3 * torch.randn(n, d, generator=g, dtype=torch.float64), p)
+    if kw.pop("ids", False):
+        kw["duplicate_ids"] = (torch.arange(n) % 7,)
+    if kw.pop("prior", False):
+        kw["positive_prior"] = 0.2
+    return kw
+
+
+MARGIN = {
+    "symmetric": dict(symmetric=True),
+    "symmetric-focal": dict(symmetric=True, focal_m=0.3),
+    "directions-joint": dict(directions=(q2d, q2q, d2q)),
+    "directions-per-direction": dict(directions=(q2d, d2q), partition_mode="per_direction"),
+    "doc-to-doc-focal": dict(directions=(q2d, d2d), focal_m=0.3),
+    "guide": dict(guide=True, directions=(q2d, d2q)),
+    "ids": dict(ids=True),
+    "matryoshka": dict(matryoshka_dims=(3, 7), matryoshka_weights=(0.5, 1.0)),
+    "matryoshka-focal-symmetric": dict(matryoshka_dims=(3, 7), focal_m=0.3, symmetric=True),
+    "matryoshka-paired-focal": dict(matryoshka_dims=(3, 7), focal_m=0.3, directions=(q2d, d2q, d2d)),
+    # the debiased loss (one softmax a row), on the margin and the options it composes with
+    # (the kernels' debiased loss has no positive side: the tiled path runs prior-joint)
+    "prior-joint": dict(prior=True, directions=(q2d, q2q, d2q)),
+    "prior-query-to-query": dict(prior=True, directions=(q2d, q2q)),
+    "prior-guide": dict(prior=True, guide=True),
+    "prior-ids": dict(prior=True, ids=True),
+    "prior-matryoshka-focal": dict(prior=True, matryoshka_dims=(3, 7), focal_m=0.3),
+}
+#: Triton's default run: these (the others ``slow``)
+MARGIN_TRITON = {"symmetric", "directions-joint", "guide", "matryoshka-focal-symmetric", "prior-ids",
+                 "prior-matryoshka-focal"}
+
+
+def options_grid():
+    """The per-row option families. Tolerances: the soft targets' tiled float64 within 1e-9;
+    the margin and prior's 1e-9 tiled, 2e-5 on Triton; a learnable τ's the grid's."""
+    out = []
+    for name, shape in itertools.product(SOFT, SOFT_SHAPES):
+        case = Options("soft", name, shape, tol=dict(tiled=dict(atol=1e-9, rtol=1e-9)))
+        out += [param("tiled", case, F64, chunks=(7,)),
+                param("triton", case, chunks=(7,), slow=(name, shape) not in SOFT_TRITON)]
+    for name, shape in itertools.product(TAU_NAMES, TAU_SHAPES):
+        out.append(param("tiled", Options("tau", name, shape), F64, chunks=(3,)))
+        if not name.startswith("focal") and (shape[0] <= 7 or name in ("plain", "gist", "matryoshka")):
+            out.append(param("triton", Options("tau", name, shape), chunks=(3,)))
+    for name in MARGIN:
+        case = Options("rows", name, (19, 7, 19 if name == "doc-to-doc-focal" else 0),
+                       tol=dict(tiled=dict(atol=1e-9, rtol=1e-9), triton=dict(atol=2e-5, rtol=2e-5)))
+        out.append(param("tiled", case, F64, chunks=(8,)))
+        if name != "prior-joint":
+            out.append(param("triton", case, chunks=(8,), slow=name not in MARGIN_TRITON))
+    return out
+
+
 # --------------------------------------------------------------------------- the grid
 NAMES = list(objectives(1, 0))
 F32, F64, BF, FP16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
@@ -373,7 +584,7 @@ def grid():
     for i, (n, k, d) in enumerate([(256, 0, 768), (1000, 1000, 384), (517, 300, 1024), (4096, 0, 768)]):
         out += [param("triton", Objective(name, n, k, d), dtype, gpu=True)
                 for name in NAMES for dtype in (F32, BF, FP16)[:3 if i < 3 else 2]]
-    return out + grid_16bit()
+    return out + grid_16bit() + options_grid()
 
 
 #: Positives at cosine ≈ 0.2 to their anchors: at τ = 0.05 the softmax is not saturated
@@ -420,7 +631,7 @@ def test_matches_reference(backend, case, dtype, chunks, buffers, request):
     seen = request.getfixturevalue("gpu_buffers") if buffers else None
     leaves, call = case.build(dtype, device_of(backend))
     for chunk in chunks:
-        check(call, leaves, backend, chunk)
+        check(call, leaves, backend, chunk, getattr(case, "tol", {}).get(backend))
     if buffers:
         assert seen and set(seen) == {dtype}
 

@@ -640,14 +640,6 @@ class _Killed(BaseException):
     pass
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """test_train's tiny models and data."""
-    pytest.importorskip("sentence_transformers")
-    from test_train import make_tiny
-    return make_tiny(tmp_path_factory.mktemp("tiny"))
-
-
 @settings(max_examples=max(1, int(settings.default.max_examples * 0.002)))
 @given(steps=st.integers(1, 4), save=st.integers(1, 4), accumulation=st.sampled_from([1, 2]),
        schedule=st.sampled_from(["constant", "linear", "cosine"]),

@@ -74,11 +74,3 @@ def test_metrics_take_16_bit_embeddings(dtype):
                                fastcl.uniformity(x.double()), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(fastcl.alignment(x.to(dtype), y.to(dtype)).double(),
                                fastcl.alignment(x.double(), y.double()), rtol=2e-2, atol=2e-2)
-
-
-def test_meta_tensors_pass_the_finite_scan():
-    """Shape-only (meta) tensors cannot be scanned for NaN: the scan is skipped, not crashed."""
-    a = torch.empty(6, 8, device="meta", requires_grad=True)
-    p = torch.empty(6, 8, device="meta")
-    loss = fastcl.infonce(a, p, backend="reference")
-    assert loss.device.type == "meta" and loss.shape == ()

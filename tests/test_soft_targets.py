@@ -5,13 +5,11 @@ docstring).
 
 The reference against literal float64 formulas (``F.cross_entropy(label_smoothing=ε)``, a
 per-row loop for SupCon's L_out, gradcheck) within 1e-12; every fused backend against the
-reference in one grid (backend an axis): tiled on float64 inputs within 1e-9, Triton in its
-interpreter on float32 inputs against the float64 reference within 1e-4 (its fp32 tolerance,
-as tests/test_contrastive.py); edge shapes (N = 1, N and M off the tiles, odd d), rows whose
-only positive is their own, rows whose every candidate but the positive is dropped; bad values.
+reference: the ``options-soft`` cases of tests/test_matches_reference.py's grid (tiled on
+float64 inputs within 1e-9, Triton in its interpreter within its float32 tolerance, 1e-4, at
+N = 1 and N, M off the tiles); here rows whose only positive is their own, rows whose every
+candidate but the positive is dropped (bad values: tests/test_validation.py).
 """
-
-import importlib.util
 
 import pytest
 import torch
@@ -19,10 +17,7 @@ import torch.nn.functional as F
 
 import fastcl
 
-from conftest import correlated, make
-
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed")
+from conftest import make, needs_triton, st_train
 TAU = 0.1
 
 
@@ -101,123 +96,8 @@ def test_reference_gradcheck():
                                            label_smoothing=0.3, backend="reference"), inputs)
 
 
-# --------------------------------------------------------------------------- fused = reference
-
-def _case(name, n, d):
-    """Options of one grid case (tensors in float64)."""
-    labels = torch.arange(n) % 3
-    g = torch.Generator().manual_seed(7)
-    if name == "smooth":
-        return dict(label_smoothing=0.1)
-    if name == "labels":
-        return dict(labels=labels)
-    if name == "both+focal+hard":
-        return dict(labels=labels, label_smoothing=0.2, focal_m=0.3, hard_negative_weight=0.5)
-    if name == "both+mask":
-        c = F.one_hot(torch.arange(n) % 4, 4).double() + 0.01 * torch.randn(n, 4, generator=g,
-                                                                            dtype=torch.float64)
-        return dict(labels=labels, label_smoothing=0.1, complementary=(c, c.flip(1)), phi=0.2)
-    if name == "both+ids+guide+q2q":
-        ids = torch.arange(n) % 5
-        guide = tuple(torch.randn(n, 4, generator=g, dtype=torch.float64) for _ in range(3))
-        return dict(labels=labels, label_smoothing=0.3, duplicate_ids=(ids, ids + n, ids),
-                    guide=guide + (guide[0],), guide_margin=0.1,
-                    directions=("query_to_doc", "query_to_query"))
-    if name == "both+hardness+matryoshka":
-        return dict(labels=labels, label_smoothing=0.1, hardness_mode="in_batch_negatives",
-                    hardness_strength=2.0, matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.0),
-                    focal_m=0.3)
-    if name == "both+symmetric+mask":
-        c = F.one_hot(torch.arange(n) % 4, 4).double() + 0.01 * torch.randn(n, 4, generator=g,
-                                                                            dtype=torch.float64)
-        return dict(labels=labels, label_smoothing=0.2, symmetric=True, focal_m=0.2,
-                    complementary=(c, c.flip(1)), phi=0.2)
-    if name.startswith("teacher"):
-        t = (torch.randn(n, 6, generator=g, dtype=torch.float64),
-             torch.randn(2 * n, 6, generator=g, dtype=torch.float64))
-        kw = dict(teacher=t, teacher_temperature=0.2, distill_weight=0.4)
-        if name == "teacher":
-            return kw
-        if name == "teacher+smooth+hard+matryoshka":
-            return dict(kw, label_smoothing=0.1, hard_negative_weight=0.5,
-                        matryoshka_dims=(2, d), matryoshka_weights=(0.5, 1.0))
-        if name == "teacher+labels+hardness+q2q":
-            return dict(kw, labels=labels, focal_m=0.3, hardness_mode="in_batch_negatives",
-                        hardness_strength=2.0, directions=("query_to_doc", "query_to_query"))
-    if name == "teacher+both+ids+noise":
-        ids = torch.arange(n) % 5
-        t = (torch.randn(n, 6, generator=g, dtype=torch.float64),
-             torch.randn(2 * n, 6, generator=g, dtype=torch.float64))
-        return dict(labels=labels, label_smoothing=0.1, teacher=t, teacher_temperature=0.2,
-                    distill_weight=0.3, duplicate_ids=(ids, ids + n), focal_m=0.2,
-                    noise=torch.randn(3, d, generator=g, dtype=torch.float64), noise_steps=0)
-    if name.endswith("+margin"):
-        # the false-negative margin beside soft targets: its drops leave the kept set K_i
-        # (and the teacher's softmax); −0.2 drops some of these random candidates
-        return dict(_case(name[:-len("+margin")], n, d), false_negative_margin=-0.2)
-    if name == "smooth+noise":
-        return dict(label_smoothing=0.1, noise=torch.randn(3, d, generator=g, dtype=torch.float64),
-                    noise_steps=1)
-    raise KeyError(name)
-
-
-CASES = ["smooth", "labels", "both+focal+hard", "both+mask", "both+ids+guide+q2q",
-         "both+hardness+matryoshka", "both+symmetric+mask", "teacher", "teacher+smooth+hard+matryoshka",
-         "teacher+labels+hardness+q2q", "teacher+both+ids+noise", "smooth+noise",
-         "smooth+margin", "both+focal+hard+margin", "both+mask+margin", "both+ids+guide+q2q+margin",
-         "teacher+margin", "teacher+smooth+hard+matryoshka+margin",
-         "teacher+labels+hardness+q2q+margin"]
-SHAPES = [(1, 3), (19, 5)]          # N = 1; 19 rows and 38 columns cross the 16-wide tiles
-FAST_TRITON = {("smooth", (19, 5)), ("labels", (1, 3)), ("both+focal+hard", (19, 5)),
-               ("both+ids+guide+q2q", (19, 5)), ("both+hardness+matryoshka", (1, 3)),
-               ("both+symmetric+mask", (19, 5)), ("teacher", (19, 5)),
-               ("teacher+smooth+hard+matryoshka", (1, 3)), ("teacher+labels+hardness+q2q", (1, 3)),
-               ("teacher+both+ids+noise", (1, 3)), ("smooth+margin", (19, 5)),
-               ("both+mask+margin", (19, 5)), ("both+ids+guide+q2q+margin", (19, 5)),
-               ("teacher+margin", (19, 5)), ("teacher+labels+hardness+q2q+margin", (19, 5))}
-
-
-def _grid():
-    for backend in ("tiled", "triton"):
-        for name in CASES:
-            for shape in SHAPES:
-                marks = [needs_triton] if backend == "triton" else []
-                if backend == "triton" and (name, shape) not in FAST_TRITON:
-                    marks.append(pytest.mark.slow)
-                yield pytest.param(backend, name, shape, marks=marks,
-                                   id=f"{backend}-{name}-N{shape[0]}d{shape[1]}")
-
-
-def _cast(value, dtype):
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
-    if isinstance(value, tuple):
-        return tuple(_cast(v, dtype) for v in value)
-    return value
-
-
-@pytest.mark.parametrize("backend,name,shape", list(_grid()))
-def test_matches_reference(backend, name, shape):
-    n, d = shape
-    a = make(n, d, dtype=torch.float64)
-    p = correlated(a, 0.8)
-    neg = make(n, d, dtype=torch.float64, seed=3)
-    options = _case(name, n, d)
-    want = fastcl.contrastive(a, p, neg, temperature=TAU, backend="reference", **options)
-    want_grads = _grads(want, (a, p, neg))
-    if "false_negative_margin" in options and n > 1:      # the margin drops something
-        without = dict(options, false_negative_margin=None)
-        assert abs(float(fastcl.contrastive(a, p, neg, temperature=TAU, backend="reference",
-                                            **without).detach()) - float(want.detach())) > 1e-3
-    dtype = torch.float64 if backend == "tiled" else torch.float32
-    tol = dict(atol=1e-9, rtol=1e-9) if backend == "tiled" else dict(atol=1e-4, rtol=1e-4)
-    x = [t.detach().to(dtype).requires_grad_() for t in (a, p, neg)]
-    got = fastcl.contrastive(*x, temperature=TAU, backend=backend, chunk_size=7,
-                             **_cast(options, dtype))
-    torch.testing.assert_close(got.double(), want.detach(), **tol)
-    for g, w in zip(_grads(got, x), want_grads):
-        torch.testing.assert_close(g.double(), w, **tol)
-
+# --------------------------------------------------------------------------- edges
+# (fused = reference: the ``options-soft`` cases of tests/test_matches_reference.py's grid)
 
 @pytest.mark.parametrize("backend", ["reference", "tiled",
                                      pytest.param("triton", marks=needs_triton)])
@@ -238,49 +118,6 @@ def test_edges(backend):
     assert all(float(g.abs().max()) < 1e-6 for g in _grads(alone, (a, p)))
 
 
-def test_torch_compile_passes_the_targets_through_the_op():
-    """Under torch.compile the soft targets travel through the custom op's arguments."""
-    a, p = make(8, 4), make(8, 4, seed=1)
-    kw = dict(labels=torch.arange(8) % 3, label_smoothing=0.2, backend="tiled",
-              teacher=(make(8, 5, seed=2, grad=False), make(8, 5, seed=3, grad=False)))
-    x = [t.detach().clone().requires_grad_() for t in (a, p)]
-    got = torch.compile(fastcl.contrastive, backend="aot_eager")(*x, **kw)
-    want = fastcl.contrastive(a, p, **kw)
-    torch.testing.assert_close(got, want)
-    for g, w in zip(_grads(got, x), _grads(want, (a, p))):
-        torch.testing.assert_close(g, w)
-
-
-# --------------------------------------------------------------------------- bad values
-
-@pytest.mark.parametrize("options,error,match", [
-    (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
-    (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
-    (dict(label_smoothing=float("nan")), ValueError, "label_smoothing"),
-    (dict(labels=torch.zeros(4)), TypeError, "labels"),
-    (dict(labels=torch.zeros(3, dtype=torch.long)), ValueError, "labels"),
-    (dict(labels=torch.zeros(4, 1, dtype=torch.long)), ValueError, "labels"),
-    (dict(labels=[0, 1, 2, 3]), TypeError, "labels"),
-    (dict(label_smoothing=0.1, formulation="released"), ValueError, "label_smoothing"),
-    (dict(labels=torch.zeros(4, dtype=torch.long), directions=("query_to_doc", "doc_to_doc")),
-     ValueError, "labels"),
-    (dict(label_smoothing=0.1, directions=("query_to_doc", "doc_to_query")), ValueError,
-     "label_smoothing"),
-    (dict(teacher=(torch.zeros(4, 2),)), TypeError, "teacher"),
-    (dict(teacher=(torch.randn(4, 2), torch.randn(3, 2))), ValueError, r"teacher\[1\]"),
-    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 3))), ValueError, r"teacher\[1\]"),
-    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), distill_weight=1.5), ValueError,
-     "distill_weight"),
-    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), teacher_temperature=0.0), ValueError,
-     "teacher_temperature"),
-    (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), symmetric=True), ValueError, "teacher"),
-])
-def test_bad_values(options, error, match):
-    a, p = make(4, 3), make(4, 3, seed=1)
-    with pytest.raises(error, match=match):
-        fastcl.contrastive(a, p, **options)
-
-
 # --------------------------------------------------------------------------- sentence-transformers
 
 def test_sentence_transformers_loss_trains(tmp_path, one_thread):
@@ -289,8 +126,6 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
     steps in SentenceTransformerTrainer; its config says each; a bad value fails where the
     loss is built."""
     st = pytest.importorskip("sentence_transformers")
-    from datasets import Dataset
-
     from fastcl.integrations.sentence_transformers import FastInfoNCELoss
     from fastcl.integrations.sentence_transformers._base import preprocess
     from test_evaluate import make_tiny_model, random_sentence
@@ -300,8 +135,6 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
     teacher = st.SentenceTransformer(str(make_tiny_model(tmp_path / "teacher", seed=1)), device="cpu")
     rng = random.Random(3)
     anchors = [random_sentence(rng) for _ in range(16)]
-    data = Dataset.from_dict({"anchor": anchors, "positive": anchors,
-                              "label": [i % 4 for i in range(16)]})
     loss = FastInfoNCELoss(model, label_smoothing=0.1, class_labels=True, teacher=teacher,
                            teacher_temperature=0.1, distill_weight=0.3, backend="tiled")
     assert {"label_smoothing": 0.1, "class_labels": True, "teacher_temperature": 0.1,
@@ -317,13 +150,8 @@ def test_sentence_transformers_loss_trains(tmp_path, one_thread):
                                   teacher_temperature=0.1, distill_weight=0.3)
         torch.testing.assert_close(loss(features, torch.arange(8) % 4), want)
     model.train()
-    args = st.SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=8,
-        learning_rate=1e-3, report_to="none", save_strategy="no", logging_steps=1, seed=0,
-        use_cpu=True, disable_tqdm=True)
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    st.SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
-    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
+    st_train(model, loss, tmp_path / "run", steps=3,
+             columns={"anchor": anchors, "positive": anchors, "label": [i % 4 for i in range(16)]})
     with pytest.raises(ValueError, match="label_smoothing"):
         FastInfoNCELoss(model, label_smoothing=1.5)
     with pytest.raises(ValueError, match="distill_weight"):

@@ -6,25 +6,31 @@ those losses on the same model and batch:
   ``mini_batch_num_tokens``) against ``(Cached)MultipleNegativesRankingLoss``;
 - ``FastGISTEmbedLoss`` / ``CachedFastGISTEmbedLoss`` against ``(Cached)GISTEmbedLoss``;
 - duplicate masking: the text ids, what they drop, and how many duplicates real NLI
-  batches hold.
+  batches hold;
+- ``FastInfoNCELoss`` against MNRL on float32 embeddings on every sentence-transformers
+  release (``symmetric``, ``scale``, the hard-negative weight), the arguments each loss
+  refuses where it is built, an empty batch refused before any forward, and fastcl
+  importable without sentence-transformers.
 
 The two-process (gloo) checks of the same losses are in ``test_st_cached.py``.
 """
 
+import copy
+import dataclasses
+import inspect
 import itertools
 import logging
 import os
 import random
-import copy
-import dataclasses
-import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import fastcl
-from conftest import ST_VERSION
+from conftest import ST_VERSION, correlated, make, needs_st6
 
 st = pytest.importorskip("sentence_transformers", reason="needs sentence-transformers (the dev extra)")
 from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
@@ -173,16 +179,125 @@ def test_token_budget_packs_the_mini_batches(model):
      "symmetric"),
     (lambda m: CachedFastInfoNCELoss(m, mini_batch_num_tokens=0), ValueError, "mini_batch_num_tokens"),
     (lambda m: FastInfoNCELoss(m, matryoshka_dims=(64, 0)), ValueError, "positive integers"),
+    (lambda m: FastInfoNCELoss(m, similarity_fct=st.util.dot_score), ValueError, "cos_sim"),
+    # None used to raise AttributeError: 'NoneType' object has no attribute 'tokenizer'
+    (lambda m: FastDCLRLoss(m, "all-MiniLM-L6-v2"), TypeError, r"^guide must be a SentenceTransformer .* got str$"),
+    (lambda m: CachedFastDCLRLoss(m, "all-MiniLM-L6-v2"), TypeError, r"^guide must be a SentenceTransformer .* got str$"),
 ], ids=["focal-m", "focal-temperature", "cached-focal-m", "dclr-phi", "dclr-steps",
         "dclr-formulation", "cached-dclr-phi", "escl-weight", "escl-rd", "cached-escl-weight",
         "infonce-weight", "gist-temperature", "directions", "partition", "hardness-mode",
-        "hardness-strength", "symmetric", "num-tokens", "matryoshka-dims"])
+        "hardness-strength", "symmetric", "num-tokens", "matryoshka-dims", "similarity",
+        "dclr-guide", "cached-dclr-guide"])
 def test_arguments_are_refused_where_the_loss_is_built(model, build, error, match):
     """One policy: a bad argument fails where the loss is built, naming the argument as that
     class calls it (issue #42: m=nan, phi=2, weight=inf ran until the first step, and the
     focal loss's error named focal_m). fastcl.contrastive's own: tests/test_validation.py."""
     with pytest.raises(error, match=match):
         build(model)
+
+
+def _float32_embeddings(columns, n=12, d=32):
+    a = make(n, d)
+    return [a, correlated(a, 0.8)] + [make(n, d, seed=10 + i) for i in range(columns - 2)]
+
+
+@pytest.mark.parametrize("columns", [2, 3, 4])
+@pytest.mark.parametrize("scale", [20.0, 7.5])
+def test_matches_multiple_negatives_ranking_loss_in_float32(model, columns, scale):
+    """The default backend on float32 embeddings, on every sentence-transformers release."""
+    embs = _float32_embeddings(columns)
+    ours = FastInfoNCELoss(model, scale=scale).compute_loss_from_embeddings(embs, None)
+    g_ours = torch.autograd.grad(ours, embs)
+    theirs = MultipleNegativesRankingLoss(model, scale=scale).compute_loss_from_embeddings(embs, None)
+    g_theirs = torch.autograd.grad(theirs, embs)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    for a, b in zip(g_ours, g_theirs):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+
+
+@needs_mnrl_options
+def test_symmetric_matches_mnrl_both_directions(model):
+    embs = _float32_embeddings(2)
+    ours = FastInfoNCELoss(model, symmetric=True).compute_loss_from_embeddings(embs, None)
+    theirs = MultipleNegativesRankingLoss(
+        model, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
+    ).compute_loss_from_embeddings(embs, None)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+def test_a_loss_refuses_columns_it_cannot_take(model):
+    embs = _float32_embeddings(4)
+    with pytest.raises(ValueError, match="exactly one negative column"):
+        FastInfoNCELoss(model, hard_negative_weight=1.0).compute_loss_from_embeddings(embs, None)
+    embs = _float32_embeddings(3)
+    got = FastInfoNCELoss(model, hard_negative_weight=1.0).compute_loss_from_embeddings(embs, None)
+    torch.testing.assert_close(got, fastcl.infonce(*embs, hard_negative_weight=1.0))
+    with pytest.raises(ValueError, match="input columns"):
+        FastDCLRLoss(model, model).compute_loss_from_embeddings(embs, None)
+
+
+@pytest.mark.parametrize("cls", [FastInfoNCELoss, CachedFastInfoNCELoss])
+@pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan"), 0.0, -20.0])
+def test_a_bad_scale_is_refused_where_the_loss_is_built_by_name(model, cls, scale):
+    # scale=inf used to pass here and fail at the first step as "temperature must be > 0"
+    with pytest.raises(ValueError, match=r"^scale must be (finite|> 0)"):
+        cls(model, scale=scale)
+
+
+@pytest.mark.parametrize("cls", [FastInfoNCELoss, CachedFastInfoNCELoss])
+@pytest.mark.parametrize("scale", ["20", b"20", True, None, [20.0]],
+                         ids=["str", "bytes", "bool", "None", "list"])
+def test_a_scale_that_is_not_a_number_is_a_type_error_naming_it(model, cls, scale):
+    # "20" used to raise "'>' not supported between instances of 'str' and 'int'"; True passed
+    with pytest.raises(TypeError, match=r"^scale must be a real number, got "):
+        cls(model, scale=scale)
+    assert cls(model, scale=torch.tensor(20.0)).scale == 20.0  # a number in any form is one
+
+
+@pytest.mark.parametrize("cls", [FastDCLRLoss, CachedFastDCLRLoss])
+def test_dclr_without_a_guide_takes_the_noise_negatives_only(model, cls):
+    """guide=None: no instance weighting (a guide that is not a model: the refusals above)."""
+    g = torch.Generator().manual_seed(0)
+    a, p = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    kw = dict(noise_ratio=1.0, noise_steps=2)
+    unguided = cls(model, None, generator=torch.Generator().manual_seed(1), **kw)
+    got = unguided.compute_loss_from_embeddings([a, p], None, complementary=None)
+    want = fastcl.dclr_loss(a, p, generator=torch.Generator().manual_seed(1), **kw)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("empty", [pytest.param("no-text", marks=needs_st6), "zero-rows", "positives-only"])
+def test_an_empty_batch_is_refused_before_any_forward(model, monkeypatch, empty):
+    # an empty batch used to reach BERT ("You must specify exactly one of input_ids or
+    # inputs_embeds"), or was encoded and then refused by the loss as "anchors is an empty batch"
+    some = preprocess(model, ["A man is playing a guitar.", "A dog runs."])
+    none = preprocess(model, []) if empty == "no-text" else {k: v[:0] for k, v in some.items()}
+    columns = [some if empty == "positives-only" else none, none]
+    empty_column = 1 if empty == "positives-only" else 0
+
+    def encoder_ran(*args, **kwargs):
+        raise AssertionError("the encoder ran on an empty batch")
+
+    monkeypatch.setattr(model, "forward", encoder_ran)
+    for loss in (FastInfoNCELoss(model), FastFocalInfoNCELoss(model), FastDCLRLoss(model, model),
+                 FastESCLLoss(model), CachedFastInfoNCELoss(model), CachedFastFocalInfoNCELoss(model),
+                 CachedFastDCLRLoss(model, model), CachedFastESCLLoss(model)):
+        with pytest.raises(ValueError, match=rf"^{type(loss).__name__} got an empty batch: input column "
+                                             rf"{empty_column} has no rows"):
+            loss([dict(c) for c in columns], None)
+
+
+def test_importing_fastcl_does_not_need_sentence_transformers():
+    code = ("import sys; sys.modules['sentence_transformers'] = None\n"
+            "import fastcl\n"
+            "try:\n"
+            "    import fastcl.integrations.sentence_transformers\n"
+            "except ImportError as e:\n"
+            "    print('ImportError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "ImportError: fastcl.integrations.sentence_transformers needs the sentence-transformers" \
+        in out.stdout
+    assert "pip install sentence-transformers" in out.stdout
 
 
 # ---------------------------------------------------------------------------------------

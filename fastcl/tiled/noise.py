@@ -15,8 +15,8 @@ from .driver import DEFAULT_MEMORY_BUDGET, _norms, _tangent_, contrastive_forwar
 from .engine import TORCH, Engine
 
 
-def dclr_noise(noise, anchors, positives, *, formulation="paper", anchor_offset=0,
-               engine: Engine = TORCH, chunk_size=None):
+def dclr_noise(noise, anchors, positives, *, formulation="paper", engine: Engine = TORCH,
+               chunk_size=None):
     """DCLR's noise negatives (:class:`fastcl.spec.Noise`) on the fused paths: drawn (or the
     given start), then :func:`noise_update`."""
     with common.autocast_off(anchors.device):
@@ -34,12 +34,12 @@ def dclr_noise(noise, anchors, positives, *, formulation="paper", anchor_offset=
         return noise_update(anchors, z, steps=noise.steps, lr=noise.lr,
                             temperature=noise.temperature, chunk_size=chunk_size, engine=engine,
                             positives=positives if formulation == "released" else None,
-                            anchor_offset=anchor_offset, huge_rows=huge)
+                            huge_rows=huge)
 
 
 @torch.no_grad()
 def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, engine: Engine = TORCH,
-                 positives=None, anchor_offset=0, huge_rows=None):
+                 positives=None, huge_rows=None):
     """DCLR's normalized gradient ascent on the noise, chunked, without an autograd graph.
 
     Paper (``positives=None``): ``L_U``'s positive term does not depend on Z, so ``∂L_U/∂Z``
@@ -58,8 +58,8 @@ def noise_update(anchors, noise, *, steps, lr, temperature, chunk_size=None, eng
     if steps == 0 or z.shape[0] == 0:
         return z
     released = positives is not None
-    ep = Epilogue(temperature, positives=released, chunk_size=chunk_size,
-                  anchor_offset=anchor_offset if released else 0)
+    # (Z's columns of the softmax are the same whichever h⁺ column is taken apart: column i)
+    ep = Epilogue(temperature, positives=released, chunk_size=chunk_size)
     fixed = (positives.detach(),) if released else ()
     # the scan of inputs decides, as for the embeddings (one host read; none when the input
     # checks are off, which leave rows too large to square as they are)
@@ -126,13 +126,10 @@ def _scaled_noise_step(anchors, positives, z, lr, temperature, chunk_size, huge)
     lse = torch.cat([torch.logsumexp(h[r:r + rows] @ keys.T / temperature, dim=1)
                      for r in range(0, n, rows)])
     z_hat = keys[m - z.shape[0]:]
-    norm = torch.linalg.vector_norm(z_in, dim=1)
+    norm = _norms(z_in, acc)
     for r in range(0, z.shape[0], rows):
         w = torch.softmax(z_hat[r:r + rows] @ h.T / temperature - lse[None, :], dim=1)
-        u = w @ h
-        # the chain through ẑ = z/max(‖z‖, EPS): no projection where the norm was clamped
-        radial = torch.einsum("jd,jd->j", z_hat[r:r + rows], u).masked_fill_(norm[r:r + rows] <= EPS, 0.0)
-        g = u.addcmul_(z_hat[r:r + rows], radial[:, None], value=-1.0)
+        g = _tangent_(w @ h, z_in[r:r + rows], norm[r:r + rows], rows)
         direction, zero = safe_direction(project_out_radial(g, z_in[r:r + rows]))
         z[r:r + rows].add_(direction, alpha=lr)
         if positives is not None:

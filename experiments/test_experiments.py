@@ -21,13 +21,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from test_evaluate import make_tiny_model, random_sentence, write_sts_dir  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "experiments"
 COMPARE = EXPERIMENTS / "compare.py"
-if str(EXPERIMENTS) not in sys.path:
-    sys.path.insert(0, str(EXPERIMENTS))
+# beside the scripts it tests, with the suite's helpers and fixtures from tests/
+for folder in (EXPERIMENTS, REPO / "tests"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+from conftest import _deterministic, outside  # noqa: E402,F401  (tests/' fixtures, here too)
+from test_evaluate import make_tiny_model, random_sentence, write_sts_dir  # noqa: E402
 
 import compare  # noqa: E402
 import sweep  # noqa: E402
@@ -409,24 +412,33 @@ def test_sweep_end_to_end_and_resumable(setup, trainings):
     assert len(trainings) == count
 
 
-@pytest.mark.parametrize("name, flags", [("simcse-smoothing", ["--label_smoothing", "0.1"]),
-                                         ("simcse-margin", ["--false_negative_margin", "0.1"])])
-def test_the_feature_variants_train_with_their_flags(setup, tmp_path, trainings, name, flags):
-    """Issue 46's variants: label smoothing and the false-negative margin, each SimCSE with its
-    train.py flag, trained, scored and set against SimCSE of the same seed."""
+def test_the_feature_and_teacher_variants_train_with_their_flags(setup, tmp_path, trainings):
+    """Issue 46's variants (label smoothing, the false-negative margin) and a teacher variant
+    in one comparison: each SimCSE with its train.py flags, trained, scored and set against
+    SimCSE of the same seed. ``{start}`` in a variant's flags: train.py gets the start's
+    folder, the records keep the placeholder (the same on every machine)."""
     root, args, _, _ = setup
-    assert compare.VARIANTS[name][:2] == ("simcse", tuple(flags))
     results = tmp_path / "results"
     args = with_option(with_option(args, "--methods", "simcse"), "--results-dir", results)
+    variants = {"simcse-smoothing": ["--label_smoothing", "0.1"], "simcse-margin": ["--false_negative_margin", "0.1"],
+                "simcse-teacher-self": ["--teacher", "{start}"]}
     count = len(trainings)
-    run(compare, *args, "--variants", name)
-    assert len(trainings) == count + 1 and trainings[-1][-2:] == flags
-    variant = json.loads((results / "runs" / f"{name}-seed0.json").read_text())
-    assert variant["train_command"].endswith(" ".join(flags))
+    run(compare, *args, "--variants", *variants)
+    assert [cmd[-2:] for cmd in trainings[count:]] == [
+        *list(variants.values())[:2], ["--teacher", str((root / "model").resolve())]]
     summary = json.loads((results / "summary.json").read_text())
-    assert summary["order"] == ["start", "simcse", name]
-    assert summary["variants"] == {name: {"method": "simcse", "flags": flags}}
-    assert f"| {compare.LABELS[name]} | 1 |" in (results / "results.md").read_text()
+    assert summary["order"] == ["start", "simcse", *variants]
+    table = (results / "results.md").read_text()
+    for name, flags in variants.items():
+        assert compare.VARIANTS[name][:2] == ("simcse", tuple(flags))
+        variant = json.loads((results / "runs" / f"{name}-seed0.json").read_text())
+        assert variant["config"]["flags"] == flags
+        assert f"| {compare.LABELS[name]} | 1 |" in table
+    assert list(summary["variants"]) == list(variants)
+    for name in ("simcse-smoothing", "simcse-margin"):
+        command = json.loads((results / "runs" / f"{name}-seed0.json").read_text())["train_command"]
+        assert command.endswith(" ".join(variants[name]))
+        assert summary["variants"][name] == {"method": "simcse", "flags": variants[name]}
 
 
 def write_snli(folder: Path, rng: random.Random, premises: int = 12) -> Path:
@@ -475,19 +487,6 @@ def test_supervised_variants_train_on_nli_against_their_own_baseline(setup, tmp_
     assert "(against supervised SimCSE (NLI sample))" in (results / "results.md").read_text()
     # the learnable-τ runs' settings are as before: no data keys for the wiki variants
     assert "data" not in json.loads((results / "runs" / "simcse-seed0.json").read_text())["config"]
-
-
-def test_a_teacher_variant_trains_with_the_start_as_teacher(setup, tmp_path, trainings):
-    """``{start}`` in a variant's flags: train.py gets the start's folder, the records keep
-    the placeholder (the same on every machine)."""
-    root, args, _, _ = setup
-    results = tmp_path / "results"
-    args = with_option(with_option(args, "--methods", "simcse"), "--results-dir", results)
-    run(compare, *args, "--variants", "simcse-teacher-self")
-    cmd = trainings[-1]
-    assert cmd[-2:] == ["--teacher", str((root / "model").resolve())]
-    variant = json.loads((results / "runs" / "simcse-teacher-self-seed0.json").read_text())
-    assert variant["config"]["flags"] == ["--teacher", "{start}"]
 
 
 def test_the_mpnet_teacher_is_put_together_from_its_parts(tmp_path, monkeypatch):
