@@ -1081,8 +1081,9 @@ def _margin_thresholds(ep, c, r):
 
 
 def triton_chunk(ep, c, want_grad):
-    """The Triton engine for :func:`fastcl.tiled.contrastive_forward` (same contract as
-    :func:`fastcl.tiled.torch_chunk`): row losses into ``c.loss_out``; returns H in the
+    """The Triton engine's chunk for :func:`fastcl.tiled.contrastive_forward` (the
+    ``Engine.chunk`` hook; the torch engine runs its widths pass instead): row losses into
+    ``c.loss_out``; returns H in the
     GEMM dtype, or in the bounded design ``(E, 1/Z, positive coefficients)`` with
     ``H = E/Z − δ·coefficient`` (``None`` without ``want_grad``). Bounded: the similarity
     kernel and one launch over the rows' partials; else the similarity kernel and one
