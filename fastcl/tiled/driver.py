@@ -263,6 +263,9 @@ class _Widths:
         acc, device, m = accumulate_dtype(anchors.dtype), anchors.device, keys.shape[0]
         dims, self.weights = ep.matryoshka or ((anchors.shape[1],), (1.0,))
         self.bands = list(zip((0,) + dims[:-1], dims))
+        # one width over the whole of d: the tangent projection (a prefix narrower than d
+        # projects onto its own prefix, through the radial sums)
+        self.whole = dims == (anchors.shape[1],)
         self.need_q, self.need_k, self.acc = need_q, need_k, acc
 
         def prefix_norms(x):                        # (rows, K): ‖x[:, :d_k]‖ in acc
@@ -314,7 +317,7 @@ class _Widths:
         pos_g = torch.empty(len(bands), r, dtype=acc, device=q.device)
         inv_q_c = take(self.inv_q).T.contiguous()          # (K, sides·r)
         # one width takes the tangent projection, not the radial sums (but ∂L/∂τ reads them)
-        one = len(bands) == 1
+        one = self.whole
         radial = not one or tau_sum is not None
         h = []
         for k, (lo, hi) in enumerate(bands):
@@ -379,10 +382,11 @@ class _Widths:
 
     def finish(self, keys, dk) -> None:
         """The keys' radial terms, every chunk's column sums together, into ``dk`` (after the
-        16-bit GEMMs' ``unit`` and fp16's excess); one width: the tangent projection."""
+        16-bit GEMMs' ``unit`` and fp16's excess); one width over all of d: the tangent
+        projection."""
         if self.unit is not None:
             dk.mul_((self.unit * (1.0 if self.excess is None else self.excess)).reshape(-1, 1))
-        if len(self.bands) == 1:
+        if self.whole:
             _tangent_(dk, keys, self.norm_k[:, 0], self.rows)
             return
         coef = self.col_c.T * self.radial_k
