@@ -179,6 +179,9 @@ def test_noise_update_takes_the_anchor_norms_once(positives, monkeypatch):
     counting = lambda x, acc: seen.append(x.shape[0]) or norms(x, acc)  # noqa: E731
     for module in (tiled.noise, tiled.driver):          # the update's and the driver's
         monkeypatch.setattr(module, "_norms", counting)
+    prefix = tiled.driver._prefix_norms                 # the torch engine's (its widths pass)
+    monkeypatch.setattr(tiled.driver, "_prefix_norms",
+                        lambda x, bands, acc: seen.append(x.shape[0]) or prefix(x, bands, acc))
     steps = 3
     got = tiled.noise_update(a, z, steps=steps, lr=1e-3, temperature=0.05, chunk_size=8,
                              positives=p if positives else None)
@@ -186,6 +189,7 @@ def test_noise_update_takes_the_anchor_norms_once(positives, monkeypatch):
     assert seen == [20] + [keys] * steps
     for module in (tiled.noise, tiled.driver):
         monkeypatch.setattr(module, "_norms", norms)
+    monkeypatch.setattr(tiled.driver, "_prefix_norms", prefix)
     want = fastcl.dclr_noise(a, p, None, noise=z, steps=steps, lr=1e-3, backend="reference",
                              formulation="released" if positives else "paper")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -121,6 +121,13 @@ def _norms(x: torch.Tensor, acc: torch.dtype):
     return torch.linalg.vector_norm(x, dim=1, dtype=acc).clamp_min_(EPS)
 
 
+def _prefix_norms(x: torch.Tensor, bands, acc: torch.dtype) -> torch.Tensor:
+    """(rows, K): ``‖x[:, :d_k]‖`` in ``acc``, each band's sum of squares added on."""
+    parts = torch.stack([torch.linalg.vector_norm(x[:, lo:hi], dim=1, dtype=acc)
+                         for lo, hi in bands], dim=1)
+    return parts.square_().cumsum(dim=1).sqrt_()
+
+
 def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine = TORCH,
                         gemm_dtype: torch.dtype | None = None,
                         anchor_norms: torch.Tensor | None = None, raw_candidates: bool = False,
@@ -163,7 +170,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
         comp = [common.unit(x, dtype) for x in ep.complementary]
     rows = chunk_rows(engine, ep, n, m, sizes[0], dtype, device)
     denom = n * m if released else n
-    widths = _Widths(ep, anchors, keys, n, rows, need_q, need_k) if _by_widths(engine, ep) else None
+    widths = (_Widths(ep, anchors, keys, n, rows, need_q, need_k, anchor_norms)
+              if _by_widths(engine, ep) else None)
     # Matryoshka's widths add their terms to the row losses; a single width writes them
     row_loss = (torch.empty if widths is None else torch.zeros)(n, dtype=acc, device=device)
     inv_q = inv_k = ginv_k = None                  # (the widths keep their prefix norms)
@@ -210,9 +218,8 @@ def contrastive_forward(ep: Epilogue, anchors, candidates, need, engine: Engine 
 
     loss = (row_loss.sum(dtype=torch.float64) / denom).to(acc)
     if need_k and raw_candidates:
-        if widths is not None:
-            norm_k = _norms(keys, acc)
-            inv_k = norm_k.reciprocal()
+        if widths is not None:        # (the noise takes no Matryoshka: one width, all of d)
+            norm_k, inv_k = widths.norm_k[:, 0], widths.inv_k_w[0]
         return loss, [dq, (dk, keys, norm_k, inv_k)]
     if widths is not None:
         if need_k:
@@ -259,7 +266,8 @@ class _Widths:
     apart) besides D and one scratch slice. The masks (:class:`_RowRules`) are the texts',
     computed once per chunk for every width."""
 
-    def __init__(self, ep: Epilogue, anchors, keys, n: int, rows: int, need_q: bool, need_k: bool):
+    def __init__(self, ep: Epilogue, anchors, keys, n: int, rows: int, need_q: bool, need_k: bool,
+                 anchor_norms: torch.Tensor | None = None):
         acc, device, m = accumulate_dtype(anchors.dtype), anchors.device, keys.shape[0]
         dims, self.weights = ep.matryoshka or ((anchors.shape[1],), (1.0,))
         self.bands = list(zip((0,) + dims[:-1], dims))
@@ -268,12 +276,10 @@ class _Widths:
         self.whole = dims == (anchors.shape[1],)
         self.need_q, self.need_k, self.acc = need_q, need_k, acc
 
-        def prefix_norms(x):                        # (rows, K): ‖x[:, :d_k]‖ in acc
-            parts = torch.stack([torch.linalg.vector_norm(x[:, lo:hi], dim=1, dtype=acc)
-                                 for lo, hi in self.bands], dim=1)
-            return parts.square_().cumsum(dim=1).sqrt_()
-
-        norm_q, norm_k = prefix_norms(anchors), prefix_norms(keys)
+        # (the anchors' norms of a call's every step, as the noise update gives them: one width)
+        norm_q = (_prefix_norms(anchors, self.bands, acc) if anchor_norms is None or not self.whole
+                  else anchor_norms[:, None])
+        norm_k = _prefix_norms(keys, self.bands, acc)
         self.norm_q, self.norm_k = norm_q.clamp_min(EPS), norm_k.clamp_min(EPS)
         self.inv_q, inv_k = 1.0 / self.norm_q, 1.0 / self.norm_k
         # the radial term of x/max(‖x‖, EPS) exists only where the norm was not clamped
