@@ -215,8 +215,8 @@ def specializations(archs=ARCHS, dtypes=None, rest: bool = False, exhaustive: bo
     (``rest``: all but those, aligned only; ``dtypes``: these on ``archs``), aligned and
     unaligned. Unless ``exhaustive`` (or ``rest``), the aligned launches are
     ``first_configs`` plus each config of each list once on each target, and the unaligned
-    ones a covering subset (``pairwise``) given the aligned ones and ``given``
-    (docs/testing.md). ``SUBSET`` is built a dtype at a time, each given the ones before:
+    ones a covering set of strength 2 by flag (``pairwise``) beside the unaligned ones of
+    ``given`` (docs/testing.md). ``SUBSET`` is built a dtype at a time, each given the ones before:
     its bf16 part is the bf16 check's (``--arch 80 90 --dtype bfloat16``) spec for spec."""
     if dtypes is None and not rest:
         specs = []
@@ -241,8 +241,8 @@ def specializations(archs=ARCHS, dtypes=None, rest: bool = False, exhaustive: bo
     # chain rule at the unaligned launch's own width)
     mirror = [replace(s, launch="unaligned", args={k: v for k, v in s.args.items() if k != "D"})
               for s in specs if s.args.get("D", 768) == 768]
-    return aligned + (mirror if exhaustive else
-                      pairwise(first_configs(mirror), given=list(given) + aligned))
+    given = [s for s in given if s.launch == "unaligned"]
+    return aligned + (mirror if exhaustive else pairwise(first_configs(mirror), given=given, by_flag=True))
 
 
 #: Integer arguments that take the value of another one in every launch.
@@ -595,26 +595,31 @@ def compile_one(spec: Spec) -> Result:
 
 
 #: What a specialization varies in besides its kernel, for ``pairwise``: the flag set (the
-#: width for the chain rule), the dtype and the arch, and for the similarity kernel the config
-#: list they choose (16-bit or fp32, on sm_80 or sm_90: the tiles, hence the registers and
-#: shared memory, differ), the launch, the mode (the similarity kernel's (STORE_EXP, BOUNDED),
-#: the row kernel's WANT_GRAD, the chain rule's (WRITE_X_HAT, BOUNDED, scale_stride)).
-def _factors(spec: Spec) -> dict:
+#: width for the chain rule; ``by_flag``: each flag of it, a factor of its own), the dtype and
+#: the arch, and for the similarity kernel the config list they choose (16-bit or fp32, on
+#: sm_80 or sm_90: the tiles, hence the registers and shared memory, differ), the launch, the
+#: mode (the similarity kernel's (STORE_EXP, BOUNDED), the row kernel's WANT_GRAD, the chain
+#: rule's (WRITE_X_HAT, BOUNDED, scale_stride)).
+def _factors(spec: Spec, by_flag: bool = False) -> dict:
+    from .configs import FLAGS
+
     c = spec.constexprs
     mode = (c.get("STORE_EXP"), c.get("BOUNDED"), c.get("WANT_GRAD"), c.get("WRITE_X_HAT"),
             spec.args.get("scale_stride"))
-    out = {"flags": spec.variant, "dtype": spec.dtype, "arch": spec.arch, "launch": spec.launch,
-           "mode": mode}
+    flags = {k: c[k] for k in FLAGS if k in c} if by_flag else {}
+    out = dict(flags or {"flags": spec.variant}, dtype=spec.dtype, arch=spec.arch,
+               launch=spec.launch, mode=mode)
     if spec.kernel == "_similarity_kernel":
         out["list"] = ("fp32" if spec.dtype == "float32" else "16bit", spec.arch)
     return out
 
 
-def _pairs(spec: Spec, configs: bool = False, every_target: bool = True) -> set:
+def _pairs(spec: Spec, configs: bool = False, every_target: bool = True,
+           by_flag: bool = False) -> set:
     """The pairs of factor values ``spec`` compiles (see ``pairwise``)."""
     import itertools
 
-    f = _factors(spec)
+    f = _factors(spec, by_flag)
     items = sorted((k, repr(v)) for k, v in f.items())
     out = {(spec.kernel,) + a + b for a, b in itertools.combinations(items, 2)}
     if every_target:
@@ -626,19 +631,23 @@ def _pairs(spec: Spec, configs: bool = False, every_target: bool = True) -> set:
     return out
 
 
-def pairwise(specs: list[Spec], configs: bool = False, given: list[Spec] = ()) -> list[Spec]:
+def pairwise(specs: list[Spec], configs: bool = False, given: list[Spec] = (),
+             by_flag: bool = False) -> list[Spec]:
     """A subset of ``specs`` in which, for each kernel, every pair of factor values
     (``_factors``: flag set, dtype, arch, launch, mode, the similarity kernel's config list)
     that some specialization of ``specs`` has is compiled at least once, and each flag set on
     each target; with ``configs``, each config on each target too. ``given``: specializations
     compiled anyway, whose pairs count as covered (each flag set on each target is then not
-    asked for). Greedy and deterministic: the earliest specialization that covers the most
-    pairs not yet covered, in the order of ``specs``."""
-    every_target = not given
-    covers = [_pairs(s, configs, every_target) for s in specs]
+    asked for). ``by_flag``: each flag a factor of its own, not the flag set (each flag, on
+    and off, with each value of the other factors and with each other flag: a covering set
+    of strength 2 over the flags, where a flag set's code is compiled whole anyway).
+    Greedy and deterministic: the earliest specialization that covers the most pairs not
+    yet covered, in the order of ``specs``."""
+    every_target = not (given or by_flag)
+    covers = [_pairs(s, configs, every_target, by_flag) for s in specs]
     need = set().union(*covers) if covers else set()
     for s in given:
-        need -= _pairs(s, configs, every_target)
+        need -= _pairs(s, configs, every_target, by_flag)
     chosen = set()
     while need:
         best = max(range(len(specs)), key=lambda i: (len(covers[i] & need), -i))
@@ -744,8 +753,8 @@ def main(argv=None) -> int:
     p.add_argument("--first-config", action="store_true",
                    help="only the first config of each similarity list")
     p.add_argument("--pairwise", action="store_true",
-                   help="only a subset that compiles every pair of flag set, target, launch and "
-                        "mode values at least once (after --first-config)")
+                   help="only a subset that compiles every pair of flag, dtype, target, launch "
+                        "and mode values at least once (after --first-config)")
     p.add_argument("--exhaustive", action="store_true",
                    help="the default subset in full: every config with every flag set, every "
                         "config and mode of the unaligned launches (by default covering "
@@ -768,8 +777,7 @@ def main(argv=None) -> int:
     if args.first_config:
         specs = first_configs(specs)
     if args.pairwise:
-        # the other dtypes: beside the default subset, which the default run compiles
-        specs = pairwise(specs, given=specializations(tuple(args.arch)) if args.rest else ())
+        specs = pairwise(specs, by_flag=True)
     results = run(specs, args.jobs)
     print(report(results))
     if args.json:

@@ -9,14 +9,16 @@ also odd, unaligned ones), and reads ptxas's report; these tests run it in a sep
 (the kernels must be the jitted ones, and this process may have ``TRITON_INTERPRET=1``) and
 fail on any compile error, or on a register spill in the aligned launch. The default run
 covers every kernel, flag set and mode in use in the first config of its list, and each
-config of each list at least once (bf16 on sm_80 and sm_90, fp32 on sm_80), and on a
-covering subset (``compile_check.pairwise``) the unaligned launches (every kernel, flag set
-and mode; each flag set on each target). The other dtypes on both targets compile the same
-way, the first config of each list (``--rest --first-config --pairwise``). The ``slow``
-test (``pytest -m slow``) compiles what those leave out: every config and mode of every
-dtype on both targets with every flag set, and of the unaligned launches.
+config of each list at least once (bf16 on sm_80 and sm_90, fp32 on sm_80), and the
+unaligned launches on a covering set of strength 2 by flag (``compile_check.pairwise``:
+every kernel and mode, each flag on and off with each other flag, each target and dtype).
+The other dtypes on both targets compile the first config of each list on such a set too
+(``--rest --first-config --pairwise``). The ``slow`` test (``pytest -m slow``) compiles
+what those leave out: every config and mode of every dtype on both targets with every flag
+set, and of the unaligned launches.
 """
 
+import itertools
 import json
 import os
 import subprocess
@@ -75,7 +77,7 @@ def test_every_kernel_compiles_without_spills(subset):
 
 
 def test_every_variant_and_kernel_is_covered(subset):
-    from fastcl.kernels.configs import VARIANTS
+    from fastcl.kernels.configs import FLAGS, VARIANTS
     _, results = subset
     seen = {(r["spec"]["kernel"], r["spec"]["variant"], r["spec"]["dtype"], r["spec"]["arch"])
             for r in results}
@@ -93,12 +95,18 @@ def test_every_variant_and_kernel_is_covered(subset):
     bounded = {r["spec"]["variant"] for r in results
                if r["spec"]["kernel"] == "_similarity_kernel" and r["spec"]["constexprs"]["BOUNDED"]}
     assert bounded == {v for v, f in VARIANTS.items() if not (f["RELEASED"] or f["RULES"] or f["SOFT"] or f["PRIOR"])}
-    # every kernel and flag set again as an unaligned launch builds it
-    unaligned = {(r["spec"]["kernel"], r["spec"]["variant"]) for r in results
-                 if r["spec"]["launch"] == "unaligned"}
+    # every kernel again as an unaligned launch builds it, with each pair of flag values the
+    # flag sets have (each flag on and off, each two flags on together), each flag value in
+    # each dtype (a covering set of strength 2, compile_check.pairwise by flag)
+    def pairs(kernel, launch):
+        return {p for r in results if (r["spec"]["kernel"], r["spec"]["launch"]) == (kernel, launch)
+                for p in itertools.combinations(sorted(
+                    [(k, v) for k, v in r["spec"]["constexprs"].items() if k in FLAGS]
+                    + [("dtype", r["spec"]["dtype"])]), 2)}
     for kernel in ("_similarity_kernel", "_row_kernel"):
-        assert {(kernel, v) for v in VARIANTS} <= unaligned, kernel
-    assert ("_tangent_kernel", "d=768") in unaligned
+        assert pairs(kernel, "unaligned") == pairs(kernel, "aligned"), kernel
+    assert ("_tangent_kernel", "d=768") in {(r["spec"]["kernel"], r["spec"]["variant"])
+                                            for r in results if r["spec"]["launch"] == "unaligned"}
 
 
 def test_the_subset_holds_the_bf16_check(subset):
@@ -357,11 +365,12 @@ REST = {("float32", 90), ("float16", 80), ("float16", 90)}
 
 def test_every_dtype_compiles_on_both_targets(tmp_path):
     """Every dtype on sm_80 and sm_90 beyond the subset, without spills (the first config
-    of each list; the slow test has all), on a covering subset beside the default run's:
-    each kernel and flag set in float16, the similarity kernel with each flag set in the
-    config list the subset does not use (fp32 tiles on sm_90), each kernel on each of these
-    targets, and each mode."""
-    from fastcl.kernels.configs import VARIANTS
+    of each list; the slow test has all), on a covering set of strength 2 by flag
+    (``--rest --first-config --pairwise``): each kernel on each of these targets, each pair
+    of flag values the flag sets have with each other and with each dtype and target, the
+    chain rule at each width in float16, and each mode of each config list (fp32 tiles on
+    sm_90, the 16-bit ones in float16)."""
+    from fastcl.kernels.configs import FLAGS, VARIANTS
     proc, results = _run_check(tmp_path, "--rest", "--first-config", "--pairwise")
     assert not _problems(results), "\n".join(_problems(results))
     assert proc.returncode == 0
@@ -370,11 +379,12 @@ def test_every_dtype_compiles_on_both_targets(tmp_path):
     for kernel in ("_similarity_kernel", "_row_kernel", "_tangent_kernel", "_row_finish_kernel"):
         built = {t for t in REST if kernel != "_row_finish_kernel" or t[0] != "float16"}
         assert {(d, a) for k, _, d, a in seen if k == kernel} == built, kernel  # (no bounded fp16)
-    for variant in VARIANTS:
-        for kernel in ("_similarity_kernel", "_row_kernel"):
-            assert any(k == kernel and v == variant and d == "float16"
-                       for k, v, d, _ in seen), (kernel, variant)
-        assert ("_similarity_kernel", variant, "float32", 90) in seen, variant
+    every = {p for f in VARIANTS.values() for p in itertools.combinations(sorted(f.items()), 2)}
+    every |= {(flag, t) for f in VARIANTS.values() for flag in f.items() for t in REST}
+    sim = {p for s in specs if s["kernel"] == "_similarity_kernel"
+           for flags in [sorted((k, v) for k, v in s["constexprs"].items() if k in FLAGS)]
+           for p in list(itertools.combinations(flags, 2)) + [(f, (s["dtype"], s["arch"])) for f in flags]}
+    assert sim == every
     for width in (384, 768, 1536, 4096):
         assert any(k == "_tangent_kernel" and v == f"d={width}" and d == "float16"
                    for k, v, d, _ in seen), width
