@@ -369,13 +369,15 @@ def finish(proc, code, timeout=300):
     return err
 
 
-def test_sigterm_then_sigkill_at_a_random_step_then_resume_gives_the_same_losses(tiny, tmp_path, uninterrupted):
+def test_sigterm_then_sigkill_at_a_random_step_then_resume_gives_the_same_losses(tiny, tmp_path, uninterrupted,
+                                                                                 capsys):
     """Real processes: the first is stopped by SIGTERM, which checkpoints its step and exits
     143 with no results; the second resumes and is held (SIGSTOP) once its log reaches a
     random later step, and a run started on its folder meanwhile is refused, naming the lock
-    and its holder; the second is then SIGKILLed, and a third resumes from the newest complete
-    checkpoint, taking over the dead run's lock: the step losses are those of a run that was
-    never stopped (so the refused run changed nothing)."""
+    and its holder; the second is then SIGKILLed, and a third run (here, on one thread as
+    the processes) resumes from the newest complete checkpoint, taking over the dead
+    process's lock: the step losses are those of a run that was never stopped (so the
+    refused run changed nothing)."""
     out = tmp_path / "stopped"
     argv = base_args(tiny, out, steps=8, save_steps=4)  # the SIGTERM writes a checkpoint of its own
     first = trainer_process(argv)
@@ -397,7 +399,9 @@ def test_sigterm_then_sigkill_at_a_random_step_then_resume_gives_the_same_losses
     finally:
         second.send_signal(signal.SIGKILL)
     finish(second, -signal.SIGKILL)
-    assert "took over the lock of a run that is no longer running" in finish(trainer_process(argv + ["--resume"]), 0)
+    capsys.readouterr()
+    assert train.main(argv + ["--resume"]) == 0
+    assert "took over the lock of a run that is no longer running" in capsys.readouterr().err
     assert losses(out) == uninterrupted, f"SIGTERM after step {stopped_at}, SIGKILL at step {kill_at}"
 
 
