@@ -7,6 +7,7 @@ changes, and its exact replay by the cached losses: tests/test_st_augment.py."""
 import csv
 import errno
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -791,10 +792,15 @@ def test_an_interrupted_swap_is_finished_at_the_next_start(tmp_path):
     (out / "model" / "a").write_text("old")
     stage = files.stage_dir(out / "model")
     (stage / "a").write_text("new")
-    env = dict(os.environ, FASTCL_CRASH_AT="swap")
-    code = ("import sys; from fastcl import files; "
-            f"files.swap_in({str(stage)!r}, {str(out / 'model')!r})")
-    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == -signal.SIGKILL
+
+    def swap_killed():   # in a forked process: FASTCL_CRASH_AT SIGKILLs it between the renames
+        os.environ["FASTCL_CRASH_AT"] = "swap"
+        files.swap_in(stage, out / "model")
+
+    child = multiprocessing.get_context("fork").Process(target=swap_killed)
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
     assert not (out / "model").exists()  # between the two renames
     messages = files.recover_swaps(out)
     assert (out / "model" / "a").read_text() == "old" and any("restored" in m for m in messages)
