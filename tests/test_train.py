@@ -39,8 +39,8 @@ pytestmark = pytest.mark.usefixtures("one_thread", "outside")  # nothing written
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny BERT, a tiny RoBERTa, the BERT as a sentence-transformers model (mean pooling,
-    Normalize), and training / STS data over their vocabulary."""
+    """A tiny BERT, the BERT as a sentence-transformers model (mean pooling, Normalize), and
+    training / STS data over its vocabulary."""
     return make_tiny(tmp_path_factory.mktemp("tiny"))
 
 
@@ -48,7 +48,6 @@ def make_tiny(root):
     """The content of :func:`tiny`, written to ``root``."""
     rng = random.Random(5)
     make_tiny_model(root / "bert")
-    make_tiny_model(root / "roberta", model_type="roberta")
     from sentence_transformers import SentenceTransformer
     from fastcl.integrations.sentence_transformers.models import Normalize, Pooling, Transformer
     t = Transformer(str(root / "bert"))
