@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-# named, not only loaded by pytest: the processes the gather tests spawn import this module
-# without pytest, and conftest gives older sentence-transformers release 6's module names
+# named, not only loaded by pytest: processes the gather tests spawn (where CUDA is
+# initialized) import this module without pytest, and conftest gives older
+# sentence-transformers release 6's module names
 import conftest  # noqa: F401
 from conftest import minilm_path
 
@@ -411,7 +412,12 @@ def test_gather_across_devices_two_processes_equal_one(tmp_path, names):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_gather_worker, args=(port, str(tmp_path), path, names), nprocs=WORLD, join=True)
+    # forked, the processes start from this one's imports (spawned, each imports torch,
+    # transformers and sentence-transformers again: two thirds of the test's CPU time); a
+    # process that has initialized CUDA cannot fork one that runs, so it spawns
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(_gather_worker, args=(port, str(tmp_path), path, names), nprocs=WORLD, join=True,
+                       start_method=method)
     results = torch.load(tmp_path / "rank0.pt")
     assert len(results) == (13 if names is None else len(names))
     for name, r in results.items():

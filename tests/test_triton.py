@@ -333,7 +333,8 @@ def test_gpu_layout_rules(index, dtype):
 
 def test_guide_cast_once_a_call(gpu_buffers, monkeypatch):
     """The guide's unit rows reach every chunk's kernels in the GEMM dtype, one tensor for
-    the whole call (cast once, not per chunk)."""
+    the whole call (cast once, not per chunk); and the call matches the reference, its GEMM
+    in bf16 (the grid's bf16 16-bit case of this rule, test_matches_reference.grid_16bit)."""
     from fastcl.kernels import contrastive as kc
     taken = []
     rules = kc._rules
@@ -342,6 +343,7 @@ def test_guide_cast_once_a_call(gpu_buffers, monkeypatch):
     assert len(taken) >= 4                     # N = 19 in chunks of 5
     assert all(t.dtype == torch.bfloat16 for pair in taken for t in pair)
     assert len({(pair[0].data_ptr(), pair[1].data_ptr()) for pair in taken}) == 1
+    assert set(gpu_buffers) == {torch.bfloat16}
 
 
 # --------------------------------------------------------------------------- the GPU's tiles
