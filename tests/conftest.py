@@ -1,3 +1,4 @@
+import gc
 import importlib.util
 import os
 
@@ -10,6 +11,21 @@ import fastcl
 # switched on before fastcl.kernels is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, sentence-transformers: millions of
+    objects that live as long as the process) is moved out of the garbage collector's reach:
+    a full collection walked them all, and every ``Trainer.train()`` ends with one (accelerate's
+    ``free_memory``), as do the automatic ones while a test allocates."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session):
+    # back in reach, so that the interpreter's exit frees them (Triton's bindings report
+    # objects still alive then as leaks)
+    gc.unfreeze()
 
 
 def _version(distribution):
