@@ -22,9 +22,9 @@ def _block(marker: str) -> str:
 def _run_block(marker: str, folder: Path, monkeypatch, capsys) -> str:
     """Run the README's python block after ``marker`` as a script in ``folder`` (offline):
     written to a file and run as ``python example.py`` runs it (its own globals, ``__name__``
-    "__main__"), in this process, which has imported what it imports already (a process of
-    its own took several CPU seconds to import torch, transformers and sentence-transformers
-    again); returns its stdout."""
+    "__main__"), in this process: it has imported torch, transformers and sentence-transformers
+    already, which a process of its own would import again (several CPU seconds); returns its
+    stdout."""
     script = folder / "example.py"
     script.write_text(_block(marker), encoding="utf-8")
     monkeypatch.chdir(folder)
