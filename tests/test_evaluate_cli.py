@@ -326,26 +326,24 @@ def sts_subset(tmp_path_factory):
 
 
 @needs_data
-def test_evaluator_on_minilm_equals_evaluate_and_the_cli(sts_subset, tmp_path, capsys):
+def test_evaluator_on_minilm_equals_the_cli(sts_subset, capsys):
+    """The packaged model (mean pooling + Normalize) in the evaluator and in the command line
+    reading its pooling. (A fastcl export of it with each of the other poolers, loaded by
+    sentence-transformers, encodes as fastcl does: test_evaluate's
+    test_minilm_export_matches_sentence_transformers; the evaluator, which scores the model's
+    ``encode``, on a fastcl export equals fastcl.evaluate on it:
+    test_evaluator_scores_equal_evaluate_on_the_same_export.)"""
     st = pytest.importorskip("sentence_transformers")
     from fastcl.integrations.sentence_transformers_evaluation import SentEvalSTSEvaluator
 
     evaluator = SentEvalSTSEvaluator(sts_subset)
     assert {t: len(p) for t, p in evaluator.data.items()} == {"stsb-dev": 150, "sickr-dev": 100}
-    # the packaged model (mean pooling + Normalize) and the command line reading its pooling
     got = evaluator(st.SentenceTransformer(minilm_path(), device="cpu"))
     cli = ev.main([minilm_path(), "--sts-dir", str(sts_subset), "--tasks", *ev.DEV])
     assert "pooler avg (from" in capsys.readouterr().err
-    # a fastcl export of it with another pooler, loaded by sentence-transformers
-    out = export(minilm_path(), tmp_path / "cls", "cls_before_pooler")
-    got_cls = evaluator(st.SentenceTransformer(str(out), device="cpu"))
-    want_cls = ev.evaluate(*load_encoder(out, "cls_before_pooler"), None, sts_subset, ev.DEV)
     for task in ev.DEV:
         assert got[f"senteval_{task}"] == pytest.approx(cli["scores"][task], abs=1e-6)
-        assert got_cls[f"senteval_{task}"] == pytest.approx(want_cls["scores"][task], abs=1e-6)
     assert 85 < got["senteval_stsb-dev"] < 98  # all-MiniLM-L6-v2 is a strong STS model (93.9 here)
-    # another pooler, another embedding: the export was not scored as mean pooling (91.6 here)
-    assert abs(got_cls["senteval_stsb-dev"] - got["senteval_stsb-dev"]) > 1
 
 
 def test_evaluator_inside_sentence_transformer_trainer(tiny_st_export, sts, tmp_path):
