@@ -8,14 +8,15 @@ GPU needed), each as a launch specializes it (aligned large-batch arguments; the
 also odd, unaligned ones), and reads ptxas's report; these tests run it in a separate process
 (the kernels must be the jitted ones, and this process may have ``TRITON_INTERPRET=1``) and
 fail on any compile error, or on a register spill in the aligned launch. The default run
-covers every kernel, flag set and mode in use in the first config of its list, and each
-config of each list at least once (bf16 on sm_80 and sm_90, fp32 on sm_80), and the
-unaligned launches on a covering set of strength 2 by flag (``compile_check.pairwise``:
-every kernel and mode, each flag on and off with each other flag, each target and dtype).
-The other dtypes on both targets compile the first config of each list on such a set too
-(``--rest --first-config --pairwise``). The ``slow`` test (``pytest -m slow``) compiles
-what those leave out: every config and mode of every dtype on both targets with every flag
-set, and of the unaligned launches.
+is the bf16 check (``--arch 80 90 --dtype bfloat16``, which .ci/triton_range.sh runs on
+the other Tritons): every kernel, flag set and mode in use in the first config of its
+list, and each config of each list at least once, on sm_80 and sm_90, and the unaligned
+launches on a covering set of strength 2 by flag (``compile_check.pairwise``: every kernel
+and mode, each flag on and off with each other flag and each target). The other dtypes on
+both targets compile on such a set too, each config of each list at least once
+(``--rest --pairwise``). The ``slow`` test (``pytest -m slow``) compiles what those leave
+out: every config and mode of every dtype on both targets with every flag set, and of the
+unaligned launches.
 """
 
 import itertools
@@ -85,7 +86,6 @@ def test_every_variant_and_kernel_is_covered(subset):
         for variant in VARIANTS:
             assert (kernel, variant, "bfloat16", 90) in seen
             assert (kernel, variant, "bfloat16", 80) in seen
-            assert (kernel, variant, "float32", 80) in seen
     for width in (384, 768, 1536, 4096):
         assert ("_tangent_kernel", f"d={width}", "bfloat16", 90) in seen
     for positives in (0, 1):
@@ -96,23 +96,23 @@ def test_every_variant_and_kernel_is_covered(subset):
                if r["spec"]["kernel"] == "_similarity_kernel" and r["spec"]["constexprs"]["BOUNDED"]}
     assert bounded == {v for v, f in VARIANTS.items() if not (f["RELEASED"] or f["RULES"] or f["SOFT"] or f["PRIOR"])}
     # every kernel again as an unaligned launch builds it, with each pair of flag values the
-    # flag sets have (each flag on and off, each two flags on together), each flag value in
-    # each dtype (a covering set of strength 2, compile_check.pairwise by flag)
+    # flag sets have (each flag on and off, each two flags on together), each flag value on
+    # each target (a covering set of strength 2, compile_check.pairwise by flag)
     def pairs(kernel, launch):
         return {p for r in results if (r["spec"]["kernel"], r["spec"]["launch"]) == (kernel, launch)
                 for p in itertools.combinations(sorted(
                     [(k, v) for k, v in r["spec"]["constexprs"].items() if k in FLAGS]
-                    + [("dtype", r["spec"]["dtype"])]), 2)}
+                    + [("arch", r["spec"]["arch"])]), 2)}
     for kernel in ("_similarity_kernel", "_row_kernel"):
         assert pairs(kernel, "unaligned") == pairs(kernel, "aligned"), kernel
     assert ("_tangent_kernel", "d=768") in {(r["spec"]["kernel"], r["spec"]["variant"])
                                             for r in results if r["spec"]["launch"] == "unaligned"}
 
 
-def test_the_subset_holds_the_bf16_check(subset):
-    """The default run's bf16 part is the full bf16 check (``--arch 80 90 --dtype
-    bfloat16``, which .ci/triton_range.sh runs on the floor Triton and on 3.6) spec for spec:
-    on the newest Triton, CI's run of that check is this one."""
+def test_the_default_run_is_the_bf16_check(subset):
+    """The default run is the full bf16 check (``--arch 80 90 --dtype bfloat16``, which
+    .ci/triton_range.sh runs on the floor Triton and on 3.6) spec for spec: on the newest
+    Triton, CI's run of that check is this one."""
     _, results = subset
     # (listed as the check lists them: without TRITON_INTERPRET=1, the GPU's tile sizes)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -124,7 +124,7 @@ def test_the_subset_holds_the_bf16_check(subset):
     assert proc.returncode == 0, proc.stderr[-3000:]
     bf16 = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(bf16) > 400
-    assert [r["name"] for r in results if r["spec"]["dtype"] == "bfloat16"] == bf16
+    assert [r["name"] for r in results] == bf16
     assert not [r for r in results if r["failed"]]
 
 
@@ -150,8 +150,11 @@ def test_the_aligned_launch_pipelines_the_k_loop(subset):
     """What the compile check measures is the kernel a large-batch launch builds: its K loop
     loads through asynchronous copies (cp.async), several stages deep in shared memory."""
     _, results = subset
-    sims = [r for r in results if r["spec"]["kernel"] == "_similarity_kernel"
-            and r["spec"]["launch"] == "aligned"]
+    _assert_pipelined([r for r in results if r["spec"]["kernel"] == "_similarity_kernel"])
+
+
+def _assert_pipelined(sims):
+    sims = [r for r in sims if r["spec"]["launch"] == "aligned"]
     assert sims
     for r in sims:
         c = r["spec"]["constexprs"]
@@ -360,18 +363,19 @@ def test_candidates_beyond_int32_tiles_are_refused():
         triton_chunk(Epilogue(0.05), chunk, True)
 
 
-REST = {("float32", 90), ("float16", 80), ("float16", 90)}
+REST = {("float32", 80), ("float32", 90), ("float16", 80), ("float16", 90)}
 
 
 def test_every_dtype_compiles_on_both_targets(tmp_path):
-    """Every dtype on sm_80 and sm_90 beyond the subset, without spills (the first config
-    of each list; the slow test has all), on a covering set of strength 2 by flag
-    (``--rest --first-config --pairwise``): each kernel on each of these targets, each pair
-    of flag values the flag sets have with each other and with each dtype and target, the
-    chain rule at each width in float16, and each mode of each config list (fp32 tiles on
-    sm_90, the 16-bit ones in float16)."""
+    """Every dtype on sm_80 and sm_90 beyond the bf16 check, without spills, on a covering
+    set of strength 2 by flag (``--rest --pairwise``; the slow test has all): each kernel
+    on each of these targets, each pair of flag values the flag sets have with each other
+    and with each dtype and target, each config of each list on each target, the chain
+    rule at each width in float16 and in float32, and each mode of each config list (fp32
+    tiles, the 16-bit ones in float16)."""
+    from fastcl.kernels import configs as cfg
     from fastcl.kernels.configs import FLAGS, VARIANTS
-    proc, results = _run_check(tmp_path, "--rest", "--first-config", "--pairwise")
+    proc, results = _run_check(tmp_path, "--rest", "--pairwise")
     assert not _problems(results), "\n".join(_problems(results))
     assert proc.returncode == 0
     specs = [r["spec"] for r in results]
@@ -386,14 +390,20 @@ def test_every_dtype_compiles_on_both_targets(tmp_path):
            for p in list(itertools.combinations(flags, 2)) + [(f, (s["dtype"], s["arch"])) for f in flags]}
     assert sim == every
     for width in (384, 768, 1536, 4096):
-        assert any(k == "_tangent_kernel" and v == f"d={width}" and d == "float16"
-                   for k, v, d, _ in seen), width
+        for dtype in ("float16", "float32"):
+            assert any(k == "_tangent_kernel" and v == f"d={width}" and d == dtype
+                       for k, v, d, _ in seen), (width, dtype)
     sims = [s for s in specs if s["kernel"] == "_similarity_kernel"]
+    for dtype, arch in REST:
+        got = {(s["constexprs"]["BLOCK_R"], s["constexprs"]["BLOCK_D"], s["num_warps"], s["num_stages"])
+               for s in sims if (s["dtype"], s["arch"]) == (dtype, arch)}
+        assert got == {c for f in VARIANTS.values() for c in cfg.sim_configs(f, dtype, arch)}, (dtype, arch)
+    _assert_pipelined([r for r in results if r["spec"]["kernel"] == "_similarity_kernel"])
     modes = {}          # each config list: the bounded design, the two-pass one, without exp
     for s in sims:
         modes.setdefault(("fp32" if s["dtype"] == "float32" else "16bit", s["arch"]), set()).add(
             (s["constexprs"]["STORE_EXP"], s["constexprs"]["BOUNDED"]))
-    assert modes[("fp32", 90)] == {(True, True), (True, False), (False, False)}
+    assert modes[("fp32", 80)] == modes[("fp32", 90)] == {(True, True), (True, False), (False, False)}
     # float16: the two-pass design only, both of its modes
     assert modes[("16bit", 80)] | modes[("16bit", 90)] == {(True, False), (False, False)}
 
