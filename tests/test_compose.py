@@ -2,10 +2,6 @@
 (``--focal-m``) and in the sentence-transformers losses; every loss equals
 :func:`fastcl.contrastive` with the same options (values and gradients)."""
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import pytest
 import torch
 

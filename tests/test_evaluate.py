@@ -8,8 +8,6 @@ import os
 import random
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub load
-
 import numpy as np
 import pytest
 import torch

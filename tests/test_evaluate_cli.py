@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub load
-
 import pytest
 import torch
 

@@ -1,13 +1,10 @@
 """The examples in README.md run as written."""
 
-import os
 import re
 import runpy
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub load
-
-import pytest  # noqa: E402
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,6 +29,7 @@ from fastcl import files
 from fastcl.evaluate import sentence_transformers_pooler
 from fastcl.trainer import run as train  # main, the output folder, the saved model
 from fastcl.trainer.run import read_log
+from conftest import single_thread
 from test_evaluate import DATA, make_tiny_model, minilm_path, needs_data, random_sentence, write_sts_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,12 +355,8 @@ def uninterrupted(tiny, tmp_path_factory):
     compared with (OMP_NUM_THREADS=1: another thread count changes the last bits; a process
     of its own would add only its start-up)."""
     out = tmp_path_factory.mktemp("ref") / "out"
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         assert train.main(base_args(tiny, out, steps=8, save_steps=2)) == 0
-    finally:
-        torch.set_num_threads(saved)
     return losses(out)
 
 
