@@ -956,7 +956,7 @@ def test_two_processes_equal_one_on_the_same_global_batch(tiny, tmp_path, device
 # ---------------------------------------------------------------------------------------
 # The packaged MiniLM
 
-def _stsb_slice(root, pairs=300):
+def _stsb_slice(root, pairs=100):
     """The first ``pairs`` pairs of the real STS-B dev file, alone in the evaluator's layout (a
     folder without SICK: the trainer scores the dev sets it holds; both: the tiny runs above;
     the full sets' scores: test_evaluate)."""
