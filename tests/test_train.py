@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub load
-
 import pytest
 import torch
 
@@ -91,8 +89,7 @@ def losses(out):
 
 
 def trainer_process(argv, log):
-    """``fastcl-train argv`` in a process forked from this one (on its one thread; its imports
-    done, which a new interpreter would redo), exiting with main's status; its output in ``log``."""
+    """``fastcl-train argv`` forked from this process (its imports done, one thread); its output in ``log``."""
     def run():
         sys.stdout = sys.stderr = open(log, "w", buffering=1)
         sys.exit(train.main(argv))
