@@ -11,8 +11,8 @@ import io
 import json
 import os
 import random
+import runpy
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -334,14 +334,17 @@ def test_a_variant_is_trained_with_its_flags_and_set_against_simcse(setup, tmp_p
     assert len(trainings) == count + 1
 
 
-def test_compare_runs_as_a_script(setup):
-    """``python experiments/compare.py`` itself: the finished runs are found and skipped."""
+def test_compare_runs_as_a_script(setup, monkeypatch, capsys):
+    """``python experiments/compare.py ARGS`` as that command runs it (``__main__``, its argv and
+    folder), here (a process would import all again): the finished runs are found and skipped."""
     root, args, _, _ = setup
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(COMPARE), *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("done, skipped") == 3 and "Does training improve on the start?" in proc.stdout
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", [str(COMPARE), *map(str, args)])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(COMPARE), run_name="__main__")
+    out = capsys.readouterr().out
+    assert done.value.code == 0, out[-3000:]
+    assert out.count("done, skipped") == 3 and "Does training improve on the start?" in out
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub load
-
 import pytest
 import torch
 
@@ -90,18 +88,20 @@ def losses(out):
     return [(r["step"], r["loss"]) for r in step_records(out)]
 
 
-def trainer_process(argv, **env):
-    """``fastcl-train argv`` in a process of its own (one thread, offline)."""
-    environ = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-               **{k: str(v) for k, v in env.items()}}
-    return subprocess.Popen([sys.executable, "-m", "fastcl.trainer", *map(str, argv)], env=environ,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def trainer_process(argv, log):
+    """``fastcl-train argv`` forked from this process (its imports done, one thread); its output in ``log``."""
+    def run():
+        sys.stdout = sys.stderr = open(log, "w", buffering=1)
+        sys.exit(train.main(argv))
+    proc = multiprocessing.get_context("fork").Process(target=run)
+    proc.start()
+    return proc
 
 
 def wait_for_steps(out, n, proc, timeout=120):
     """Until the log of ``out`` holds ``n`` step records (or ``proc`` has ended)."""
     deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
+    while time.time() < deadline and proc.is_alive():
         if (Path(out) / "train_log.jsonl").is_file() and len(step_records(out)) >= n:
             return
         time.sleep(0.02)
@@ -360,42 +360,42 @@ def uninterrupted(tiny, tmp_path_factory):
     return losses(out)
 
 
-def finish(proc, code, timeout=300):
-    _, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == code, err[-3000:]
-    return err
+def finish(proc, code, log, timeout=300):
+    proc.join(timeout)
+    assert proc.exitcode == code, Path(log).read_text()[-3000:]
+    return Path(log).read_text()
 
 
 def test_sigterm_then_sigkill_at_a_random_step_then_resume_gives_the_same_losses(tiny, tmp_path, uninterrupted,
                                                                                  capsys):
-    """Real processes: the first is stopped by SIGTERM, which checkpoints its step and exits
-    143 with no results; the second resumes and is held (SIGSTOP) once its log reaches a
+    """Real processes (forked): the first is stopped by SIGTERM, which checkpoints its step and
+    exits 143 with no results; the second resumes and is held (SIGSTOP) once its log reaches a
     random later step, and a run started on its folder meanwhile is refused, naming the lock
     and its holder; the second is then SIGKILLed, and a third run (here, on one thread as
     the processes) resumes from the newest complete checkpoint, taking over the dead
     process's lock: the step losses are those of a run that was never stopped (so the
     refused run changed nothing)."""
-    out = tmp_path / "stopped"
+    out, log = tmp_path / "stopped", tmp_path / "log"
     argv = base_args(tiny, out, steps=8, save_steps=4)  # the SIGTERM writes a checkpoint of its own
-    first = trainer_process(argv)
+    first = trainer_process(argv, log)
     wait_for_steps(out, 2, first)
-    first.send_signal(signal.SIGTERM)
-    assert "stopped by signal 15 after step" in finish(first, 128 + signal.SIGTERM, 120)
+    os.kill(first.pid, signal.SIGTERM)
+    assert "stopped by signal 15 after step" in finish(first, 128 + signal.SIGTERM, log, 120)
     assert not (out / train.RESULTS).exists()
     stopped_at = max(s for s, _ in losses(out))
     assert (out / f"checkpoint-{stopped_at}" / files.MANIFEST).is_file()
     assert stopped_at < 7, "the SIGTERM left no step of the resumed run to SIGKILL at"
     kill_at = random.Random().randint(stopped_at + 1, 7)   # a step of the resumed run
-    second = trainer_process(argv + ["--resume"])
+    second = trainer_process(argv + ["--resume"], log)
     wait_for_steps(out, kill_at, second)
-    second.send_signal(signal.SIGSTOP)
+    os.kill(second.pid, signal.SIGSTOP)
     try:
         with pytest.raises(SystemExit, match=re.escape(
                 f"in use by another run (lock {out / files.LOCK}, held by pid {second.pid}")):
             train.main(argv + ["--resume"])
     finally:
-        second.send_signal(signal.SIGKILL)
-    finish(second, -signal.SIGKILL)
+        second.kill()
+    finish(second, -signal.SIGKILL, log)
     capsys.readouterr()
     assert train.main(argv + ["--resume"]) == 0
     assert "took over the lock of a run that is no longer running" in capsys.readouterr().err
@@ -953,7 +953,7 @@ def test_two_processes_equal_one_on_the_same_global_batch(tiny, tmp_path, device
 # ---------------------------------------------------------------------------------------
 # The packaged MiniLM
 
-def _stsb_slice(root, pairs=300):
+def _stsb_slice(root, pairs=100):
     """The first ``pairs`` pairs of the real STS-B dev file, alone in the evaluator's layout (a
     folder without SICK: the trainer scores the dev sets it holds; both: the tiny runs above;
     the full sets' scores: test_evaluate)."""
