@@ -18,6 +18,46 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _helpers_patch_once_a_launch():
+    """Triton's interpreter patches ``triton.language`` for a launch (and restores it after),
+    then again at every call of a ``@triton.jit`` helper inside it, though the patch depends
+    only on which of ``tl``/``tl.core`` the helper's module holds: that repeated ``inspect``
+    walk of the language took a quarter of the interpreted tests' time. Inside a launch a
+    helper's call patches only for a module set not yet patched in it; the code run is the same."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+    launch, helper = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    patched = []   # a set of module sets a running launch
+
+    def langs(fn):
+        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+    def run_launch(self, *args, **kwargs):
+        patched.append({langs(self.fn)})
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def call_helper(self, *args, **kwargs):
+        key = langs(self.fn)
+        if not patched or key not in patched[-1]:
+            if patched:
+                patched[-1].add(key)
+            return helper(self, *args, **kwargs)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:   # as the interpreter reports a helper's error
+            raise interpreter.InterpreterError(repr(e)) from e
+    interpreter.GridExecutor.__call__ = run_launch
+    interpreter.InterpretedFunction.__call__ = call_helper
+
+
+_helpers_patch_once_a_launch()
+
+
 def pytest_collection_finish(session):
     """What collection imported (torch, transformers, sentence-transformers: millions of
     objects that live as long as the process) is moved out of the garbage collector's reach:
