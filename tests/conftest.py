@@ -19,20 +19,15 @@ if not torch.cuda.is_available():
 
 
 def _helpers_patch_once_a_launch():
-    """Triton's interpreter patches ``triton.language`` for a launch (and restores it after),
-    then again at every call of a ``@triton.jit`` helper inside it, though the patch depends
-    only on which of ``tl``/``tl.core`` the helper's module holds: that repeated ``inspect``
-    walk of the language took a quarter of the interpreted tests' time. Inside a launch a
-    helper's call patches only for a module set not yet patched in it; the code run is the same."""
-    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
-        return
+    """Triton's interpreter patches ``triton.language`` for a launch (restored after), and
+    again at every call of a ``@triton.jit`` helper inside it: an ``inspect`` walk of the
+    language, a quarter of the interpreted tests' time, though the patch depends only on which
+    of ``tl`` / ``tl.core`` the helper's module holds. Inside a launch a helper's call patches
+    only for a module set not patched yet in that launch; the code interpreted is the same."""
     import triton.language as tl
-    from triton.runtime import interpreter
-    launch, helper = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
-    patched = []   # a set of module sets a running launch
-
-    def langs(fn):
-        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+    from triton.runtime import interpreter as it
+    launch, helper, patched = it.GridExecutor.__call__, it.InterpretedFunction.__call__, []
+    langs = lambda fn: frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)  # noqa: E731
 
     def run_launch(self, *args, **kwargs):
         patched.append({langs(self.fn)})
@@ -42,20 +37,19 @@ def _helpers_patch_once_a_launch():
             patched.pop()
 
     def call_helper(self, *args, **kwargs):
-        key = langs(self.fn)
-        if not patched or key not in patched[-1]:
-            if patched:
-                patched[-1].add(key)
-            return helper(self, *args, **kwargs)
-        try:
-            return self.rewrite()(*args, **kwargs)
-        except Exception as e:   # as the interpreter reports a helper's error
-            raise interpreter.InterpreterError(repr(e)) from e
-    interpreter.GridExecutor.__call__ = run_launch
-    interpreter.InterpretedFunction.__call__ = call_helper
+        if patched and langs(self.fn) not in patched[-1]:
+            patched[-1].add(langs(self.fn))
+        elif patched:
+            try:
+                return self.rewrite()(*args, **kwargs)
+            except Exception as e:   # wrapped as the interpreter wraps a helper's error
+                raise it.InterpreterError(repr(e)) from e
+        return helper(self, *args, **kwargs)
+    it.GridExecutor.__call__, it.InterpretedFunction.__call__ = run_launch, call_helper
 
 
-_helpers_patch_once_a_launch()
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    _helpers_patch_once_a_launch()
 
 
 def pytest_collection_finish(session):
