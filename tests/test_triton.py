@@ -132,19 +132,6 @@ def test_16bit_buffers_noise_update(dtype, gpu_buffers):
     assert gpu_buffers and set(gpu_buffers) == {dtype}
 
 
-def test_dclr_with_noise_steps_end_to_end():
-    a = make(12, 24).to(DEVICE)
-    p = correlated(a).to(DEVICE)
-    c = make(12, 8, seed=3, grad=False).to(DEVICE)
-    comp = (c, correlated(c, 0.3).detach())
-    kw = dict(complementary=comp, phi=0.3, noise_ratio=1.5, noise_steps=4)
-    ref = fastcl.dclr_loss(a, p, generator=torch.Generator(DEVICE).manual_seed(0),
-                           backend="reference", **kw)
-    got = fastcl.dclr_loss(a, p, generator=torch.Generator(DEVICE).manual_seed(0),
-                           backend="triton", **kw)
-    torch.testing.assert_close(got, ref, **FP32)
-
-
 # --------------------------------------------------------------------------- GPU only
 #: One objective per autotune list (16-bit and fp32, with and without the DCLR mask; focal
 #: with the mask has its own list on sm_90).
