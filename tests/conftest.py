@@ -36,14 +36,11 @@ def _helpers_patch_once_a_launch():
         finally:
             patched.pop()
 
-    def call_helper(self, *args, **kwargs):
-        if patched and langs(self.fn) not in patched[-1]:
+    def call_helper(self, *args, **kwargs):   # (an error: the launch wraps it, as before)
+        if patched and langs(self.fn) in patched[-1]:
+            return self.rewrite()(*args, **kwargs)
+        if patched:
             patched[-1].add(langs(self.fn))
-        elif patched:
-            try:
-                return self.rewrite()(*args, **kwargs)
-            except Exception as e:   # wrapped as the interpreter wraps a helper's error
-                raise it.InterpreterError(repr(e)) from e
         return helper(self, *args, **kwargs)
     it.GridExecutor.__call__, it.InterpretedFunction.__call__ = run_launch, call_helper
 
