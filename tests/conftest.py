@@ -300,17 +300,6 @@ def inputs(n, k, d, dtype, noise=0.7):
     return a, p, x
 
 
-def _spy_similarity(monkeypatch, record):
-    """Calls ``record(gemm_dtype)`` at each similarity launch."""
-    from fastcl.kernels import contrastive as kc
-    original = kc._similarity
-
-    def spy(f, dtype, device):
-        record(dtype)
-        return original(f, dtype, device)
-    monkeypatch.setattr(kc, "_similarity", spy)
-
-
 @pytest.fixture
 def gpu_buffers(monkeypatch):
     """16-bit inputs keep 16-bit chunk buffers on a CPU, as on a GPU, so that the interpreter
@@ -332,8 +321,12 @@ def gpu_buffers(monkeypatch):
     if not kc.INTERPRET:
         pytest.skip("a GPU keeps 16-bit buffers itself (the GPU tests)")
     monkeypatch.setattr(fastcl.tiled.driver, "matmul_dtype", lambda dtype, device: dtype)
-    seen = []
-    _spy_similarity(monkeypatch, seen.append)
+    seen, similarity = [], kc._similarity
+
+    def spy(f, dtype, device):
+        seen.append(dtype)
+        return similarity(f, dtype, device)
+    monkeypatch.setattr(kc, "_similarity", spy)
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
