@@ -369,23 +369,15 @@ def gpu_tiles(monkeypatch):
     return use
 
 
-def _tile_id(tile):
-    return "x".join(map(str, tile))
-
-
 def _tile_cases(tiles, names, every=1):
     """Every tile × dtype × objective; the default run takes every ``every``-th tile (and
     the last) once, with the objectives and dtypes in turn (``-m slow``: all)."""
-    return [pytest.param(tile, name, dtype, id=f"{_tile_id(tile)}-{name}-{str(dtype)[6:]}",
+    return [pytest.param(tile, name, dtype, id=f"{tile[0]}x{tile[1]}-{name}-{str(dtype)[6:]}",
                          marks=() if ((i % every == 0 or i == len(tiles) - 1)
                                       and name == names[i % len(names)]
                                       and dtype == GPU_TILE_DTYPES[i % len(GPU_TILE_DTYPES)])
                          else pytest.mark.slow)
             for i, tile in enumerate(tiles) for dtype in GPU_TILE_DTYPES for name in names]
-
-
-def _compare_tiles(name, dtype, chunk):
-    _compare(name, *GPU_TILE_SHAPE, dtype=dtype, chunk=chunk, noise=POSITIVE_NOISE_16)
 
 
 @pytest.mark.parametrize("tile,name,dtype", _tile_cases(_kept_tiles(), NAMES))
@@ -394,7 +386,7 @@ def test_gpu_tiles_match_reference(tile, name, dtype, gpu_tiles, gpu_buffers):
     GPU takes (bf16: the bounded design; fp16: the two-pass design's row kernel), in chunks
     of 128 rows (the last one 2 rows)."""
     gpu_tiles(tile)
-    _compare_tiles(name, dtype, chunk=128)
+    _compare(name, *GPU_TILE_SHAPE, dtype=dtype, chunk=128, noise=POSITIVE_NOISE_16)
 
 
 @pytest.mark.parametrize("index", [pytest.param(i, id=case.resized(*GPU_TILE_SHAPE[::2]).id,
