@@ -37,8 +37,8 @@ def _helpers_patch_once_a_launch():
             patched.pop()
 
     def call_helper(self, *args, **kwargs):   # (an error: the launch wraps it, as before)
-        if patched and langs(self.fn) in patched[-1]:
-            return self.rewrite()(*args, **kwargs)
+        if patched and langs(self.fn) in patched[-1]:   # (Triton 3.1 calls fn as it is)
+            return (self.rewrite() if hasattr(self, "rewrite") else self.fn)(*args, **kwargs)
         if patched:
             patched[-1].add(langs(self.fn))
         return helper(self, *args, **kwargs)
