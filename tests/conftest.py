@@ -1,4 +1,5 @@
 import contextlib
+import dataclasses
 import gc
 import importlib.util
 import os
@@ -18,12 +19,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _helpers_patch_once_a_launch():
-    """Triton's interpreter patches ``triton.language`` for a launch (restored after), and
-    again at every call of a ``@triton.jit`` helper inside it: an ``inspect`` walk of the
-    language, a quarter of the interpreted tests' time, though the patch depends only on which
-    of ``tl`` / ``tl.core`` the helper's module holds. Inside a launch a helper's call patches
-    only for a module set not patched yet in that launch; the code interpreted is the same."""
+def _interpreter_without_idle_work():
+    """Two things Triton's interpreter computes for nothing, skipped (the code interpreted and
+    its results stay the same): it patches ``triton.language`` for a launch (restored after)
+    and again, an ``inspect`` walk of it, at every call of a ``@triton.jit`` helper inside,
+    though the patch depends only on which of ``tl`` / ``tl.core`` the helper's module holds
+    (here a helper's call patches only for a module set its launch has not patched); and its
+    integer +, −, × build an overflow check for a ``device_assert`` that does nothing without
+    the ``debug`` option, which it never sets (3.6 to 3.9; 3.1 has no such check)."""
     import triton.language as tl
     from triton.runtime import interpreter as it
     launch, helper, patched = it.GridExecutor.__call__, it.InterpretedFunction.__call__, []
@@ -43,10 +46,13 @@ def _helpers_patch_once_a_launch():
             patched[-1].add(langs(self.fn))
         return helper(self, *args, **kwargs)
     it.GridExecutor.__call__, it.InterpretedFunction.__call__ = run_launch, call_helper
+    options = it.interpreter_builder.options
+    if getattr(options, "sanitize_overflow", False) and not options.debug:
+        it.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
-    _helpers_patch_once_a_launch()
+    _interpreter_without_idle_work()
 
 
 def pytest_collection_finish(session):
