@@ -104,7 +104,7 @@ class TestChunkChoice:
 
 def test_fp16_gradient_does_not_underflow():
     """fp16 inputs at N=1024 in 4 chunks, τ=0.05, norms ≈ 16, with the chunk buffer in fp16
-    as on a GPU (emulated here: ``gemm_dtype``). G' = ∂L/∂s/(‖q‖‖k‖) has 99% of its entries
+    as on a GPU (emulated here: ``gemm_dtype``). G' = ∂L/∂s/(‖q‖‖k‖) has 98.8% of its entries
     below 1e-10 there, which fp16 flushes to zero: the driver keeps the row factors outside
     the buffer, and the returned gradients stay fp32 until a loss scaler's factor is applied."""
     n, d, chunk = 1024, 256, 256
