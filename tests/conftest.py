@@ -1,4 +1,5 @@
 import contextlib
+import dataclasses
 import gc
 import importlib.util
 import os
@@ -16,6 +17,42 @@ import fastcl  # noqa: E402
 # switched on before fastcl.kernels is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreter_without_idle_work():
+    """Two things Triton's interpreter computes for nothing, skipped (the code interpreted and
+    its results stay the same): it patches ``triton.language`` for a launch (restored after)
+    and again, an ``inspect`` walk of it, at every call of a ``@triton.jit`` helper inside,
+    though the patch depends only on which of ``tl`` / ``tl.core`` the helper's module holds
+    (here a helper's call patches only for a module set its launch has not patched); and its
+    integer +, −, × build an overflow check for a ``device_assert`` that does nothing without
+    the ``debug`` option, which it never sets (3.6 to 3.9; 3.1 has no such check)."""
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+    launch, helper, patched = it.GridExecutor.__call__, it.InterpretedFunction.__call__, []
+    langs = lambda fn: frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)  # noqa: E731
+
+    def run_launch(self, *args, **kwargs):
+        patched.append({langs(self.fn)})
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def call_helper(self, *args, **kwargs):   # (an error: the launch wraps it, as before)
+        if patched and langs(self.fn) in patched[-1]:   # (Triton 3.1 calls fn as it is)
+            return (self.rewrite() if hasattr(self, "rewrite") else self.fn)(*args, **kwargs)
+        if patched:
+            patched[-1].add(langs(self.fn))
+        return helper(self, *args, **kwargs)
+    it.GridExecutor.__call__, it.InterpretedFunction.__call__ = run_launch, call_helper
+    options = it.interpreter_builder.options
+    if getattr(options, "sanitize_overflow", False) and not options.debug:
+        it.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    _interpreter_without_idle_work()
 
 
 def pytest_collection_finish(session):
@@ -269,17 +306,6 @@ def inputs(n, k, d, dtype, noise=0.7):
     return a, p, x
 
 
-def _spy_similarity(monkeypatch, record):
-    """Calls ``record(gemm_dtype)`` at each similarity launch."""
-    from fastcl.kernels import contrastive as kc
-    original = kc._similarity
-
-    def spy(f, dtype, device):
-        record(dtype)
-        return original(f, dtype, device)
-    monkeypatch.setattr(kc, "_similarity", spy)
-
-
 @pytest.fixture
 def gpu_buffers(monkeypatch):
     """16-bit inputs keep 16-bit chunk buffers on a CPU, as on a GPU, so that the interpreter
@@ -301,8 +327,12 @@ def gpu_buffers(monkeypatch):
     if not kc.INTERPRET:
         pytest.skip("a GPU keeps 16-bit buffers itself (the GPU tests)")
     monkeypatch.setattr(fastcl.tiled.driver, "matmul_dtype", lambda dtype, device: dtype)
-    seen = []
-    _spy_similarity(monkeypatch, seen.append)
+    seen, similarity = [], kc._similarity
+
+    def spy(f, dtype, device):
+        seen.append(dtype)
+        return similarity(f, dtype, device)
+    monkeypatch.setattr(kc, "_similarity", spy)
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter

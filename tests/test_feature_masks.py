@@ -81,23 +81,6 @@ def _run(backend, a, p, negatives=None, **kw):
     return loss.double(), [g.double() for g in torch.autograd.grad(loss, inputs)]
 
 
-def _tol(backend):
-    return dict(atol=1e-9, rtol=1e-9) if backend != "triton" else dict(atol=2e-5, rtol=2e-5)
-
-
-def _check(backend, got, want):
-    (loss, grads), (ref_loss, ref_grads) = got, want
-    torch.testing.assert_close(loss, ref_loss, **_tol(backend))
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, **_tol(backend))
-
-
-def _literal_grads(a, p, negatives, **kw):
-    loss = literal(a, p, negatives, **kw)
-    inputs = [x for x in (a, p, negatives) if x is not None]
-    return loss, list(torch.autograd.grad(loss, inputs))
-
-
 # (N, d, K): N = 1 (the row has only its positive), chunk and tile edges (19 rows in
 # chunks of 8; the interpreter's tiles are 16), an odd d
 SHAPES = [(1, 5, 0), (1, 5, 1), (19, 7, 0), (19, 7, 19), (33, 16, 5)]
@@ -140,9 +123,13 @@ def test_row_features_equal_the_literal_formula(backend, shape, case, features):
                 torch.randn(n, 3, generator=g, dtype=torch.float64))
         kw.update(complementary=comp if backend != "triton" else tuple(c.float() for c in comp), phi=0.3)
         keep = torch.cat([cosine_matrix(*comp) < 0.3, torch.ones(n, k, dtype=torch.bool)], 1)
-    want = _literal_grads(a, p, neg, margin=margin, focal_m=kw.get("focal_m"),
-                          w=kw.get("hard_negative_weight", 0.0), keep=keep, prior=prior)
-    _check(backend, _run(backend, a, p, neg, chunk_size=8, **kw), want)
+    want = literal(a, p, neg, margin=margin, focal_m=kw.get("focal_m"),
+                   w=kw.get("hard_negative_weight", 0.0), keep=keep, prior=prior)
+    loss, grads = _run(backend, a, p, neg, chunk_size=8, **kw)
+    tol = dict(atol=1e-9, rtol=1e-9) if backend != "triton" else dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(loss, want, **tol)
+    for g, r in zip(grads, torch.autograd.grad(want, [x for x in (a, p, neg) if x is not None])):
+        torch.testing.assert_close(g, r, **tol)
 
 
 def test_the_rows_grid_takes_both_branches_of_the_max():

@@ -132,19 +132,6 @@ def test_16bit_buffers_noise_update(dtype, gpu_buffers):
     assert gpu_buffers and set(gpu_buffers) == {dtype}
 
 
-def test_dclr_with_noise_steps_end_to_end():
-    a = make(12, 24).to(DEVICE)
-    p = correlated(a).to(DEVICE)
-    c = make(12, 8, seed=3, grad=False).to(DEVICE)
-    comp = (c, correlated(c, 0.3).detach())
-    kw = dict(complementary=comp, phi=0.3, noise_ratio=1.5, noise_steps=4)
-    ref = fastcl.dclr_loss(a, p, generator=torch.Generator(DEVICE).manual_seed(0),
-                           backend="reference", **kw)
-    got = fastcl.dclr_loss(a, p, generator=torch.Generator(DEVICE).manual_seed(0),
-                           backend="triton", **kw)
-    torch.testing.assert_close(got, ref, **FP32)
-
-
 # --------------------------------------------------------------------------- GPU only
 #: One objective per autotune list (16-bit and fp32, with and without the DCLR mask; focal
 #: with the mask has its own list on sm_90).
@@ -382,23 +369,15 @@ def gpu_tiles(monkeypatch):
     return use
 
 
-def _tile_id(tile):
-    return "x".join(map(str, tile))
-
-
 def _tile_cases(tiles, names, every=1):
     """Every tile × dtype × objective; the default run takes every ``every``-th tile (and
     the last) once, with the objectives and dtypes in turn (``-m slow``: all)."""
-    return [pytest.param(tile, name, dtype, id=f"{_tile_id(tile)}-{name}-{str(dtype)[6:]}",
+    return [pytest.param(tile, name, dtype, id=f"{tile[0]}x{tile[1]}-{name}-{str(dtype)[6:]}",
                          marks=() if ((i % every == 0 or i == len(tiles) - 1)
                                       and name == names[i % len(names)]
                                       and dtype == GPU_TILE_DTYPES[i % len(GPU_TILE_DTYPES)])
                          else pytest.mark.slow)
             for i, tile in enumerate(tiles) for dtype in GPU_TILE_DTYPES for name in names]
-
-
-def _compare_tiles(name, dtype, chunk):
-    _compare(name, *GPU_TILE_SHAPE, dtype=dtype, chunk=chunk, noise=POSITIVE_NOISE_16)
 
 
 @pytest.mark.parametrize("tile,name,dtype", _tile_cases(_kept_tiles(), NAMES))
@@ -407,7 +386,7 @@ def test_gpu_tiles_match_reference(tile, name, dtype, gpu_tiles, gpu_buffers):
     GPU takes (bf16: the bounded design; fp16: the two-pass design's row kernel), in chunks
     of 128 rows (the last one 2 rows)."""
     gpu_tiles(tile)
-    _compare_tiles(name, dtype, chunk=128)
+    _compare(name, *GPU_TILE_SHAPE, dtype=dtype, chunk=128, noise=POSITIVE_NOISE_16)
 
 
 @pytest.mark.parametrize("index", [pytest.param(i, id=case.resized(*GPU_TILE_SHAPE[::2]).id,
