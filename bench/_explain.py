@@ -259,14 +259,6 @@ def explain(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib
                 fraction_of_matmul=useful / (total_us * 1e-6) / (dev["peak_tflops"] * 1e12))
 
 
-def _cells(st):
-    """Table cells of one stage of one design: launches, GFLOP, MB read, MB written, µs, bound."""
-    if st is None:
-        return ["—"] * 6
-    return [str(st["launches"]), f"{st['flops'] / 1e9:.1f}", f"{st['bytes_read'] / 1e6:.1f}",
-            f"{st['bytes_written'] / 1e6:.1f}", f"{st['us']:.1f}", st["bound"]]
-
-
 def explain_text(n, m=None, d=768, dtype="bfloat16", device="h200", memory_budget_mib=None,
                  **kw):
     """The cost model as printable text: header, per-stage table, totals."""

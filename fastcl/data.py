@@ -26,8 +26,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 
 # Training file formats by suffix (lower case); "tsv" is a csv with tabs.
 FORMATS = {".txt": "text", ".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json",
@@ -466,19 +464,3 @@ def loss_columns(dataset, method: str, hard_negative_weight: float = 0.0, premis
         ids: dict = {}
         dataset = dataset.add_column("label", [ids.setdefault(t, len(ids)) for t in dataset["anchor"]])
     return dataset
-
-
-def batch_examples(data: TrainingData, rows: dict) -> list:
-    """One batch as a list: sentences, or (sent0, sent1[, hard_neg]) tuples."""
-    if data.kind == "sentences":
-        return list(rows["text"])
-    cols = [rows["sent0"], rows["sent1"]] + ([rows["hard_neg"]] if data.kind == "triplets" else [])
-    return list(zip(*cols))
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The example order of ``epoch``: a permutation that depends on (seed, epoch) only,
-    so a resumed run finds the same order."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g)
-
