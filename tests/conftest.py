@@ -31,6 +31,9 @@ def _interpreter_without_idle_work():
     from triton.runtime import interpreter as it
     launch, helper, patched = it.GridExecutor.__call__, it.InterpretedFunction.__call__, []
     langs = lambda fn: frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)  # noqa: E731
+    # what a helper's call runs: its rewritten function (Triton 3.1 runs ``fn`` as it is)
+    body = ((lambda f: f.rewrite()) if hasattr(it.InterpretedFunction, "rewrite")
+            else (lambda f: f.fn))
 
     def run_launch(self, *args, **kwargs):
         patched.append({langs(self.fn)})
@@ -40,8 +43,8 @@ def _interpreter_without_idle_work():
             patched.pop()
 
     def call_helper(self, *args, **kwargs):   # (an error: the launch wraps it, as before)
-        if patched and langs(self.fn) in patched[-1]:   # (Triton 3.1 calls fn as it is)
-            return (self.rewrite() if hasattr(self, "rewrite") else self.fn)(*args, **kwargs)
+        if patched and langs(self.fn) in patched[-1]:
+            return body(self)(*args, **kwargs)
         if patched:
             patched[-1].add(langs(self.fn))
         return helper(self, *args, **kwargs)
